@@ -1,0 +1,144 @@
+"""One dense decode step at Llama-3.1-8B shapes against the bandwidth roofline (GPU).
+
+Random bf16 weights and a random KV cache are generated on the device (nothing large travels).
+The step is timed inside one jit (a fori_loop of N steps, no Python dispatch per step), and the
+roofline is (weight bytes + KV bytes of the context) / the device's read bandwidth measured in
+the same run (a reduction over a multi-GiB array).
+
+  python benchmarks/step_roofline.py --contexts 1024 8192 32768 --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparsedec.bench import device_description
+from sparsedec.decode.dense import Dense
+from sparsedec.decode.loop import StepContext
+from sparsedec.decode.sampling import SamplingConfig
+from sparsedec.decode.state import DecodeState
+from sparsedec.kv.dense import KVCache
+from sparsedec.model.config import ModelConfig, RopeScaling
+from sparsedec.model.params import init_random, num_bytes
+
+LLAMA_31_8B = ModelConfig(
+    family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+    num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+    rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192), max_position_embeddings=131072,
+    eos_token_ids=(128001,), dtype="bfloat16")
+
+
+def time_fn(fn, *args, repeats: int = 5) -> float:
+  """Median wall time of fn(*args) after one warm-up (fn blocks on its result)."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t)
+  return float(np.median(times))
+
+
+def read_bandwidth(gib: float = 4.0, iters: int = 20) -> float:
+  """Bytes/s of a reduction over a `gib` GiB bf16 array (iters reductions inside one jit)."""
+  n = int(gib * 2**30) // 2
+  x = jax.random.normal(jax.random.key(0), (n // 4096, 4096), jnp.bfloat16)
+
+  @jax.jit
+  def many(x):
+    def body(i, acc):
+      return acc + jnp.sum(x * (1 + i).astype(x.dtype), dtype=jnp.float32)
+    return jax.lax.fori_loop(0, iters, body, jnp.float32(0))
+
+  seconds = time_fn(many, x)
+  del x
+  return n * 2 * iters / seconds
+
+
+def random_state(cfg: ModelConfig, context: int, steps: int, key) -> DecodeState:
+  """A decode state whose cache holds `context` random entries, room for `steps` more."""
+  capacity = context + steps + 1
+  shape = (1, cfg.num_kv_heads, capacity, cfg.head_dim)
+
+  @jax.jit
+  def make(key):
+    keys = jax.random.split(key, 2 * cfg.num_layers)
+    ks = tuple(jax.random.normal(k, shape, jnp.bfloat16) for k in keys[: cfg.num_layers])
+    vs = tuple(jax.random.normal(k, shape, jnp.bfloat16) for k in keys[cfg.num_layers:])
+    cache = KVCache(k=ks, v=vs, lengths=jnp.full((1,), context, jnp.int32))
+    tokens = jax.random.randint(key, (1, capacity + 1), 0, cfg.vocab_size, jnp.int32)
+    return DecodeState(tokens=tokens, num_tokens=jnp.full((1,), context + 1, jnp.int32),
+                       prompt_lengths=jnp.full((1,), context, jnp.int32),
+                       limits=jnp.full((1,), capacity + 1, jnp.int32),
+                       done=jnp.zeros((1,), bool), cache=cache,
+                       keys=jax.random.split(key, 1), step=jnp.zeros((), jnp.int32),
+                       active_steps=jnp.zeros((1,), jnp.int32))
+  return make(key)
+
+
+def step_time(cfg: ModelConfig, params, state: DecodeState, steps: int) -> float:
+  ctx = StepContext(SamplingConfig(), ())
+  method = Dense()
+
+  @functools.partial(jax.jit, donate_argnums=1)
+  def run(params, state):
+    return jax.lax.fori_loop(0, steps, lambda i, s: method.step(cfg, params, s, ctx), state)
+
+  # the state is donated: thread it through so every call reads the same context length
+  state = run(params, state)
+  jax.block_until_ready(state)
+  times = []
+  for _ in range(3):
+    state = state.replace(cache=state.cache.replace(lengths=state.cache.lengths - steps),
+                          num_tokens=state.num_tokens - steps)
+    t = time.perf_counter()
+    state = run(params, state)
+    jax.block_until_ready(state)
+    times.append(time.perf_counter() - t)
+  return float(np.median(times)) / steps
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
+  ap.add_argument("--steps", type=int, default=64)
+  ap.add_argument("--layers", type=int, default=None, help="fewer layers (CPU smoke test)")
+  ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
+                                                "step_roofline.json"))
+  args = ap.parse_args()
+  cfg = LLAMA_31_8B if args.layers is None else LLAMA_31_8B.replace(num_layers=args.layers)
+  bw = read_bandwidth(4.0 if jax.devices()[0].platform == "gpu" else 0.25)
+  params = jax.jit(init_random, static_argnums=0)(cfg, jax.random.key(1))
+  weight_bytes = num_bytes(params)
+  rows = []
+  for context in args.contexts:
+    state = random_state(cfg, context, args.steps * 2, jax.random.key(context))
+    seconds = step_time(cfg, params, state, args.steps)
+    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * context * cfg.head_dim * 2
+    roofline = (weight_bytes + kv_bytes) / bw
+    rows.append({"context": context, "step_seconds": seconds, "roofline_seconds": roofline,
+                 "fraction_of_roofline": roofline / seconds, "weight_bytes": weight_bytes,
+                 "kv_bytes": kv_bytes})
+    print(f"context {context:6d}: step {seconds * 1e3:7.3f} ms, roofline {roofline * 1e3:7.3f} ms"
+          f" -> {100 * roofline / seconds:5.1f}%", flush=True)
+    del state
+  result = {"benchmark": "dense decode step, Llama-3.1-8B shapes, bf16, B=1",
+            "attention": "jnp reference under XLA", "read_bandwidth_bytes_per_s": bw,
+            "steps_per_timing": args.steps, "layers": cfg.num_layers,
+            "device": device_description(), "rows": rows}
+  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(result, f, indent=2)
+  print(f"read bandwidth {bw / 1e12:.2f} TB/s; wrote {args.out}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,77 @@
+"""`sparsedec bench`: tokens/s, steps, tau and peak memory of a method over a prompt set."""
+
+from __future__ import annotations
+
+import platform
+import resource
+import time
+
+import jax
+import numpy as np
+
+from sparsedec.decode.api import generate
+from sparsedec.decode.sampling import SamplingConfig
+from sparsedec.model.config import ModelConfig
+from sparsedec.model.params import Params, num_bytes
+from sparsedec.prompts import load_prompt_set
+from sparsedec.tokenizer import Tokenizer
+
+
+def device_description() -> dict:
+  dev = jax.devices()[0]
+  return {"platform": dev.platform, "device_kind": dev.device_kind,
+          "num_devices": jax.device_count(), "cpu_count": __import__("os").cpu_count(),
+          "host": platform.node(), "jax": jax.__version__}
+
+
+def peak_memory_bytes() -> dict:
+  """Peak device memory (accelerators) and peak host RSS."""
+  out = {"host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+  stats = jax.devices()[0].memory_stats() or {}
+  if "peak_bytes_in_use" in stats:
+    out["device_peak_bytes"] = int(stats["peak_bytes_in_use"])
+  return out
+
+
+def encode_prompts(tok: Tokenizer, texts: list[str], chat_template: bool) -> list[list[int]]:
+  if not chat_template:
+    return [tok.encode(t) for t in texts]
+  return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_bos=False)
+          for t in texts]
+
+
+def run_bench(cfg: ModelConfig, params: Params, tok: Tokenizer, *, prompts: str = "mt_bench",
+              num_prompts: int = 10, batch_size: int = 1, max_new_tokens: int = 256,
+              sampling: SamplingConfig | None = None, seed: int = 0, method: str = "dense",
+              chat_template: bool = False, ignore_eos: bool = False,
+              model_name: str = "") -> dict:
+  texts = load_prompt_set(prompts)[:num_prompts]
+  ids = encode_prompts(tok, texts, chat_template)
+  stop = () if ignore_eos else None
+  kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, method=method,
+            stop_tokens=stop)
+  # Warm-up: compile prefill for each prompt bucket and the loop, outside the timed runs.
+  t0 = time.perf_counter()
+  for i in range(0, len(ids), batch_size):
+    generate(cfg, params, ids[i: i + batch_size], **{**kw, "max_new_tokens": 2})
+  compile_seconds = time.perf_counter() - t0
+  runs = []
+  for i in range(0, len(ids), batch_size):
+    r = generate(cfg, params, ids[i: i + batch_size], **kw)
+    runs.append({"prompt_tokens": r.prompt_lengths, "generated_tokens": r.num_generated,
+                 "steps": r.steps, "tau": r.tau, "prefill_seconds": r.prefill_seconds,
+                 "decode_seconds": r.decode_seconds, "tokens_per_second": r.tokens_per_second})
+  gen = sum(r["generated_tokens"] for r in runs)
+  dec = sum(r["decode_seconds"] for r in runs)
+  return {
+      "model": model_name, "method": method, "dtype": cfg.dtype,
+      "param_bytes": num_bytes(params), "prompt_set": prompts, "num_prompts": len(ids),
+      "batch_size": batch_size, "max_new_tokens": max_new_tokens,
+      "sampling": None if sampling is None else vars(sampling),
+      "tokens_per_second": gen / dec if dec else 0.0,
+      "median_tokens_per_second": float(np.median([r["tokens_per_second"] for r in runs])),
+      "generated_tokens": gen, "decode_seconds": dec,
+      "mean_tau": float(np.mean([r["tau"] for r in runs])),
+      "warmup_seconds": compile_seconds, "memory": peak_memory_bytes(),
+      "device": device_description(), "runs": runs,
+  }

@@ -1,0 +1,152 @@
+"""Command line: `sparsedec generate | convert | bench`.
+
+generate prints only the generated text on stdout; stats go to stderr, or with --json one JSON
+object (text, tokens, stats) goes to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "checkpoints" / "stories260K"
+
+
+def default_model() -> str:
+  return os.environ.get("SPARSEDEC_DEFAULT_MODEL", str(DEFAULT_MODEL))
+
+
+def _add_generation_args(p: argparse.ArgumentParser) -> None:
+  from sparsedec.decode.methods import method_names
+  p.add_argument("--model", default=None,
+                 help="converted checkpoint dir, HF dir or .gguf file (default: embedded "
+                      "stories260K)")
+  p.add_argument("--method", default="dense", choices=method_names())
+  p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+  p.add_argument("--top-k", type=int, default=0)
+  p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+  p.add_argument("--cache-size", type=int, default=None, help="KV cache capacity in tokens")
+  p.add_argument("--ignore-eos", action="store_true", help="generate max-new-tokens tokens")
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="sparsedec", description=__doc__.splitlines()[0])
+  sub = parser.add_subparsers(dest="command", required=True)
+
+  gen = sub.add_parser("generate", help="generate text from a prompt")
+  src = gen.add_mutually_exclusive_group(required=True)
+  src.add_argument("--prompt", help="raw text prompt")
+  src.add_argument("--chat", help="a user message, wrapped in the model's chat template")
+  gen.add_argument("--system", default=None, help="system message (with --chat)")
+  _add_generation_args(gen)
+  gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+  gen.add_argument("--json", action="store_true", help="one JSON object on stdout")
+
+  conv = sub.add_parser("convert", help="convert an HF dir or GGUF file to a checkpoint")
+  conv.add_argument("src")
+  conv.add_argument("out")
+  conv.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+  conv.add_argument("--overwrite", action="store_true")
+
+  bench = sub.add_parser("bench", help="tokens/s, steps and peak memory over a prompt set")
+  _add_generation_args(bench)
+  bench.add_argument("--prompts", default="mt_bench",
+                     help="mt_bench, humaneval, or a text file with one prompt per line")
+  bench.add_argument("--num-prompts", type=int, default=10)
+  bench.add_argument("--batch-size", type=int, default=1)
+  bench.add_argument("--chat-template", action="store_true",
+                     help="wrap each prompt in the model's chat template")
+  bench.add_argument("--output", default=None, help="write the JSON result here too")
+  return parser
+
+
+def _sampling(args):
+  from sparsedec.decode.sampling import SamplingConfig
+  return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+
+def _load(args):
+  from sparsedec.weights.checkpoint import load_model
+  return load_model(args.model or default_model(), dtype=args.dtype)
+
+
+def _prompt_ids(args, tok) -> list[int]:
+  if args.chat is not None:
+    messages = ([{"role": "system", "content": args.system}] if args.system else [])
+    messages.append({"role": "user", "content": args.chat})
+    text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    return tok.encode(text, add_bos=False)
+  return tok.encode(args.prompt)
+
+
+def cmd_generate(args) -> int:
+  from sparsedec.decode import api
+  sampling = _sampling(args)
+  cfg, params, tok = _load(args)
+  ids = _prompt_ids(args, tok)
+  kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+                method=args.method, cache_size=args.cache_size,
+                stop_tokens=() if args.ignore_eos else None)
+  if args.stream and not args.json:
+    decoder = tok.stream_decoder(skip_special_tokens=True)
+    tokens: list[int] = []
+    for new in api.stream(cfg, params, [ids], **kwargs):
+      tokens += new[0]
+      sys.stdout.write(decoder.feed(new[0]))
+      sys.stdout.flush()
+    sys.stdout.write(decoder.finish() + "\n")
+    print(json.dumps({"generated_tokens": len(tokens)}), file=sys.stderr)
+    return 0
+  result = api.generate(cfg, params, [ids], **kwargs)
+  text = tok.decode(result.tokens[0], skip_special_tokens=True)
+  stats = {"method": args.method, "prompt_tokens": len(ids), **result.stats()}
+  if args.json:
+    print(json.dumps({"text": text, "tokens": result.tokens[0], "stats": stats}))
+  else:
+    print(text)
+    print(json.dumps(stats), file=sys.stderr)
+  return 0
+
+
+def cmd_convert(args) -> int:
+  from sparsedec.weights.checkpoint import convert
+  out = convert(args.src, args.out, dtype=args.dtype, overwrite=args.overwrite)
+  print(f"wrote {out}", file=sys.stderr)
+  return 0
+
+
+def cmd_bench(args) -> int:
+  from sparsedec.bench import run_bench
+  cfg, params, tok = _load(args)
+  result = run_bench(cfg, params, tok, prompts=args.prompts, num_prompts=args.num_prompts,
+                     batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                     sampling=_sampling(args), seed=args.seed, method=args.method,
+                     chat_template=args.chat_template, ignore_eos=args.ignore_eos,
+                     model_name=args.model or default_model())
+  text = json.dumps(result, indent=2)
+  if args.output:
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(text + "\n")
+  print(text)
+  return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+  from sparsedec.errors import SparsedecError
+  args = _parser().parse_args(argv)
+  try:
+    return {"generate": cmd_generate, "convert": cmd_convert, "bench": cmd_bench}[args.command](
+        args)
+  except SparsedecError as err:
+    print(f"sparsedec: error: {err}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

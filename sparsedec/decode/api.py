@@ -1,0 +1,201 @@
+"""Host-side generation API: validate, bucket, prefill, run the jitted loop, unpack results."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Iterator, Sequence
+
+import jax
+import numpy as np
+
+from sparsedec.decode.loop import DecodeMethod, StepContext, decode, init_method
+from sparsedec.decode.methods import get_method
+from sparsedec.decode.prefill import empty_cache, prefill
+from sparsedec.decode.sampling import SamplingConfig
+from sparsedec.decode.state import DecodeState
+from sparsedec.errors import InputError
+from sparsedec.model.config import ModelConfig
+from sparsedec.model.params import Params
+
+MIN_BUCKET = 16
+CAPACITY_ALIGN = 128
+
+
+@dataclasses.dataclass
+class GenerationResult:
+  tokens: list[list[int]]          # generated tokens per row (a final stop token included)
+  prompt_lengths: list[int]
+  stopped: list[bool]              # row ended on a stop token (not on max_new_tokens)
+  steps: int                       # loop iterations (forwards after prefill)
+  active_steps: list[int]          # iterations each row was still generating in
+  prefill_seconds: float
+  decode_seconds: float
+  state: DecodeState | None = None  # the final decode state, when asked for
+
+  @property
+  def num_generated(self) -> int:
+    return sum(len(t) for t in self.tokens)
+
+  @property
+  def tau(self) -> float:
+    """Accepted tokens per step, over all rows (the first token comes from prefill)."""
+    steps = sum(self.active_steps)
+    return (self.num_generated - len(self.tokens)) / steps if steps else 0.0
+
+  @property
+  def tokens_per_second(self) -> float:
+    return self.num_generated / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+  def stats(self) -> dict:
+    return {"generated_tokens": self.num_generated, "steps": self.steps,
+            "tau": round(self.tau, 4), "prefill_seconds": round(self.prefill_seconds, 6),
+            "decode_seconds": round(self.decode_seconds, 6),
+            "tokens_per_second": round(self.tokens_per_second, 2),
+            "stopped": self.stopped, "prompt_lengths": self.prompt_lengths}
+
+
+def prompt_bucket(length: int) -> int:
+  """Padded prompt length: the next power of two (at least 16), so similar prompts share a jit."""
+  return max(MIN_BUCKET, 1 << (max(length, 1) - 1).bit_length())
+
+
+def plan_capacity(cfg: ModelConfig, max_prompt: int, max_new_tokens: int,
+                  cache_size: int | None) -> int:
+  need = max_prompt + max_new_tokens
+  if need > cfg.max_position_embeddings:
+    raise InputError(
+        f"prompt ({max_prompt} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds the "
+        f"model's context of {cfg.max_position_embeddings} tokens (max_position_embeddings)")
+  if cache_size is not None:
+    if cache_size <= 0:
+      raise InputError(f"cache_size must be > 0, got {cache_size}")
+    if need > cache_size:
+      raise InputError(
+          f"prompt ({max_prompt} tokens) + max_new_tokens ({max_new_tokens}) = {need} does not "
+          f"fit in the KV cache of {cache_size} tokens")
+    return cache_size
+  bucket = prompt_bucket(max_prompt)
+  return -(-(bucket + max_new_tokens) // CAPACITY_ALIGN) * CAPACITY_ALIGN
+
+
+def _check_prompts(cfg: ModelConfig, prompts) -> list[list[int]]:
+  if isinstance(prompts, np.ndarray):
+    prompts = prompts.tolist()
+  if not isinstance(prompts, (list, tuple)) or not prompts:
+    raise InputError("prompts must be a non-empty list of token-id lists")
+  if all(isinstance(t, (int, np.integer)) for t in prompts):
+    raise InputError("prompts must be a list of token-id lists (got a flat list: wrap it in [])")
+  out = []
+  for i, p in enumerate(prompts):
+    p = [int(t) for t in p]
+    if not p:
+      raise InputError(f"prompt {i} is empty")
+    bad = [t for t in p if not 0 <= t < cfg.vocab_size]
+    if bad:
+      raise InputError(f"prompt {i} has token id {bad[0]} outside the vocabulary "
+                       f"[0, {cfg.vocab_size})")
+    out.append(p)
+  return out
+
+
+def _seeds(seed, batch: int) -> np.ndarray:
+  if isinstance(seed, (int, np.integer)):
+    return np.full((batch,), int(seed), np.int32)
+  seeds = np.asarray(seed, np.int32)
+  if seeds.shape != (batch,):
+    raise InputError(f"seed must be an int or one per prompt ({batch}), got shape {seeds.shape}")
+  return seeds
+
+
+def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
+          max_new_tokens: int = 128, sampling: SamplingConfig | None = None,
+          seed: int | Sequence[int] = 0, stop_tokens: Sequence[int] | None = None,
+          method: str | DecodeMethod = "dense", cache_size: int | None = None,
+          prefill_chunk: int = 256) -> tuple[DecodeState, "Run"]:
+  """Validate, prefill and attach the method: the state the decode loop starts from."""
+  sampling = sampling or SamplingConfig()
+  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+    raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+  if prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
+    raise InputError(f"prefill_chunk must be a power of two, got {prefill_chunk}")
+  rows = _check_prompts(cfg, prompts)
+  method = get_method(method)
+  stop_ids = tuple(int(t) for t in (cfg.eos_token_ids if stop_tokens is None else stop_tokens))
+  lengths = np.array([len(p) for p in rows], np.int32)
+  capacity = plan_capacity(cfg, int(lengths.max()), int(max_new_tokens), cache_size)
+  bucket = prompt_bucket(int(lengths.max()))
+  padded = np.zeros((len(rows), bucket), np.int32)
+  for i, p in enumerate(rows):
+    padded[i, : len(p)] = p
+  b = len(rows)
+  ctx = StepContext(sampling=sampling, stop_ids=stop_ids)
+  state = prefill(cfg, params, empty_cache(cfg, b, capacity), padded, lengths,
+                  np.full((b,), max_new_tokens, np.int32), _seeds(seed, b),
+                  chunk=min(prefill_chunk, bucket),
+                  sampling=sampling, stop_ids=stop_ids)
+  state = init_method(cfg, params, state, method=method, ctx=ctx)
+  return state, Run(cfg, method, ctx, method.max_steps(int(max_new_tokens)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """What the decode loop needs besides the state (all static)."""
+  cfg: ModelConfig
+  method: DecodeMethod
+  ctx: StepContext
+  max_steps: int
+
+  def advance(self, params: Params, state: DecodeState, steps: int | None = None) -> DecodeState:
+    """Run the loop until done, or for at most `steps` more iterations."""
+    limit = self.max_steps if steps is None else min(self.max_steps, int(state.step) + steps)
+    return decode(self.cfg, params, state, np.int32(limit), method=self.method, ctx=self.ctx)
+
+
+def collect(state: DecodeState, stop_ids: tuple[int, ...]) -> tuple[list[list[int]], list[bool]]:
+  tokens, num, plen = jax.device_get((state.tokens, state.num_tokens, state.prompt_lengths))
+  generated = [tokens[i, plen[i]: num[i]].tolist() for i in range(tokens.shape[0])]
+  return generated, [bool(g) and g[-1] in stop_ids for g in generated]
+
+
+def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
+             max_new_tokens: int = 128, sampling: SamplingConfig | None = None,
+             seed: int | Sequence[int] = 0, stop_tokens: Sequence[int] | None = None,
+             method: str | DecodeMethod = "dense", cache_size: int | None = None,
+             prefill_chunk: int = 256, return_state: bool = False) -> GenerationResult:
+  """Generate up to `max_new_tokens` per prompt (a batch of any size, any prompt lengths).
+
+  Greedy unless `sampling` has a temperature > 0. `seed`: one int for all rows or one per row.
+  `stop_tokens` default to the model's EOS ids; pass () to never stop early. Everything after
+  prefill runs in one jitted while_loop.
+  """
+  t0 = time.perf_counter()
+  state, run = start(cfg, params, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                     seed=seed, stop_tokens=stop_tokens, method=method, cache_size=cache_size,
+                     prefill_chunk=prefill_chunk)
+  jax.block_until_ready(state)
+  t1 = time.perf_counter()
+  state = run.advance(params, state)
+  jax.block_until_ready(state)
+  t2 = time.perf_counter()
+  generated, stopped = collect(state, run.ctx.stop_ids)
+  return GenerationResult(
+      tokens=generated, prompt_lengths=[int(x) for x in jax.device_get(state.prompt_lengths)],
+      stopped=stopped, steps=int(jax.device_get(state.step)),
+      active_steps=[int(a) for a in jax.device_get(state.active_steps)],
+      prefill_seconds=t1 - t0, decode_seconds=t2 - t1, state=state if return_state else None)
+
+
+def stream(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
+           interval: int = 8, **kwargs) -> Iterator[list[list[int]]]:
+  """Like `generate`, yielding each row's newly generated tokens every `interval` loop steps
+  (the loop runs on device in slices; no host round trip inside a slice)."""
+  state, run = start(cfg, params, prompts, **kwargs)
+  seen = [0] * len(prompts)
+  while True:
+    generated, _ = collect(state, run.ctx.stop_ids)
+    yield [g[s:] for g, s in zip(generated, seen)]
+    seen = [len(g) for g in generated]
+    if bool(jax.device_get(state.done).all()) or int(state.step) >= run.max_steps:
+      return
+    state = run.advance(params, state, interval)

@@ -1,0 +1,65 @@
+"""The decode loop: one jitted `jax.lax.while_loop` over a method's `step`, no host round trips.
+
+A method is a frozen (hashable) object with
+  init(cfg, params, state) -> state            # set state.extras (outside the loop, under jit)
+  step(cfg, params, state, ctx) -> state       # one forward over T tokens, accept, commit
+  max_steps(max_new_tokens) -> int             # worst-case iterations (dense: max_new_tokens)
+The loop bound is a traced argument, so one compiled loop serves every max_new_tokens and a
+caller can run it in slices (streaming) by raising `step_limit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+
+from sparsedec.decode.sampling import SamplingConfig
+from sparsedec.decode.state import DecodeState
+from sparsedec.model.config import ModelConfig
+from sparsedec.model.params import Params
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+  """Static settings every step needs."""
+  sampling: SamplingConfig
+  stop_ids: tuple[int, ...]
+
+
+class DecodeMethod(Protocol):
+  name: str
+
+  def init(self, cfg: ModelConfig, params: Params, state: DecodeState) -> DecodeState: ...
+
+  def step(self, cfg: ModelConfig, params: Params, state: DecodeState,
+           ctx: StepContext) -> DecodeState: ...
+
+  def max_steps(self, max_new_tokens: int) -> int: ...
+
+
+def finish_step(state: DecodeState) -> DecodeState:
+  """Counters every step updates after acceptance."""
+  return state.replace(step=state.step + 1, active_steps=state.active_steps + (~state.done))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "ctx"), donate_argnames=("state",))
+def init_method(cfg: ModelConfig, params: Params, state: DecodeState, *, method: DecodeMethod,
+                ctx: StepContext) -> DecodeState:
+  """Attach the method's arrays (state.extras) to a freshly prefilled state."""
+  del ctx
+  return method.init(cfg, params, state)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "ctx"), donate_argnames=("state",))
+def decode(cfg: ModelConfig, params: Params, state: DecodeState, step_limit: jax.Array, *,
+           method: DecodeMethod, ctx: StepContext) -> DecodeState:
+  """Run `method.step` until every row is done or state.step reaches `step_limit` ([] int32)."""
+
+  def cond(s: DecodeState):
+    return jnp.any(~s.done) & (s.step < step_limit)
+
+  return jax.lax.while_loop(cond, lambda s: method.step(cfg, params, s, ctx), state)

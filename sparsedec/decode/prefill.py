@@ -1,0 +1,78 @@
+"""Prefill: fill the cache with the prompts, in chunks, and draw each row's first new token."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from sparsedec.decode.sampling import SamplingConfig, sample, split_keys
+from sparsedec.decode.state import DecodeState, append_tokens
+from sparsedec.kv.dense import KVCache, commit, init_cache
+from sparsedec.model.config import ModelConfig
+from sparsedec.model.forward import forward
+from sparsedec.model.params import Params
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def empty_cache(cfg: ModelConfig, batch_size: int, capacity: int) -> KVCache:
+  return init_cache(cfg, batch_size, capacity)
+
+
+def prefill_cache(cfg: ModelConfig, params: Params, prompts: jax.Array, prompt_lengths: jax.Array,
+                  cache: KVCache, chunk: int) -> tuple[KVCache, jax.Array]:
+  """prompts [B, P] right-padded (P a multiple of chunk), prompt_lengths [B] >= 1.
+
+  Appends every row's prompt to its (empty or partly filled) cache in P // chunk forwards of
+  `chunk` tokens. Returns the cache and fp32 logits [B, V] at each row's last prompt token.
+  """
+  b, p = prompts.shape
+  start = cache.lengths                                                   # [B]
+
+  def body(c, carry):
+    cache, last_logits = carry
+    offset = c * chunk
+    toks = jax.lax.dynamic_slice_in_dim(prompts, offset, chunk, axis=1)   # [B, chunk]
+    positions = start[:, None] + offset + jnp.arange(chunk, dtype=jnp.int32)[None, :]
+    n_valid = jnp.clip(prompt_lengths - offset, 0, chunk)                 # [B]
+    last_idx = jnp.clip(prompt_lengths - 1 - offset, 0, chunk - 1)        # [B]
+    logits, kv = forward(cfg, params, toks, positions, cache, logits_at=last_idx[:, None])
+    cache = commit(cache, kv, n_valid)
+    here = (prompt_lengths - 1 >= offset) & (prompt_lengths - 1 < offset + chunk)
+    return cache, jnp.where(here[:, None], logits[:, 0], last_logits)
+
+  init = (cache, jnp.zeros((b, cfg.vocab_size), jnp.float32))
+  return jax.lax.fori_loop(0, p // chunk, body, init)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "chunk", "sampling", "stop_ids"),
+                   donate_argnames=("cache",))
+def prefill(cfg: ModelConfig, params: Params, cache: KVCache, prompts: jax.Array,
+            prompt_lengths: jax.Array, max_new_tokens: jax.Array, seeds: jax.Array, *,
+            chunk: int, sampling: SamplingConfig, stop_ids: tuple[int, ...]) -> DecodeState:
+  """A fresh DecodeState for prompts [B, P]: cache filled, first token drawn (greedy or sampled).
+
+  cache: an empty cache (`empty_cache`), passed in (and donated) rather than built here, so XLA
+  cannot constant-fold work over it. max_new_tokens, seeds: [B] int32 (per row). Everything is
+  traced, so prompts of one bucket (same P, same capacity) reuse the compiled function.
+  """
+  b = prompts.shape[0]
+  capacity = cache.capacity
+  cache, logits = prefill_cache(cfg, params, prompts, prompt_lengths, cache, chunk)
+  keys = jax.vmap(jax.random.key)(seeds)
+  keys, step_keys = split_keys(keys)
+  first = sample(logits, step_keys, sampling)                              # [B]
+  tokens = jnp.zeros((b, capacity + 1), jnp.int32)
+  tokens = jax.lax.dynamic_update_slice(tokens, prompts[:, : min(prompts.shape[1], capacity + 1)],
+                                        (0, 0))
+  col = jnp.arange(capacity + 1)[None, :]
+  tokens = jnp.where(col < prompt_lengths[:, None], tokens, 0)
+  state = DecodeState(
+      tokens=tokens, num_tokens=prompt_lengths.astype(jnp.int32),
+      prompt_lengths=prompt_lengths.astype(jnp.int32),
+      limits=(prompt_lengths + max_new_tokens).astype(jnp.int32),
+      done=max_new_tokens <= 0, cache=cache, keys=keys,
+      step=jnp.zeros((), jnp.int32), active_steps=jnp.zeros((b,), jnp.int32))
+  state, _ = append_tokens(state, first[:, None], jnp.ones((b,), jnp.int32), stop_ids)
+  return state

@@ -1,0 +1,75 @@
+"""Sampling: the processed target distribution (temperature, top-k, top-p) and draws from it.
+
+Speculative methods verify against `probabilities(...)`, the same distribution `sample` draws from,
+so acceptance rules preserve exactly what dense sampling would produce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from sparsedec.errors import InputError
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """temperature 0 means greedy (argmax); top_k 0 means off; top_p in (0, 1]."""
+
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+      raise InputError(f"temperature must be >= 0, got {self.temperature!r}")
+    if not (isinstance(self.top_k, int) and self.top_k >= 0):
+      raise InputError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+    if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+      raise InputError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0
+
+
+def processed_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
+  """fp32 logits [..., V] after temperature, top-k and top-p (HF order); removed tokens -inf."""
+  x = logits.astype(jnp.float32)
+  if cfg.greedy:
+    return x
+  x = x / cfg.temperature
+  if 0 < cfg.top_k < x.shape[-1]:
+    kth = jax.lax.top_k(x, cfg.top_k)[0][..., -1:]                      # [..., 1]
+    x = jnp.where(x < kth, -jnp.inf, x)
+  if cfg.top_p < 1.0:
+    sorted_desc = -jnp.sort(-x, axis=-1)                                # [..., V]
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs                         # mass strictly above
+    keep = before < cfg.top_p                                           # always keeps the top one
+    cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    x = jnp.where(x < cutoff, -jnp.inf, x)
+  return x
+
+
+def probabilities(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
+  """The distribution tokens are drawn from, [..., V] fp32 (one-hot argmax when greedy)."""
+  if cfg.greedy:
+    return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+  return jax.nn.softmax(processed_logits(logits, cfg), axis=-1)
+
+
+def split_keys(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Per-row keys [B] -> (next keys [B], step keys [B])."""
+  pair = jax.vmap(lambda k: jax.random.split(k, 2))(keys)               # [B, 2]
+  return pair[:, 0], pair[:, 1]
+
+
+def sample(logits: jax.Array, step_keys: jax.Array, cfg: SamplingConfig) -> jax.Array:
+  """logits [B, V] -> tokens [B] int32 (argmax when greedy, else one draw per row)."""
+  if cfg.greedy:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  x = processed_logits(logits, cfg)
+  return jax.vmap(jax.random.categorical)(step_keys, x).astype(jnp.int32)

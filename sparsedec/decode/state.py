@@ -1,0 +1,67 @@
+"""The decode state every method carries through its while_loop, and token bookkeeping.
+
+Invariant per row b: tokens[b, :num_tokens[b]] is prompt + generated text; the KV entries of all
+but the last of them are committed (cache.lengths[b] == num_tokens[b] - 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from sparsedec.kv.dense import KVCache
+
+
+@struct.dataclass
+class DecodeState:
+  tokens: jax.Array          # [B, L] int32: prompt + generated, L = cache capacity + 1
+  num_tokens: jax.Array      # [B] int32
+  prompt_lengths: jax.Array  # [B] int32
+  limits: jax.Array          # [B] int32: num_tokens may not exceed this (prompt + max_new)
+  done: jax.Array            # [B] bool: stop token seen or limit reached
+  cache: KVCache
+  keys: jax.Array            # [B] PRNG keys, one stream per row
+  step: jax.Array            # [] int32: loop iterations so far
+  active_steps: jax.Array    # [B] int32: iterations in which the row was not done
+  extras: Any = None         # method-specific arrays (n-gram pool, draft caches, ...)
+
+  @property
+  def batch_size(self) -> int:
+    return self.tokens.shape[0]
+
+  def last_tokens(self) -> jax.Array:
+    """[B, 1] the newest token of each row (its KV not yet committed)."""
+    return jnp.take_along_axis(self.tokens, (self.num_tokens - 1)[:, None], axis=1)
+
+  def generated(self) -> jax.Array:
+    """[B] tokens generated so far."""
+    return self.num_tokens - self.prompt_lengths
+
+
+def append_tokens(state: DecodeState, new_tokens: jax.Array, count: jax.Array,
+                  stop_ids: tuple[int, ...]) -> tuple[DecodeState, jax.Array]:
+  """Append up to count[b] of new_tokens[b] ([B, A]) to each row that is not done.
+
+  Stops at (and keeps) the first stop token and at the row's limit. Returns the new state and the
+  number appended per row [B].
+  """
+  b, a = new_tokens.shape
+  col = jnp.arange(a, dtype=jnp.int32)[None, :]                                 # [1, A]
+  n = jnp.where(state.done, 0, count.astype(jnp.int32))
+  if stop_ids:
+    is_stop = jnp.isin(new_tokens, jnp.asarray(stop_ids, jnp.int32)) & (col < n[:, None])
+    has_stop = is_stop.any(axis=1)
+    n = jnp.where(has_stop, jnp.argmax(is_stop, axis=1).astype(jnp.int32) + 1, n)
+  else:
+    has_stop = jnp.zeros((b,), bool)
+  room = state.limits - state.num_tokens
+  hit_limit = n >= room
+  n = jnp.minimum(n, room)
+  pos = jnp.where(col < n[:, None], state.num_tokens[:, None] + col, state.tokens.shape[1])
+  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, a))
+  tokens = state.tokens.at[rows, pos].set(new_tokens.astype(jnp.int32), mode="drop")
+  done = state.done | (has_stop & (n > 0)) | hit_limit
+  return state.replace(tokens=tokens, num_tokens=state.num_tokens + n, done=done), n

@@ -1,0 +1,17 @@
+"""Errors raised for the user: each names the bad value in plain words."""
+
+
+class SparsedecError(ValueError):
+  """Base class of every error sparsedec raises for bad input."""
+
+
+class UnsupportedConfigError(SparsedecError):
+  """A model config attribute or value that sparsedec does not implement."""
+
+
+class CheckpointError(SparsedecError):
+  """A checkpoint that is missing, incomplete, or holds tensors of the wrong shape."""
+
+
+class InputError(SparsedecError):
+  """A bad argument to generation: prompt too long, bad sampling parameter, ..."""

@@ -1,0 +1,262 @@
+"""Model configuration: a frozen, hashable description of a decoder (static under jit).
+
+`ModelConfig.from_hf(dict)` reads a Hugging Face `config.json` (transformers 4.x layout with
+`rope_theta`/`rope_scaling`, or 5.x with `rope_parameters`) and refuses, naming the attribute,
+anything the forward pass would not honour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+from sparsedec.errors import UnsupportedConfigError
+
+# HF architecture name -> our family name. The family decides which optional parts exist.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+FAMILIES = frozenset(ARCHITECTURES.values())
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """RoPE frequency scaling. `kind` is "llama3" (Llama 3.1/3.2) or "linear"."""
+
+  kind: str
+  factor: float
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+  def __post_init__(self):
+    if self.kind not in ("llama3", "linear"):
+      raise UnsupportedConfigError(
+          f"rope_scaling type {self.kind!r} is not supported (supported: llama3, linear)")
+    if self.factor <= 0:
+      raise UnsupportedConfigError(f"rope_scaling factor must be > 0, got {self.factor}")
+    if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+      raise UnsupportedConfigError(
+          "rope_scaling llama3 needs high_freq_factor > low_freq_factor, got "
+          f"{self.high_freq_factor} and {self.low_freq_factor}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A Llama-family decoder. Frozen and hashable: pass it as a static jit argument."""
+
+  family: str                      # llama | mistral | qwen2 | qwen3
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int                   # query heads (Hq)
+  num_kv_heads: int                # key/value heads (Hkv); Hq % Hkv == 0 (GQA)
+  head_dim: int                    # D
+  rms_norm_eps: float = 1e-5
+  rope_theta: float = 10000.0
+  rope_scaling: RopeScaling | None = None
+  max_position_embeddings: int = 2048
+  tie_word_embeddings: bool = False
+  qkv_bias: bool = False           # bias on q/k/v projections (Qwen2; Llama attention_bias)
+  o_bias: bool = False             # bias on the output projection (Llama attention_bias)
+  qk_norm: bool = False            # per-head RMSNorm of q and k before RoPE (Qwen3)
+  sliding_window: int | None = None  # keys with q_pos - k_pos >= window are not attended
+  bos_token_id: int | None = None
+  eos_token_ids: tuple[int, ...] = ()
+  dtype: str = "float32"           # parameter and activation dtype; softmax/norms in fp32
+
+  def __post_init__(self):
+    if self.family not in FAMILIES:
+      raise UnsupportedConfigError(
+          f"model family {self.family!r} is not supported (supported: {sorted(FAMILIES)})")
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "max_position_embeddings"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise UnsupportedConfigError(f"{name} must be a positive integer, got {value!r}")
+    if self.num_heads % self.num_kv_heads:
+      raise UnsupportedConfigError(
+          f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
+          f"({self.num_kv_heads})")
+    if self.head_dim % 2:
+      raise UnsupportedConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+    if self.dtype not in DTYPES:
+      raise UnsupportedConfigError(f"dtype {self.dtype!r} is not supported (supported: {DTYPES})")
+    if self.sliding_window is not None and self.sliding_window <= 0:
+      raise UnsupportedConfigError(f"sliding_window must be > 0, got {self.sliding_window}")
+    if self.rms_norm_eps <= 0:
+      raise UnsupportedConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+
+  @property
+  def q_per_kv(self) -> int:
+    """Query heads sharing one KV head (G)."""
+    return self.num_heads // self.num_kv_heads
+
+  @property
+  def qkv_size(self) -> int:
+    """Output width of the fused q/k/v projection: (Hq + 2 Hkv) * D."""
+    return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+  # ----------------------------------------------------------------------------- (de)serialise
+  def to_dict(self) -> dict[str, Any]:
+    d = dataclasses.asdict(self)
+    d["eos_token_ids"] = list(self.eos_token_ids)
+    return d
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+    d = dict(d)
+    if d.get("rope_scaling") is not None:
+      d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+      raise UnsupportedConfigError(f"unknown sparsedec config fields: {sorted(unknown)}")
+    return cls(**d)
+
+  @classmethod
+  def from_hf(cls, hf: Mapping[str, Any], dtype: str | None = None) -> "ModelConfig":
+    """Build from a Hugging Face config dict, refusing what the forward does not implement."""
+    return _from_hf(hf, dtype)
+
+  @classmethod
+  def from_hf_file(cls, path: str | os.PathLike, dtype: str | None = None) -> "ModelConfig":
+    if not os.path.isfile(path):
+      raise UnsupportedConfigError(f"config file not found: {path}")
+    with open(path) as f:
+      return _from_hf(json.load(f), dtype)
+
+
+def _family(hf: Mapping[str, Any]) -> str:
+  archs = hf.get("architectures") or []
+  for arch in archs:
+    if arch in ARCHITECTURES:
+      return ARCHITECTURES[arch]
+  if archs:
+    raise UnsupportedConfigError(
+        f"unsupported architecture {archs[0]!r} (supported: {sorted(ARCHITECTURES)})")
+  model_type = hf.get("model_type")
+  if model_type in FAMILIES:
+    return model_type
+  raise UnsupportedConfigError(
+      f"unsupported model_type {model_type!r} (supported: {sorted(FAMILIES)})")
+
+
+def _rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+  # transformers >= 5 keeps theta and scaling together in `rope_parameters`.
+  params = hf.get("rope_parameters")
+  if isinstance(params, Mapping) and params and not all(
+      isinstance(v, Mapping) for v in params.values()):
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    scaling = params
+  elif isinstance(params, Mapping) and params:
+    raise UnsupportedConfigError(
+        f"per-layer-type rope_parameters {sorted(params)} are not supported")
+  else:
+    theta = float(hf.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling")
+  if hf.get("partial_rotary_factor", 1.0) not in (None, 1.0):
+    raise UnsupportedConfigError(
+        f"partial_rotary_factor={hf['partial_rotary_factor']} is not supported (only 1.0)")
+  if not scaling:
+    return theta, None
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  if kind == "default":
+    return theta, None
+  if kind == "linear":
+    return theta, RopeScaling("linear", float(scaling["factor"]))
+  if kind == "llama3":
+    return theta, RopeScaling(
+        "llama3",
+        float(scaling["factor"]),
+        float(scaling.get("low_freq_factor", 1.0)),
+        float(scaling.get("high_freq_factor", 4.0)),
+        int(scaling.get("original_max_position_embeddings", 8192)),
+    )
+  raise UnsupportedConfigError(
+      f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def _sliding_window(family: str, hf: Mapping[str, Any]) -> int | None:
+  window = hf.get("sliding_window")
+  layer_types = hf.get("layer_types")
+  if family in ("qwen2", "qwen3"):
+    if hf.get("use_sliding_window", False):
+      raise UnsupportedConfigError(
+          "use_sliding_window=true is not supported for Qwen models (per-layer windows)")
+    if layer_types and any(t != "full_attention" for t in layer_types):
+      raise UnsupportedConfigError(f"layer_types {sorted(set(layer_types))} is not supported")
+    return None
+  if family == "mistral":
+    if layer_types and len(set(layer_types)) > 1:
+      raise UnsupportedConfigError(
+          f"mixed layer_types {sorted(set(layer_types))} are not supported")
+    return int(window) if window else None
+  if window:
+    raise UnsupportedConfigError(f"sliding_window={window} is not supported for {family}")
+  return None
+
+
+def _check_unsupported(hf: Mapping[str, Any]) -> None:
+  act = hf.get("hidden_act", "silu")
+  if act != "silu":
+    raise UnsupportedConfigError(f"hidden_act {act!r} is not supported (only silu)")
+  if hf.get("mlp_bias", False):
+    raise UnsupportedConfigError("mlp_bias=true is not supported")
+  for key in ("attn_logit_softcapping", "final_logit_softcapping", "num_experts",
+              "num_local_experts", "quantization_config", "head_scale"):
+    if hf.get(key) not in (None, 0, False):
+      raise UnsupportedConfigError(f"{key}={hf[key]!r} is not supported")
+
+
+def _from_hf(hf: Mapping[str, Any], dtype: str | None) -> ModelConfig:
+  family = _family(hf)
+  _check_unsupported(hf)
+  theta, scaling = _rope(hf)
+  num_heads = int(hf["num_attention_heads"])
+  hidden = int(hf["hidden_size"])
+  head_dim = hf.get("head_dim") or hidden // num_heads
+  attention_bias = bool(hf.get("attention_bias", False))
+  if family == "qwen2":
+    qkv_bias, o_bias = True, False   # Qwen2 always has q/k/v bias, never o bias
+  elif family == "mistral":
+    qkv_bias = o_bias = False
+  else:
+    qkv_bias = o_bias = attention_bias
+  eos = hf.get("eos_token_id")
+  eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+  if dtype is None:
+    src = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    dtype = "bfloat16" if src in ("bfloat16", "float16") else "float32"
+  return ModelConfig(
+      family=family,
+      vocab_size=int(hf["vocab_size"]),
+      hidden_size=hidden,
+      intermediate_size=int(hf["intermediate_size"]),
+      num_layers=int(hf["num_hidden_layers"]),
+      num_heads=num_heads,
+      num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+      head_dim=int(head_dim),
+      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      rope_theta=theta,
+      rope_scaling=scaling,
+      max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      qkv_bias=qkv_bias,
+      o_bias=o_bias,
+      qk_norm=family == "qwen3",
+      sliding_window=_sliding_window(family, hf),
+      bos_token_id=hf.get("bos_token_id"),
+      eos_token_ids=tuple(int(e) for e in eos_ids),
+      dtype=dtype,
+  )

@@ -1,0 +1,82 @@
+"""The one forward: T in-flight tokens per row against the committed cache.
+
+forward(cfg, params, tokens[B,T], positions[B,T], cache, plan) -> logits[B,T',V], InflightKV
+
+Layers are iterated by an unrolled Python loop over per-layer arrays: on an H200 this ran a
+Llama-3.1-8B-shaped bf16 decode step at 81% of the bandwidth roofline against 31% for `lax.scan`
+over stacked weights (XLA copies each scanned layer's slice), at compile times of seconds.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from sparsedec.attention import AttentionPlan, attend, causal_plan
+from sparsedec.kv.dense import InflightKV, KVCache
+from sparsedec.model.config import ModelConfig
+from sparsedec.model.linear import linear, rms_norm
+from sparsedec.model.params import Params
+from sparsedec.model.rope import apply_rope, rope_tables
+
+
+def _layer(cfg: ModelConfig, lp: dict, x: jax.Array, cos, sin, positions, k_cache, v_cache,
+           lengths, plan: AttentionPlan):
+  b, t, _ = x.shape
+  hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+  qkv = linear(h, lp["wqkv"])                                        # [B, T, (Hq+2Hkv) D]
+  if cfg.qkv_bias:
+    qkv = qkv + lp["bqkv"].astype(qkv.dtype)
+  q = qkv[..., : hq * d].reshape(b, t, hq, d)                        # [B, T, Hq, D]
+  k = qkv[..., hq * d: (hq + hkv) * d].reshape(b, t, hkv, d)         # [B, T, Hkv, D]
+  v = qkv[..., (hq + hkv) * d:].reshape(b, t, hkv, d)                # [B, T, Hkv, D]
+  if cfg.qk_norm:
+    q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+  q = apply_rope(q, cos, sin)
+  k = apply_rope(k, cos, sin)
+  attn = attend(q, k_cache, v_cache, lengths, k, v, positions, plan, cfg.sliding_window)
+  out = linear(attn.reshape(b, t, hq * d), lp["wo"])                 # [B, T, Dm]
+  if cfg.o_bias:
+    out = out + lp["bo"].astype(out.dtype)
+  x = x + out
+  h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+  gate_up = linear(h, lp["w_gate_up"])                               # [B, T, 2F]
+  f = cfg.intermediate_size
+  x = x + linear(jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:], lp["w_down"])
+  return x, k, v
+
+
+def logits_from_hidden(cfg: ModelConfig, params: Params, h: jax.Array) -> jax.Array:
+  """h [..., Dm] (after the final norm) -> fp32 logits [..., V]."""
+  w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+  return linear(h, w).astype(jnp.float32)
+
+
+def forward(cfg: ModelConfig, params: Params, tokens: jax.Array, positions: jax.Array,
+            cache: KVCache, plan: AttentionPlan | None = None,
+            logits_at: jax.Array | None = None) -> tuple[jax.Array, InflightKV]:
+  """One forward over in-flight tokens.
+
+  tokens, positions: [B, T] int32. cache: committed entries (not modified).
+  plan: what each query reads (default: full cache + causal among the T tokens).
+  logits_at: optional [B, T'] indices into T; logits only there (saves the vocab matmul).
+  Returns fp32 logits [B, T or T', V] and the in-flight K/V (RoPE applied) for commit.
+  """
+  dtype = jnp.dtype(cfg.dtype)
+  t = tokens.shape[1]
+  plan = causal_plan(t) if plan is None else plan
+  x = jnp.take(params["embed"], tokens, axis=0).astype(dtype)         # [B, T, Dm]
+  cos, sin = rope_tables(cfg, positions, dtype)                       # [B, T, 1, D]
+  ks, vs = [], []
+  for i, lp in enumerate(params["layers"]):
+    x, k, v = _layer(cfg, lp, x, cos, sin, positions, cache.k[i], cache.v[i], cache.lengths, plan)
+    ks.append(k)
+    vs.append(v)
+  h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+  if logits_at is not None:
+    h = jnp.take_along_axis(h, logits_at[..., None], axis=1)          # [B, T', Dm]
+  return logits_from_hidden(cfg, params, h), InflightKV(tuple(ks), tuple(vs))

@@ -1,0 +1,130 @@
+"""The params pytree: layout, shapes, random init and shape checks.
+
+Layout (x @ w convention, per-layer arrays in a list so the forward unrolls over layers;
+q/k/v and gate/up are fused so a decode step launches fewer, larger matmuls):
+
+  embed       [V, Dm]
+  final_norm  [Dm]
+  lm_head     [Dm, V]            absent when cfg.tie_word_embeddings
+  layers[i]:
+    attn_norm [Dm]
+    wqkv      [Dm, (Hq + 2 Hkv) D]   columns: q heads, then k heads, then v heads
+    bqkv      [(Hq + 2 Hkv) D]       when cfg.qkv_bias
+    q_norm    [D], k_norm [D]        when cfg.qk_norm
+    wo        [Hq D, Dm]
+    bo        [Dm]                   when cfg.o_bias
+    mlp_norm  [Dm]
+    w_gate_up [Dm, 2 F]              columns: gate, then up
+    w_down    [F, Dm]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparsedec.errors import CheckpointError
+from sparsedec.model.config import ModelConfig
+
+Params = dict[str, Any]
+
+
+def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  dm, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+  shapes = {
+      "attn_norm": (dm,),
+      "wqkv": (dm, cfg.qkv_size),
+      "wo": (cfg.num_heads * d, dm),
+      "mlp_norm": (dm,),
+      "w_gate_up": (dm, 2 * f),
+      "w_down": (f, dm),
+  }
+  if cfg.qkv_bias:
+    shapes["bqkv"] = (cfg.qkv_size,)
+  if cfg.qk_norm:
+    shapes["q_norm"] = (d,)
+    shapes["k_norm"] = (d,)
+  if cfg.o_bias:
+    shapes["bo"] = (dm,)
+  return shapes
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+  """The pytree of shapes (tuples) every params pytree for `cfg` must have."""
+  shapes: Params = {
+      "embed": (cfg.vocab_size, cfg.hidden_size),
+      "final_norm": (cfg.hidden_size,),
+      "layers": [layer_shapes(cfg) for _ in range(cfg.num_layers)],
+  }
+  if not cfg.tie_word_embeddings:
+    shapes["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
+  return shapes
+
+
+def abstract_params(cfg: ModelConfig) -> Params:
+  """ShapeDtypeStructs of the params (restore targets, eval_shape)."""
+  dtype = jnp.dtype(cfg.dtype)
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(cfg),
+                      is_leaf=lambda x: isinstance(x, tuple))
+
+
+def check_params(cfg: ModelConfig, params: Params) -> None:
+  """Raise CheckpointError naming the first missing, extra or wrongly shaped tensor."""
+  expected = param_shapes(cfg)
+
+  def walk(exp, got, path):
+    if isinstance(exp, tuple):
+      shape = tuple(getattr(got, "shape", ()))
+      if shape != exp:
+        raise CheckpointError(f"tensor {path} has shape {shape}, expected {exp}")
+      return
+    if isinstance(exp, list):
+      if not isinstance(got, (list, tuple)) or len(got) != len(exp):
+        n = len(got) if isinstance(got, (list, tuple)) else type(got).__name__
+        raise CheckpointError(f"{path}: expected {len(exp)} layers, got {n}")
+      for i, (e, g) in enumerate(zip(exp, got)):
+        walk(e, g, f"{path}[{i}]")
+      return
+    if not isinstance(got, dict):
+      raise CheckpointError(f"{path}: expected a dict of tensors, got {type(got).__name__}")
+    missing = sorted(set(exp) - set(got))
+    extra = sorted(set(got) - set(exp))
+    if missing:
+      raise CheckpointError(f"missing tensor {path}.{missing[0]} (expected shape {exp[missing[0]]})"
+                            if not isinstance(exp[missing[0]], list) else
+                            f"missing {path}.{missing[0]}")
+    if extra:
+      raise CheckpointError(f"unexpected tensor {path}.{extra[0]} for this config")
+    for k in exp:
+      walk(exp[k], got[k], f"{path}.{k}" if path else k)
+
+  walk(expected, params, "")
+
+
+def init_random(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params:
+  """Random params (normal * scale, norms at 1). For tests and benchmarks at real shapes."""
+  shapes = param_shapes(cfg)
+  leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+      shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
+  keys = jax.random.split(key, len(leaves))
+  dtype = jnp.dtype(cfg.dtype)
+  out = []
+  for path, shape, k in zip(paths, leaves, keys):
+    if "norm" in path:
+      out.append(1.0 + 0.1 * jax.random.normal(k, shape, dtype))
+    else:
+      out.append(scale * jax.random.normal(k, shape, dtype))
+  return jax.tree.unflatten(treedef, out)
+
+
+def cast_params(params: Params, dtype: str) -> Params:
+  dt = jnp.dtype(dtype)
+  return jax.tree.map(lambda x: jnp.asarray(x, dt), params)
+
+
+def num_bytes(params: Params) -> int:
+  return int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)))

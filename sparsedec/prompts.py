@@ -1,0 +1,54 @@
+"""Prompt sets shipped in ../shared/prompts (MT-Bench, HumanEval, a long book)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+from sparsedec.errors import InputError
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def shared_dir() -> Path:
+  """../shared beside the project root (override with SPARSEDEC_SHARED)."""
+  return Path(os.environ.get("SPARSEDEC_SHARED", PROJECT_ROOT.parent / "shared"))
+
+
+def _require(path: Path) -> Path:
+  if not path.is_file():
+    raise InputError(f"prompt file not found: {path}")
+  return path
+
+
+def mt_bench(turn: int = 1) -> list[str]:
+  """MT-Bench questions (80), the given turn (1 or 2)."""
+  path = _require(shared_dir() / "prompts" / "mt_bench" / "question.jsonl")
+  with open(path) as f:
+    return [json.loads(line)["turns"][turn - 1] for line in f if line.strip()]
+
+
+def humaneval() -> list[str]:
+  """HumanEval code-completion prompts (164)."""
+  path = _require(shared_dir() / "prompts" / "humaneval" / "HumanEval.jsonl.gz")
+  with gzip.open(path, "rt") as f:
+    return [json.loads(line)["prompt"] for line in f if line.strip()]
+
+
+def book() -> str:
+  """A public-domain book (Moby Dick), for long-context prompts."""
+  return _require(shared_dir() / "prompts" / "books" / "moby_dick.txt").read_text()
+
+
+def load_prompt_set(name: str) -> list[str]:
+  """'mt_bench', 'humaneval', or a path to a text file with one prompt per line."""
+  if name == "mt_bench":
+    return mt_bench()
+  if name == "humaneval":
+    return humaneval()
+  path = Path(name)
+  if not path.is_file():
+    raise InputError(f"unknown prompt set {name!r} (mt_bench, humaneval, or a file path)")
+  return [line for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,136 @@
+"""Assertions for users' test suites: a decoding method equals dense decoding.
+
+  from sparsedec import testing
+  testing.assert_matches_dense(cfg, params, prompts, method="dense", max_new_tokens=64)
+  testing.assert_forward_matches_dense(cfg, params, tokens, my_forward, atol=1e-5)
+
+On failure the message names, per row, the first divergent position, the two tokens and the
+dense model's logit margin between them there (a near-tie in bf16 shows as a tiny margin).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparsedec.attention import causal_plan
+from sparsedec.decode.api import GenerationResult, generate
+from sparsedec.kv.dense import init_cache
+from sparsedec.model.config import ModelConfig
+from sparsedec.model.forward import forward
+from sparsedec.model.params import Params
+
+
+@dataclasses.dataclass(frozen=True)
+class Divergence:
+  row: int
+  position: int            # index into the generated tokens
+  actual: int | None       # None: actual ended here
+  expected: int | None     # None: expected ended here
+  margin: float | None = None     # dense logit[expected] - logit[actual] at that position
+  top2_margin: float | None = None  # dense top-1 minus top-2 logit there
+
+  def describe(self) -> str:
+    s = (f"row {self.row}: first divergence at generated position {self.position}: "
+         f"got {self.actual}, dense gave {self.expected}")
+    if self.margin is not None:
+      s += f" (dense logit margin expected-actual {self.margin:.6g}"
+      s += f", top-2 margin {self.top2_margin:.6g})"
+    return s
+
+
+def first_divergence(actual: Sequence[int], expected: Sequence[int]) -> int | None:
+  """Index of the first position where the sequences differ (or one ends), else None."""
+  for i, (a, e) in enumerate(zip(actual, expected)):
+    if a != e:
+      return i
+  return None if len(actual) == len(expected) else min(len(actual), len(expected))
+
+
+def dense_logits(cfg: ModelConfig, params: Params, tokens: Sequence[int]) -> np.ndarray:
+  """Teacher-forced fp32 logits [T, V] of the dense model over one token sequence."""
+  t = len(tokens)
+  cache = init_cache(cfg, 1, 1)
+  logits, _ = jax.jit(forward, static_argnums=0)(
+      cfg, params, jnp.asarray([tokens], jnp.int32), jnp.arange(t, dtype=jnp.int32)[None],
+      cache, causal_plan(t))
+  return np.asarray(logits[0])
+
+
+def find_divergences(actual: Sequence[Sequence[int]], expected: Sequence[Sequence[int]],
+                     cfg: ModelConfig | None = None, params: Params | None = None,
+                     prompts: Sequence[Sequence[int]] | None = None) -> list[Divergence]:
+  """Per-row first divergences; with cfg/params/prompts, the dense margins there too."""
+  if len(actual) != len(expected):
+    raise AssertionError(f"{len(actual)} rows of output against {len(expected)} expected")
+  out = []
+  for row, (a, e) in enumerate(zip(actual, expected)):
+    pos = first_divergence(a, e)
+    if pos is None:
+      continue
+    at = a[pos] if pos < len(a) else None
+    et = e[pos] if pos < len(e) else None
+    margin = top2 = None
+    if cfg is not None and params is not None and prompts is not None:
+      logits = dense_logits(cfg, params, list(prompts[row]) + list(e[:pos]))[-1]
+      top = np.sort(logits)[-2:]
+      top2 = float(top[1] - top[0])
+      if at is not None and et is not None:
+        margin = float(logits[et] - logits[at])
+    out.append(Divergence(row, pos, at, et, margin, top2))
+  return out
+
+
+def assert_tokens_equal(actual: Sequence[Sequence[int]], expected: Sequence[Sequence[int]], *,
+                        cfg: ModelConfig | None = None, params: Params | None = None,
+                        prompts: Sequence[Sequence[int]] | None = None,
+                        label: str = "method") -> None:
+  """Raise AssertionError with a per-row report of the first divergence, if any."""
+  divs = find_divergences(actual, expected, cfg, params, prompts)
+  if divs:
+    lines = [f"{label} output differs from dense decoding in {len(divs)} of {len(actual)} rows:"]
+    lines += ["  " + d.describe() for d in divs]
+    raise AssertionError("\n".join(lines))
+
+
+def assert_matches_dense(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
+                         method, max_new_tokens: int, expected: Sequence[Sequence[int]] | None
+                         = None, **generate_kwargs) -> GenerationResult:
+  """Generate with `method` and with dense decoding (greedy unless sampling/seed given) and
+  assert the tokens are identical. Pass `expected` to reuse a dense result. Returns the
+  method's result."""
+  result = generate(cfg, params, prompts, method=method, max_new_tokens=max_new_tokens,
+                    **generate_kwargs)
+  if expected is None:
+    expected = generate(cfg, params, prompts, method="dense", max_new_tokens=max_new_tokens,
+                        **generate_kwargs).tokens
+  name = method if isinstance(method, str) else getattr(method, "name", type(method).__name__)
+  assert_tokens_equal(result.tokens, expected, cfg=cfg, params=params, prompts=prompts,
+                      label=name)
+  return result
+
+
+def assert_forward_matches_dense(cfg: ModelConfig, params: Params, tokens: np.ndarray,
+                                 forward_fn: Callable[[jax.Array], jax.Array], *,
+                                 atol: float = 1e-5, rtol: float = 1e-5) -> None:
+  """forward_fn(tokens [B, T]) -> logits [B, T, V] must equal the dense teacher-forced logits
+  within atol/rtol (chex.assert_trees_all_close); the message names the worst position."""
+  tokens = np.asarray(tokens, np.int32)
+  chex.assert_rank(tokens, 2)
+  expected = np.stack([dense_logits(cfg, params, row.tolist()) for row in tokens])
+  actual = np.asarray(forward_fn(jnp.asarray(tokens)), np.float32)
+  chex.assert_shape(actual, expected.shape)
+  try:
+    chex.assert_trees_all_close(actual, expected, atol=atol, rtol=rtol)
+  except AssertionError as err:
+    err_abs = np.abs(actual - expected)
+    b, t, v = np.unravel_index(int(np.argmax(err_abs)), err_abs.shape)
+    raise AssertionError(
+        f"logits differ from dense: worst at row {b}, position {t}, token {v}: "
+        f"{actual[b, t, v]:.6g} vs {expected[b, t, v]:.6g} (|diff| {err_abs[b, t, v]:.3g}, "
+        f"atol {atol}, rtol {rtol})\n{err}") from None

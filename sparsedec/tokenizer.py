@@ -1,0 +1,240 @@
+"""Tokenizer: a `tokenizers.Tokenizer` plus the HF tokenizer_config bits decoding needs.
+
+- encode/decode with the BOS/EOS policy of tokenizer_config.json (`add_bos_token`, ...);
+- `apply_chat_template` renders the config's Jinja chat template the way transformers does
+  (sandboxed, trim_blocks, lstrip_blocks, `raise_exception`, `tojson`, `strftime_now`);
+- `StreamDecoder` turns a growing list of ids into text pieces for streaming.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+from typing import Any, Iterable, Mapping, Sequence
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as BackendTokenizer
+
+from sparsedec.errors import CheckpointError, InputError
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+GENERATION_CONFIG_FILE = "generation_config.json"
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _token_text(value: Any) -> str | None:
+  """tokenizer_config stores a special token as a string or as {"content": ...}."""
+  if isinstance(value, Mapping):
+    return value.get("content")
+  return value
+
+
+class Tokenizer:
+  """Text <-> token ids, chat template, special ids. Wraps a `tokenizers.Tokenizer`."""
+
+  def __init__(self, backend: BackendTokenizer, config: Mapping[str, Any] | None = None,
+               extra_eos_ids: Iterable[int] = ()):
+    """backend: the tokenizers object. config: tokenizer_config.json as a dict (bos_token,
+    eos_token, add_bos_token, add_eos_token, chat_template, ...). extra_eos_ids: more ids that
+    end generation (e.g. generation_config.json's eos_token_id list)."""
+    self.backend = backend
+    self.config = dict(config or {})
+    self.special_tokens = {k: _token_text(self.config.get(k)) for k in SPECIAL_TOKEN_KEYS}
+    self.bos_id = self._id_of(self.special_tokens["bos_token"])
+    eos = self._id_of(self.special_tokens["eos_token"])
+    self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(
+        ([eos] if eos is not None else []) + [int(i) for i in extra_eos_ids]))
+    self.add_bos = bool(self.config.get("add_bos_token", False))
+    self.add_eos = bool(self.config.get("add_eos_token", False))
+    self.chat_template: str | None = self.config.get("chat_template")
+    # Byte-fallback tokens (<0x41>) are decoded in runs: a following byte can still turn an
+    # emitted character into U+FFFD, so streaming holds text that ends in one of them.
+    byte_fallback = json.loads(backend.to_str()).get("model", {}).get("byte_fallback", False)
+    self.byte_token_ids = frozenset(
+        i for t, i in backend.get_vocab().items() if _BYTE_TOKEN.fullmatch(t)
+    ) if byte_fallback else frozenset()
+    self.special_ids = frozenset(
+        i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+    if isinstance(self.chat_template, list):   # [{"name": "default", "template": ...}, ...]
+      named = {t.get("name"): t.get("template") for t in self.chat_template}
+      self.chat_template = named.get("default")
+
+  def _id_of(self, token: str | None) -> int | None:
+    if token is None:
+      return None
+    token_id = self.backend.token_to_id(token)
+    if token_id is None:
+      raise CheckpointError(f"special token {token!r} from the tokenizer config is not in the "
+                            "vocabulary")
+    return token_id
+
+  @property
+  def vocab_size(self) -> int:
+    return self.backend.get_vocab_size(with_added_tokens=True)
+
+  # ------------------------------------------------------------------------- encode / decode
+  def encode(self, text: str, add_bos: bool | None = None, add_eos: bool | None = None
+             ) -> list[int]:
+    """Token ids of `text`. add_bos/add_eos default to the tokenizer config's policy.
+    Special-token strings in the text (e.g. "<|im_start|>") become their single ids."""
+    if not isinstance(text, str):
+      raise InputError(f"encode expects a str, got {type(text).__name__}")
+    ids = self.backend.encode(text, add_special_tokens=False).ids
+    if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+      ids = [self.bos_id] + ids
+    if (self.add_eos if add_eos is None else add_eos) and self.eos_ids:
+      ids = ids + [self.eos_ids[0]]
+    return ids
+
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+    return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+  def stream_decoder(self, skip_special_tokens: bool = False) -> "StreamDecoder":
+    return StreamDecoder(self, skip_special_tokens)
+
+  # --------------------------------------------------------------------------- chat template
+  def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                          add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    """Render `messages` ([{"role": ..., "content": ...}, ...]) with the chat template.
+    Extra keyword arguments (tools=..., enable_thinking=...) are passed to the template."""
+    if not self.chat_template:
+      raise InputError("this tokenizer has no chat_template")
+    template = _compile_template(self.chat_template)
+    variables = {k: v for k, v in self.special_tokens.items() if v is not None}
+    variables.update(_plain(kwargs))
+    return template.render(messages=_plain(list(messages)),
+                           add_generation_prompt=add_generation_prompt, **variables)
+
+  # ------------------------------------------------------------------------------- files
+  @classmethod
+  def from_dir(cls, path: str | os.PathLike) -> "Tokenizer":
+    """Read tokenizer.json, tokenizer_config.json (optional), chat_template.jinja (optional)
+    and generation_config.json's eos ids (optional) from an HF-style directory."""
+    tok_file = os.path.join(path, TOKENIZER_FILE)
+    if not os.path.isfile(tok_file):
+      raise CheckpointError(f"{TOKENIZER_FILE} not found in {path}")
+    backend = BackendTokenizer.from_file(tok_file)
+    config = _read_json(os.path.join(path, TOKENIZER_CONFIG_FILE))
+    template_file = os.path.join(path, CHAT_TEMPLATE_FILE)
+    if "chat_template" not in config and os.path.isfile(template_file):
+      with open(template_file) as f:
+        config["chat_template"] = f.read()
+    eos = _read_json(os.path.join(path, GENERATION_CONFIG_FILE)).get("eos_token_id")
+    extra = [] if eos is None else (list(eos) if isinstance(eos, list) else [eos])
+    return cls(backend, config, extra)
+
+  def save(self, path: str | os.PathLike) -> None:
+    """Write tokenizer.json and tokenizer_config.json (chat template included) into `path`."""
+    os.makedirs(path, exist_ok=True)
+    self.backend.save(os.path.join(path, TOKENIZER_FILE))
+    config = dict(self.config)
+    if self.chat_template is not None:
+      config["chat_template"] = self.chat_template
+    with open(os.path.join(path, TOKENIZER_CONFIG_FILE), "w") as f:
+      json.dump(config, f, indent=2, ensure_ascii=False)
+
+
+class StreamDecoder:
+  """Incremental detokenization: `feed(ids)` returns only newly completed text.
+
+  Text is held back while it ends in U+FFFD (a partial UTF-8 character) or while the last
+  decoded id is a byte-fallback token (its run of bytes may still change); `finish()` returns
+  whatever is still held. The pieces
+  concatenate to `decode(all ids)`. Each call decodes only a short window of recent ids: text
+  is taken as new text of the window [prefix, end) minus the text of [prefix, read).
+  """
+
+  def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+    self.tokenizer = tokenizer
+    self.skip_special_tokens = skip_special_tokens
+    self.ids: list[int] = []
+    self._prefix = 0   # window start: the first id of the last emitted chunk
+    self._read = 0     # ids before this are already emitted as text
+
+  def _decode(self, ids: Sequence[int]) -> str:
+    return self.tokenizer.decode(ids, self.skip_special_tokens)
+
+  def feed(self, ids: int | Iterable[int]) -> str:
+    self.ids.extend([int(ids)] if isinstance(ids, int) else [int(i) for i in ids])
+    prefix_text = self._decode(self.ids[self._prefix:self._read])
+    text = self._decode(self.ids[self._prefix:])
+    if len(text) <= len(prefix_text) or text.endswith("\ufffd") or self._in_byte_run():
+      return ""
+    self._prefix, self._read = self._read, len(self.ids)
+    return text[len(prefix_text):]
+
+  def _in_byte_run(self) -> bool:
+    skipped = self.tokenizer.special_ids if self.skip_special_tokens else frozenset()
+    for token_id in reversed(self.ids):
+      if token_id not in skipped:
+        return token_id in self.tokenizer.byte_token_ids
+    return False
+
+  def finish(self) -> str:
+    """The text still held back (e.g. an incomplete character at the very end)."""
+    prefix_text = self._decode(self.ids[self._prefix:self._read])
+    text = self._decode(self.ids[self._prefix:])
+    self._prefix = self._read = len(self.ids)
+    return text[len(prefix_text):]
+
+
+# ------------------------------------------------------------------------------ jinja helpers
+def _raise_exception(message: str):
+  raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+  # Jinja's own tojson escapes HTML characters; chat templates expect plain json.dumps.
+  return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                    sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+  return datetime.datetime.now().strftime(fmt)
+
+
+_TEMPLATES: dict[str, jinja2.Template] = {}
+
+
+def _compile_template(source: str) -> jinja2.Template:
+  if source not in _TEMPLATES:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+      _TEMPLATES[source] = env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+      raise CheckpointError(f"chat_template does not parse: {e}") from e
+  return _TEMPLATES[source]
+
+
+def _plain(value: Any) -> Any:
+  """A deep copy made of plain JSON-like types (what the sandboxed template may see)."""
+  if value is None or type(value) in (str, int, float, bool):
+    return value
+  if isinstance(value, Mapping):
+    return {str(k): _plain(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_plain(v) for v in value]
+  if isinstance(value, bool):
+    return bool(value)
+  for base in (str, int, float):   # subclasses (enums, numpy scalars) back to the base type
+    if isinstance(value, base):
+      return base(value)
+  raise InputError(f"chat template input of type {type(value).__name__} is not supported "
+                   "(use str, numbers, lists and dicts)")
+
+
+def _read_json(path: str) -> dict:
+  if not os.path.isfile(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)

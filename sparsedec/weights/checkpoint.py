@@ -1,0 +1,224 @@
+"""sparsedec checkpoints: convert once (HF dir or GGUF file), then load fast with orbax.
+
+A checkpoint directory `checkpoints/NAME/` holds:
+
+  params/                  the params pytree, saved with orbax
+  sparsedec_config.json    ModelConfig.to_dict()
+  tokenizer.json, tokenizer_config.json (chat_template inside), generation_config.json
+
+It is written into a hidden temporary sibling directory and renamed into place at the end, so
+an interrupted or failed save never leaves a directory that looks like a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import uuid
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from tqdm import tqdm
+
+from sparsedec.errors import CheckpointError
+from sparsedec.model.config import ModelConfig
+from sparsedec.model.params import Params, abstract_params, cast_params, check_params
+from sparsedec.tokenizer import GENERATION_CONFIG_FILE, Tokenizer
+from sparsedec.weights.gguf_file import load_gguf
+from sparsedec.weights.hf import CONFIG_FILE, load_hf
+
+CONFIG_NAME = "sparsedec_config.json"
+PARAMS_DIR = "params"
+GGUF_MAGIC = b"GGUF"
+
+# What tokenizer files save_checkpoint accepts: a Tokenizer, or {file name: text/bytes/dict}.
+TokenizerFiles = Tokenizer | Mapping[str, Any] | None
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+  return os.path.isfile(os.path.join(path, CONFIG_NAME))
+
+
+def _write_tokenizer_files(dir_: str, tokenizer_files: TokenizerFiles) -> None:
+  if tokenizer_files is None:
+    return
+  if isinstance(tokenizer_files, Tokenizer):
+    tokenizer_files.save(dir_)
+    return
+  for name, content in tokenizer_files.items():
+    if os.path.basename(name) != name:
+      raise CheckpointError(f"tokenizer file name {name!r} must be a plain file name")
+    mode = "wb" if isinstance(content, bytes) else "w"
+    with open(os.path.join(dir_, name), mode) as f:
+      if isinstance(content, (dict, list)):
+        json.dump(content, f, indent=2, ensure_ascii=False)
+      else:
+        f.write(content)
+
+
+def save_checkpoint(out_dir: str | os.PathLike, cfg: ModelConfig, params: Params,
+                    tokenizer_files: TokenizerFiles = None, overwrite: bool = False) -> str:
+  """Write a checkpoint directory atomically; returns its absolute path.
+
+  tokenizer_files: a Tokenizer, or {file name: str | bytes | json-able dict}. A
+  generation_config.json with cfg's bos/eos ids is added when none is given.
+  Refuses to replace an existing directory unless overwrite=True.
+  """
+  out_dir = os.path.abspath(os.fspath(out_dir))
+  if os.path.exists(out_dir) and not overwrite:
+    raise CheckpointError(f"{out_dir} already exists (pass overwrite=True to replace it)")
+  check_params(cfg, params)
+  parent, name = os.path.split(out_dir)
+  os.makedirs(parent, exist_ok=True)
+  tmp = os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+  os.makedirs(tmp)
+  try:
+    params = jax.tree.map(lambda x: jnp.asarray(x, cfg.dtype), params)
+    with ocp.StandardCheckpointer() as ckptr:
+      ckptr.save(os.path.join(tmp, PARAMS_DIR), params)
+      ckptr.wait_until_finished()
+    _write_tokenizer_files(tmp, tokenizer_files)
+    gen_file = os.path.join(tmp, GENERATION_CONFIG_FILE)
+    if not os.path.exists(gen_file):
+      gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids)}
+      with open(gen_file, "w") as f:
+        json.dump({k: v for k, v in gen.items() if v not in (None, [])}, f, indent=2)
+    # The config goes last: a directory without it is not a checkpoint.
+    with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
+      json.dump(cfg.to_dict(), f, indent=2)
+    if os.path.exists(out_dir):
+      old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
+      os.rename(out_dir, old)
+      os.rename(tmp, out_dir)
+      shutil.rmtree(old, ignore_errors=True)
+    else:
+      os.rename(tmp, out_dir)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return out_dir
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+  config_file = os.path.join(path, CONFIG_NAME)
+  if not os.path.isfile(config_file):
+    raise CheckpointError(f"{path} is not a sparsedec checkpoint ({CONFIG_NAME} not found)")
+  with open(config_file) as f:
+    return ModelConfig.from_dict(json.load(f))
+
+
+def load_checkpoint(path: str | os.PathLike, dtype: str | None = None
+                    ) -> tuple[ModelConfig, Params]:
+  """Restore (cfg, params as jax arrays) from a checkpoint directory; dtype casts on restore."""
+  path = os.path.abspath(os.fspath(path))
+  if not os.path.isdir(path):
+    raise CheckpointError(f"checkpoint directory not found: {path}")
+  cfg = load_config(path)
+  params_dir = os.path.join(path, PARAMS_DIR)
+  if not os.path.isdir(params_dir):
+    raise CheckpointError(f"checkpoint {path} has no {PARAMS_DIR}/ directory")
+  stored = abstract_params(cfg)
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                        stored)
+  try:
+    with ocp.StandardCheckpointer() as ckptr:
+      params = ckptr.restore(params_dir, target)
+  except (ValueError, KeyError, FileNotFoundError) as e:
+    raise CheckpointError(f"cannot restore params from {params_dir}: {e}") from e
+  params = {**params, "layers": list(params["layers"])}
+  check_params(cfg, params)
+  if dtype is not None and dtype != cfg.dtype:
+    cfg = cfg.replace(dtype=dtype)
+    params = cast_params(params, dtype)
+  return cfg, params
+
+
+# ------------------------------------------------------------------------------- conversion
+def source_kind(src: str | os.PathLike) -> str:
+  """"checkpoint", "hf" or "gguf"; CheckpointError when `src` is none of them."""
+  src = os.fspath(src)
+  if os.path.isdir(src):
+    if is_checkpoint(src):
+      return "checkpoint"
+    if os.path.isfile(os.path.join(src, CONFIG_FILE)):
+      return "hf"
+    raise CheckpointError(f"{src} is neither a sparsedec checkpoint ({CONFIG_NAME}) nor an HF "
+                          f"checkpoint directory ({CONFIG_FILE})")
+  if os.path.isfile(src):
+    with open(src, "rb") as f:
+      if f.read(4) == GGUF_MAGIC:
+        return "gguf"
+    raise CheckpointError(f"{src} is not a GGUF file (no GGUF magic bytes)")
+  raise CheckpointError(f"model path not found: {src}")
+
+
+def _tqdm_progress(desc: str) -> tuple[Callable[[str, int], None], Callable[[], None]]:
+  bar = tqdm(desc=desc, unit="tensor", file=sys.stderr, leave=False)
+
+  def step(name: str, total: int) -> None:
+    if bar.total != total:
+      bar.total = total
+    bar.set_postfix_str(name, refresh=False)
+    bar.update(1)
+
+  return step, bar.close
+
+
+def _load_source(src: str, kind: str, dtype: str | None, progress=None
+                 ) -> tuple[ModelConfig, Params, Tokenizer | None]:
+  if kind == "gguf":
+    return load_gguf(src, dtype, progress)
+  cfg, params = load_hf(src, dtype, progress)
+  has_tokenizer = os.path.isfile(os.path.join(src, "tokenizer.json"))
+  return cfg, params, Tokenizer.from_dir(src) if has_tokenizer else None
+
+
+def convert(src: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None,
+            overwrite: bool = False, show_progress: bool = True) -> str:
+  """Convert an HF checkpoint directory or a .gguf file into a checkpoint directory `out`."""
+  src = os.fspath(src)
+  kind = source_kind(src)
+  if kind == "checkpoint":
+    raise CheckpointError(f"{src} is already a sparsedec checkpoint")
+  step, close = _tqdm_progress(f"converting {os.path.basename(src)}") if show_progress else (
+      None, lambda: None)
+  try:
+    cfg, params, tokenizer = _load_source(src, kind, dtype, step)
+  finally:
+    close()
+  # From an HF directory the tokenizer files are copied byte for byte.
+  files: TokenizerFiles = _hf_tokenizer_files(src) if kind == "hf" else tokenizer
+  return save_checkpoint(out, cfg, params, files, overwrite=overwrite)
+
+
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                      GENERATION_CONFIG_FILE)
+
+
+def _hf_tokenizer_files(src: str) -> dict[str, bytes]:
+  files = {}
+  for name in HF_TOKENIZER_FILES:
+    file = os.path.join(src, name)
+    if os.path.isfile(file):
+      with open(file, "rb") as f:
+        files[name] = f.read()
+  return files
+
+
+def load_model(path: str | os.PathLike, dtype: str | None = None
+               ) -> tuple[ModelConfig, Params, Tokenizer]:
+  """(cfg, params as jax arrays, Tokenizer) from a checkpoint dir, an HF dir or a .gguf file."""
+  path = os.fspath(path)
+  kind = source_kind(path)
+  if kind == "checkpoint":
+    cfg, params = load_checkpoint(path, dtype)
+    return cfg, params, Tokenizer.from_dir(path)
+  cfg, params, tokenizer = _load_source(path, kind, dtype)
+  if tokenizer is None:
+    raise CheckpointError(f"no tokenizer.json in {path}")
+  return cfg, jax.tree.map(jnp.asarray, params), tokenizer

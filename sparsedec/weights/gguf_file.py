@@ -1,0 +1,294 @@
+"""GGUF files -> (ModelConfig, params, Tokenizer), through the `gguf` package.
+
+The metadata is turned into an HF-like config dict and goes through `ModelConfig.from_hf`, so an
+unsupported model is refused the same way as an HF checkpoint. Tensors are dequantized with
+`gguf.quants.dequantize`, renamed to HF names and assembled by `weights.hf`; llama-architecture
+files store q/k rows in interleaved RoPE order, which is undone here.
+
+The tokenizer is rebuilt from `tokenizer.ggml.*` the way transformers builds it when it loads
+the same file (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Callable
+
+import gguf
+import numpy as np
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
+
+from sparsedec.errors import CheckpointError, UnsupportedConfigError
+from sparsedec.model.config import ModelConfig
+from sparsedec.model.params import Params
+from sparsedec.tokenizer import Tokenizer
+from sparsedec.weights.hf import params_from_hf_tensors
+
+# general.architecture -> HF architectures entry. GGUF "llama" also covers Mistral-style files.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+# Architectures whose q/k rows are stored in llama.cpp's interleaved RoPE order.
+PERMUTED_QK = frozenset({"llama"})
+
+# GGUF tensor name -> HF tensor name.
+GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+                "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}
+LAYER_NAMES = {
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
+TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
+
+# tokenizer.ggml.pre -> the split regex its BPE merges were learned with. Other pre-tokenizer
+# names fall back to GPT-2's ByteLevel regex, as transformers does.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+                        "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+                        "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+
+
+# --------------------------------------------------------------------------------- metadata
+def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+  """Every metadata field as a Python value (strings, numbers, lists)."""
+  return {name: field.contents() for name, field in reader.fields.items()
+          if not name.startswith("GGUF.")}
+
+
+def hf_config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+  """An HF config.json-like dict from GGUF metadata; refuses unknown architectures."""
+  arch = meta.get("general.architecture")
+  if arch not in ARCHITECTURES:
+    raise UnsupportedConfigError(
+        f"GGUF general.architecture {arch!r} is not supported (supported: {sorted(ARCHITECTURES)})")
+
+  def key(name: str, default: Any = None, required: bool = False) -> Any:
+    full = f"{arch}.{name}"
+    if full not in meta:
+      if required:
+        raise CheckpointError(f"GGUF metadata {full!r} is missing")
+      return default
+    return meta[full]
+
+  tokens = meta.get("tokenizer.ggml.tokens")
+  vocab_size = key("vocab_size", len(tokens) if tokens else None)
+  if vocab_size is None:
+    raise CheckpointError("GGUF has neither a vocab_size nor a tokenizer.ggml.tokens list")
+  hidden = int(key("embedding_length", required=True))
+  num_heads = int(key("attention.head_count", required=True))
+  head_dim = int(key("attention.key_length", hidden // num_heads))
+  hf: dict[str, Any] = {
+      "architectures": [ARCHITECTURES[arch]],
+      "model_type": arch,
+      "vocab_size": int(vocab_size),
+      "hidden_size": hidden,
+      "intermediate_size": int(key("feed_forward_length", required=True)),
+      "num_hidden_layers": int(key("block_count", required=True)),
+      "num_attention_heads": num_heads,
+      "num_key_value_heads": int(key("attention.head_count_kv", num_heads)),
+      "head_dim": head_dim,
+      "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+      "rope_theta": float(key("rope.freq_base", 10000.0)),
+      "max_position_embeddings": int(key("context_length", 2048)),
+      "tie_word_embeddings": "output.weight" not in tensor_names,
+      "attention_bias": "blk.0.attn_output.bias" in tensor_names,
+      "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+      "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+  }
+  if key("attention.value_length", head_dim) != head_dim:
+    raise UnsupportedConfigError(f"{arch}.attention.value_length {key('attention.value_length')} "
+                                 f"!= key_length {head_dim} is not supported")
+  rope_dims = key("rope.dimension_count", head_dim)
+  if rope_dims != head_dim:
+    hf["partial_rotary_factor"] = rope_dims / head_dim
+  scaling = key("rope.scaling.type", "none")
+  if scaling not in ("none", None):
+    hf["rope_scaling"] = {"rope_type": scaling, "factor": key("rope.scaling.factor", 1.0)}
+  if "rope_freqs.weight" in tensor_names:
+    raise UnsupportedConfigError("GGUF tensor 'rope_freqs.weight' (llama3 RoPE scaling stored as "
+                                 "per-frequency factors) is not supported")
+  if key("attention.sliding_window"):
+    hf["sliding_window"] = int(key("attention.sliding_window"))
+  if key("expert_count"):
+    hf["num_experts"] = int(key("expert_count"))
+  return hf
+
+
+# ---------------------------------------------------------------------------------- tensors
+def hf_tensor_name(gguf_name: str) -> str:
+  if gguf_name in GLOBAL_NAMES:
+    return GLOBAL_NAMES[gguf_name]
+  m = _BLOCK_RE.fullmatch(gguf_name)
+  if m and m.group(2) in LAYER_NAMES:
+    return f"model.layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}"
+  raise CheckpointError(f"GGUF tensor {gguf_name!r} is not supported (unknown name)")
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+  """llama.cpp's interleaved q/k row order -> HF's half-split order. w: [n_heads * D, In]."""
+  d_out = w.shape[0]
+  head_dim = d_out // n_heads
+  rest = w.shape[1:]
+  return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(d_out, *rest)
+
+
+def load_gguf(path: str | os.PathLike, dtype: str | None = None,
+              progress: Callable[[str, int], None] | None = None
+              ) -> tuple[ModelConfig, Params, Tokenizer]:
+  """Load a GGUF file into (ModelConfig, params as numpy, Tokenizer). dtype default float32."""
+  path = os.fspath(path)
+  if not os.path.isfile(path):
+    raise CheckpointError(f"GGUF file not found: {path}")
+  reader = gguf.GGUFReader(path)
+  meta = read_metadata(reader)
+  tensors = {t.name: t for t in reader.tensors}
+  hf = hf_config_from_metadata(meta, set(tensors))
+  cfg = ModelConfig.from_hf(hf, dtype or "float32")
+  hf_names = {hf_tensor_name(name): name for name in tensors}
+  arch = meta["general.architecture"]
+
+  def read(hf_name: str) -> np.ndarray:
+    tensor = tensors[hf_names[hf_name]]
+    w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)       # numpy order: [Out, In]
+    w = np.asarray(w, np.float32).reshape(tuple(int(n) for n in reversed(tensor.shape)))
+    if arch in PERMUTED_QK and hf_name.endswith("q_proj.weight"):
+      w = unpermute_rope_rows(w, cfg.num_heads)
+    elif arch in PERMUTED_QK and hf_name.endswith("k_proj.weight"):
+      w = unpermute_rope_rows(w, cfg.num_kv_heads)
+    return w
+
+  params = params_from_hf_tensors(cfg, list(hf_names), read, progress)
+  return cfg, params, tokenizer_from_metadata(meta)
+
+
+# -------------------------------------------------------------------------------- tokenizer
+def _byte_alphabet() -> dict[int, str]:
+  """GPT-2's byte -> printable character table used by byte-level BPE vocabularies."""
+  printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+               + list(range(ord("®"), ord("ÿ") + 1)))
+  table, extra = {}, 0
+  for b in range(256):
+    if b in printable:
+      table[b] = chr(b)
+    else:
+      table[b] = chr(256 + extra)
+      extra += 1
+  return table
+
+
+def _byte_level_backend(meta: dict[str, Any]) -> tuple[BackendTokenizer, set[str]]:
+  table = _byte_alphabet()
+  alphabet = set(table.values())
+  tokens = meta["tokenizer.ggml.tokens"]
+  vocab = {}
+  for i, token in enumerate(tokens):
+    spelled = token if set(token) <= alphabet else "".join(table[b] for b in token.encode())
+    vocab[spelled] = i
+  merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges", [])]
+  backend = BackendTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+  split = PRE_TOKENIZER_SPLITS.get(meta.get("tokenizer.ggml.pre"))
+  if split is None:
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  else:
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  backend.decoder = decoders.ByteLevel()
+  return backend, alphabet
+
+
+def _sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+  """BPE merges implied by a SentencePiece vocabulary: every split of a token into two vocab
+  pieces, best-scoring merged token first (ties: shorter left piece, then shorter right)."""
+  vocab = {t: i for i, t in enumerate(tokens)}
+  merges = []
+  for token, score in zip(tokens, scores):
+    local = [(token[:i], token[i:], score) for i in range(1, len(token))
+             if token[:i] in vocab and token[i:] in vocab]
+    local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    merges.extend(local)
+  merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+  return [(left, right) for left, right, _ in merges]
+
+
+def _sentencepiece_backend(meta: dict[str, Any]) -> tuple[BackendTokenizer, None]:
+  tokens = meta["tokenizer.ggml.tokens"]
+  vocab = {t: i for i, t in enumerate(tokens)}
+  if "tokenizer.ggml.merges" in meta:
+    merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
+  else:
+    merges = _sentencepiece_merges(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+  backend = BackendTokenizer(models.BPE(vocab, merges, fuse_unk=True, byte_fallback=True))
+  backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first",
+                                                   split=False)
+  backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                       decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+  return backend, None
+
+
+TOKENIZER_BUILDERS = {"gpt2": _byte_level_backend, "llama": _sentencepiece_backend}
+
+
+def tokenizer_from_metadata(meta: dict[str, Any]) -> Tokenizer:
+  """The tokenizer a GGUF describes (tokenizer.ggml.model "gpt2" or "llama"), chat template
+  included."""
+  kind = meta.get("tokenizer.ggml.model")
+  if kind not in TOKENIZER_BUILDERS:
+    raise UnsupportedConfigError(f"GGUF tokenizer.ggml.model {kind!r} is not supported "
+                                 f"(supported: {sorted(TOKENIZER_BUILDERS)})")
+  if "tokenizer.ggml.tokens" not in meta:
+    raise CheckpointError("GGUF has no tokenizer.ggml.tokens")
+  backend, alphabet = TOKENIZER_BUILDERS[kind](meta)
+  tokens = meta["tokenizer.ggml.tokens"]
+  types = meta.get("tokenizer.ggml.token_type") or []
+
+  def token(key: str) -> str | None:
+    i = meta.get(f"tokenizer.ggml.{key}")
+    return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+  named = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
+           "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id")}
+  # Named special tokens first (their own ids), then control tokens; a byte-level control token
+  # spelled outside the byte alphabet is a mislabel and is skipped, as transformers does.
+  special = [t for t in named.values() if t is not None]
+  special += [t for t, ty in zip(tokens, types) if ty == TOKEN_CONTROL
+              and (alphabet is None or set(t) <= alphabet)]
+  backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                              for t in dict.fromkeys(special)])
+  vocab = backend.get_vocab()
+  user_defined = [AddedToken(t, normalized=False, special=False)
+                  for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED and t in vocab]
+  if user_defined:
+    backend.add_tokens(user_defined)
+  add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
+  config = {
+      **{k: v for k, v in named.items() if v is not None},
+      "add_bos_token": bool(add_bos),
+      "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+      "clean_up_tokenization_spaces": False,
+  }
+  if meta.get("tokenizer.chat_template"):
+    config["chat_template"] = meta["tokenizer.chat_template"]
+  return Tokenizer(backend, config)
+
+
+def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
+  """Only the tokenizer of a GGUF file (reads metadata, no tensors are dequantized)."""
+  path = os.fspath(path)
+  if not os.path.isfile(path):
+    raise CheckpointError(f"GGUF file not found: {path}")
+  return tokenizer_from_metadata(read_metadata(gguf.GGUFReader(path)))

@@ -1,0 +1,56 @@
+"""Shared test fixtures: paths of real models and of the transformers reference interpreter.
+
+Sections are owned by different developers: keep this file additive. Locations and the
+skip-or-fail policy live in tests/hf_harness.py: a missing reference env or model skips the
+tests that need it, except under CI (env CI set), where it fails them.
+"""
+
+import os
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # tests/ helpers importable
+
+import hf_harness  # noqa: E402
+
+ROOT = hf_harness.REPO
+SHARED = hf_harness.SHARED
+STORIES_HF = hf_harness.STORIES260K
+
+
+@pytest.fixture(scope="session")
+def hf_python() -> pathlib.Path:
+  """The Python 3.11 interpreter with transformers: $SPARSEDEC_HF_PYTHON, else <repo>/.hfenv,
+  else <repo>/../.hfenv. Skips when absent (fails under CI)."""
+  python = hf_harness.find_hf_python()
+  if python is None:
+    tried = ", ".join(str(p) for p in hf_harness.hf_python_candidates())
+    hf_harness.unavailable(
+        f"transformers reference interpreter not found (tried {tried}; set SPARSEDEC_HF_PYTHON)")
+  return python
+
+
+@pytest.fixture(scope="session")
+def hf_reference(hf_python, tmp_path_factory) -> hf_harness.HFReference:
+  """Runs tests/hf_reference/reference.py jobs (`.run(job_name, tasks)`), once per session."""
+  return hf_harness.HFReference(hf_python, tmp_path_factory.mktemp("hf_reference"))
+
+
+@pytest.fixture(scope="session")
+def stories_hf_dir() -> pathlib.Path:
+  """stories260K in HF layout (../shared/models/stories260K)."""
+  if not (STORIES_HF / "config.json").is_file():
+    hf_harness.unavailable(f"stories260K not found at {STORIES_HF}")
+  return STORIES_HF
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> pathlib.Path:
+  """SmolLM2-135M-Instruct Q4_1 GGUF (env SPARSEDEC_SMOLLM2_GGUF, default
+  <repo>/.cache/models/...; scripts/setup.sh fetches it). Skips when absent (fails under CI)."""
+  path = hf_harness.smollm2_gguf_path()
+  if not path.is_file():
+    hf_harness.unavailable(f"SmolLM2 GGUF not found at {path} (set SPARSEDEC_SMOLLM2_GGUF)")
+  return path

@@ -1,0 +1,202 @@
+"""Dense decoding: cache + while_loop equal full recompute; batching; compile-once; bad input."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sparsedec
+from sparsedec import testing
+from sparsedec.attention import causal_plan
+from sparsedec.decode.api import prompt_bucket
+from sparsedec.kv.dense import init_cache
+from sparsedec.model.config import ModelConfig, RopeScaling
+from sparsedec.model.forward import forward
+from sparsedec.model.params import init_random
+
+from conftest import STORIES_HF as STORIES
+
+TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+            num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+CONFIGS = {
+    "llama3": ModelConfig(family="llama", rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 16),
+                          **TINY),
+    "mistral_window": ModelConfig(family="mistral", sliding_window=6, **TINY),
+    "qwen2": ModelConfig(family="qwen2", qkv_bias=True, tie_word_embeddings=True, **TINY),
+    "qwen3": ModelConfig(family="qwen3", qk_norm=True, **{**TINY, "head_dim": 16}),
+}
+
+
+def recompute_greedy(cfg, params, prompt, n):
+  """Greedy by re-running the whole sequence each token, no cache: the simplest reference.
+  The sequence is right-padded to one length (causal attention ignores the padding)."""
+  width = len(prompt) + n
+  fwd = jax.jit(forward, static_argnums=0)
+  seq = list(prompt)
+  for _ in range(n):
+    padded = jnp.asarray([seq + [0] * (width - len(seq))])
+    logits, _ = fwd(cfg, params, padded, jnp.arange(width)[None], init_cache(cfg, 1, 1),
+                    causal_plan(width))
+    seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
+  return seq[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def stories():
+  from sparsedec.weights.checkpoint import load_model
+  cfg, params, tok = load_model(STORIES)
+  return cfg, params, tok
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_cached_decode_equals_full_recompute(name):
+  cfg = CONFIGS[name]
+  params = init_random(cfg, jax.random.key(1), scale=0.3)
+  prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13]]
+  result = sparsedec.generate(cfg, params, prompts, max_new_tokens=12, stop_tokens=(),
+                              prefill_chunk=4)
+  for prompt, got in zip(prompts, result.tokens):
+    assert got == recompute_greedy(cfg, params, prompt, 12)
+
+
+def test_stories_batch_rows_equal_single_rows(stories):
+  cfg, params, tok = stories
+  texts = ["Once upon a time", "The cat sat on the mat and looked at the big red ball",
+           "Lily"]
+  prompts = [tok.encode(t) for t in texts]
+  assert len({len(p) for p in prompts}) == 3
+  batched = sparsedec.generate(cfg, params, prompts, max_new_tokens=64, stop_tokens=())
+  for i, prompt in enumerate(prompts):
+    single = sparsedec.generate(cfg, params, [prompt], max_new_tokens=64, stop_tokens=())
+    testing.assert_tokens_equal([batched.tokens[i]], single.tokens, label=f"batch row {i}")
+  assert all(len(t) == 64 for t in batched.tokens)
+
+
+def test_stories_chunked_prefill_equals_one_chunk(stories):
+  cfg, params, tok = stories
+  prompt = tok.encode("Once upon a time, there was a little girl named Lily. She loved to play "
+                      "outside in the park with her friends every day.")
+  assert len(prompt) > 16
+  one = sparsedec.generate(cfg, params, [prompt], max_new_tokens=32, stop_tokens=())
+  chunked = sparsedec.generate(cfg, params, [prompt], max_new_tokens=32, stop_tokens=(),
+                               prefill_chunk=8)
+  assert one.tokens == chunked.tokens
+
+
+def test_stop_token_ends_row_and_is_kept():
+  cfg = CONFIGS["llama3"]
+  params = init_random(cfg, jax.random.key(2), scale=0.3)
+  free = sparsedec.generate(cfg, params, [[1, 2, 3]], max_new_tokens=16, stop_tokens=())
+  stop = free.tokens[0][5]
+  first = free.tokens[0].index(stop)
+  stopped = sparsedec.generate(cfg, params, [[1, 2, 3], [4, 5]], max_new_tokens=16,
+                               stop_tokens=(stop,))
+  assert stopped.tokens[0] == free.tokens[0][: first + 1]
+  assert stopped.stopped[0]
+
+
+def test_second_prompt_in_same_bucket_does_not_recompile(stories):
+  cfg, params, tok = stories
+  a, b = tok.encode("Once upon a time"), tok.encode("The dog ran to the park")
+  assert len(a) != len(b) and prompt_bucket(len(a)) == prompt_bucket(len(b))
+  sparsedec.generate(cfg, params, [a], max_new_tokens=24)
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None)
+  try:
+    sparsedec.generate(cfg, params, [b], max_new_tokens=24)
+  finally:
+    jax.monitoring.clear_event_listeners()
+  assert compiles == [], f"recompiled: {compiles}"
+
+
+def test_sampling_first_token_distribution_matches_processed_probs(stories):
+  """Draws of the first token over many seeds follow softmax(top-k/top-p(logits / T))."""
+  from scipy import stats
+  cfg, params, tok = stories
+  prompt = tok.encode("Lily and Tom went to the")
+  sampling = sparsedec.SamplingConfig(temperature=1.3, top_k=12, top_p=0.9)
+  n = 1000
+  result = sparsedec.generate(cfg, params, [prompt] * n, max_new_tokens=1, sampling=sampling,
+                              seed=list(range(n)))
+  draws = np.array([t[0] for t in result.tokens])
+  logits = testing.dense_logits(cfg, params, prompt)[-1]
+  # independent numpy top-k / top-p
+  x = logits.astype(np.float64) / 1.3
+  x[x < np.sort(x)[-12]] = -np.inf
+  order = np.argsort(-x)
+  p = np.exp(x[order] - x[order[0]])
+  p /= p.sum()
+  keep = (np.cumsum(p) - p) < 0.9
+  probs = np.zeros_like(x)
+  probs[order[keep]] = p[keep] / p[keep].sum()
+  support = np.nonzero(probs)[0]
+  assert len(support) >= 5, "the test needs a spread-out distribution to mean anything"
+  assert set(draws) <= set(support), "drew a token outside top-k/top-p"
+  observed = np.array([(draws == t).sum() for t in support])
+  # chi-square goodness of fit, false-alarm rate 1e-3
+  expected = probs[support].astype(np.float64) / probs[support].sum() * n
+  assert stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(sampling_kw=dict(top_p=0.0)), "top_p"),
+    (dict(sampling_kw=dict(top_p=1.5)), "top_p"),
+    (dict(sampling_kw=dict(temperature=-1.0)), "temperature"),
+    (dict(sampling_kw=dict(top_k=-3)), "top_k"),
+])
+def test_bad_sampling_parameters(kwargs, message):
+  with pytest.raises(sparsedec.InputError, match=message):
+    sparsedec.SamplingConfig(**kwargs["sampling_kw"])
+
+
+def test_prompt_longer_than_cache_is_an_error():
+  cfg = CONFIGS["llama3"]
+  params = init_random(cfg, jax.random.key(0))
+  with pytest.raises(sparsedec.InputError, match="does not fit in the KV cache of 32"):
+    sparsedec.generate(cfg, params, [list(range(30))], max_new_tokens=8, cache_size=32)
+  with pytest.raises(sparsedec.InputError, match="max_position_embeddings"):
+    sparsedec.generate(cfg, params, [list(range(90))] , max_new_tokens=500)
+
+
+@pytest.mark.parametrize("prompts, message", [
+    ([], "non-empty"),
+    ([[]], "prompt 0 is empty"),
+    ([1, 2, 3], "flat list"),
+    ([[1, 2, 500]], "token id 500 outside the vocabulary"),
+])
+def test_bad_prompts(prompts, message):
+  cfg = CONFIGS["llama3"]
+  params = init_random(cfg, jax.random.key(0))
+  with pytest.raises(sparsedec.InputError, match=message):
+    sparsedec.generate(cfg, params, prompts, max_new_tokens=4)
+
+
+def test_divergence_report_names_position_tokens_and_margin(stories):
+  cfg, params, tok = stories
+  prompt = tok.encode("Once upon a time")
+  dense = sparsedec.generate(cfg, params, [prompt], max_new_tokens=10, stop_tokens=()).tokens[0]
+  tampered = dense[:4] + [(dense[4] + 1) % cfg.vocab_size] + dense[5:]
+  with pytest.raises(AssertionError) as err:
+    testing.assert_tokens_equal([tampered], [dense], cfg=cfg, params=params, prompts=[prompt])
+  text = str(err.value)
+  assert "position 4" in text and f"got {tampered[4]}, dense gave {dense[4]}" in text
+  assert "margin" in text
+  testing.assert_tokens_equal([dense], [dense])  # equal: no error
+
+
+def test_stories_bf16_logits_track_fp32(stories):
+  """bf16 compute runs (on CPU too) and stays within bf16 rounding of the fp32 model."""
+  from sparsedec.model.params import cast_params
+  cfg, params, tok = stories
+  prompt = tok.encode("Once upon a time, there was a little girl")
+  cfg16 = cfg.replace(dtype="bfloat16")
+  ref = testing.dense_logits(cfg, params, prompt)
+  got = testing.dense_logits(cfg16, cast_params(params, "bfloat16"), prompt)
+  scale = np.abs(ref).max()
+  assert np.abs(got - ref).max() / scale < 5e-2
+  assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+  r16 = sparsedec.generate(cfg16, cast_params(params, "bfloat16"), [prompt], max_new_tokens=8)
+  assert len(r16.tokens[0]) >= 1

@@ -1,0 +1,149 @@
+"""The Mosaic GPU decode-attention kernel against its jnp reference, in GPU interpret mode (CPU),
+plus a check that it lowers to the Mosaic GPU custom call for the cuda platform."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.decode_attention import (DecodeConfig, decode_attention,
+                                             decode_attention_reference)
+
+INTERPRET = plgpu.InterpretGPUParams()
+TOLERANCE = {jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
+
+
+def _inputs(seed, *, batch, num_queries, num_q_heads, num_kv_heads, head_dim, capacity, dtype):
+  keys = jax.random.split(jax.random.key(seed), 5)
+  normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(dtype)
+  q = normal(keys[0], (batch, num_queries, num_q_heads, head_dim))             # [B, Tq, Hq, D]
+  k_cache = normal(keys[1], (batch, num_kv_heads, capacity, head_dim))         # [B, Hkv, S, D]
+  v_cache = normal(keys[2], (batch, num_kv_heads, capacity, head_dim))         # [B, Hkv, S, D]
+  k_new = normal(keys[3], (batch, num_queries, num_kv_heads, head_dim))        # [B, Tq, Hkv, D]
+  v_new = normal(keys[4], (batch, num_queries, num_kv_heads, head_dim))        # [B, Tq, Hkv, D]
+  return q, k_cache, v_cache, k_new, v_new
+
+
+def _check(q, k_cache, v_cache, lengths, k_new, v_new, mask, config):
+  """Runs the kernel (interpret mode), compares with the reference, returns (out, lse)."""
+  out, lse = decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, mask,
+                              return_lse=True, config=config, interpret=INTERPRET)
+  # The reference runs on fp32 copies: XLA:CPU has no bf16 x bf16 -> f32 dot for these
+  # einsums, and the fp32 reference is the exact oracle the kernel's bf16 P is measured against.
+  f32 = lambda x: x.astype(jnp.float32)
+  ref_out, ref_lse = decode_attention_reference(f32(q), f32(k_cache), f32(v_cache), lengths,
+                                                f32(k_new), f32(v_new), mask, return_lse=True)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert lse.shape == q.shape[:3] and lse.dtype == jnp.float32
+  tol = TOLERANCE[q.dtype.type]
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out), atol=tol, rtol=tol)
+  lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+  finite = np.isfinite(ref_lse)
+  np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=2e-3, rtol=1e-4)
+  return out, lse
+
+
+@st.composite
+def _cases(draw):
+  # The interpreter runs grid points one after another (~0.1-0.5 s each): keep B * Hkv * splits
+  # small, and spend the examples on GQA ratio, Tq, lengths, masks and pipeline depth.
+  batch = draw(st.sampled_from([1, 2]))
+  num_kv_heads = draw(st.sampled_from([1, 2])) if batch == 1 else 1
+  group = draw(st.sampled_from([1, 2, 4, 8]))
+  num_queries = draw(st.sampled_from([1, 1, 2, 3, 5]))
+  block_kv = 64
+  capacity = block_kv * draw(st.integers(1, 4))
+  # Ragged lengths, with 0 and the full capacity as likely edge values.
+  length = st.one_of(st.just(0), st.just(capacity), st.integers(0, capacity))
+  lengths = draw(st.lists(length, min_size=batch, max_size=batch))
+  mask_kind = draw(st.sampled_from(["causal", "random", "none"]))
+  if mask_kind == "causal":
+    mask = np.tril(np.ones((num_queries, num_queries), bool))
+  elif mask_kind == "none":
+    mask = np.zeros((num_queries, num_queries), bool)
+  else:
+    bits = draw(st.lists(st.booleans(), min_size=num_queries ** 2, max_size=num_queries ** 2))
+    mask = np.array(bits, bool).reshape(num_queries, num_queries)
+  return dict(
+      shape=dict(batch=batch, num_queries=num_queries, num_q_heads=num_kv_heads * group,
+                 num_kv_heads=num_kv_heads, head_dim=64,
+                 capacity=capacity, dtype=draw(st.sampled_from([jnp.bfloat16, jnp.float16]))),
+      lengths=np.array(lengths, np.int32),
+      mask=mask,
+      config=DecodeConfig(block_kv=block_kv, num_stages=draw(st.sampled_from([1, 2, 3])),
+                          num_splits=draw(st.sampled_from([1, 2, 3]))),
+      seed=draw(st.integers(0, 2 ** 16)),
+  )
+
+
+@settings(max_examples=5, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(_cases())
+def test_kernel_matches_reference(case):
+  q, k_cache, v_cache, k_new, v_new = _inputs(case["seed"], **case["shape"])
+  _check(q, k_cache, v_cache, jnp.asarray(case["lengths"]), k_new, v_new,
+         jnp.asarray(case["mask"]), case["config"])
+
+
+def test_single_query_decode_ragged_lengths_including_zero():
+  """Tq = 1 (plain decode), GQA 8:1, D = 128, one row empty, one partial tile, one full cache."""
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      1, batch=3, num_queries=1, num_q_heads=8, num_kv_heads=1, head_dim=128, capacity=192,
+      dtype=jnp.bfloat16)
+  _check(q, k_cache, v_cache, jnp.array([0, 77, 192], jnp.int32), k_new, v_new,
+         jnp.ones((1, 1), bool), DecodeConfig(block_kv=64, num_splits=2, num_stages=2))
+
+
+def test_empty_cache_and_empty_mask_row_gives_zero_output():
+  """lengths = 0 and a query that sees no in-flight key: out 0 and lse -inf, as the reference."""
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      2, batch=1, num_queries=2, num_q_heads=2, num_kv_heads=1, head_dim=64, capacity=64,
+      dtype=jnp.bfloat16)
+  mask = jnp.array([[False, False], [True, True]])
+  out, lse = _check(q, k_cache, v_cache, jnp.array([0], jnp.int32), k_new, v_new, mask,
+                    DecodeConfig(block_kv=64))
+  assert np.all(np.asarray(out[:, 0], np.float32) == 0.0)
+  assert np.all(np.isneginf(np.asarray(lse[:, 0])))
+
+
+def test_more_than_64_query_rows_uses_several_q_blocks():
+  """G * Tq = 8 * 9 = 72 rows: two 64-row q blocks per KV head; default 128-row KV tiles."""
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      3, batch=1, num_queries=9, num_q_heads=8, num_kv_heads=1, head_dim=64, capacity=128,
+      dtype=jnp.bfloat16)
+  _check(q, k_cache, v_cache, jnp.array([100], jnp.int32), k_new, v_new,
+         jnp.tril(jnp.ones((9, 9), bool)), DecodeConfig(num_splits=1))
+
+
+def test_bad_inputs_are_rejected_in_plain_words():
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      0, batch=1, num_queries=1, num_q_heads=3, num_kv_heads=2, head_dim=64, capacity=64,
+      dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="not a multiple of Hkv"):
+    decode_attention(q, k_cache, v_cache, jnp.array([1]), k_new, v_new, jnp.ones((1, 1), bool))
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      0, batch=1, num_queries=1, num_q_heads=2, num_kv_heads=2, head_dim=64, capacity=192,
+      dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="multiple of block_kv"):
+    decode_attention(q, k_cache, v_cache, jnp.array([1]), k_new, v_new, jnp.ones((1, 1), bool))
+
+
+@pytest.mark.parametrize("num_queries", [1, 16])
+def test_lowers_to_mosaic_gpu_custom_call_for_cuda(num_queries):
+  """The H100 benchmark shape lowers (Pallas -> Mosaic GPU MLIR -> stablehlo custom call) on a
+  CPU-only machine; PTX generation happens later, in XLA:GPU's compile of the custom call."""
+  b, hq, hkv, d, s = 1, 32, 8, 128, 4096
+  sds = jax.ShapeDtypeStruct
+  args = (sds((b, num_queries, hq, d), jnp.bfloat16), sds((b, hkv, s, d), jnp.bfloat16),
+          sds((b, hkv, s, d), jnp.bfloat16), sds((b,), jnp.int32),
+          sds((b, num_queries, hkv, d), jnp.bfloat16), sds((b, num_queries, hkv, d), jnp.bfloat16),
+          sds((num_queries, num_queries), jnp.bool_))
+  lowered = jax.jit(decode_attention).trace(*args).lower(lowering_platforms=("cuda",))
+  text = lowered.as_text()
+  assert "stablehlo.custom_call @mosaic_gpu_v2" in text

@@ -1,0 +1,294 @@
+"""Weights: HF safetensors and GGUF loading, orbax checkpoints, conversion."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from sparsedec.errors import CheckpointError, UnsupportedConfigError
+from sparsedec.weights.checkpoint import (convert, load_checkpoint, load_model,
+                                          save_checkpoint)
+from sparsedec.weights.gguf_file import (hf_config_from_metadata, load_gguf,
+                                         unpermute_rope_rows)
+from sparsedec.weights.hf import load_hf
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def assert_same_params(a, b):
+  assert jax.tree.structure(jax.tree.map(np.asarray, a)) == jax.tree.structure(
+      jax.tree.map(np.asarray, b))
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert np.asarray(x).dtype == np.asarray(y).dtype
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def read_tensors(path) -> dict[str, np.ndarray]:
+  with safe_open(str(path), framework="numpy") as f:
+    return {k: f.get_tensor(k) for k in f.keys()}
+
+
+@pytest.fixture
+def hf_copy(stories_hf_dir, tmp_path) -> pathlib.Path:
+  """A writable copy of the stories260K HF directory."""
+  dst = tmp_path / "hf"
+  shutil.copytree(stories_hf_dir, dst)
+  return dst
+
+
+# ------------------------------------------------------------------------------ HF loading
+def test_hf_load_and_checkpoint_round_trip(stories_hf_dir, tmp_path):
+  cfg, params = load_hf(stories_hf_dir)
+  assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (5, 64, 8, 4)
+  assert cfg.tie_word_embeddings and "lm_head" not in params
+  out = convert(stories_hf_dir, tmp_path / "ckpt", show_progress=False)
+  for name in ("sparsedec_config.json", "tokenizer.json", "tokenizer_config.json",
+               "generation_config.json"):
+    assert (pathlib.Path(out) / name).is_file(), name
+  cfg2, params2 = load_checkpoint(out)
+  assert cfg2 == cfg
+  assert_same_params(params, params2)
+  # the fused layout: wqkv columns are q, k, v rows of the HF tensors
+  hf = read_tensors(stories_hf_dir / "model.safetensors")
+  q = hf["model.layers.1.self_attn.q_proj.weight"]
+  v = hf["model.layers.1.self_attn.v_proj.weight"]
+  np.testing.assert_array_equal(params["layers"][1]["wqkv"][:, :q.shape[0]], q.T)
+  np.testing.assert_array_equal(params["layers"][1]["wqkv"][:, -v.shape[0]:], v.T)
+  up = hf["model.layers.1.mlp.up_proj.weight"]
+  np.testing.assert_array_equal(params["layers"][1]["w_gate_up"][:, up.shape[0]:], up.T)
+
+
+def test_checkpoint_restore_does_not_read_source(stories_hf_dir, tmp_path):
+  src = tmp_path / "src"
+  shutil.copytree(stories_hf_dir, src)
+  out = convert(src, tmp_path / "ckpt", show_progress=False)
+  shutil.rmtree(src)
+  cfg, params, tok = load_model(out)
+  assert cfg.num_layers == 5 and tok.bos_id == 1
+  cfg16, params16 = load_checkpoint(out, dtype="bfloat16")
+  assert cfg16.dtype == "bfloat16" and params16["embed"].dtype == ml_dtypes.bfloat16
+
+
+def test_embedded_default_checkpoint_matches_source(stories_hf_dir):
+  cfg, params = load_hf(stories_hf_dir)
+  cfg2, params2 = load_checkpoint(ROOT / "checkpoints" / "stories260K")
+  assert cfg2 == cfg and cfg2.dtype == "float32"
+  assert_same_params(params, params2)
+
+
+def test_load_model_accepts_each_kind(stories_hf_dir):
+  cfg, params, tok = load_model(stories_hf_dir)
+  assert tok.encode("Once upon a time")[0] == tok.bos_id
+  with pytest.raises(CheckpointError, match="not found"):
+    load_model("/nonexistent/model")
+  with pytest.raises(CheckpointError, match="not found"):
+    load_checkpoint("/nonexistent/ckpt")
+
+
+def test_sharded_safetensors_load_identically(stories_hf_dir, hf_copy):
+  tensors = read_tensors(hf_copy / "model.safetensors")
+  os.remove(hf_copy / "model.safetensors")
+  names = sorted(tensors)
+  shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+            "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+  for shard, shard_names in shards.items():
+    save_file({n: tensors[n] for n in shard_names}, hf_copy / shard)
+  index = {"metadata": {}, "weight_map": {n: s for s, ns in shards.items() for n in ns}}
+  (hf_copy / "model.safetensors.index.json").write_text(json.dumps(index))
+  assert_same_params(load_hf(stories_hf_dir)[1], load_hf(hf_copy)[1])
+
+  os.remove(hf_copy / "model-00002-of-00002.safetensors")
+  with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors"):
+    load_hf(hf_copy)
+
+
+def test_missing_config_is_named(hf_copy):
+  os.remove(hf_copy / "config.json")
+  with pytest.raises(CheckpointError, match="config.json"):
+    load_hf(hf_copy)
+
+
+def test_wrong_shape_names_tensor_and_shapes(hf_copy):
+  tensors = read_tensors(hf_copy / "model.safetensors")
+  name = "model.layers.3.mlp.down_proj.weight"
+  tensors[name] = np.zeros((64, 171), np.float32)
+  save_file(tensors, hf_copy / "model.safetensors")
+  with pytest.raises(CheckpointError, match=r"model\.layers\.3\.mlp\.down_proj\.weight.*"
+                     r"\(64, 171\).*\(64, 172\)"):
+    load_hf(hf_copy)
+
+
+def test_unknown_and_missing_tensors(hf_copy):
+  tensors = read_tensors(hf_copy / "model.safetensors")
+  tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)  # ignored
+  save_file(tensors, hf_copy / "model.safetensors")
+  load_hf(hf_copy)
+  tensors["model.layers.0.mlp.extra.weight"] = np.ones(4, np.float32)
+  save_file(tensors, hf_copy / "model.safetensors")
+  with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.extra\.weight"):
+    load_hf(hf_copy)
+  del tensors["model.layers.0.mlp.extra.weight"]
+  del tensors["model.layers.4.input_layernorm.weight"]
+  save_file(tensors, hf_copy / "model.safetensors")
+  with pytest.raises(CheckpointError, match=r"model\.layers\.4\.input_layernorm\.weight"):
+    load_hf(hf_copy)
+
+
+def test_tied_lm_head_must_equal_embedding(stories_hf_dir, hf_copy):
+  tensors = read_tensors(hf_copy / "model.safetensors")
+  tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+  save_file(tensors, hf_copy / "model.safetensors")
+  assert_same_params(load_hf(stories_hf_dir)[1], load_hf(hf_copy)[1])
+  tensors["lm_head.weight"] = tensors["lm_head.weight"] + 1
+  save_file(tensors, hf_copy / "model.safetensors")
+  with pytest.raises(CheckpointError, match="lm_head.weight"):
+    load_hf(hf_copy)
+
+
+def test_bf16_safetensors_and_generation_eos(stories_hf_dir, hf_copy):
+  tensors = read_tensors(hf_copy / "model.safetensors")
+  save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()},
+            hf_copy / "model.safetensors")
+  config = json.loads((hf_copy / "config.json").read_text())
+  config["torch_dtype"] = "bfloat16"
+  (hf_copy / "config.json").write_text(json.dumps(config))
+  (hf_copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
+  cfg, params = load_hf(hf_copy)
+  assert cfg.dtype == "bfloat16" and cfg.eos_token_ids == (2, 5)
+  ref = load_hf(stories_hf_dir, dtype="bfloat16")[1]
+  assert_same_params(ref, params)
+
+
+def test_unsupported_architecture_is_named(hf_copy):
+  config = json.loads((hf_copy / "config.json").read_text())
+  config["architectures"] = ["GPT2LMHeadModel"]
+  (hf_copy / "config.json").write_text(json.dumps(config))
+  with pytest.raises(UnsupportedConfigError, match="GPT2LMHeadModel"):
+    load_hf(hf_copy)
+  with pytest.raises(UnsupportedConfigError, match="gemma2"):
+    hf_config_from_metadata({"general.architecture": "gemma2"}, set())
+
+
+# ----------------------------------------------------------------------------- conversion
+def leftovers(parent: pathlib.Path) -> list[str]:
+  return sorted(os.listdir(parent)) if parent.exists() else []
+
+
+def test_failed_conversion_leaves_nothing(hf_copy, tmp_path):
+  tensors = read_tensors(hf_copy / "model.safetensors")
+  tensors["model.layers.2.self_attn.k_proj.weight"] = np.zeros((3, 64), np.float32)
+  save_file(tensors, hf_copy / "model.safetensors")
+  parent = tmp_path / "checkpoints"
+  with pytest.raises(CheckpointError, match=r"model\.layers\.2\.self_attn\.k_proj\.weight"):
+    convert(hf_copy, parent / "bad", show_progress=False)
+  assert leftovers(parent) == []
+
+
+def test_failed_save_cleans_temporary_dir(stories_hf_dir, tmp_path):
+  cfg, params = load_hf(stories_hf_dir)
+  parent = tmp_path / "checkpoints"
+  with pytest.raises(CheckpointError, match="plain file name"):
+    save_checkpoint(parent / "bad", cfg, params, {"../evil.json": "{}"})
+  assert leftovers(parent) == []
+
+
+def test_existing_checkpoint_needs_overwrite(stories_hf_dir, tmp_path):
+  out = convert(stories_hf_dir, tmp_path / "ckpt", show_progress=False)
+  with pytest.raises(CheckpointError, match="already exists"):
+    convert(stories_hf_dir, out, show_progress=False)
+  convert(stories_hf_dir, out, overwrite=True, show_progress=False)
+  assert leftovers(tmp_path) == ["ckpt"]
+  load_checkpoint(out)
+
+
+# -------------------------------------------------------------------------------------- GGUF
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+  """HF half-split q/k rows -> llama.cpp interleaved rows (as llama.cpp's converter writes)."""
+  return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+      w.shape)
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal((3 * 8, 5)).astype(np.float32)
+  np.testing.assert_array_equal(unpermute_rope_rows(llama_cpp_permute(w, 3), 3), w)
+  # RoPE property: interleaved pairs (2i, 2i+1) of the GGUF rows become pairs (i, i + D/2).
+  g = llama_cpp_permute(w, 3)
+  h = unpermute_rope_rows(g, 3)
+  np.testing.assert_array_equal(h[8 + 1], g[8 + 2])       # head 1, pair 1, first half
+  np.testing.assert_array_equal(h[8 + 4 + 1], g[8 + 3])   # head 1, pair 1, second half
+
+
+HF_QK_SCRIPT = r"""
+import json, sys
+import gguf, numpy as np
+from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+job = json.loads(sys.argv[1])
+reader = gguf.GGUFReader(job["gguf"])
+processor = LlamaTensorProcessor(config={"num_attention_heads": job["heads"],
+                                         "num_key_value_heads": job["kv_heads"]})
+out = {}
+for t in reader.tensors:
+  if t.name in job["names"]:
+    out[t.name] = processor.process(weights=gguf.dequantize(t.data, t.tensor_type),
+                                    name=t.name).weights
+np.savez(job["out"], **out)
+"""
+QK_LAYERS = (0, 29)
+
+
+@pytest.fixture(scope="module")
+def hf_qk_reference(hf_python, smollm2_gguf, tmp_path_factory):
+  """Start transformers' GGUF q/k processing in the background; returns a waiter."""
+  out = tmp_path_factory.mktemp("hf") / "qk.npz"
+  names = [f"blk.{i}.attn_{p}.weight" for i in QK_LAYERS for p in "qk"]
+  job = json.dumps({"gguf": str(smollm2_gguf), "heads": 9, "kv_heads": 3, "names": names,
+                    "out": str(out)})
+  proc = subprocess.Popen([hf_python, "-c", HF_QK_SCRIPT, job], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+
+  def wait():
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return dict(np.load(out))
+
+  yield wait
+  if proc.poll() is None:
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+  return load_gguf(smollm2_gguf)
+
+
+def test_gguf_qk_unpermutation_matches_transformers(hf_qk_reference, smollm2):
+  cfg, params, _ = smollm2
+  ref = hf_qk_reference()
+  hq, hkv, d = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+  for i in QK_LAYERS:
+    wqkv = params["layers"][i]["wqkv"]                                  # [Dm, (Hq+2Hkv) D]
+    np.testing.assert_array_equal(wqkv[:, :hq], ref[f"blk.{i}.attn_q.weight"].T)
+    np.testing.assert_array_equal(wqkv[:, hq:hq + hkv], ref[f"blk.{i}.attn_k.weight"].T)
+  assert d == 64
+
+
+def test_gguf_smollm2_config(smollm2):
+  cfg, params, tok = smollm2
+  assert (cfg.family, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+          cfg.head_dim, cfg.vocab_size, cfg.intermediate_size) == (
+              "llama", 30, 576, 9, 3, 64, 49152, 1536)
+  assert cfg.tie_word_embeddings and "lm_head" not in params
+  assert cfg.rope_theta == 100000.0 and cfg.max_position_embeddings == 8192
+  assert cfg.dtype == "float32" and params["embed"].dtype == np.float32
+  assert tok.eos_ids == (2,) and cfg.eos_token_ids == (2,)
+  assert np.isfinite(params["layers"][29]["w_down"]).all()
