@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import resource
 import time
@@ -20,7 +21,7 @@ from sparsedec.tokenizer import Tokenizer
 def device_description() -> dict:
   dev = jax.devices()[0]
   return {"platform": dev.platform, "device_kind": dev.device_kind,
-          "num_devices": jax.device_count(), "cpu_count": __import__("os").cpu_count(),
+          "num_devices": jax.device_count(), "cpu_count": os.cpu_count(),
           "host": platform.node(), "jax": jax.__version__}
 
 

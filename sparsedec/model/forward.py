@@ -9,7 +9,6 @@ over stacked weights (XLA copies each scanned layer's slice), at compile times o
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp

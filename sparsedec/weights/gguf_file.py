@@ -139,7 +139,8 @@ def hf_tensor_name(gguf_name: str) -> str:
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-  """llama.cpp's interleaved q/k row order -> HF's half-split order. w: [n_heads * D, In]."""
+  """llama.cpp's interleaved q/k row order -> HF's half-split order. w: [n_heads * D, In]
+  (a weight) or [n_heads * D] (a bias)."""
   d_out = w.shape[0]
   head_dim = d_out // n_heads
   rest = w.shape[1:]
@@ -165,9 +166,10 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = None,
     tensor = tensors[hf_names[hf_name]]
     w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)       # numpy order: [Out, In]
     w = np.asarray(w, np.float32).reshape(tuple(int(n) for n in reversed(tensor.shape)))
-    if arch in PERMUTED_QK and hf_name.endswith("q_proj.weight"):
+    # llama.cpp's converter permutes the q/k biases' rows along with the weights' rows.
+    if arch in PERMUTED_QK and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
       w = unpermute_rope_rows(w, cfg.num_heads)
-    elif arch in PERMUTED_QK and hf_name.endswith("k_proj.weight"):
+    elif arch in PERMUTED_QK and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
       w = unpermute_rope_rows(w, cfg.num_kv_heads)
     return w
 
