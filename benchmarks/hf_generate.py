@@ -20,19 +20,24 @@ def main(job_path: str, out_path: str) -> None:
   kw = {"gguf_file": job["gguf_file"]} if job.get("gguf_file") else {}
   model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=dtype, **kw)
   model = model.to(job["device"]).eval()
+  # Ignore EOS by clearing it, not with min_new_tokens: that processor sets the EOS logit to -inf,
+  # so HF would stop being plain greedy exactly where the model's argmax is EOS.
+  model.generation_config.eos_token_id = None
+  model.generation_config.pad_token_id = 0
   torch.set_num_threads(max(1, torch.get_num_threads()))
   n = job["max_new_tokens"]
   runs = []
   with torch.inference_mode():
     warm = torch.tensor([job["prompts"][0]], device=job["device"])
-    model.generate(warm, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    model.generate(warm, max_new_tokens=4, do_sample=False)
     for ids in job["prompts"]:
       x = torch.tensor([ids], device=job["device"])
       if job["device"] != "cpu":
         torch.cuda.synchronize()
       t = time.perf_counter()
       out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                           min_new_tokens=n, do_sample=False)
+                           do_sample=False)
+      assert out.shape[1] == len(ids) + n, "HF stopped early"
       if job["device"] != "cpu":
         torch.cuda.synchronize()
       seconds = time.perf_counter() - t
