@@ -172,8 +172,11 @@ class Run:
   max_steps: int
 
   def advance(self, params: Params, state: DecodeState, steps: int | None = None) -> DecodeState:
-    """Run the loop until done, or for at most `steps` more iterations."""
-    limit = self.max_steps if steps is None else min(self.max_steps, int(state.step) + steps)
+    """Run the loop until every row is done, or for at most `steps` (default: max_steps) more
+    iterations. The bound counts from the state's current step, so rows inserted into a running
+    state (`serving.insert_row`) get a full budget."""
+    budget = self.max_steps if steps is None else min(steps, self.max_steps)
+    limit = int(jax.device_get(state.step)) + budget
     return decode(self.cfg, params, state, np.int32(limit), method=self.method, ctx=self.ctx)
 
 
@@ -225,6 +228,6 @@ def stream(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *
     generated, _ = collect(state, run.ctx.stop_ids)
     yield [g[s:] for g, s in zip(generated, seen)]
     seen = [len(g) for g in generated]
-    if bool(jax.device_get(state.done).all()) or int(state.step) >= run.max_steps:
+    if bool(jax.device_get(state.done).all()) or int(jax.device_get(state.step)) >= run.max_steps:
       return
     state = run.advance(params, state, interval)
