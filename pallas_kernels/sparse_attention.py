@@ -1,0 +1,557 @@
+"""Block-sparse split-KV decode attention (flash-decoding over a block list), Mosaic GPU / Hopper.
+
+Contract (what `sparsedec.attention` will call for block-list cache views):
+
+  sparse_attention(q [B, Tq, Hq, D], k_cache [B, Hkv, S, D], v_cache [B, Hkv, S, D],
+                   block_tables [B, Hkv, NB] int32, num_blocks [B, Hkv] int32, lengths [B] int32,
+                   k_new [B, Tq, Hkv, D], v_new [B, Tq, Hkv, D], inflight_mask [Tq, Tq] bool,
+                   *, block_size, sparse_queries=None) -> out [B, Tq, Hq, D]  (+ lse [B, Tq, Hq])
+
+The cache is cut into S / block_size blocks of `block_size` slots. Query segments:
+  * queries [0, sparse_queries) read the listed blocks: entries i < num_blocks[b, h] of
+    block_tables[b, h] (entries are clipped to [0, S / block_size - 1]; list each block once, a
+    duplicate counts twice, in the kernel and in the reference alike);
+  * queries [sparse_queries, Tq) read the full cache (every block < cdiv(lengths[b], block_size)).
+    `sparse_queries=None` means Tq (every query reads the list). This is FAFO's plan: fumble
+    tokens read the compressed region, verification tokens the full cache, in one launch.
+In both segments slots >= lengths[b] never count, even inside a listed block. Every query also
+reads the in-flight keys u with inflight_mask[t, u]; one softmax over both parts, scale D**-0.5,
+fp32 accumulation (the semantics of `sparsedec.attention.reference_attention`).
+
+Two steps, as `pallas_kernels.decode_attention`:
+  1. The Mosaic GPU kernel (`_cache_partials`), grid (work, Hkv, B). The G query heads of a KV
+     head times a segment's queries form the M rows of 64-row q blocks (r = t * G + g, zero
+     padded), so each K/V tile is loaded once for all of them. A "work item" is one (q block,
+     split) pair; each segment has its own static split count, chosen from its own tile bound
+     (NB * block_size / block_kv for the list, S / block_kv for the full segment), so a short list
+     uses only a few thread blocks and the full segment does not inherit them. At run time, the
+     segment's tiles (num_blocks[b, h] * tiles_per_block, or cdiv(lengths[b], block_kv)) are
+     shared out among its splits; tile i of the list is rows
+     block_tables[b, h, i // tiles_per_block] * block_size + (i % tiles_per_block) * block_kv.
+     K/V tiles go through a `num_stages`-deep TMA ring; QK^T and PV on wgmma; online softmax in
+     registers (exp2, log2 units). Time scales with the listed blocks, not S.
+  2. A jnp step (`_combine`) per segment: the in-flight part (Tq x Tq) merged with the split
+     partials by log-sum-exp.
+
+The pure-jnp reference `sparse_attention_reference` (gather the listed blocks, mask, two-part
+softmax) sits at the bottom of this file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.decode_attention import _SUPPORTED_DTYPES, BLOCK_M, LN2, LOG2E
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseConfig:
+  """Tiling of the kernel.
+
+  block_kv: KV rows per tile, a multiple of 64 dividing block_size (None: 128 when it divides
+    block_size, else 64). num_splits / num_splits_full: thread blocks per q block for the listed
+    segment / the full segment (None: fill `target_blocks` thread blocks, at least
+    `min_tiles_per_split` tiles each).
+  """
+  block_kv: int | None = None
+  num_stages: int = 2
+  num_splits: int | None = None
+  num_splits_full: int | None = None
+  target_blocks: int = 132        # one wave on H100 / H200
+  min_tiles_per_split: int = 1    # a 2-block list on 16 thread blocks beats one on 8: latency
+
+  def __post_init__(self):
+    if self.block_kv is not None and (self.block_kv % 64 or self.block_kv <= 0):
+      raise ValueError(f"block_kv must be a positive multiple of 64, got {self.block_kv}")
+    if self.num_stages < 1:
+      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+    for name in ("num_splits", "num_splits_full"):
+      value = getattr(self, name)
+      if value is not None and value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    if self.min_tiles_per_split < 1:
+      raise ValueError(f"min_tiles_per_split must be >= 1, got {self.min_tiles_per_split}")
+
+  def tile_rows(self, block_size: int) -> int:
+    if self.block_kv is not None:
+      return self.block_kv
+    return 128 if block_size % 128 == 0 else 64
+
+
+@dataclasses.dataclass(frozen=True)
+class _Segment:
+  """Static layout of one query segment inside the kernel's work axis."""
+  full: bool            # reads the full cache (True) or the block list (False)
+  first_query: int      # queries [first_query, first_query + num_queries)
+  num_queries: int
+  first_qblock: int     # its q blocks in q_rows: [first_qblock, first_qblock + q_blocks)
+  q_blocks: int
+  num_splits: int
+  first_work: int       # its work items: [first_work, first_work + q_blocks * num_splits)
+
+  @property
+  def num_work(self) -> int:
+    return self.q_blocks * self.num_splits
+
+
+def _plan_segments(cfg: SparseConfig, *, batch, num_kv_heads, group, num_queries, sparse_queries,
+                   list_tiles, full_tiles) -> tuple[_Segment, ...]:
+  """Segments in query order, with q blocks and split counts (static)."""
+  parts = [(False, 0, sparse_queries), (True, sparse_queries, num_queries - sparse_queries)]
+  parts = [p for p in parts if p[2] > 0]
+  q_blocks = [-(-n * group // BLOCK_M) for _, _, n in parts]
+  per_head = max(1, cfg.target_blocks // (batch * num_kv_heads))
+  segments, qblock, work = [], 0, 0
+  for (full, first, n), qb in zip(parts, q_blocks):
+    fixed = cfg.num_splits_full if full else cfg.num_splits
+    tiles = full_tiles if full else list_tiles
+    if fixed is not None:
+      splits = fixed
+    else:
+      # Budget left per q block; the list goes first, so a short list leaves the rest to the full
+      # segment.
+      left = max(1, per_head - work)
+      splits = max(1, min(left // max(1, sum(q_blocks[len(segments):])),
+                          tiles // cfg.min_tiles_per_split))
+    segments.append(_Segment(full, first, n, qblock, qb, splits, work))
+    qblock += qb
+    work += qb * splits
+  return tuple(segments)
+
+
+# ----------------------------------------------------------------------------------------------
+# Step 1: the Mosaic GPU kernel over the cache.
+# ----------------------------------------------------------------------------------------------
+
+def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths, *,
+                    segments: tuple[_Segment, ...], rows_out: int, block_size: int,
+                    cfg: SparseConfig, interpret: Any = None):
+  """Split partials of the cache part, all segments in one launch.
+
+  q_rows [B, Hkv, QB * 64, D]; k_cache, v_cache [B, Hkv, S, D]; block_tables [B, Hkv, NB] int32
+  (already clipped to valid block ids); num_blocks [B, Hkv] int32 (clipped to [0, NB]);
+  lengths [B] int32 (clipped to [0, S]). Returns, with W = sum of the segments' work items,
+  acc [B, Hkv, W, rows_out, D] fp32 (un-normalised), m [B, Hkv, W, 64] fp32 (row max of the
+  scaled scores in log2 units, -inf when the split saw no valid slot), l [B, Hkv, W, 64] fp32.
+  """
+  batch, num_kv_heads, _, head_dim = q_rows.shape
+  table_len = block_tables.shape[2]
+  block_kv = cfg.tile_rows(block_size)
+  tiles_per_block = block_size // block_kv
+  num_stages = cfg.num_stages
+  dtype = q_rows.dtype
+  score_scale = head_dim ** -0.5 * LOG2E
+  num_work = sum(seg.num_work for seg in segments)
+  i32 = lambda x: jnp.int32(x)
+
+  def locate(work):
+    """(full?, q block, split, num_splits) of a work item; scalars, selected over segments."""
+    full = jnp.bool_(segments[0].full)
+    qblock, split, splits = i32(0), i32(0), i32(segments[0].num_splits)
+    for seg in segments:
+      local = work - seg.first_work
+      mine = jnp.logical_and(local >= 0, local < seg.num_work)
+      full = jnp.where(mine, jnp.bool_(seg.full), full)
+      qblock = jnp.where(mine, seg.first_qblock + lax.div(local, i32(seg.num_splits)), qblock)
+      split = jnp.where(mine, lax.rem(local, i32(seg.num_splits)), split)
+      splits = jnp.where(mine, i32(seg.num_splits), splits)
+    return full, qblock, split, splits
+
+  def body(tables_ref,      # [B, Hkv, NB] int32                        GMEM
+           counts_ref,      # [B, Hkv] int32                            GMEM
+           lengths_ref,     # [B] int32                                 GMEM
+           q_ref,           # [B, Hkv, QB * 64, D]                      GMEM
+           k_ref,           # [B, Hkv, S, D]                            GMEM
+           v_ref,           # [B, Hkv, S, D]                            GMEM
+           acc_out_ref,     # [B, Hkv, W, rows_out, D] fp32             GMEM
+           m_out_ref,       # [B, Hkv, W, 64] fp32                      GMEM
+           l_out_ref,       # [B, Hkv, W, 64] fp32                      GMEM
+           q_smem,          # [64, D]                                   SMEM (tiled, swizzled)
+           k_smem,          # [num_stages, block_kv, D]                 SMEM (tiled, swizzled)
+           v_smem,          # [num_stages, block_kv, D]                 SMEM (tiled, swizzled)
+           p_smem,          # [64, block_kv]                            SMEM (tiled, swizzled)
+           o_smem,          # [64, D] fp32                              SMEM
+           m_smem,          # [64] fp32                                 SMEM
+           l_smem,          # [64] fp32                                 SMEM
+           q_barrier, k_barriers, v_barriers):
+    work = lax.axis_index("work")
+    h = lax.axis_index("head")
+    b = lax.axis_index("batch")
+    full, qb, split, num_splits = locate(work)
+
+    length = lengths_ref[b]
+    list_tiles = counts_ref[b, h] * tiles_per_block
+    full_tiles = lax.div(length + (block_kv - 1), i32(block_kv))
+    num_tiles = jnp.where(full, full_tiles, list_tiles)
+    tiles_per_split = lax.div(num_tiles + (num_splits - 1), num_splits)
+    first_tile = split * tiles_per_split
+    my_tiles = jnp.maximum(jnp.minimum(tiles_per_split, num_tiles - first_tile), 0)
+
+    def tile_start(step):
+      """First cache slot of this split's tile `step` (a scalar)."""
+      tile = first_tile + step
+      if tiles_per_block == 1:
+        entry, within = tile, i32(0)
+      else:
+        entry = lax.div(tile, i32(tiles_per_block))
+        within = lax.rem(tile, i32(tiles_per_block)) * block_kv
+      # The full segment never reads the table; the index is clamped so the load stays in bounds.
+      block = tables_ref[b, h, jnp.minimum(entry, i32(table_len - 1))]
+      return jnp.where(full, tile * block_kv, block * block_size + within)
+
+    def fetch(step, slot):
+      rows = pl.ds(tile_start(step), block_kv)
+      plgpu.copy_gmem_to_smem(k_ref.at[b, h, rows], k_smem.at[slot], k_barriers.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[b, h, rows], v_smem.at[slot], v_barriers.at[slot])
+
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(qb * BLOCK_M, BLOCK_M)], q_smem, q_barrier)
+    for step in range(num_stages):                 # prologue: fill the ring
+      pl.when(step < my_tiles)(functools.partial(fetch, step, step))
+    plgpu.barrier_wait(q_barrier)
+
+    acc = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    m_i = plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32),
+                            plgpu.Layout.WGMMA.reduce(1))
+    l_i = plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+
+    def kv_step(step, carry):
+      acc, m_i, l_i = carry
+      slot = lax.rem(step, i32(num_stages))
+      start = tile_start(step)                     # scalar load overlaps the TMA wait
+
+      plgpu.barrier_wait(k_barriers.at[slot])
+      def qk_scope(s_ref):                         # [64, block_kv] fp32 accumulator
+        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+        return s_ref[...]
+      s = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_M, block_kv), jnp.float32))
+      s = s * score_scale
+
+      slot_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, block_kv), 1,
+                                        layout=plgpu.Layout.WGMMA)
+      s = jnp.where(slot_ids + start < length, s, -jnp.inf)
+
+      # A listed block may lie wholly past lengths[b]: then the tile is all -inf, and so may be
+      # m_new; exponents use a finite stand-in so that alpha and p are 0, not NaN.
+      m_new = jnp.maximum(m_i, s.max(axis=1))
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp2(m_i - m_use)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+      l_i = l_i * alpha + p.sum(axis=1)
+
+      plgpu.barrier_wait(v_barriers.at[slot])
+      # P through SMEM, PV into a fresh accumulator (see decode_attention: the jax 0.11.2
+      # interpreter supports neither a registers operand nor run_state).
+      p_smem[...] = p.astype(dtype)
+      plgpu.commit_smem()
+      def pv_scope(pv_ref):                        # [64, D] fp32 accumulator
+        plgpu.wgmma(pv_ref, p_smem, v_smem.at[slot])
+        return pv_ref[...]
+      pv = pl.run_scoped(pv_scope, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+
+      nxt = step + num_stages
+      pl.when(nxt < my_tiles)(lambda: fetch(nxt, slot))
+      return acc, m_new, l_i
+
+    acc, m_i, l_i = lax.fori_loop(0, my_tiles, kv_step, (acc, m_i, l_i))
+
+    o_smem[...] = acc
+    m_smem[...] = m_i
+    l_smem[...] = l_i
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows_out)], acc_out_ref.at[b, h, work])
+    plgpu.copy_smem_to_gmem(m_smem, m_out_ref.at[b, h, work])
+    plgpu.copy_smem_to_gmem(l_smem, l_out_ref.at[b, h, work])
+    plgpu.wait_smem_to_gmem(0)
+
+  swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+  scratch = [
+      plgpu.SMEM((BLOCK_M, head_dim), dtype, **swizzled),
+      plgpu.SMEM((num_stages, block_kv, head_dim), dtype, **swizzled),
+      plgpu.SMEM((num_stages, block_kv, head_dim), dtype, **swizzled),
+      plgpu.SMEM((BLOCK_M, block_kv), dtype, **swizzled),
+      plgpu.SMEM((BLOCK_M, head_dim), jnp.float32),
+      plgpu.SMEM((BLOCK_M,), jnp.float32),
+      plgpu.SMEM((BLOCK_M,), jnp.float32),
+      plgpu.Barrier(),
+      plgpu.Barrier(num_barriers=num_stages),
+      plgpu.Barrier(num_barriers=num_stages),
+  ]
+  part = (batch, num_kv_heads, num_work)
+  out_type = (
+      jax.ShapeDtypeStruct((*part, rows_out, head_dim), jnp.float32),
+      jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32),
+      jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32),
+  )
+
+  def entry(tables_ref, counts_ref, lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref):
+    def scoped(*scratch_refs):
+      body(tables_ref, counts_ref, lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
+           *scratch_refs)
+    pl.run_scoped(scoped, *scratch)
+
+  return plgpu.kernel(
+      entry,
+      out_type=out_type,
+      grid=(num_work, num_kv_heads, batch),
+      grid_names=("work", "head", "batch"),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret,
+  )(block_tables, num_blocks, lengths, q_rows, k_cache, v_cache)
+
+
+# ----------------------------------------------------------------------------------------------
+# Step 2: in-flight part and log-sum-exp combine (plain jnp), one query segment at a time.
+# ----------------------------------------------------------------------------------------------
+
+def _combine(acc, m2, l, q_seg, k_new, v_new, mask_seg, *, group):
+  """Merge one segment's split partials with the in-flight part.
+
+  acc [B, Hkv, NQB, NS, R, D] fp32; m2, l [B, Hkv, NQB, NS, 64] (m2 in log2 units);
+  q_seg [B, T, Hq, D] (the segment's queries); k_new, v_new [B, U, Hkv, D]; mask_seg [T, U].
+  Returns out [B, T, Hq, D] fp32 and lse [B, T, Hq] fp32.
+  """
+  b, hkv, nqb, ns, rows_out, d = acc.shape
+  tq, u = mask_seg.shape
+  n_rows = tq * group                                                     # real rows, t * G + g
+  m_c = (m2 * LN2)[..., :rows_out]                                        # natural units
+  l_c = l[..., :rows_out]
+  # q block j's rows are j * 64 + r; when NQB > 1, R == 64 so the rows are contiguous.
+  to_rows = lambda x: jnp.moveaxis(x, 3, 2).reshape(*x.shape[:2], ns, nqb * rows_out,
+                                                     *x.shape[5:])[:, :, :, :n_rows]
+  acc_r = to_rows(acc)                                                     # [B, Hkv, NS, N, D]
+  m_r = to_rows(m_c)                                                       # [B, Hkv, NS, N]
+  l_r = to_rows(l_c)                                                       # [B, Hkv, NS, N]
+
+  qg = q_seg.reshape(b, tq, hkv, group, d)                                 # [B, T, Hkv, G, D]
+  s_n = jnp.einsum("bthgd,buhd->bhtgu", qg, k_new,
+                   preferred_element_type=jnp.float32) * d ** -0.5        # [B, Hkv, T, G, U]
+  s_n = jnp.where(mask_seg[None, None, :, None, :], s_n, -jnp.inf)
+  s_n = s_n.reshape(b, hkv, n_rows, u)                                     # [B, Hkv, N, U]
+  m_n = s_n.max(-1)                                                        # [B, Hkv, N]
+
+  m_tot = jnp.maximum(m_r.max(2), m_n)                                     # [B, Hkv, N]
+  m_tot = jnp.where(jnp.isfinite(m_tot), m_tot, 0.0)
+  w_c = jnp.exp(m_r - m_tot[:, :, None])                                   # [B, Hkv, NS, N]
+  p_n = jnp.exp(s_n - m_tot[..., None])                                    # [B, Hkv, N, U]
+  denom = (w_c * l_r).sum(2) + p_n.sum(-1)                                 # [B, Hkv, N]
+  o = (jnp.einsum("bhsn,bhsnd->bhnd", w_c, acc_r)
+       + jnp.einsum("bhnu,buhd->bhnd", p_n.astype(v_new.dtype), v_new,
+                    preferred_element_type=jnp.float32))                   # [B, Hkv, N, D]
+  o = o * jnp.where(denom > 0, 1.0 / denom, 0.0)[..., None]
+  lse = m_tot + jnp.log(denom)                                             # [B, Hkv, N]
+  out = o.reshape(b, hkv, tq, group, d).transpose(0, 2, 1, 3, 4).reshape(b, tq, hkv * group, d)
+  lse = lse.reshape(b, hkv, tq, group).transpose(0, 2, 1, 3).reshape(b, tq, hkv * group)
+  return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrapper.
+# ----------------------------------------------------------------------------------------------
+
+def _check_inputs(q, k_cache, v_cache, block_tables, num_blocks, lengths, k_new, v_new,
+                  inflight_mask, block_size, sparse_queries, cfg):
+  if q.ndim != 4:
+    raise ValueError(f"q must be [B, Tq, Hq, D], got shape {q.shape}")
+  b, tq, hq, d = q.shape
+  if k_cache.ndim != 4 or k_cache.shape[0] != b or k_cache.shape[3] != d:
+    raise ValueError(f"k_cache must be [B={b}, Hkv, S, D={d}], got shape {k_cache.shape}")
+  hkv, capacity = k_cache.shape[1], k_cache.shape[2]
+  if v_cache.shape != k_cache.shape:
+    raise ValueError(f"v_cache shape {v_cache.shape} differs from k_cache shape {k_cache.shape}")
+  if hq % hkv:
+    raise ValueError(f"Hq={hq} query heads is not a multiple of Hkv={hkv} KV heads")
+  if block_tables.ndim != 3 or block_tables.shape[:2] != (b, hkv):
+    raise ValueError(f"block_tables must be [B={b}, Hkv={hkv}, NB], got {block_tables.shape}")
+  if num_blocks.shape != (b, hkv):
+    raise ValueError(f"num_blocks must be [B, Hkv] = {(b, hkv)}, got {num_blocks.shape}")
+  for name, x in (("block_tables", block_tables), ("num_blocks", num_blocks)):
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"{name} must be integer, got {x.dtype}")
+  if lengths.shape != (b,):
+    raise ValueError(f"lengths must be [B={b}], got shape {lengths.shape}")
+  for name, x in (("k_new", k_new), ("v_new", v_new)):
+    if x.shape != (b, tq, hkv, d):
+      raise ValueError(f"{name} must be [B, Tq, Hkv, D] = {(b, tq, hkv, d)}, got {x.shape}")
+  if inflight_mask.shape != (tq, tq):
+    raise ValueError(f"inflight_mask must be [Tq, Tq] = {(tq, tq)}, got {inflight_mask.shape}")
+  for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+    if jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES:
+      raise ValueError(f"{name} must be bfloat16 or float16, got {x.dtype}")
+  if not (q.dtype == k_cache.dtype == v_cache.dtype):
+    raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, "
+                     f"{v_cache.dtype}")
+  if d % 64:
+    raise ValueError(f"head dim D={d} must be a multiple of 64 (128-byte swizzle)")
+  if block_size <= 0 or block_size % 64:
+    raise ValueError(f"block_size must be a positive multiple of 64, got {block_size}")
+  block_kv = cfg.tile_rows(block_size)
+  if block_size % block_kv:
+    raise ValueError(f"block_kv={block_kv} must divide block_size={block_size}")
+  if capacity % block_size:
+    raise ValueError(f"cache capacity S={capacity} must be a multiple of block_size="
+                     f"{block_size}")
+  if sparse_queries is not None and not 0 <= sparse_queries <= tq:
+    raise ValueError(f"sparse_queries must be in [0, Tq={tq}], got {sparse_queries}")
+
+
+def split_partials(q, k_cache, v_cache, block_tables, num_blocks, lengths, *, block_size: int,
+                   sparse_queries: int, config: SparseConfig = SparseConfig(),
+                   interpret: Any = None):
+  """The cache part only (step 1). Returns (segments, acc, m, l): the static segment layout
+  and the partials of `_cache_partials`."""
+  b, tq, hq, d = q.shape
+  hkv, capacity = k_cache.shape[1], k_cache.shape[2]
+  group = hq // hkv
+  block_kv = config.tile_rows(block_size)
+  table_len = block_tables.shape[2]
+  segments = _plan_segments(
+      config, batch=b, num_kv_heads=hkv, group=group, num_queries=tq,
+      sparse_queries=sparse_queries, list_tiles=table_len * (block_size // block_kv),
+      full_tiles=capacity // block_kv)
+  rows_out = BLOCK_M
+  if all(seg.q_blocks == 1 for seg in segments):
+    rows_out = max(-(-seg.num_queries * group // 8) * 8 for seg in segments)
+
+  # q rows per KV head: each segment's rows t * G + g, zero-padded to whole 64-row q blocks.
+  q_rows = q.reshape(b, tq, hkv, group, d).transpose(0, 2, 1, 3, 4)       # [B, Hkv, Tq, G, D]
+  pieces = []
+  for seg in segments:
+    rows = q_rows[:, :, seg.first_query:seg.first_query + seg.num_queries]
+    rows = rows.reshape(b, hkv, seg.num_queries * group, d)
+    pieces.append(jnp.pad(rows, ((0, 0), (0, 0),
+                                 (0, seg.q_blocks * BLOCK_M - seg.num_queries * group), (0, 0))))
+  q_rows = jnp.concatenate(pieces, axis=2) if len(pieces) > 1 else pieces[0]
+
+  if table_len == 0:                          # keep one (never used) entry for the loads
+    block_tables = jnp.zeros((b, hkv, 1), jnp.int32)
+  block_tables = jnp.clip(block_tables.astype(jnp.int32), 0, capacity // block_size - 1)
+  num_blocks = jnp.clip(num_blocks.astype(jnp.int32), 0, table_len)
+  lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
+  acc, m2, l = _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
+                               segments=segments, rows_out=rows_out, block_size=block_size,
+                               cfg=config, interpret=interpret)
+  return segments, acc, m2, l
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "sparse_queries", "return_lse",
+                                             "config", "interpret"))
+def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                     block_tables: jax.Array, num_blocks: jax.Array, lengths: jax.Array,
+                     k_new: jax.Array, v_new: jax.Array, inflight_mask: jax.Array, *,
+                     block_size: int, sparse_queries: int | None = None,
+                     return_lse: bool = False, config: SparseConfig = SparseConfig(),
+                     interpret: Any = None):
+  """Block-list decode attention plus in-flight tokens (see the module docstring).
+
+  q [B, Tq, Hq, D]; k_cache, v_cache [B, Hkv, S, D]; block_tables [B, Hkv, NB] int32;
+  num_blocks [B, Hkv] int32; lengths [B] int32; k_new, v_new [B, Tq, Hkv, D];
+  inflight_mask [Tq, Tq] bool. Queries [0, sparse_queries) read the listed blocks, the rest the
+  full cache. Returns out [B, Tq, Hq, D] (q's dtype) and, with return_lse, lse [B, Tq, Hq] fp32.
+  `interpret=plgpu.InterpretGPUParams()` runs the kernel in the Mosaic GPU interpreter (CPU).
+  """
+  tq, hq = q.shape[1:3]
+  sparse_queries = tq if sparse_queries is None else sparse_queries
+  _check_inputs(q, k_cache, v_cache, block_tables, num_blocks, lengths, k_new, v_new,
+                inflight_mask, block_size, sparse_queries, config)
+  group = hq // k_cache.shape[1]
+  segments, acc, m2, l = split_partials(
+      q, k_cache, v_cache, block_tables, num_blocks, lengths, block_size=block_size,
+      sparse_queries=sparse_queries, config=config, interpret=interpret)
+  mask = inflight_mask.astype(bool)
+  outs, lses = [], []
+  for seg in segments:
+    # This segment's work items [B, Hkv, W_seg, ...] -> [B, Hkv, NQB, NS, ...].
+    acc_s, m2_s, l_s = (
+        x[:, :, seg.first_work:seg.first_work + seg.num_work].reshape(
+            *x.shape[:2], seg.q_blocks, seg.num_splits, *x.shape[3:])
+        for x in (acc, m2, l))
+    queries = slice(seg.first_query, seg.first_query + seg.num_queries)
+    out, lse = _combine(acc_s, m2_s, l_s, q[:, queries], k_new, v_new, mask[queries],
+                        group=group)
+    outs.append(out)
+    lses.append(lse)
+  out = (jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]).astype(q.dtype)
+  lse = jnp.concatenate(lses, axis=1) if len(lses) > 1 else lses[0]
+  return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference (pure jnp): gather the listed blocks, mask, two-part softmax.
+# ----------------------------------------------------------------------------------------------
+
+def _gathered_attention(q, k_cache, v_cache, tables, counts, lengths, k_new, v_new,
+                        inflight_mask, block_size):
+  """q [B, T, Hq, D]; tables [B, Hkv, NB] (clipped ids); counts [B, Hkv]; inflight_mask [T, U].
+  Returns out [B, T, Hq, D] fp32 and lse [B, T, Hq] fp32."""
+  b, t, hq, d = q.shape
+  hkv, capacity = k_cache.shape[1], k_cache.shape[2]
+  table_len = tables.shape[2]
+  blocks = lambda x: x.reshape(b, hkv, capacity // block_size, block_size, d)
+  gather = lambda x: jnp.take_along_axis(blocks(x), tables[..., None, None], axis=2).reshape(
+      b, hkv, table_len * block_size, d)                                   # [B, Hkv, L, D]
+  k_sel, v_sel = gather(k_cache), gather(v_cache)
+  slots = (tables[..., None] * block_size + jnp.arange(block_size)).reshape(b, hkv, -1)
+  listed = jnp.repeat(jnp.arange(table_len)[None, None] < counts[..., None], block_size, axis=2)
+  cache_mask = listed & (slots < lengths[:, None, None])                   # [B, Hkv, L]
+
+  qg = q.reshape(b, t, hkv, hq // hkv, d)                                  # [B, T, Hkv, G, D]
+  scale = d ** -0.5
+  s_c = jnp.einsum("bthgd,bhld->bhgtl", qg, k_sel,
+                   preferred_element_type=jnp.float32) * scale             # [B, Hkv, G, T, L]
+  s_n = jnp.einsum("bthgd,buhd->bhgtu", qg, k_new,
+                   preferred_element_type=jnp.float32) * scale             # [B, Hkv, G, T, U]
+  s_c = jnp.where(cache_mask[:, :, None, None], s_c, -jnp.inf)
+  s_n = jnp.where(inflight_mask[None, None, None], s_n, -jnp.inf)
+  m = jnp.maximum(s_c.max(-1, initial=-jnp.inf), s_n.max(-1))              # [B, Hkv, G, T]
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p_c = jnp.exp(s_c - m[..., None])
+  p_n = jnp.exp(s_n - m[..., None])
+  denom = p_c.sum(-1) + p_n.sum(-1)                                        # [B, Hkv, G, T]
+  o = (jnp.einsum("bhgtl,bhld->bthgd", p_c.astype(v_sel.dtype), v_sel,
+                  preferred_element_type=jnp.float32)
+       + jnp.einsum("bhgtu,buhd->bthgd", p_n.astype(v_new.dtype), v_new,
+                    preferred_element_type=jnp.float32))                   # [B, T, Hkv, G, D]
+  inv = jnp.where(denom > 0, 1.0 / denom, 0.0).transpose(0, 3, 1, 2)[..., None]
+  out = (o * inv).reshape(b, t, hq, d)
+  lse = (m + jnp.log(denom)).transpose(0, 3, 1, 2).reshape(b, t, hq)
+  return out, lse
+
+
+def sparse_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                               block_tables: jax.Array, num_blocks: jax.Array, lengths: jax.Array,
+                               k_new: jax.Array, v_new: jax.Array, inflight_mask: jax.Array, *,
+                               block_size: int, sparse_queries: int | None = None,
+                               return_lse: bool = False):
+  """Pure-jnp `sparse_attention`. Shapes and semantics as there. (On CPU pass fp32 arrays:
+  XLA:CPU has no bf16 x bf16 -> fp32 dot.)"""
+  b, tq = q.shape[:2]
+  hkv, capacity = k_cache.shape[1], k_cache.shape[2]
+  n_cache_blocks = capacity // block_size
+  sparse_queries = tq if sparse_queries is None else sparse_queries
+  lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
+  mask = inflight_mask.astype(bool)
+  tables = jnp.clip(block_tables.astype(jnp.int32), 0, n_cache_blocks - 1)
+  counts = jnp.clip(num_blocks.astype(jnp.int32), 0, block_tables.shape[2])
+  full_tables = jnp.broadcast_to(jnp.arange(n_cache_blocks, dtype=jnp.int32),
+                                 (b, hkv, n_cache_blocks))
+  full_counts = jnp.broadcast_to(-(-lengths // block_size)[:, None], (b, hkv))
+  outs, lses = [], []
+  for start, stop, tab, cnt in ((0, sparse_queries, tables, counts),
+                                (sparse_queries, tq, full_tables, full_counts)):
+    if stop > start:
+      out, lse = _gathered_attention(q[:, start:stop], k_cache, v_cache, tab, cnt, lengths,
+                                     k_new, v_new, mask[start:stop], block_size)
+      outs.append(out)
+      lses.append(lse)
+  out = jnp.concatenate(outs, axis=1).astype(q.dtype)
+  lse = jnp.concatenate(lses, axis=1)
+  return (out, lse) if return_lse else out

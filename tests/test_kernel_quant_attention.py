@@ -1,0 +1,258 @@
+"""QuantSpec hierarchical INT4/INT8 KV quantizer and the Mosaic GPU quant_attention kernel,
+in GPU interpret mode (CPU) against dequantize-then-attend, plus the cuda lowering check."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.quant_attention import (QuantAttentionConfig, QuantKV, bytes_per_token,
+                                            codes8, dequantize, quant_attention,
+                                            quant_attention_reference, quantize_kv)
+
+INTERPRET = plgpu.InterpretGPUParams()
+TOLERANCE = {jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantizer.
+# ----------------------------------------------------------------------------------------------
+
+def _int8_reference(x, axis):
+  """Independent plain asymmetric 8-bit quantizer (numpy), groups reduced over `axis`:
+  zero = group min rounded down to fp16; step = (max - zero) / 240 rounded up to fp16 (computed
+  as the fp16 4-bit step / 16, exact); code = clip(round_half_even((x - zero) / step), 0, 240),
+  all fp32 (the 1/15 as an fp32 constant multiply). Returns (code int32, zero fp16, 4-bit step fp16)."""
+  x = np.asarray(x, np.float32)
+  lo, hi = x.min(axis, keepdims=True), x.max(axis, keepdims=True)
+  zero = lo.astype(np.float16)
+  zero = np.where(zero.astype(np.float32) > lo, np.nextafter(zero, np.float16(-np.inf)), zero)
+  want = (hi - zero.astype(np.float32)) * np.float32(1 / 15)
+  step4 = want.astype(np.float16)
+  step4 = np.where(step4.astype(np.float32) < want, np.nextafter(step4, np.float16(np.inf)), step4)
+  step4 = np.where(step4 > 0, step4, np.float16(1))
+  step8 = step4.astype(np.float32) * np.float32(1 / 16)
+  code = np.clip(np.rint((x - zero.astype(np.float32)) / step8), 0, 240).astype(np.int32)
+  return code, zero, step4
+
+
+def _kv(seed, b, hkv, s, d, dtype, spread):
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  # Per-channel outliers in K (the reason keys are grouped per channel), a per-token offset in V.
+  k = jax.random.normal(k1, (b, hkv, s, d)) * jnp.exp(spread * jax.random.normal(k3, (d,)))
+  v = jax.random.normal(k2, (b, hkv, s, d)) + spread * jax.random.normal(k3, (s, 1))
+  return k.astype(dtype), v.astype(dtype)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2 ** 16), s_groups=st.integers(1, 3), d=st.sampled_from([2, 8, 64]),
+       group=st.sampled_from([4, 16, 128]), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+       spread=st.sampled_from([0.0, 1.0, 3.0]))
+def test_int8_code_is_16_upper_plus_lower_bit_for_bit(seed, s_groups, d, group, dtype, spread):
+  b, hkv, s = 1, 2, s_groups * group
+  k, v = _kv(seed, b, hkv, s, d, dtype, spread)
+  qkv = quantize_kv(k, v, group=group)
+  k8, v8 = codes8(qkv)
+  kx = np.asarray(k, np.float32).reshape(b, hkv, s_groups, group, d)
+  ref_k, ref_kz, ref_ks = _int8_reference(kx, axis=3)
+  ref_v, ref_vz, ref_vs = _int8_reference(np.asarray(v, np.float32), axis=3)
+  np.testing.assert_array_equal(np.asarray(k8), ref_k.reshape(b, hkv, s, d))
+  np.testing.assert_array_equal(np.asarray(v8), ref_v)
+  np.testing.assert_array_equal(np.asarray(qkv.k_zero), ref_kz[:, :, :, 0])
+  np.testing.assert_array_equal(np.asarray(qkv.k_scale), ref_ks[:, :, :, 0])
+  np.testing.assert_array_equal(np.asarray(qkv.v_zero), ref_vz[..., 0])
+  np.testing.assert_array_equal(np.asarray(qkv.v_scale), ref_vs[..., 0])
+  # The planes: upper = nearest multiple of 16 of c8 (ties up), lower = the rest, in [-8, 7].
+  for codes, c8 in ((qkv.k_codes, ref_k.reshape(b, hkv, s, d)), (qkv.v_codes, ref_v)):
+    c = np.asarray(codes).astype(np.int32)
+    upper = np.concatenate([c[:, :, 0] & 15, c[:, :, 0] >> 4], -1)
+    lower = np.concatenate([c[:, :, 1] & 15, c[:, :, 1] >> 4], -1) - 8
+    np.testing.assert_array_equal(upper, (c8 + 8) // 16)
+    assert lower.min() >= -8 and lower.max() <= 7
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2 ** 16), d=st.sampled_from([8, 64, 128]),
+       group=st.sampled_from([16, 128]), spread=st.sampled_from([0.0, 2.0]))
+def test_dequantized_error_bounds(seed, d, group, spread):
+  """|x - x8| <= s8 / 2 and |x - x4| <= 17/32 s4 (upper rounds up from 15/32 of a step), per
+  element with its own group's step, plus fp32 rounding slack."""
+  k, v = _kv(seed, 1, 2, 2 * group, d, jnp.float32, spread)
+  qkv = quantize_kv(k, v, group=group)
+  ks = np.repeat(np.asarray(qkv.k_scale, np.float32), group, axis=2)
+  kz = np.repeat(np.asarray(qkv.k_zero, np.float32), group, axis=2)
+  vs = np.asarray(qkv.v_scale, np.float32)[..., None]
+  vz = np.asarray(qkv.v_zero, np.float32)[..., None]
+  for bits, bound in ((8, 1 / 32), (4, 17 / 32)):
+    dk, dv = dequantize(qkv, bits)
+    for x, dx, step, zero in ((k, dk, ks, kz), (v, dv, vs, vz)):
+      err = np.abs(np.asarray(x) - np.asarray(dx))
+      slack = 1e-6 * (np.abs(zero) + 16 * step)
+      assert np.all(err <= bound * step + slack), (bits, float((err / step).max()))
+  # And the 8-bit view is the better one.
+  e4 = np.abs(np.asarray(dequantize(qkv, 4)[0]) - np.asarray(k)).mean()
+  e8 = np.abs(np.asarray(dequantize(qkv, 8)[0]) - np.asarray(k)).mean()
+  assert e8 < e4 / 8
+
+
+def test_bytes_per_token_vs_bf16():
+  bf16 = 2 * 128 * 2
+  assert bytes_per_token(128, 4) == 136 and bf16 / bytes_per_token(128, 4) > 3.7
+  assert bytes_per_token(128, 8) == 264 and bf16 / bytes_per_token(128, 8) > 1.9
+
+
+def test_bad_inputs_are_rejected_in_plain_words():
+  k = jnp.zeros((1, 1, 100, 64))
+  with pytest.raises(ValueError, match="multiple of group"):
+    quantize_kv(k, k, group=128)
+  with pytest.raises(ValueError, match="bits must be 4 or 8"):
+    dequantize(quantize_kv(k[:, :, :64], k[:, :, :64], group=64), bits=2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel (interpret mode) against dequantize-then-attend.
+# ----------------------------------------------------------------------------------------------
+
+def _inputs(seed, *, batch, num_queries, num_q_heads, num_kv_heads, head_dim, capacity,
+            full_capacity, group, dtype):
+  keys = jax.random.split(jax.random.key(seed), 8)
+  normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(dtype)
+  q = normal(keys[0], (batch, num_queries, num_q_heads, head_dim))            # [B, Tq, Hq, D]
+  k, v = _kv(seed + 1, batch, num_kv_heads, capacity, head_dim, dtype, 1.0)  # [B, Hkv, S, D]
+  qkv = quantize_kv(k, v, group=group)
+  k_full = normal(keys[1], (batch, num_kv_heads, full_capacity, head_dim))   # [B, Hkv, Rf, D]
+  v_full = normal(keys[2], (batch, num_kv_heads, full_capacity, head_dim))
+  k_new = normal(keys[3], (batch, num_queries, num_kv_heads, head_dim))      # [B, Tq, Hkv, D]
+  v_new = normal(keys[4], (batch, num_queries, num_kv_heads, head_dim))
+  return q, qkv, k_full, v_full, k_new, v_new
+
+
+def _check(q, qkv, bits, lq, k_full, v_full, lf, k_new, v_new, mask, config, ref_qkv=None):
+  out, lse = quant_attention(q, qkv, lq, k_full, v_full, lf, k_new, v_new, mask, bits=bits,
+                             return_lse=True, config=config, interpret=INTERPRET)
+  # fp32 reference copies: XLA:CPU has no bf16 x bf16 -> f32 dot.
+  f32 = lambda x: x.astype(jnp.float32)
+  ref_out, ref_lse = quant_attention_reference(
+      f32(q), qkv if ref_qkv is None else ref_qkv, bits, lq, f32(k_full), f32(v_full), lf,
+      f32(k_new), f32(v_new), mask, return_lse=True)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  tol = TOLERANCE[q.dtype.type]
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out), atol=tol, rtol=tol)
+  lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+  finite = np.isfinite(ref_lse)
+  np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=5e-3, rtol=1e-3)
+  return out, lse
+
+
+@st.composite
+def _cases(draw):
+  # Interpreter: ~0.1-0.5 s per grid point; keep B * Hkv * splits small.
+  batch = draw(st.sampled_from([1, 2]))
+  num_kv_heads = draw(st.sampled_from([1, 2])) if batch == 1 else 1
+  group = draw(st.sampled_from([1, 4, 8]))
+  num_queries = draw(st.sampled_from([1, 1, 3]))
+  capacity = 64 * draw(st.integers(1, 3))
+  length = st.one_of(st.just(0), st.just(capacity), st.integers(0, capacity))
+  full_capacity = draw(st.sampled_from([8, 16]))
+  mask = (np.tril(np.ones((num_queries, num_queries), bool)) if draw(st.booleans())
+          else np.array(draw(st.lists(st.booleans(), min_size=num_queries ** 2,
+                                      max_size=num_queries ** 2)), bool).reshape(
+                                          num_queries, num_queries))
+  return dict(
+      shape=dict(batch=batch, num_queries=num_queries, num_q_heads=num_kv_heads * group,
+                 num_kv_heads=num_kv_heads, head_dim=64, capacity=capacity,
+                 full_capacity=full_capacity, group=64,
+                 dtype=draw(st.sampled_from([jnp.bfloat16, jnp.float16]))),
+      bits=draw(st.sampled_from([4, 8])),
+      lq=np.array(draw(st.lists(length, min_size=batch, max_size=batch)), np.int32),
+      lf=np.array(draw(st.lists(st.integers(0, full_capacity), min_size=batch,
+                                max_size=batch)), np.int32),
+      mask=mask,
+      config=QuantAttentionConfig(block_kv=64, num_stages=draw(st.sampled_from([1, 2])),
+                                  num_splits=draw(st.sampled_from([1, 2]))),
+      seed=draw(st.integers(0, 2 ** 16)),
+  )
+
+
+@settings(max_examples=4, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(_cases())
+def test_kernel_matches_dequantize_then_attend(case):
+  q, qkv, k_full, v_full, k_new, v_new = _inputs(case["seed"], **case["shape"])
+  _check(q, qkv, case["bits"], jnp.asarray(case["lq"]), k_full, v_full, jnp.asarray(case["lf"]),
+         k_new, v_new, jnp.asarray(case["mask"]), case["config"])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_decode_gqa_ragged_d128_group128(bits):
+  """Tq = 1, GQA 4:1, D = 128, G = 128 = block_kv; rows: empty, partial tile, full capacity."""
+  q, qkv, k_full, v_full, k_new, v_new = _inputs(
+      7, batch=3, num_queries=1, num_q_heads=4, num_kv_heads=1, head_dim=128, capacity=256,
+      full_capacity=16, group=128, dtype=jnp.bfloat16)
+  _check(q, qkv, bits, jnp.array([0, 77, 256], jnp.int32), k_full, v_full,
+         jnp.array([3, 16, 0], jnp.int32), k_new, v_new, jnp.ones((1, 1), bool),
+         QuantAttentionConfig(block_kv=128, num_splits=2))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_multi_query_gqa_causal(bits):
+  """Tq = 5 with a causal in-flight mask, GQA 2:1 on 2 KV heads, 3 tiles over 2 splits."""
+  q, qkv, k_full, v_full, k_new, v_new = _inputs(
+      11, batch=1, num_queries=5, num_q_heads=4, num_kv_heads=2, head_dim=64, capacity=192,
+      full_capacity=8, group=64, dtype=jnp.bfloat16)
+  _check(q, qkv, bits, jnp.array([150], jnp.int32), k_full, v_full, jnp.array([8], jnp.int32),
+         k_new, v_new, jnp.tril(jnp.ones((5, 5), bool)),
+         QuantAttentionConfig(block_kv=64, num_splits=2, num_stages=2))
+
+
+def test_4bit_read_ignores_the_lower_plane():
+  """Scrambling every lower-nibble byte leaves the 4-bit read unchanged (it is never loaded)."""
+  q, qkv, k_full, v_full, k_new, v_new = _inputs(
+      5, batch=1, num_queries=1, num_q_heads=2, num_kv_heads=1, head_dim=64, capacity=128,
+      full_capacity=8, group=64, dtype=jnp.bfloat16)
+  noise = lambda c, key: c.at[:, :, 1].set(
+      jax.random.randint(key, c[:, :, 1].shape, 0, 256).astype(jnp.uint8))
+  k1, k2 = jax.random.split(jax.random.key(0))
+  scrambled = QuantKV(noise(qkv.k_codes, k1), noise(qkv.v_codes, k2), qkv.k_scale, qkv.k_zero,
+                      qkv.v_scale, qkv.v_zero, group=qkv.group)
+  _check(q, scrambled, 4, jnp.array([100], jnp.int32), k_full, v_full, jnp.array([4], jnp.int32),
+         k_new, v_new, jnp.ones((1, 1), bool), QuantAttentionConfig(block_kv=64, num_splits=1),
+         ref_qkv=qkv)
+
+
+def test_kernel_rejects_bad_inputs_in_plain_words():
+  q, qkv, k_full, v_full, k_new, v_new = _inputs(
+      0, batch=1, num_queries=1, num_q_heads=2, num_kv_heads=1, head_dim=64, capacity=64,
+      full_capacity=8, group=64, dtype=jnp.bfloat16)
+  args = (q, qkv, jnp.array([1]), k_full, v_full, jnp.array([1]), k_new, v_new,
+          jnp.ones((1, 1), bool))
+  with pytest.raises(ValueError, match="bits must be 4 or 8"):
+    quant_attention(*args, bits=3)
+  with pytest.raises(ValueError, match="multiple of block_kv"):
+    quant_attention(*args, bits=4)                 # default block_kv 128 > group 64
+
+
+@pytest.mark.parametrize("bits,num_queries", [(4, 1), (8, 1), (4, 16), (8, 16)])
+def test_lowers_to_mosaic_gpu_custom_call_for_cuda(bits, num_queries):
+  """The benchmark shape (Hq 32, Hkv 8, D 128, G 128) lowers to the Mosaic GPU custom call."""
+  b, hq, hkv, d, s, r = 1, 32, 8, 128, 4096, 128
+  sds = jax.ShapeDtypeStruct
+  codes = sds((b, hkv, 2, s, d // 2), jnp.uint8)
+  qkv = QuantKV(codes, codes, sds((b, hkv, s // 128, d), jnp.float16),
+                sds((b, hkv, s // 128, d), jnp.float16), sds((b, hkv, s), jnp.float16),
+                sds((b, hkv, s), jnp.float16), group=128)
+  tok = sds((b, num_queries, hkv, d), jnp.bfloat16)
+  full = sds((b, hkv, r, d), jnp.bfloat16)
+  args = (sds((b, num_queries, hq, d), jnp.bfloat16), qkv, sds((b,), jnp.int32), full, full,
+          sds((b,), jnp.int32), tok, tok, sds((num_queries, num_queries), jnp.bool_))
+  f = functools.partial(quant_attention, bits=bits)
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "stablehlo.custom_call @mosaic_gpu_v2" in text

@@ -1,0 +1,279 @@
+"""The Mosaic GPU block-sparse attention kernel against its jnp reference, in GPU interpret mode
+(CPU); the reference against `sparsedec.attention.reference_attention` and `decode_attention`;
+and a check that the kernel lowers to the Mosaic GPU custom call for the cuda platform."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.decode_attention import (
+  DecodeConfig,
+  decode_attention,
+  decode_attention_reference,
+)
+from pallas_kernels.sparse_attention import (
+  SparseConfig,
+  sparse_attention,
+  sparse_attention_reference,
+)
+from sparsedec.attention import reference_attention
+
+INTERPRET = plgpu.InterpretGPUParams()
+TOLERANCE = {jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
+f32 = lambda x: x.astype(jnp.float32)
+# The references run jitted: one compile per shape instead of an XLA:CPU compile per eager op.
+sparse_reference = jax.jit(sparse_attention_reference,
+                           static_argnames=("block_size", "sparse_queries", "return_lse"))
+dense_reference = jax.jit(decode_attention_reference, static_argnames=("return_lse",))
+row_mask_reference = jax.jit(reference_attention, static_argnames=("return_lse",))
+
+
+def _inputs(seed, *, batch, num_queries, num_q_heads, num_kv_heads, head_dim, capacity, dtype):
+  keys = jax.random.split(jax.random.key(seed), 5)
+  normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(dtype)
+  q = normal(keys[0], (batch, num_queries, num_q_heads, head_dim))             # [B, Tq, Hq, D]
+  k_cache = normal(keys[1], (batch, num_kv_heads, capacity, head_dim))         # [B, Hkv, S, D]
+  v_cache = normal(keys[2], (batch, num_kv_heads, capacity, head_dim))         # [B, Hkv, S, D]
+  k_new = normal(keys[3], (batch, num_queries, num_kv_heads, head_dim))        # [B, Tq, Hkv, D]
+  v_new = normal(keys[4], (batch, num_queries, num_kv_heads, head_dim))        # [B, Tq, Hkv, D]
+  return q, k_cache, v_cache, k_new, v_new
+
+
+def _random_tables(rng, batch, num_kv_heads, table_len, cache_blocks):
+  """Duplicate-free random block lists [B, Hkv, NB] and counts [B, Hkv] in [0, NB]."""
+  tables = np.stack([np.stack([rng.permutation(cache_blocks)[:table_len]
+                               for _ in range(num_kv_heads)]) for _ in range(batch)])
+  counts = rng.integers(0, table_len + 1, size=(batch, num_kv_heads))
+  return (jnp.asarray(tables.reshape(batch, num_kv_heads, table_len), jnp.int32),
+          jnp.asarray(counts, jnp.int32))
+
+
+def _assert_close(out, lse, ref_out, ref_lse, dtype):
+  tol = TOLERANCE[jnp.dtype(dtype).type]
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
+                             atol=tol, rtol=tol)
+  lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+  finite = np.isfinite(ref_lse)
+  np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=2e-3, rtol=1e-4)
+
+
+def _check(q, k_cache, v_cache, tables, counts, lengths, k_new, v_new, mask, *, block_size,
+           sparse_queries=None, config=SparseConfig()):
+  """Runs the kernel (interpret mode), compares with the fp32 reference, returns (out, lse)."""
+  out, lse = sparse_attention(q, k_cache, v_cache, tables, counts, lengths, k_new, v_new, mask,
+                              block_size=block_size, sparse_queries=sparse_queries,
+                              return_lse=True, config=config, interpret=INTERPRET)
+  # fp32 copies: XLA:CPU has no bf16 x bf16 -> f32 dot, and fp32 is the exact oracle.
+  ref_out, ref_lse = sparse_reference(
+      f32(q), f32(k_cache), f32(v_cache), tables, counts, lengths, f32(k_new), f32(v_new), mask,
+      block_size=block_size, sparse_queries=sparse_queries, return_lse=True)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert lse.shape == q.shape[:3] and lse.dtype == jnp.float32
+  _assert_close(out, lse, ref_out, ref_lse, q.dtype)
+  return out, lse
+
+
+@st.composite
+def _cases(draw):
+  # The interpreter runs grid points one after another (~0.1-0.5 s each): the grid is
+  # (q blocks x splits of both segments, Hkv, B), so keep B * Hkv and the split counts small.
+  # Hypothesis shrinks towards the first value of each `sampled_from`: those come first that make
+  # a case informative (a strict subset of the blocks listed, both segments, ragged lengths).
+  batch = draw(st.sampled_from([1, 2]))
+  num_kv_heads = draw(st.sampled_from([2, 1])) if batch == 1 else 1
+  group = draw(st.sampled_from([2, 1, 4, 8]))
+  num_queries = draw(st.sampled_from([3, 1, 2, 5]))
+  block_size = draw(st.sampled_from([64, 128]))
+  block_kv = draw(st.sampled_from([None, 64]))
+  cache_blocks = draw(st.sampled_from([3, 2, 1]))
+  capacity = block_size * cache_blocks
+  table_len = draw(st.sampled_from(sorted({max(1, cache_blocks - 1), cache_blocks, 0},
+                                          key=lambda n: (n == 0, n))))
+  count_kind = draw(st.sampled_from(["whole table", "random"]))
+  length_kind = st.sampled_from(["random", "capacity", "zero"])
+  lengths = [{"random": 1 + draw(st.integers(0, 2 ** 16)) % capacity, "capacity": capacity,
+               "zero": 0}[kind]
+             for kind in draw(st.lists(length_kind, min_size=batch, max_size=batch))]
+  segments = draw(st.sampled_from(["split", "all listed", "all full"]))
+  sparse_queries = {"split": draw(st.integers(1, max(1, num_queries - 1))),
+                    "all listed": None, "all full": 0}[segments]
+  mask_kind = draw(st.sampled_from(["causal", "random", "none"]))
+  if mask_kind == "causal":
+    mask = np.tril(np.ones((num_queries, num_queries), bool))
+  elif mask_kind == "none":
+    mask = np.zeros((num_queries, num_queries), bool)
+  else:
+    bits = draw(st.lists(st.booleans(), min_size=num_queries ** 2, max_size=num_queries ** 2))
+    mask = np.array(bits, bool).reshape(num_queries, num_queries)
+  return dict(
+      shape=dict(batch=batch, num_queries=num_queries, num_q_heads=num_kv_heads * group,
+                 num_kv_heads=num_kv_heads, head_dim=64, capacity=capacity,
+                 dtype=draw(st.sampled_from([jnp.bfloat16, jnp.float16]))),
+      table_len=table_len, cache_blocks=cache_blocks, block_size=block_size,
+      whole_table=count_kind == "whole table",
+      lengths=np.array(lengths, np.int32), mask=mask, sparse_queries=sparse_queries,
+      config=SparseConfig(block_kv=block_kv, num_stages=draw(st.sampled_from([2, 1, 3])),
+                          num_splits=draw(st.sampled_from([2, None, 1])),
+                          num_splits_full=draw(st.sampled_from([None, 1, 2]))),
+      seed=draw(st.integers(0, 2 ** 16)),
+  )
+
+
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(_cases())
+def test_kernel_matches_reference(case):
+  shape = case["shape"]
+  q, k_cache, v_cache, k_new, v_new = _inputs(case["seed"], **shape)
+  tables, counts = _random_tables(np.random.default_rng(case["seed"]), shape["batch"],
+                                  shape["num_kv_heads"], case["table_len"], case["cache_blocks"])
+  if case["whole_table"]:
+    counts = jnp.full_like(counts, case["table_len"])
+  _check(q, k_cache, v_cache, tables, counts, jnp.asarray(case["lengths"]), k_new, v_new,
+         jnp.asarray(case["mask"]), block_size=case["block_size"],
+         sparse_queries=case["sparse_queries"], config=case["config"])
+
+
+def test_single_query_ragged_lengths_and_empty_lists():
+  """Tq = 1, GQA 8:1, D = 128, 2 KV heads: per (row, head) an empty list, a list whose block lies
+  wholly past the row's length, and lists ending in a partial block; one row of length 0."""
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      1, batch=3, num_queries=1, num_q_heads=16, num_kv_heads=2, head_dim=128, capacity=256,
+      dtype=jnp.bfloat16)
+  tables = jnp.array([[[0, 2, 1], [3, 1, 0]],
+                      [[1, 0, 3], [2, 3, 0]],          # row 1 has length 77: blocks 2, 3 unused
+                      [[3, 2, 1], [0, 1, 2]]], jnp.int32)
+  counts = jnp.array([[0, 2], [3, 1], [2, 3]], jnp.int32)
+  lengths = jnp.array([0, 77, 256], jnp.int32)
+  out, _ = _check(q, k_cache, v_cache, tables, counts, lengths, k_new, v_new,
+                  jnp.ones((1, 1), bool), block_size=64,
+                  config=SparseConfig(num_splits=2, num_stages=2))
+  # Row 1, head 1 lists only block 2 (slots 128..191 >= 77): only the in-flight key counts,
+  # so the output is v_new exactly (up to bf16) and lse the in-flight score.
+  np.testing.assert_allclose(np.asarray(out[1, 0, 8:], np.float32),
+                             np.broadcast_to(np.asarray(v_new[1, 0, 1], np.float32), (8, 128)),
+                             atol=1e-2)
+
+
+def test_full_list_equals_decode_attention():
+  """A list of every block (in shuffled order) = dense decode attention: the reference equals
+  decode_attention's reference, and the kernel equals the decode kernel."""
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      4, batch=2, num_queries=3, num_q_heads=4, num_kv_heads=1, head_dim=64, capacity=256,
+      dtype=jnp.bfloat16)
+  lengths = jnp.array([256, 150], jnp.int32)
+  mask = jnp.tril(jnp.ones((3, 3), bool))
+  tables = jnp.array([[[2, 0, 3, 1]], [[1, 3, 2, 0]]], jnp.int32)
+  counts = jnp.array([[4], [4]], jnp.int32)
+  ref_args = (f32(q), f32(k_cache), f32(v_cache))
+  ref_out, ref_lse = sparse_reference(*ref_args, tables, counts, lengths, f32(k_new),
+                                                f32(v_new), mask, block_size=64, return_lse=True)
+  dense_out, dense_lse = dense_reference(*ref_args, lengths, f32(k_new), f32(v_new),
+                                                    mask, return_lse=True)
+  np.testing.assert_allclose(np.asarray(ref_out), np.asarray(dense_out), atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(ref_lse), np.asarray(dense_lse), atol=1e-5, rtol=1e-5)
+
+  out, lse = _check(q, k_cache, v_cache, tables, counts, lengths, k_new, v_new, mask,
+                    block_size=64, config=SparseConfig(num_splits=2))
+  dec_out, dec_lse = decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, mask,
+                                      return_lse=True, interpret=INTERPRET,
+                                      config=DecodeConfig(block_kv=64, num_splits=2))
+  _assert_close(out, lse, dec_out, dec_lse, q.dtype)
+
+
+def test_segment_split_fumble_and_verification_queries():
+  """FAFO's plan in one launch: queries [0, 2) read a 1-block list, queries [2, 5) the full
+  cache. The full segment equals dense decode attention of those queries; the listed segment
+  differs from it (it reads less)."""
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      5, batch=1, num_queries=5, num_q_heads=4, num_kv_heads=2, head_dim=64, capacity=256,
+      dtype=jnp.bfloat16)
+  lengths = jnp.array([200], jnp.int32)
+  mask = jnp.tril(jnp.ones((5, 5), bool))
+  tables = jnp.array([[[1, 0], [3, 0]]], jnp.int32)
+  counts = jnp.array([[1, 1]], jnp.int32)
+  out, _ = _check(q, k_cache, v_cache, tables, counts, lengths, k_new, v_new, mask,
+                  block_size=128, sparse_queries=2,
+                  config=SparseConfig(block_kv=64, num_splits=1, num_splits_full=2))
+  dense = dense_reference(f32(q), f32(k_cache), f32(v_cache), lengths, f32(k_new),
+                                     f32(v_new), mask)
+  np.testing.assert_allclose(np.asarray(out[:, 2:], np.float32), np.asarray(dense[:, 2:]),
+                             atol=3e-2, rtol=3e-2)
+  assert np.abs(np.asarray(out[:, :2], np.float32) - np.asarray(dense[:, :2])).max() > 0.1
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2])
+def test_reference_matches_sparsedec_reference_attention(num_kv_heads):
+  """The gather reference = reference_attention with the block list written as a [B, T, S]
+  cache mask (the same list for every KV head, as reference_attention's mask is per row)."""
+  b, tq, hq, d, s, bs = 2, 4, 2 * num_kv_heads, 64, 512, 64
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      6, batch=b, num_queries=tq, num_q_heads=hq, num_kv_heads=num_kv_heads, head_dim=d,
+      capacity=s, dtype=jnp.float32)
+  rng = np.random.default_rng(0)
+  row_tables = np.stack([rng.permutation(s // bs)[:5] for _ in range(b)])       # [B, NB]
+  counts = np.array([3, 5])
+  lengths = np.array([300, 512], np.int32)
+  mask = np.tril(np.ones((tq, tq), bool))
+  sparse_queries = 3
+  listed = np.zeros((b, s), bool)
+  for row in range(b):
+    for block in row_tables[row, :counts[row]]:
+      listed[row, block * bs:(block + 1) * bs] = True
+  valid = np.arange(s)[None] < lengths[:, None]
+  cache_mask = np.concatenate([np.repeat((listed & valid)[:, None], sparse_queries, 1),
+                               np.repeat(valid[:, None], tq - sparse_queries, 1)], 1)
+  expected = row_mask_reference(q, k_cache, v_cache, jnp.asarray(cache_mask), k_new, v_new,
+                                 jnp.broadcast_to(jnp.asarray(mask), (b, tq, tq)),
+                                 return_lse=True)
+  tables = jnp.asarray(np.repeat(row_tables[:, None], num_kv_heads, 1), jnp.int32)
+  got = sparse_reference(
+      q, k_cache, v_cache, tables, jnp.asarray(np.repeat(counts[:, None], num_kv_heads, 1)),
+      jnp.asarray(lengths), k_new, v_new, jnp.asarray(mask), block_size=bs,
+      sparse_queries=sparse_queries, return_lse=True)
+  for x, y in zip(got, expected):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5, rtol=1e-5)
+
+
+def test_bad_inputs_are_rejected_in_plain_words():
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      0, batch=1, num_queries=2, num_q_heads=2, num_kv_heads=2, head_dim=64, capacity=192,
+      dtype=jnp.bfloat16)
+  args = lambda tables: (q, k_cache, v_cache, tables, jnp.ones((1, 2), jnp.int32),
+                         jnp.array([1]), k_new, v_new, jnp.ones((2, 2), bool))
+  good = jnp.zeros((1, 2, 1), jnp.int32)
+  with pytest.raises(ValueError, match="multiple of block_size"):
+    sparse_attention(*args(good), block_size=128)
+  with pytest.raises(ValueError, match="positive multiple of 64"):
+    sparse_attention(*args(good), block_size=32)
+  with pytest.raises(ValueError, match="block_tables must be"):
+    sparse_attention(*args(jnp.zeros((1, 1, 1), jnp.int32)), block_size=64)
+  with pytest.raises(ValueError, match="sparse_queries"):
+    sparse_attention(*args(good), block_size=64, sparse_queries=3)
+  with pytest.raises(ValueError, match="must divide block_size"):
+    sparse_attention(*args(good), block_size=64, config=SparseConfig(block_kv=128))
+
+
+@pytest.mark.parametrize("num_queries,sparse_queries,block_size,table_len",
+                         [(1, None, 128, 2), (16, 8, 64, 4), (16, 16, 256, 4)])
+def test_lowers_to_mosaic_gpu_custom_call_for_cuda(num_queries, sparse_queries, block_size,
+                                                   table_len):
+  """The H100 benchmark shapes (S = 16K, 1.6% of the blocks listed) lower to the Mosaic GPU
+  custom call on a CPU-only machine; PTX generation happens later, in XLA:GPU."""
+  b, hq, hkv, d, s, tq = 1, 32, 8, 128, 16384, num_queries
+  sds = jax.ShapeDtypeStruct
+  args = (sds((b, tq, hq, d), jnp.bfloat16), sds((b, hkv, s, d), jnp.bfloat16),
+          sds((b, hkv, s, d), jnp.bfloat16), sds((b, hkv, table_len), jnp.int32),
+          sds((b, hkv), jnp.int32), sds((b,), jnp.int32),
+          sds((b, tq, hkv, d), jnp.bfloat16), sds((b, tq, hkv, d), jnp.bfloat16),
+          sds((tq, tq), jnp.bool_))
+  fn = lambda *a: sparse_attention(*a, block_size=block_size, sparse_queries=sparse_queries)
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "stablehlo.custom_call @mosaic_gpu_v2" in text
