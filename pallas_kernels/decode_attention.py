@@ -18,8 +18,8 @@ Two steps:
      tile is loaded once (TMA, `num_stages`-deep ring of SMEM buffers and barriers) for all of
      them. QK^T and PV run on wgmma; the online softmax keeps (acc, m, l) in registers. Each block
      writes its un-normalised partial acc [R, D] and its row max m and sum l (fp32).
-  2. A small jnp step (`_combine`) computes the in-flight part (Tq x Tq, tiny) and merges it with
-     the split partials by log-sum-exp.
+  2. A small jnp step (`pallas_kernels.combine.combine_partials`) computes the in-flight part
+     (Tq x Tq, tiny) and merges it with the split partials by log-sum-exp.
 
 The pure-jnp reference `decode_attention_reference` sits at the bottom of this file.
 """
@@ -37,8 +37,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.combine import combine_partials
+
 LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 BLOCK_M = 64                      # wgmma M of one warpgroup
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -229,51 +230,6 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 
 
 # ----------------------------------------------------------------------------------------------
-# Step 2: in-flight part and log-sum-exp combine (plain jnp).
-# ----------------------------------------------------------------------------------------------
-
-def _combine(acc, m2, l, q, k_new, v_new, inflight_mask, *, num_queries, group):
-  """Merge the split partials with the in-flight part.
-
-  acc [B, Hkv, NQB, NS, R, D] fp32; m2, l [B, Hkv, NQB, NS, 64] (m2 in log2 units);
-  q [B, Tq, Hq, D]; k_new, v_new [B, Tq, Hkv, D]; inflight_mask [Tq, Tq].
-  Returns out [B, Tq, Hq, D] fp32 and lse [B, Tq, Hq] fp32.
-  """
-  b, hkv, nqb, ns, rows_out, d = acc.shape
-  n_rows = num_queries * group                                           # real rows, t * G + g
-  m_c = (m2 * LN2)[..., :rows_out]                                        # natural units
-  l_c = l[..., :rows_out]
-  # [B, Hkv, NS, NQB * R] -> rows; for NQB > 1, R == 64 so rows are contiguous.
-  to_rows = lambda x: jnp.moveaxis(x, 3, 2).reshape(*x.shape[:2], ns, nqb * rows_out,
-                                                     *x.shape[5:])[:, :, :, :n_rows]
-  acc_r = to_rows(acc)                                                     # [B, Hkv, NS, N, D]
-  m_r = to_rows(m_c)                                                       # [B, Hkv, NS, N]
-  l_r = to_rows(l_c)                                                       # [B, Hkv, NS, N]
-
-  tq = num_queries
-  qg = q.reshape(b, tq, hkv, group, d)                                     # [B, Tq, Hkv, G, D]
-  s_n = jnp.einsum("bthgd,buhd->bhtgu", qg, k_new,
-                   preferred_element_type=jnp.float32) * d ** -0.5        # [B, Hkv, Tq, G, U]
-  s_n = jnp.where(inflight_mask[None, None, :, None, :], s_n, -jnp.inf)
-  s_n = s_n.reshape(b, hkv, n_rows, tq)                                    # [B, Hkv, N, U]
-  m_n = s_n.max(-1)                                                        # [B, Hkv, N]
-
-  m_tot = jnp.maximum(m_r.max(2), m_n)                                     # [B, Hkv, N]
-  m_tot = jnp.where(jnp.isfinite(m_tot), m_tot, 0.0)
-  w_c = jnp.exp(m_r - m_tot[:, :, None])                                   # [B, Hkv, NS, N]
-  p_n = jnp.exp(s_n - m_tot[..., None])                                    # [B, Hkv, N, U]
-  denom = (w_c * l_r).sum(2) + p_n.sum(-1)                                 # [B, Hkv, N]
-  o = (jnp.einsum("bhsn,bhsnd->bhnd", w_c, acc_r)
-       + jnp.einsum("bhnu,buhd->bhnd", p_n.astype(v_new.dtype), v_new,
-                    preferred_element_type=jnp.float32))                   # [B, Hkv, N, D]
-  o = o * jnp.where(denom > 0, 1.0 / denom, 0.0)[..., None]
-  lse = m_tot + jnp.log(denom)                                             # [B, Hkv, N]
-  out = o.reshape(b, hkv, tq, group, d).transpose(0, 2, 1, 3, 4).reshape(b, tq, hkv * group, d)
-  lse = lse.reshape(b, hkv, tq, group).transpose(0, 2, 1, 3).reshape(b, tq, hkv * group)
-  return out, lse
-
-
-# ----------------------------------------------------------------------------------------------
 # Wrapper.
 # ----------------------------------------------------------------------------------------------
 
@@ -346,8 +302,8 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
   tq, hq = q.shape[1:3]
   group = hq // k_cache.shape[1]
   acc, m2, l = split_partials(q, k_cache, v_cache, lengths, config=config, interpret=interpret)
-  out, lse = _combine(acc, m2, l, q, k_new, v_new, inflight_mask.astype(bool),
-                      num_queries=tq, group=group)
+  out, lse = combine_partials(acc, m2, l, q, [(k_new, v_new, inflight_mask.astype(bool)[None])],
+                              group=group)
   out = out.astype(q.dtype)
   return (out, lse) if return_lse else out
 

@@ -28,7 +28,7 @@ thread block per (split, KV head x q block, row) walks its share of the row's va
 tiles through a TMA ring of uint8 code tiles, dequantizes them in registers (fp32 FMA with the
 group's scale/zero, then bf16/fp16) into SMEM, and runs QK^T and PV on wgmma as two D/2-wide
 halves with an online softmax. The full-precision recent segment and the in-flight tokens are
-merged with the split partials in jnp (`_combine`), by log-sum-exp.
+merged with the split partials in jnp (`pallas_kernels.combine.combine_partials`), by log-sum-exp.
 
 `quant_attention_reference` = dequantize, then exact fp32 attention (pure jnp).
 """
@@ -45,7 +45,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.decode_attention import BLOCK_M, LN2, LOG2E
+from pallas_kernels.combine import combine_partials
+
+from pallas_kernels.decode_attention import BLOCK_M, LOG2E
 
 META_DTYPE = jnp.float16
 UPPER_LEVELS = 15                 # 4-bit upper code in [0, 15]
@@ -173,7 +175,7 @@ def dequantize(qkv: QuantKV, bits: int = 8, dtype=jnp.float32):
 def bytes_per_token(head_dim: int, bits: int, group: int = 128) -> float:
   """Bytes one token of one KV head (K and V) costs a read at `bits` (codes + scales/zeros)."""
   codes = 2 * head_dim * bits // 8
-  meta = 2 * 2 * head_dim / group + 2 * 2         # K: scale+zero per channel per group; V: per token
+  meta = 2 * 2 * head_dim / group + 2 * 2   # K: scale+zero per channel per group; V: per token
   return codes + meta
 
 
@@ -397,51 +399,6 @@ def _quant_partials(q_halves, qkv: QuantKV, lengths, *, bits, rows_out, num_spli
 
 
 # ----------------------------------------------------------------------------------------------
-# Step 2: full-precision segment, in-flight part and log-sum-exp combine (plain jnp).
-# ----------------------------------------------------------------------------------------------
-
-def _combine(acc, m2, l, q, k_full, v_full, lengths_full, k_new, v_new, inflight_mask, *,
-             num_queries, group):
-  """acc [B, Hkv, NQB, NS, 2, R, D/2]; m2, l [B, Hkv, NQB, NS, 64] -> out [B, Tq, Hq, D], lse."""
-  b, hkv, nqb, ns, _, rows_out, half = acc.shape
-  d = 2 * half
-  acc = jnp.moveaxis(acc, 4, 5).reshape(b, hkv, nqb, ns, rows_out, d)    # [.., R, D]
-  n_rows = num_queries * group
-  to_rows = lambda x: jnp.moveaxis(x, 3, 2).reshape(*x.shape[:2], ns, nqb * rows_out,
-                                                     *x.shape[5:])[:, :, :, :n_rows]
-  acc_r = to_rows(acc)                                                     # [B, Hkv, NS, N, D]
-  m_r = to_rows((m2 * LN2)[..., :rows_out])                                # [B, Hkv, NS, N]
-  l_r = to_rows(l[..., :rows_out])                                         # [B, Hkv, NS, N]
-
-  tq, scale = num_queries, d ** -0.5
-  qg = q.reshape(b, tq, hkv, group, d)                                     # [B, Tq, Hkv, G, D]
-  s_f = jnp.einsum("bthgd,bhrd->bhtgr", qg, k_full,
-                   preferred_element_type=jnp.float32) * scale            # [B, Hkv, Tq, G, Rf]
-  full_mask = jnp.arange(k_full.shape[2])[None, :] < lengths_full[:, None]  # [B, Rf]
-  s_f = jnp.where(full_mask[:, None, None, None, :], s_f, -jnp.inf).reshape(b, hkv, n_rows, -1)
-  s_n = jnp.einsum("bthgd,buhd->bhtgu", qg, k_new,
-                   preferred_element_type=jnp.float32) * scale            # [B, Hkv, Tq, G, U]
-  s_n = jnp.where(inflight_mask[None, None, :, None, :], s_n, -jnp.inf).reshape(b, hkv, n_rows, tq)
-
-  m_tot = jnp.maximum(jnp.maximum(m_r.max(2), s_f.max(-1)), s_n.max(-1))  # [B, Hkv, N]
-  m_tot = jnp.where(jnp.isfinite(m_tot), m_tot, 0.0)
-  w_c = jnp.exp(m_r - m_tot[:, :, None])                                   # [B, Hkv, NS, N]
-  p_f = jnp.exp(s_f - m_tot[..., None])                                    # [B, Hkv, N, Rf]
-  p_n = jnp.exp(s_n - m_tot[..., None])                                    # [B, Hkv, N, U]
-  denom = (w_c * l_r).sum(2) + p_f.sum(-1) + p_n.sum(-1)                   # [B, Hkv, N]
-  o = (jnp.einsum("bhsn,bhsnd->bhnd", w_c, acc_r)
-       + jnp.einsum("bhnr,bhrd->bhnd", p_f.astype(v_full.dtype), v_full,
-                    preferred_element_type=jnp.float32)
-       + jnp.einsum("bhnu,buhd->bhnd", p_n.astype(v_new.dtype), v_new,
-                    preferred_element_type=jnp.float32))                   # [B, Hkv, N, D]
-  o = o * jnp.where(denom > 0, 1.0 / denom, 0.0)[..., None]
-  lse = m_tot + jnp.log(denom)
-  out = o.reshape(b, hkv, tq, group, d).transpose(0, 2, 1, 3, 4).reshape(b, tq, hkv * group, d)
-  lse = lse.reshape(b, hkv, tq, group).transpose(0, 2, 1, 3).reshape(b, tq, hkv * group)
-  return out, lse
-
-
-# ----------------------------------------------------------------------------------------------
 # Wrapper.
 # ----------------------------------------------------------------------------------------------
 
@@ -512,9 +469,13 @@ def quant_attention(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,
   lengths = jnp.clip(lengths_quantized.astype(jnp.int32), 0, capacity)
   acc, m2, l = _quant_partials(q_halves, qkv, lengths, bits=bits, rows_out=rows_out,
                                num_splits=num_splits, cfg=config, interpret=interpret)
-  out, lse = _combine(acc, m2, l, q, k_full, v_full,
-                      jnp.clip(lengths_full.astype(jnp.int32), 0, k_full.shape[2]),
-                      k_new, v_new, inflight_mask.astype(bool), num_queries=tq, group=group)
+  # acc [B, Hkv, NQB, NS, 2, R, D/2] (two column halves) -> [B, Hkv, NQB, NS, R, D]
+  acc = jnp.moveaxis(acc, 4, 5).reshape(*acc.shape[:4], acc.shape[5], d)
+  n_full = jnp.clip(lengths_full.astype(jnp.int32), 0, k_full.shape[2])
+  full_mask = jnp.arange(k_full.shape[2])[None, None, :] < n_full[:, None, None]  # [B, 1, Rf]
+  exact = [(k_full.transpose(0, 2, 1, 3), v_full.transpose(0, 2, 1, 3), full_mask),
+           (k_new, v_new, inflight_mask.astype(bool)[None])]
+  out, lse = combine_partials(acc, m2, l, q, exact, group=group)
   out = out.astype(q.dtype)
   return (out, lse) if return_lse else out
 

@@ -30,7 +30,8 @@ Two steps, as `pallas_kernels.decode_attention`:
      block_tables[b, h, i // tiles_per_block] * block_size + (i % tiles_per_block) * block_kv.
      K/V tiles go through a `num_stages`-deep TMA ring; QK^T and PV on wgmma; online softmax in
      registers (exp2, log2 units). Time scales with the listed blocks, not S.
-  2. A jnp step (`_combine`) per segment: the in-flight part (Tq x Tq) merged with the split
+  2. A jnp step (`pallas_kernels.combine.combine_partials`) per segment: the in-flight part (Tq x
+     Tq) merged with the split
      partials by log-sum-exp.
 
 The pure-jnp reference `sparse_attention_reference` (gather the listed blocks, mask, two-part
@@ -49,7 +50,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.decode_attention import _SUPPORTED_DTYPES, BLOCK_M, LN2, LOG2E
+from pallas_kernels.combine import combine_partials
+
+from pallas_kernels.decode_attention import _SUPPORTED_DTYPES, BLOCK_M, LOG2E
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,51 +312,6 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
 
 
 # ----------------------------------------------------------------------------------------------
-# Step 2: in-flight part and log-sum-exp combine (plain jnp), one query segment at a time.
-# ----------------------------------------------------------------------------------------------
-
-def _combine(acc, m2, l, q_seg, k_new, v_new, mask_seg, *, group):
-  """Merge one segment's split partials with the in-flight part.
-
-  acc [B, Hkv, NQB, NS, R, D] fp32; m2, l [B, Hkv, NQB, NS, 64] (m2 in log2 units);
-  q_seg [B, T, Hq, D] (the segment's queries); k_new, v_new [B, U, Hkv, D]; mask_seg [T, U].
-  Returns out [B, T, Hq, D] fp32 and lse [B, T, Hq] fp32.
-  """
-  b, hkv, nqb, ns, rows_out, d = acc.shape
-  tq, u = mask_seg.shape
-  n_rows = tq * group                                                     # real rows, t * G + g
-  m_c = (m2 * LN2)[..., :rows_out]                                        # natural units
-  l_c = l[..., :rows_out]
-  # q block j's rows are j * 64 + r; when NQB > 1, R == 64 so the rows are contiguous.
-  to_rows = lambda x: jnp.moveaxis(x, 3, 2).reshape(*x.shape[:2], ns, nqb * rows_out,
-                                                     *x.shape[5:])[:, :, :, :n_rows]
-  acc_r = to_rows(acc)                                                     # [B, Hkv, NS, N, D]
-  m_r = to_rows(m_c)                                                       # [B, Hkv, NS, N]
-  l_r = to_rows(l_c)                                                       # [B, Hkv, NS, N]
-
-  qg = q_seg.reshape(b, tq, hkv, group, d)                                 # [B, T, Hkv, G, D]
-  s_n = jnp.einsum("bthgd,buhd->bhtgu", qg, k_new,
-                   preferred_element_type=jnp.float32) * d ** -0.5        # [B, Hkv, T, G, U]
-  s_n = jnp.where(mask_seg[None, None, :, None, :], s_n, -jnp.inf)
-  s_n = s_n.reshape(b, hkv, n_rows, u)                                     # [B, Hkv, N, U]
-  m_n = s_n.max(-1)                                                        # [B, Hkv, N]
-
-  m_tot = jnp.maximum(m_r.max(2), m_n)                                     # [B, Hkv, N]
-  m_tot = jnp.where(jnp.isfinite(m_tot), m_tot, 0.0)
-  w_c = jnp.exp(m_r - m_tot[:, :, None])                                   # [B, Hkv, NS, N]
-  p_n = jnp.exp(s_n - m_tot[..., None])                                    # [B, Hkv, N, U]
-  denom = (w_c * l_r).sum(2) + p_n.sum(-1)                                 # [B, Hkv, N]
-  o = (jnp.einsum("bhsn,bhsnd->bhnd", w_c, acc_r)
-       + jnp.einsum("bhnu,buhd->bhnd", p_n.astype(v_new.dtype), v_new,
-                    preferred_element_type=jnp.float32))                   # [B, Hkv, N, D]
-  o = o * jnp.where(denom > 0, 1.0 / denom, 0.0)[..., None]
-  lse = m_tot + jnp.log(denom)                                             # [B, Hkv, N]
-  out = o.reshape(b, hkv, tq, group, d).transpose(0, 2, 1, 3, 4).reshape(b, tq, hkv * group, d)
-  lse = lse.reshape(b, hkv, tq, group).transpose(0, 2, 1, 3).reshape(b, tq, hkv * group)
-  return out, lse
-
-
-# ----------------------------------------------------------------------------------------------
 # Wrapper.
 # ----------------------------------------------------------------------------------------------
 
@@ -475,8 +433,8 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
             *x.shape[:2], seg.q_blocks, seg.num_splits, *x.shape[3:])
         for x in (acc, m2, l))
     queries = slice(seg.first_query, seg.first_query + seg.num_queries)
-    out, lse = _combine(acc_s, m2_s, l_s, q[:, queries], k_new, v_new, mask[queries],
-                        group=group)
+    out, lse = combine_partials(acc_s, m2_s, l_s, q[:, queries],
+                                [(k_new, v_new, mask[queries][None])], group=group)
     outs.append(out)
     lses.append(lse)
   out = (jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]).astype(q.dtype)
