@@ -17,10 +17,40 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from sparsedec.errors import UnsupportedConfigError
+
 
 @struct.dataclass
 class FullView:
   """Read all committed entries of the row (slots 0 .. lengths[b]-1)."""
+
+
+@struct.dataclass
+class BlockListView:
+  """Read the listed cache blocks of each (row, KV head): entries i < counts[b, h] of
+  tables[b, h] (distinct block indices; block j is slots [j * block_size, (j + 1) * block_size)),
+  and only slots < lengths[b]. A compressed cache C(kv) (StreamingLLM's sinks + recent window,
+  Quest's pages, SnapKV's selection, TriForce's chunks) is one of these.
+
+  With `per_layer`, tables/counts carry a leading layer axis ([L, B, Hkv, NB], [L, B, Hkv]) and
+  the forward reads layer i's lists (`at_layer`)."""
+  tables: jax.Array                               # [(L,) B, Hkv, NB] int32
+  counts: jax.Array                               # [(L,) B, Hkv] int32
+  block_size: int = struct.field(pytree_node=False)
+  per_layer: bool = struct.field(pytree_node=False, default=False)
+
+  def at_layer(self, i: int) -> "BlockListView":
+    if not self.per_layer:
+      return self
+    return BlockListView(self.tables[i], self.counts[i], self.block_size)
+
+  def slot_mask(self, lengths: jax.Array, capacity: int) -> jax.Array:
+    """[B, Hkv, S] bool: the slots this view reads."""
+    n_blocks = capacity // self.block_size
+    listed = jnp.arange(self.tables.shape[-1]) < self.counts[..., None]        # [B, Hkv, NB]
+    hit = (self.tables[..., None] == jnp.arange(n_blocks)) & listed[..., None]  # [B,Hkv,NB,S/bs]
+    per_slot = jnp.repeat(hit.any(-2), self.block_size, axis=-1)               # [B, Hkv, S]
+    return per_slot & (jnp.arange(capacity) < lengths[:, None, None])
 
 
 @struct.dataclass
@@ -39,6 +69,12 @@ class AttentionPlan:
   def num_tokens(self) -> int:
     return self.inflight_mask.shape[-1]
 
+  def at_layer(self, i: int) -> "AttentionPlan":
+    """The plan as layer i reads it (per-layer block lists sliced)."""
+    segments = tuple(Segment(seg.view.at_layer(i), seg.start, seg.stop)
+                     if hasattr(seg.view, "at_layer") else seg for seg in self.segments)
+    return AttentionPlan(inflight_mask=self.inflight_mask, segments=segments)
+
 
 def causal_plan(num_tokens: int) -> AttentionPlan:
   """Every query reads the full cache and the in-flight tokens up to itself."""
@@ -48,15 +84,19 @@ def causal_plan(num_tokens: int) -> AttentionPlan:
 
 def _cache_mask(view, lengths: jax.Array, q_pos: jax.Array, capacity: int,
                 window: int | None) -> jax.Array:
-  """[B, Tseg, S] bool: which cache slots each query of the segment reads."""
+  """[B, 1 or Hkv, Tseg, S] bool: which cache slots each query of the segment reads."""
   slots = jnp.arange(capacity, dtype=jnp.int32)
   if isinstance(view, FullView):
-    mask = slots[None, None, :] < lengths[:, None, None]
+    mask = (slots[None, :] < lengths[:, None])[:, None, None, :]           # [B, 1, 1, S]
+  elif isinstance(view, BlockListView):
+    if view.per_layer:
+      raise ValueError("a per-layer BlockListView must be sliced with at_layer first")
+    mask = view.slot_mask(lengths, capacity)[:, :, None, :]                 # [B, Hkv, 1, S]
   else:
     raise TypeError(f"unknown cache view {type(view).__name__}")
   if window is not None:
-    mask &= (q_pos[:, :, None] - slots[None, None, :]) < window
-  return jnp.broadcast_to(mask, (lengths.shape[0], q_pos.shape[1], capacity))
+    mask = mask & ((q_pos[:, :, None] - slots[None, None, :]) < window)[:, None]
+  return jnp.broadcast_to(mask, (lengths.shape[0], mask.shape[1], q_pos.shape[1], capacity))
 
 
 def _f32_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -72,7 +112,7 @@ def reference_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                         inflight_mask: jax.Array, return_lse: bool = False):
   """Pure-jnp attention, fp32 softmax and accumulation.
 
-  q [B, T, Hq, D]; k_cache, v_cache [B, Hkv, S, D]; cache_mask [B, T, S];
+  q [B, T, Hq, D]; k_cache, v_cache [B, Hkv, S, D]; cache_mask [B, T, S] or [B, 1|Hkv, T, S];
   k_new, v_new [B, U, Hkv, D]; inflight_mask [B, T, U]. Returns out [B, T, Hq, D] (q's dtype)
   and, with return_lse, the log-sum-exp [B, T, Hq] (fp32).
   """
@@ -82,7 +122,9 @@ def reference_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   scale = d ** -0.5
   s_c = _f32_einsum("bthgd,bhsd->bhgts", qg, k_cache) * scale             # [B, Hkv, G, T, S]
   s_n = _f32_einsum("bthgd,buhd->bhgtu", qg, k_new) * scale               # [B, Hkv, G, T, U]
-  s_c = jnp.where(cache_mask[:, None, None], s_c, -jnp.inf)
+  if cache_mask.ndim == 3:
+    cache_mask = cache_mask[:, None]                                        # [B, 1, T, S]
+  s_c = jnp.where(cache_mask[:, :, None], s_c, -jnp.inf)
   s_n = jnp.where(inflight_mask[:, None, None], s_n, -jnp.inf)
   m = jnp.maximum(s_c.max(-1), s_n.max(-1))                                 # [B, Hkv, G, T]
   m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -99,14 +141,74 @@ def reference_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   return out, lse
 
 
+def _kernel_choice(q: jax.Array, k_cache: jax.Array, plan: AttentionPlan,
+                   window: int | None) -> tuple[str | None, str]:
+  """("decode" | "sparse", "") when a Pallas kernel computes this attention exactly, else
+  (None, why not). decode_attention: every segment reads FullView. sparse_attention: a
+  BlockListView segment first, then optionally one FullView segment (FAFO's plan)."""
+  from pallas_kernels.decode_attention import DecodeConfig
+  if window is not None and window < k_cache.shape[2] + q.shape[1]:
+    return None, f"sliding window {window} is shorter than the cache capacity plus in-flight tokens"
+  if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return None, f"dtype {q.dtype} (the kernels take bfloat16 or float16)"
+  if q.shape[-1] % 64:
+    return None, f"head_dim {q.shape[-1]} is not a multiple of 64"
+  views = [seg.view for seg in plan.segments]
+  if all(isinstance(v, FullView) for v in views):
+    if k_cache.shape[2] % DecodeConfig().block_kv:
+      return None, (f"cache capacity {k_cache.shape[2]} is not a multiple of "
+                    f"{DecodeConfig().block_kv}")
+    return "decode", ""
+  if (isinstance(views[0], BlockListView) and all(isinstance(v, FullView) for v in views[1:])
+      and plan.segments[0].start == 0):
+    block_size = views[0].block_size
+    if block_size % 64:
+      return None, f"block_size {block_size} is not a multiple of 64"
+    if k_cache.shape[2] % block_size:
+      return None, f"cache capacity {k_cache.shape[2]} is not a multiple of block_size {block_size}"
+    return "sparse", ""
+  return None, "the plan's segments are not [block list][full cache] or all full-cache"
+
+
+def _kernel_attention(kind, q, k_cache, v_cache, lengths, k_new, v_new, plan, impl):
+  interpret = None
+  if impl == "interpret":
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    interpret = plgpu.InterpretGPUParams()
+  mask = plan.inflight_mask.astype(bool)
+  if kind == "decode":
+    from pallas_kernels.decode_attention import decode_attention
+    return decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, mask,
+                            interpret=interpret)
+  from pallas_kernels.sparse_attention import sparse_attention
+  first = plan.segments[0]
+  view = first.view
+  return sparse_attention(q, k_cache, v_cache, view.tables, view.counts, lengths, k_new, v_new,
+                          mask, block_size=view.block_size, sparse_queries=first.stop,
+                          interpret=interpret)
+
+
 def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array,
            k_new: jax.Array, v_new: jax.Array, q_pos: jax.Array, plan: AttentionPlan,
-           window: int | None = None) -> jax.Array:
+           window: int | None = None, impl: str = "auto") -> jax.Array:
   """Attention of in-flight queries q [B, T, Hq, D] at positions q_pos [B, T].
 
   k_cache, v_cache [B, Hkv, S, D] with lengths [B]; k_new, v_new [B, T, Hkv, D]. In-flight key u
   has position q_pos[:, u]. Returns [B, T, Hq, D].
+
+  impl (`ModelConfig.attention`): "auto" runs a Pallas kernel on a GPU when one applies
+  (decode_attention when every segment reads FullView; sparse_attention for a block-list segment
+  followed by an optional full-cache one; bf16/fp16, head_dim % 64 == 0, capacity a multiple of
+  the kernel's tile or block size, no effective sliding window) and the jnp reference otherwise; "reference" always the jnp
+  reference; "pallas" always the kernel (raises where it does not apply); "interpret" the kernel
+  in the Mosaic GPU interpreter (for CPU tests).
   """
+  if impl != "reference":
+    kind, blocker = _kernel_choice(q, k_cache, plan, window)
+    if impl in ("pallas", "interpret") and kind is None:
+      raise UnsupportedConfigError(f"attention={impl!r}: no Pallas kernel applies: {blocker}")
+    if kind is not None and (impl != "auto" or jax.default_backend() == "gpu"):
+      return _kernel_attention(kind, q, k_cache, v_cache, lengths, k_new, v_new, plan, impl)
   b, t = q.shape[:2]
   capacity = k_cache.shape[2]
   inflight = jnp.broadcast_to(plan.inflight_mask, (b, t, t))

@@ -34,9 +34,10 @@ class KVCache:
 
 @struct.dataclass
 class InflightKV:
-  """K/V of the tokens of one forward, not yet committed."""
+  """K/V of the tokens of one forward, not yet committed (and, when asked for, their queries)."""
   k: tuple[jax.Array, ...]   # per layer [B, T, Hkv, D]
   v: tuple[jax.Array, ...]   # per layer [B, T, Hkv, D]
+  q: tuple[jax.Array, ...] | None = None   # per layer [B, T, Hq, D] (RoPE applied), or None
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, capacity: int, dtype=None) -> KVCache:

@@ -23,6 +23,7 @@ ARCHITECTURES = {
 }
 FAMILIES = frozenset(ARCHITECTURES.values())
 DTYPES = ("float32", "bfloat16")
+ATTENTION_IMPLS = ("auto", "reference", "pallas", "interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +72,11 @@ class ModelConfig:
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
   dtype: str = "float32"           # parameter and activation dtype; softmax/norms in fp32
+  # How `sparsedec.attention.attend` computes attention (a runtime choice, not part of the model:
+  # not saved with checkpoints). "auto": the Pallas kernels on a GPU where they apply, the jnp
+  # reference elsewhere; "reference": always jnp; "pallas": always the kernels (an error where
+  # they do not apply); "interpret": the kernels in the Mosaic GPU interpreter (CPU tests).
+  attention: str = "auto"
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -91,6 +97,9 @@ class ModelConfig:
       raise UnsupportedConfigError(f"dtype {self.dtype!r} is not supported (supported: {DTYPES})")
     if self.sliding_window is not None and self.sliding_window <= 0:
       raise UnsupportedConfigError(f"sliding_window must be > 0, got {self.sliding_window}")
+    if self.attention not in ATTENTION_IMPLS:
+      raise UnsupportedConfigError(
+          f"attention {self.attention!r} is not one of {ATTENTION_IMPLS}")
     if self.rms_norm_eps <= 0:
       raise UnsupportedConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
 
@@ -111,6 +120,7 @@ class ModelConfig:
   def to_dict(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)
     d["eos_token_ids"] = list(self.eos_token_ids)
+    del d["attention"]               # a runtime choice, not part of the saved model
     return d
 
   @classmethod

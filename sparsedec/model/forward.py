@@ -37,7 +37,8 @@ def _layer(cfg: ModelConfig, lp: dict, x: jax.Array, cos, sin, positions, k_cach
     k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
   q = apply_rope(q, cos, sin)
   k = apply_rope(k, cos, sin)
-  attn = attend(q, k_cache, v_cache, lengths, k, v, positions, plan, cfg.sliding_window)
+  attn = attend(q, k_cache, v_cache, lengths, k, v, positions, plan, cfg.sliding_window,
+                cfg.attention)
   out = linear(attn.reshape(b, t, hq * d), lp["wo"])                 # [B, T, Dm]
   if cfg.o_bias:
     out = out + lp["bo"].astype(out.dtype)
@@ -46,7 +47,7 @@ def _layer(cfg: ModelConfig, lp: dict, x: jax.Array, cos, sin, positions, k_cach
   gate_up = linear(h, lp["w_gate_up"])                               # [B, T, 2F]
   f = cfg.intermediate_size
   x = x + linear(jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:], lp["w_down"])
-  return x, k, v
+  return x, q, k, v
 
 
 def logits_from_hidden(cfg: ModelConfig, params: Params, h: jax.Array) -> jax.Array:
@@ -57,12 +58,15 @@ def logits_from_hidden(cfg: ModelConfig, params: Params, h: jax.Array) -> jax.Ar
 
 def forward(cfg: ModelConfig, params: Params, tokens: jax.Array, positions: jax.Array,
             cache: KVCache, plan: AttentionPlan | None = None,
-            logits_at: jax.Array | None = None) -> tuple[jax.Array, InflightKV]:
+            logits_at: jax.Array | None = None,
+            capture_queries: bool = False) -> tuple[jax.Array, InflightKV]:
   """One forward over in-flight tokens.
 
   tokens, positions: [B, T] int32. cache: committed entries (not modified).
   plan: what each query reads (default: full cache + causal among the T tokens).
   logits_at: optional [B, T'] indices into T; logits only there (saves the vocab matmul).
+  capture_queries: also return each layer's queries (InflightKV.q), the query statistics
+  compression policies select from (Quest, SnapKV).
   Returns fp32 logits [B, T or T', V] and the in-flight K/V (RoPE applied) for commit.
   """
   dtype = jnp.dtype(cfg.dtype)
@@ -70,12 +74,15 @@ def forward(cfg: ModelConfig, params: Params, tokens: jax.Array, positions: jax.
   plan = causal_plan(t) if plan is None else plan
   x = jnp.take(params["embed"], tokens, axis=0).astype(dtype)         # [B, T, Dm]
   cos, sin = rope_tables(cfg, positions, dtype)                       # [B, T, 1, D]
-  ks, vs = [], []
+  qs, ks, vs = [], [], []
   for i, lp in enumerate(params["layers"]):
-    x, k, v = _layer(cfg, lp, x, cos, sin, positions, cache.k[i], cache.v[i], cache.lengths, plan)
+    x, q, k, v = _layer(cfg, lp, x, cos, sin, positions, cache.k[i], cache.v[i], cache.lengths,
+                      plan.at_layer(i))
+    qs.append(q)
     ks.append(k)
     vs.append(v)
   h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   if logits_at is not None:
     h = jnp.take_along_axis(h, logits_at[..., None], axis=1)          # [B, T', Dm]
-  return logits_from_hidden(cfg, params, h), InflightKV(tuple(ks), tuple(vs))
+  return logits_from_hidden(cfg, params, h), InflightKV(tuple(ks), tuple(vs),
+                                                       tuple(qs) if capture_queries else None)

@@ -1,0 +1,100 @@
+"""`sparsedec.attention.attend` dispatch: the Pallas decode kernel inside the model forward equals
+the jnp reference (kernel in the Mosaic GPU interpreter on the CPU), and the cases the kernel does
+not cover are refused by name when the kernel is forced, and fall back in "auto"."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sparsedec
+from sparsedec.attention import attend, causal_plan
+from sparsedec.errors import UnsupportedConfigError
+from sparsedec.kv.dense import commit, init_cache
+from sparsedec.model.config import ModelConfig
+from sparsedec.model.forward import forward
+from sparsedec.model.params import cast_params, init_random
+
+# head_dim 64 and a capacity that is a multiple of 128: what the kernel takes.
+KERNEL_SHAPED = ModelConfig(family="llama", vocab_size=61, hidden_size=128, intermediate_size=128,
+                            num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64,
+                            max_position_embeddings=512, dtype="bfloat16")
+
+
+def _prefilled(cfg, params, prompt_lengths, capacity=128):
+  """A cache holding ragged prompts, built with the reference attention."""
+  ref_cfg = cfg.replace(attention="reference")
+  b = len(prompt_lengths)
+  t = max(prompt_lengths)
+  tokens = jax.random.randint(jax.random.key(3), (b, t), 0, cfg.vocab_size)
+  positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+  cache = init_cache(cfg, b, capacity)
+  _, kv = forward(ref_cfg, params, tokens, positions, cache)
+  return commit(cache, kv, jnp.asarray(prompt_lengths, jnp.int32))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_forward_with_interpreted_kernel_equals_reference(num_tokens):
+  cfg = KERNEL_SHAPED
+  params = cast_params(init_random(cfg, jax.random.key(0), scale=0.5), cfg.dtype)
+  cache = _prefilled(cfg, params, [5, 0, 17])
+  tokens = jax.random.randint(jax.random.key(4), (3, num_tokens), 0, cfg.vocab_size)
+  positions = cache.lengths[:, None] + jnp.arange(num_tokens)[None]
+  run = jax.jit(forward, static_argnums=0)
+  ref_logits, ref_kv = run(cfg.replace(attention="reference"), params, tokens, positions, cache)
+  got_logits, got_kv = run(cfg.replace(attention="interpret"), params, tokens, positions, cache)
+  np.testing.assert_array_equal(np.asarray(got_kv.k[0], np.float32),
+                                np.asarray(ref_kv.k[0], np.float32))
+  # bf16 activations: the two attentions round differently (one bf16 ulp of a hidden value moves
+  # a logit of size ~10 by ~0.06); logits agree to bf16 precision of their scale.
+  scale = float(np.abs(np.asarray(ref_logits)).max())
+  np.testing.assert_allclose(got_logits, ref_logits, atol=1e-2 * scale, rtol=2e-2)
+  assert np.abs(np.asarray(ref_logits)).max() > 0.5   # the comparison is not between zeros
+
+
+def test_decode_loop_with_interpreted_kernel_matches_reference_greedy():
+  cfg = KERNEL_SHAPED
+  params = cast_params(init_random(cfg, jax.random.key(1), scale=0.5), cfg.dtype)
+  prompts = [[1, 2, 3, 4, 5], [7, 8]]
+  ref = sparsedec.generate(cfg.replace(attention="reference"), params, prompts,
+                           max_new_tokens=6, stop_tokens=())
+  got = sparsedec.generate(cfg.replace(attention="interpret"), params, prompts,
+                           max_new_tokens=6, stop_tokens=())
+  ref_logits = [np.asarray(x) for x in ref.tokens]
+  assert [list(x) for x in got.tokens] == [list(x) for x in ref_logits]
+
+
+@pytest.mark.parametrize("change, needle", [
+    (dict(dtype="float32"), "dtype float32"),
+    (dict(head_dim=32, hidden_size=64), "head_dim 32"),
+    (dict(family="mistral", sliding_window=4), "sliding window 4"),
+])
+def test_forced_kernel_names_what_it_does_not_cover(change, needle):
+  cfg = KERNEL_SHAPED.replace(attention="pallas", **change)
+  params = init_random(cfg, jax.random.key(0))
+  if cfg.dtype == "bfloat16":
+    params = cast_params(params, cfg.dtype)
+  cache = init_cache(cfg, 1, 128)
+  with pytest.raises(UnsupportedConfigError, match=needle):
+    forward(cfg, params, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), cache)
+
+
+def test_unaligned_capacity_is_refused_when_forced_and_falls_back_in_auto():
+  b, t, hq, hkv, d, s = 1, 1, 4, 2, 64, 100
+  q = jnp.ones((b, t, hq, d), jnp.bfloat16)
+  kc = jnp.ones((b, hkv, s, d), jnp.bfloat16)
+  kn = jnp.ones((b, t, hkv, d), jnp.bfloat16)
+  lengths = jnp.asarray([7], jnp.int32)
+  pos = lengths[:, None]
+  with pytest.raises(UnsupportedConfigError, match="capacity 100"):
+    attend(q, kc, kc, lengths, kn, kn, pos, causal_plan(t), impl="pallas")
+  out = attend(q, kc, kc, lengths, kn, kn, pos, causal_plan(t), impl="auto")   # CPU: reference
+  np.testing.assert_allclose(np.asarray(out, np.float32), 1.0)
+
+
+def test_attention_choice_is_validated_and_not_saved():
+  with pytest.raises(UnsupportedConfigError, match="attention 'cuda'"):
+    KERNEL_SHAPED.replace(attention="cuda")
+  assert "attention" not in KERNEL_SHAPED.replace(attention="reference").to_dict()
