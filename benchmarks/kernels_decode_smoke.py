@@ -24,29 +24,29 @@ import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
 
+from benchmarks._timing import default_out_dir, max_abs_err, read_bandwidth, time_loop
 from pallas_kernels.decode_attention import (DecodeConfig, decode_attention,
                                              decode_attention_reference, split_partials)
 
 HQ, HKV, D = 32, 8, 128
-CAPACITIES = (4096, 16384, 65536)
+CAPACITIES = (16384, 65536)
 NUM_QUERIES = (1, 16)
 KERNEL_CONFIGS = {
     "default": DecodeConfig(),                                   # block_kv=128, 2 stages, 132
-    "bkv128_st2_66": DecodeConfig(block_kv=128, num_stages=2, target_blocks=66),
-    "bkv128_st2_264": DecodeConfig(block_kv=128, num_stages=2, target_blocks=264),
-    "bkv64_st5_132": DecodeConfig(block_kv=64, num_stages=5, target_blocks=132),
+    "bkv128_st2_132_min1": DecodeConfig(block_kv=128, num_stages=2, min_tiles_per_split=1),
+    "bkv128_st2_264_min1": DecodeConfig(block_kv=128, num_stages=2, target_blocks=264,
+                                        min_tiles_per_split=1),
+    "bkv64_st4_132": DecodeConfig(block_kv=64, num_stages=4, target_blocks=132),
+    "bkv64_st4_264_min1": DecodeConfig(block_kv=64, num_stages=4, target_blocks=264,
+                                       min_tiles_per_split=1),
 }
 TARGET_BYTES_PER_TIMING = 6e9        # bytes read per timed loop (sets the call count)
 TOL = 3e-2
 
 
 def _out_path() -> str:
-  out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-  os.makedirs(out_dir, exist_ok=True)
-  return os.path.join(out_dir, "kernels_decode_smoke.json")
+  return os.path.join(default_out_dir(), "kernels_decode_smoke.json")
 
 
 def _inputs(seed, b, tq, s):
@@ -62,48 +62,13 @@ def _inputs(seed, b, tq, s):
   )
 
 
-def _max_err(a, b):
-  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-  both_ninf = np.isneginf(a) & np.isneginf(b)
-  diff = np.where(both_ninf, 0.0, np.abs(a - b))
-  return float(np.nanmax(np.where(np.isnan(diff), np.inf, diff)))
-
-
 def _kernel_fn(config):
   return jax.jit(functools.partial(decode_attention, return_lse=True, config=config))
 
 
 def _time_loop(fn, x, *rest, num_calls: int, repeats: int = 3) -> float:
-  """Seconds per call of fn(x, *rest), num_calls calls chained inside one jit."""
-  @jax.jit
-  def loop(x, *rest):
-    def body(_, x):
-      out = fn(x, *rest)
-      out = out[0] if isinstance(out, tuple) else out
-      # A data dependency XLA cannot fold, so no call is hoisted or dropped.
-      return jnp.where(out.reshape(-1)[0] == 12345.0, x + 1, x)
-    return lax.fori_loop(0, num_calls, body, x)
-  jax.block_until_ready(loop(x, *rest))                # compile + warm up
-  best = float("inf")
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(loop(x, *rest))
-    best = min(best, time.perf_counter() - t0)
-  return best / num_calls
-
-
-def _read_bandwidth() -> dict:
-  n = 2 ** 31                                          # 4 GiB of bf16
-  x = jnp.ones((n // 4096, 4096), jnp.bfloat16)
-  total = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
-  jax.block_until_ready(total(x))
-  best = float("inf")
-  for _ in range(5):
-    t0 = time.perf_counter()
-    jax.block_until_ready(total(x))
-    best = min(best, time.perf_counter() - t0)
-  del x
-  return dict(bytes=2 * n, seconds=best, gb_per_s=2 * n / best / 1e9)
+  """Seconds per call (min over repeats) of fn(x, *rest), num_calls calls inside one jit."""
+  return time_loop(fn, x, *rest, num_calls=num_calls, repeats=repeats)["min_s"]
 
 
 def _correctness(results: dict):
@@ -121,7 +86,8 @@ def _correctness(results: dict):
       entry = dict(case=f"B=3 S={s} Tq={tq} lengths=[0,777,{s}]", config=name)
       try:
         out, lse = _kernel_fn(config)(*args)
-        entry.update(max_abs_err_out=_max_err(out, ref_out), max_abs_err_lse=_max_err(lse, ref_lse))
+        entry.update(max_abs_err_out=max_abs_err(out, ref_out),
+                     max_abs_err_lse=max_abs_err(lse, ref_lse))
         entry["ok"] = bool(entry["max_abs_err_out"] < TOL and entry["max_abs_err_lse"] < 1e-2)
       except Exception as e:                                             # noqa: BLE001
         entry.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
@@ -166,7 +132,7 @@ def _timings(results: dict, out_path: str):
       for name, config in KERNEL_CONFIGS.items():
         kfn = _kernel_fn(config)
         record(f"mosaic_gpu_kernel[{name}]", kfn, x["q"], *args,
-               check=lambda kfn=kfn: _max_err(kfn(x["q"], *args)[0], ref_out))
+               check=lambda kfn=kfn: max_abs_err(kfn(x["q"], *args)[0], ref_out))
       # Step 1 alone (q packing + the Mosaic GPU kernel, no combine): the glue's share.
       record("mosaic_gpu_split_partials_only[default]",
              jax.jit(functools.partial(split_partials, config=DecodeConfig())),
@@ -184,7 +150,7 @@ def _timings(results: dict, out_path: str):
             q, k, v, key_value_seq_lengths=lens, implementation=impl))
         record(f"jax.nn.dot_product_attention[{impl}] (cache only)", dpa, x["q"], k_bshd,
                v_bshd, lengths,
-               check=lambda dpa=dpa: _max_err(dpa(x["q"], k_bshd, v_bshd, lengths), cache_ref))
+               check=lambda dpa=dpa: max_abs_err(dpa(x["q"], k_bshd, v_bshd, lengths), cache_ref))
       del x, k_bshd, v_bshd
 
 
@@ -195,7 +161,7 @@ def main():
   results = dict(device=dev.device_kind, platform=dev.platform, jax=jax.__version__,
                  kernel_configs={k: dataclasses.asdict(v) for k, v in KERNEL_CONFIGS.items()})
   print(results, flush=True)
-  results["read_bandwidth"] = _read_bandwidth()
+  results["read_bandwidth"] = read_bandwidth(2 ** 32)
   print("read bandwidth", results["read_bandwidth"], flush=True)
   _correctness(results)
   with open(out_path, "w") as f:

@@ -4,6 +4,10 @@ A kernel leaves, per (row, KV head, q block, split), an un-normalised partial ou
 row max `m2` (log2 units) and row sum `l`. `combine_partials` merges those with key sets that are
 attended exactly here (the step's in-flight tokens; QuantSpec's full-precision recent segment),
 into one softmax over everything.
+
+The selectors' per-slot weights (`score_queries`): the kernels write the selected queries' raw
+scores (log2 units) for the slots they visit; `scores_to_probs` turns them into final softmax
+weights with the combined lse and zeroes the slots a query does not read.
 """
 
 from __future__ import annotations
@@ -13,8 +17,59 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 LN2 = math.log(2.0)
+LOG2E = math.log2(math.e)
+MAX_SCORE_ROWS = 64               # the selected rows live in q block 0 (one wgmma M tile)
+
+
+def check_score_queries(score_queries, num_queries: int, group: int) -> tuple[int, ...]:
+  """Validates the static `score_queries` (distinct ints in [0, Tq), len * G <= 64)."""
+  try:
+    sel = tuple(score_queries)
+  except TypeError:
+    raise ValueError(f"score_queries must be a tuple of query indices, got {score_queries!r}")
+  if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in sel):
+    raise ValueError(f"score_queries must hold Python ints, got {score_queries!r}")
+  sel = tuple(int(t) for t in sel)
+  if any(not 0 <= t < num_queries for t in sel):
+    raise ValueError(f"score_queries {sel} must be indices in [0, Tq={num_queries})")
+  if len(set(sel)) != len(sel):
+    raise ValueError(f"score_queries {sel} must be distinct")
+  if len(sel) * group > MAX_SCORE_ROWS:
+    raise ValueError(f"score_queries: {len(sel)} queries x G={group} query heads per KV head "
+                     f"= {len(sel) * group} rows, more than {MAX_SCORE_ROWS} (one q block)")
+  return sel
+
+
+def score_rows(num_selected: int, group: int) -> int:
+  """Rows of the kernels' score output: the selected rows, padded to a multiple of 8."""
+  return -(-num_selected * group // 8) * 8
+
+
+def selected_first(selected: Sequence[int], queries: Sequence[int]) -> tuple[int, ...]:
+  """`queries` reordered with the `selected` ones (a subset, in that order) first."""
+  chosen = set(selected)
+  return tuple(selected) + tuple(t for t in queries if t not in chosen)
+
+
+def scores_to_probs(scores: jax.Array, lse: jax.Array, weight: jax.Array, *, group: int
+                    ) -> jax.Array:
+  """scores [B, Hkv, R, S] fp32: rows r = i * G + g of the selected queries i (R >= n * G),
+  scaled scores in log2 units, defined where weight > 0; lse [B, n, Hq] fp32 (natural log) of
+  those queries' whole softmax; weight [B, Hkv or 1, S]: how often the query reads slot s (0:
+  not at all). Returns probs [B, n, Hq, S] fp32 = weight * exp(score - lse), 0 where weight = 0.
+  """
+  b, hkv, _, capacity = scores.shape
+  n = lse.shape[1]
+  s2 = scores[:, :, :n * group].reshape(b, hkv, n, group, capacity)      # [B, Hkv, n, G, S]
+  s2 = s2.transpose(0, 2, 1, 3, 4)                                         # [B, n, Hkv, G, S]
+  lse2 = lse.reshape(b, n, hkv, group)[..., None] * LOG2E                  # [B, n, Hkv, G, 1]
+  w = weight.astype(jnp.float32)[:, None, :, None, :]                      # [B, 1, Hkv, 1, S]
+  # Unvisited slots hold whatever the output buffer held (NaN, say): select, don't multiply.
+  probs = jnp.where(w > 0, w * jnp.exp2(s2 - lse2), 0.0)                   # [B, n, Hkv, G, S]
+  return probs.reshape(b, n, hkv * group, capacity)
 
 
 def combine_partials(acc: jax.Array, m2: jax.Array, l: jax.Array, q: jax.Array,

@@ -4,10 +4,28 @@ Contract (what `sparsedec.attention` calls):
 
   decode_attention(q [B, Tq, Hq, D], k_cache [B, Hkv, S, D], v_cache [B, Hkv, S, D],
                    lengths [B] int32, k_new [B, Tq, Hkv, D], v_new [B, Tq, Hkv, D],
-                   inflight_mask [Tq, Tq] bool) -> out [B, Tq, Hq, D]  (+ lse [B, Tq, Hq] fp32)
+                   inflight_mask [Tq, Tq] bool, *, return_lse=False, score_queries=())
+    -> out [B, Tq, Hq, D]  (+ lse [B, Tq, Hq] fp32 with return_lse)
+                           (+ probs [B, len(score_queries), Hq, S] fp32 with score_queries)
 
 Query t of row b reads cache slots s < lengths[b] and in-flight keys u with inflight_mask[t, u];
 one softmax over both parts, scale D**-0.5, fp32 accumulation.
+
+What selectors read (SnapKV, H2O, the SFI selector):
+  * lse: per query and query head, the log-sum-exp (natural log) of that softmax (-inf when the
+    query sees no key at all);
+  * probs: for the few queries t = score_queries[i] (a static tuple of distinct indices into Tq,
+    len(score_queries) * G <= 64), the final softmax weight of each query head on each cache
+    slot s, exp(score - lse): probs[b, i, :, s] for s < lengths[b], 0 for every other slot. So
+    probs summed over S plus the query's in-flight weights is 1.
+    The scores are written by the kernel itself, from the tile it computes anyway (no second
+    pass over K): the selected queries' rows are packed first into q block 0 (queries permuted
+    to score_queries + the others, the in-flight mask rows alike; outputs permuted back), and
+    the thread blocks of q block 0 store the first `score_rows` rows of each scaled score tile
+    (log2 units, -inf past the length) through SMEM and a TMA to a [B, Hkv, score_rows, S]
+    fp32 output. The wrapper turns them into exp2(s - lse * log2 e) and zeroes the slots the
+    kernel never visits (s >= lengths[b]). score_queries=() builds exactly the kernel without
+    any of this.
 
 Two steps:
   1. The Mosaic GPU kernel (`_cache_partials`), grid (num_splits, Hkv * q_blocks, B). One thread
@@ -17,7 +35,8 @@ Two steps:
      dimension of the tile (rows r = t * G + g, zero-padded to a multiple of 64), so each K/V
      tile is loaded once (TMA, `num_stages`-deep ring of SMEM buffers and barriers) for all of
      them. QK^T and PV run on wgmma; the online softmax keeps (acc, m, l) in registers. Each block
-     writes its un-normalised partial acc [R, D] and its row max m and sum l (fp32).
+     writes its un-normalised partial acc [R, D] and its row max m and sum l (fp32), and, with
+     score_queries, q block 0's blocks the selected rows' scores of each tile they visit.
   2. A small jnp step (`pallas_kernels.combine.combine_partials`) computes the in-flight part
      (Tq x Tq, tiny) and merges it with the split partials by log-sum-exp.
 
@@ -36,8 +55,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+import numpy as np
 
-from pallas_kernels.combine import combine_partials
+from pallas_kernels.combine import (check_score_queries, combine_partials, score_rows,
+                                    scores_to_probs, selected_first)
 
 LOG2E = math.log2(math.e)
 BLOCK_M = 64                      # wgmma M of one warpgroup
@@ -80,14 +101,17 @@ def _pick_num_splits(cfg: DecodeConfig, batch: int, num_kv_heads: int, q_blocks:
 
 def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                     lengths: jax.Array, *, rows_out: int, num_splits: int, cfg: DecodeConfig,
-                    interpret: Any = None):
+                    score_rows: int = 0, interpret: Any = None):
   """Split partials of the cache part.
 
   q_rows [B, Hkv, NQB * 64, D] (row r of q block j is query row j * 64 + r, r = t * G + g);
   k_cache, v_cache [B, Hkv, S, D]; lengths [B] int32 (already clipped to [0, S]).
   Returns acc [B, Hkv, NQB, NS, rows_out, D] fp32 (un-normalised), m [B, Hkv, NQB, NS, 64] fp32
   (row max of the scaled scores, in log2 units, -inf for an empty split) and
-  l [B, Hkv, NQB, NS, 64] fp32 (sum of exp2(score - m)).
+  l [B, Hkv, NQB, NS, 64] fp32 (sum of exp2(score - m)); with score_rows > 0 (a multiple of 8,
+  <= 64) also scores [B, Hkv, score_rows, S] fp32: rows [0, score_rows) of q block 0, the scaled
+  scores (log2 units) of the slots s < lengths[b], -inf for the rest of their last tile; the
+  other slots are never written (undefined).
   """
   batch, num_kv_heads, m_total, head_dim = q_rows.shape
   capacity = k_cache.shape[2]
@@ -112,7 +136,9 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
            l_smem,          # [64] fp32                                 SMEM
            q_barrier,       # 1 barrier
            k_barriers,      # [num_stages] barriers
-           v_barriers):     # [num_stages] barriers
+           v_barriers,      # [num_stages] barriers
+           scores_ref=None,  # [B, Hkv, score_rows, S] fp32               GMEM (score_rows > 0)
+           s_smem=None):    # [64, block_kv] fp32, aliases o_smem       SMEM (score_rows > 0)
     split = lax.axis_index("split")
     head_qblock = lax.axis_index("head_qblock")
     b = lax.axis_index("batch")
@@ -130,6 +156,18 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       rows = pl.ds((first_tile + step) * block_kv, block_kv)
       plgpu.copy_gmem_to_smem(k_ref.at[b, h, rows], k_smem.at[slot], k_barriers.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[b, h, rows], v_smem.at[slot], v_barriers.at[slot])
+
+    def store_scores(s, start):
+      """Rows [0, score_rows) of the score tile s [64, block_kv] (registers, WGMMA layout) to
+      scores[b, h, :, start:start + block_kv], through s_smem and a TMA."""
+      # A WGMMA-layout array can only be sliced at 64-row granularity: the whole tile goes to
+      # SMEM, the TMA takes its first rows. One buffer (sharing o_smem's memory, idle until the
+      # epilogue): the previous tile's TMA must have read it.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      s_smem[...] = s
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(s_smem.at[pl.ds(0, score_rows)],
+                              scores_ref.at[b, h, :, pl.ds(start, block_kv)])
 
     plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(qb * BLOCK_M, BLOCK_M)], q_smem, q_barrier)
     for step in range(num_stages):                 # prologue: fill the ring
@@ -155,6 +193,8 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       slot_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, block_kv), 1,
                                         layout=plgpu.Layout.WGMMA)
       s = jnp.where(slot_ids + (first_tile + step) * block_kv < length, s, -jnp.inf)
+      if score_rows:
+        pl.when(qb == 0)(lambda: store_scores(s, (first_tile + step) * block_kv))
 
       # Every tile holds at least one valid slot, so m_new is finite.
       m_new = jnp.maximum(m_i, s.max(axis=1))
@@ -183,6 +223,8 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 
     acc, m_i, l_i = lax.fori_loop(0, my_tiles, kv_step, (acc, m_i, l_i))
 
+    if score_rows:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last score TMA has read s_smem
     o_smem[...] = acc
     m_smem[...] = m_i
     l_smem[...] = l_i
@@ -206,22 +248,31 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       plgpu.Barrier(num_barriers=num_stages),
   ]
   part = (batch, num_kv_heads, q_blocks, num_splits)
-  out_type = (
+  out_type = [
       jax.ShapeDtypeStruct((*part, rows_out, head_dim), jnp.float32),
       jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32),
       jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32),
-  )
+  ]
+  if score_rows:               # only then: score_rows == 0 builds the plain kernel
+    # The score tile buffer shares o_smem's memory: with the defaults (D = 128, block_kv = 128,
+    # 2 stages, bf16) a separate 32 KiB buffer would exceed the 227 KiB of SMEM.
+    scratch[4] = plgpu.RefUnion(scratch[4], plgpu.SMEM((BLOCK_M, block_kv), jnp.float32))
+    out_type.append(jax.ShapeDtypeStruct((batch, num_kv_heads, score_rows, capacity),
+                                         jnp.float32))
 
-  def entry(lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref):
+  def entry(lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *scores_ref):
     def scoped(q_smem, k_smem, v_smem, p_smem, o_smem, m_smem, l_smem, q_bar, k_bars, v_bars):
+      extra = ()
+      if score_rows:
+        o_smem, s_smem = o_smem                    # the union's two views
+        extra = (scores_ref[0], s_smem)
       body(lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
-           q_smem, k_smem, v_smem, p_smem, o_smem, m_smem, l_smem, q_bar, k_bars, v_bars)
+           q_smem, k_smem, v_smem, p_smem, o_smem, m_smem, l_smem, q_bar, k_bars, v_bars, *extra)
     pl.run_scoped(scoped, *scratch)
 
-  del capacity
   return plgpu.kernel(
       entry,
-      out_type=out_type,
+      out_type=tuple(out_type),
       grid=(num_splits, num_kv_heads * q_blocks, batch),
       grid_names=("split", "head_qblock", "batch"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -265,11 +316,13 @@ def _check_inputs(q, k_cache, v_cache, lengths, k_new, v_new, inflight_mask, cfg
 
 
 def split_partials(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array,
-                   *, config: DecodeConfig = DecodeConfig(), interpret: Any = None):
+                   *, config: DecodeConfig = DecodeConfig(), num_score_queries: int = 0,
+                   interpret: Any = None):
   """The cache part only (step 1): packs q into 64-row tiles per KV head and runs the kernel.
 
   q [B, Tq, Hq, D]; k_cache, v_cache [B, Hkv, S, D]; lengths [B]. Returns the split partials
-  (acc, m, l) described in `_cache_partials`.
+  (acc, m, l) described in `_cache_partials`; with num_score_queries = n > 0, also the scores
+  [B, Hkv, R, S] of queries [0, n) (rows r = t * G + g < n * G; R = n * G rounded up to 8).
   """
   b, tq, hq, d = q.shape
   hkv, capacity = k_cache.shape[1], k_cache.shape[2]
@@ -283,29 +336,52 @@ def split_partials(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths
   q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, q_blocks * BLOCK_M - n_rows), (0, 0)))
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
   return _cache_partials(q_rows, k_cache, v_cache, lengths, rows_out=rows_out,
-                         num_splits=num_splits, cfg=config, interpret=interpret)
+                         num_splits=num_splits, cfg=config,
+                         score_rows=score_rows(num_score_queries, group), interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("return_lse", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("return_lse", "score_queries", "config",
+                                             "interpret"))
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array,
                      k_new: jax.Array, v_new: jax.Array, inflight_mask: jax.Array, *,
-                     return_lse: bool = False, config: DecodeConfig = DecodeConfig(),
-                     interpret: Any = None):
+                     return_lse: bool = False, score_queries: tuple[int, ...] = (),
+                     config: DecodeConfig = DecodeConfig(), interpret: Any = None):
   """Decode attention over a dense cache plus in-flight tokens (see the module docstring).
 
   q [B, Tq, Hq, D]; k_cache, v_cache [B, Hkv, S, D]; lengths [B] int32; k_new, v_new
-  [B, Tq, Hkv, D]; inflight_mask [Tq, Tq] bool. Returns out [B, Tq, Hq, D] (q's dtype) and,
-  with return_lse, lse [B, Tq, Hq] fp32. `interpret=plgpu.InterpretGPUParams()` runs the kernel
-  in the Mosaic GPU interpreter (CPU).
+  [B, Tq, Hkv, D]; inflight_mask [Tq, Tq] bool. Returns out [B, Tq, Hq, D] (q's dtype), then
+  with return_lse lse [B, Tq, Hq] fp32, then with score_queries (a tuple of distinct query
+  indices, static) probs [B, len(score_queries), Hq, S] fp32: the final softmax weights of those
+  queries on the cache slots (0 where s >= lengths[b]). `interpret=plgpu.InterpretGPUParams()`
+  runs the kernel in the Mosaic GPU interpreter (CPU).
   """
   _check_inputs(q, k_cache, v_cache, lengths, k_new, v_new, inflight_mask, config)
   tq, hq = q.shape[1:3]
   group = hq // k_cache.shape[1]
-  acc, m2, l = split_partials(q, k_cache, v_cache, lengths, config=config, interpret=interpret)
-  out, lse = combine_partials(acc, m2, l, q, [(k_new, v_new, inflight_mask.astype(bool)[None])],
-                              group=group)
-  out = out.astype(q.dtype)
-  return (out, lse) if return_lse else out
+  sel = check_score_queries(score_queries, tq, group)
+  mask = inflight_mask.astype(bool)
+  # The selected queries go first (their rows lead q block 0); every per-query input and output
+  # follows the same order: q and the in-flight mask's rows here, out and lse back below.
+  order = selected_first(sel, range(tq))
+  permuted = order != tuple(range(tq))
+  if permuted:
+    q, mask = q[:, np.array(order)], mask[np.array(order)]
+  parts = split_partials(q, k_cache, v_cache, lengths, config=config,
+                         num_score_queries=len(sel), interpret=interpret)
+  out, lse = combine_partials(*parts[:3], q, [(k_new, v_new, mask[None])], group=group)
+  results = [out.astype(q.dtype)]
+  if sel:
+    slots = jnp.arange(k_cache.shape[2])
+    read = (slots[None] < jnp.clip(lengths, 0, k_cache.shape[2])[:, None])[:, None]  # [B, 1, S]
+    probs = scores_to_probs(parts[3], lse[:, :len(sel)], read, group=group)
+  if permuted:
+    inverse = np.argsort(np.array(order))
+    results, lse = [results[0][:, inverse]], lse[:, inverse]
+  if return_lse:
+    results.append(lse)
+  if sel:
+    results.append(probs)
+  return results[0] if len(results) == 1 else tuple(results)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -314,9 +390,10 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
 
 def decode_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                                lengths: jax.Array, k_new: jax.Array, v_new: jax.Array,
-                               inflight_mask: jax.Array, *, return_lse: bool = False):
+                               inflight_mask: jax.Array, *, return_lse: bool = False,
+                               score_queries: tuple[int, ...] = ()):
   """Pure-jnp decode attention: fp32 softmax over cache slots < lengths[b] and masked in-flight
-  keys together. Shapes as `decode_attention`."""
+  keys together. Shapes and outputs as `decode_attention` (probs straight from the softmax)."""
   b, tq, hq, d = q.shape
   hkv, capacity = k_cache.shape[1], k_cache.shape[2]
   qg = q.reshape(b, tq, hkv, hq // hkv, d)                                 # [B, Tq, Hkv, G, D]
@@ -337,9 +414,13 @@ def decode_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
                   preferred_element_type=jnp.float32)
        + jnp.einsum("bhgtu,buhd->bthgd", p_n.astype(v_new.dtype), v_new,
                     preferred_element_type=jnp.float32))                   # [B, Tq, Hkv, G, D]
-  inv = jnp.where(denom > 0, 1.0 / denom, 0.0).transpose(0, 3, 1, 2)[..., None]
-  out = (o * inv).reshape(b, tq, hq, d).astype(q.dtype)
-  if not return_lse:
-    return out
-  lse = (m + jnp.log(denom)).transpose(0, 3, 1, 2).reshape(b, tq, hq)
-  return out, lse
+  inv = jnp.where(denom > 0, 1.0 / denom, 0.0)                             # [B, Hkv, G, Tq]
+  out = (o * inv.transpose(0, 3, 1, 2)[..., None]).reshape(b, tq, hq, d).astype(q.dtype)
+  results = [out]
+  if return_lse:
+    results.append((m + jnp.log(denom)).transpose(0, 3, 1, 2).reshape(b, tq, hq))
+  if score_queries:
+    sel = np.array(score_queries, np.int32)
+    probs = (p_c * inv[..., None])[:, :, :, sel]                           # [B, Hkv, G, n, S]
+    results.append(probs.transpose(0, 3, 1, 2, 4).reshape(b, len(sel), hq, capacity))
+  return results[0] if len(results) == 1 else tuple(results)

@@ -30,6 +30,27 @@ group's scale/zero, then bf16/fp16) into SMEM, and runs QK^T and PV on wgmma as 
 halves with an online softmax. The full-precision recent segment and the in-flight tokens are
 merged with the split partials in jnp (`pallas_kernels.combine.combine_partials`), by log-sum-exp.
 
+Contract:
+
+  quant_attention(q [B, Tq, Hq, D], qkv: QuantKV (capacity S), lengths_quantized [B],
+                  k_full [B, Hkv, Rf, D], v_full [B, Hkv, Rf, D], lengths_full [B],
+                  k_new [B, Tq, Hkv, D], v_new [B, Tq, Hkv, D], inflight_mask [Tq, Tq], *,
+                  bits=8, return_lse=False, score_queries=())
+    -> out [B, Tq, Hq, D]  (+ lse [B, Tq, Hq] fp32 with return_lse)
+                           (+ probs [B, len(score_queries), Hq, S] fp32 with score_queries)
+
+One softmax over the quantized slots s < lengths_quantized[b], the full-precision slots
+r < lengths_full[b] and the in-flight keys u with inflight_mask[t, u]. What selectors read
+(SnapKV, H2O, the SFI selector), as in `pallas_kernels.decode_attention`: lse, the per query and
+query head log-sum-exp of that softmax; probs, for the queries t = score_queries[i] (static,
+distinct, len(score_queries) * G <= 64), the final softmax weight exp(score - lse) of each query
+head on each *quantized* slot s (S = the quantized capacity; 0 for s >= lengths_quantized[b]):
+probs summed over S plus the query's full-precision and in-flight weights is 1. The kernel
+writes the selected queries' scores (packed first into q block 0; queries permuted, the in-flight
+mask rows alike, outputs permuted back) from the tiles it computes, through SMEM and a TMA, to
+a [B, Hkv, score_rows, S] fp32 output; the wrapper converts them with the combined lse.
+score_queries=() builds exactly the kernel without any of this.
+
 `quant_attention_reference` = dequantize, then exact fp32 attention (pure jnp).
 """
 
@@ -44,8 +65,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+import numpy as np
 
-from pallas_kernels.combine import combine_partials
+from pallas_kernels.combine import (check_score_queries, combine_partials, score_rows,
+                                    scores_to_probs, selected_first)
 
 from pallas_kernels.decode_attention import BLOCK_M, LOG2E
 
@@ -214,12 +237,15 @@ def _swizzled(minor_bytes, itemsize):
 
 
 def _quant_partials(q_halves, qkv: QuantKV, lengths, *, bits, rows_out, num_splits,
-                    cfg: QuantAttentionConfig, interpret: Any = None):
+                    cfg: QuantAttentionConfig, score_rows: int = 0, interpret: Any = None):
   """Split partials of the quantized region.
 
   q_halves [B, Hkv, 2, NQB * 64, D/2] (half 0: channels < D/2); lengths [B] int32 in [0, S].
   Returns acc [B, Hkv, NQB, NS, 2, rows_out, D/2] fp32 (un-normalised, by channel half),
-  m [B, Hkv, NQB, NS, 64] fp32 (log2 units, -inf for an empty split), l [B, Hkv, NQB, NS, 64].
+  m [B, Hkv, NQB, NS, 64] fp32 (log2 units, -inf for an empty split), l [B, Hkv, NQB, NS, 64];
+  with score_rows > 0 (a multiple of 8, <= 64) also scores [B, Hkv, score_rows, S] fp32: rows
+  [0, score_rows) of q block 0, the scaled scores (log2 units) of the slots s < lengths[b], -inf
+  for the rest of their last tile; the other slots are never written (undefined).
   """
   batch, num_kv_heads, _, m_total, half = q_halves.shape
   q_blocks = m_total // BLOCK_M
@@ -241,7 +267,9 @@ def _quant_partials(q_halves, qkv: QuantKV, lengths, *, bits, rows_out, num_spli
            p_smem,        # [64, bkv] dtype
            o_smem,        # [2, 64, D/2] fp32
            m_smem, l_smem,
-           q_barrier, k_barriers, v_barriers):
+           q_barrier, k_barriers, v_barriers,
+           scores_ref=None,  # [B, Hkv, score_rows, S] fp32  GMEM (score_rows > 0)
+           s_smem=None):    # [64, bkv] fp32, aliases o_smem (score_rows > 0)
     split = lax.axis_index("split")
     head_qblock = lax.axis_index("head_qblock")
     b = lax.axis_index("batch")
@@ -260,6 +288,16 @@ def _quant_partials(q_halves, qkv: QuantKV, lengths, *, bits, rows_out, num_spli
                               k_barriers.at[slot])
       plgpu.copy_gmem_to_smem(vc_ref.at[b, h, pl.ds(0, planes), rows], vc_smem.at[slot],
                               v_barriers.at[slot])
+
+    def store_scores(s, start):
+      """Rows [0, score_rows) of the score tile s [64, bkv] (registers, WGMMA layout) to
+      scores[b, h, :, start:start + bkv], through s_smem and a TMA (the whole tile goes to
+      SMEM: a WGMMA-layout array slices at 64-row granularity only)."""
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous tile's TMA has read it
+      s_smem[...] = s
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(s_smem.at[pl.ds(0, score_rows)],
+                              scores_ref.at[b, h, :, pl.ds(start, block_kv)])
 
     plgpu.copy_gmem_to_smem(q_ref.at[b, h, :, pl.ds(qb * BLOCK_M, BLOCK_M)], q_smem, q_barrier)
     for step in range(num_stages):
@@ -322,6 +360,8 @@ def _quant_partials(q_halves, qkv: QuantKV, lengths, *, bits, rows_out, num_spli
       slot_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, block_kv), 1,
                                         layout=plgpu.Layout.WGMMA)
       s = jnp.where(slot_ids + tile * block_kv < length, s, -jnp.inf)
+      if score_rows:
+        pl.when(qb == 0)(lambda: store_scores(s, tile * block_kv))
 
       m_new = jnp.maximum(m_i, s.max(axis=1))
       alpha = jnp.exp2(m_i - m_new)
@@ -348,6 +388,8 @@ def _quant_partials(q_halves, qkv: QuantKV, lengths, *, bits, rows_out, num_spli
 
     acc_lo, acc_hi, m_i, l_i = lax.fori_loop(0, my_tiles, kv_step, (acc0, acc0, m_i, l_i))
 
+    if score_rows:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last score TMA has read s_smem
     o_smem[0] = acc_lo
     o_smem[1] = acc_hi
     m_smem[...] = m_i
@@ -378,18 +420,28 @@ def _quant_partials(q_halves, qkv: QuantKV, lengths, *, bits, rows_out, num_spli
       plgpu.Barrier(num_barriers=num_stages),
   ]
   part = (batch, num_kv_heads, q_blocks, num_splits)
-  out_type = (
+  out_type = [
       jax.ShapeDtypeStruct((*part, 2, rows_out, half), jnp.float32),
       jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32),
       jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32),
-  )
+  ]
+  if score_rows:               # only then: score_rows == 0 builds the plain kernel
+    # The score tile buffer shares o_smem's memory (idle until the epilogue).
+    scratch[6] = plgpu.RefUnion(scratch[6], plgpu.SMEM((BLOCK_M, block_kv), jnp.float32))
+    out_type.append(jax.ShapeDtypeStruct((batch, num_kv_heads, score_rows, qkv.capacity),
+                                         jnp.float32))
 
   def entry(*refs):
-    pl.run_scoped(lambda *scr: body(*refs, *scr), *scratch)
+    def scoped(*scr):
+      if not score_rows:
+        return body(*refs, *scr)
+      o_smem, s_smem = scr[6]                      # the union's two views
+      return body(*refs[:-1], *scr[:6], o_smem, *scr[7:], scores_ref=refs[-1], s_smem=s_smem)
+    pl.run_scoped(scoped, *scratch)
 
   return plgpu.kernel(
       entry,
-      out_type=out_type,
+      out_type=tuple(out_type),
       grid=(num_splits, num_kv_heads * q_blocks, batch),
       grid_names=("split", "head_qblock", "batch"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -438,11 +490,13 @@ def _check_inputs(q, qkv, bits, lengths_quantized, k_full, v_full, lengths_full,
     raise ValueError(f"inflight_mask must be [Tq, Tq] = {(tq, tq)}, got {inflight_mask.shape}")
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "return_lse", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("bits", "return_lse", "score_queries", "config",
+                                             "interpret"))
 def quant_attention(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,
                     k_full: jax.Array, v_full: jax.Array, lengths_full: jax.Array,
                     k_new: jax.Array, v_new: jax.Array, inflight_mask: jax.Array, *,
                     bits: int = 8, return_lse: bool = False,
+                    score_queries: tuple[int, ...] = (),
                     config: QuantAttentionConfig = QuantAttentionConfig(),
                     interpret: Any = None):
   """Decode attention over a quantized region, a full-precision recent segment and in-flight
@@ -451,13 +505,24 @@ def quant_attention(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,
   q [B, Tq, Hq, D] bf16/fp16; qkv: QuantKV with capacity S; lengths_quantized [B] (slots
   s < lengths_quantized[b] are read at `bits`); k_full, v_full [B, Hkv, Rf, D] with
   lengths_full [B]; k_new, v_new [B, Tq, Hkv, D]; inflight_mask [Tq, Tq].
-  Returns out [B, Tq, Hq, D] (q's dtype) and, with return_lse, lse [B, Tq, Hq] fp32.
+  Returns out [B, Tq, Hq, D] (q's dtype), then with return_lse lse [B, Tq, Hq] fp32, then with
+  score_queries (a tuple of distinct query indices, static) probs [B, len(score_queries), Hq, S]
+  fp32: those queries' final softmax weights on the quantized slots (0 where
+  s >= lengths_quantized[b]).
   """
   _check_inputs(q, qkv, bits, lengths_quantized, k_full, v_full, lengths_full, k_new, v_new,
                 inflight_mask, config)
   b, tq, hq, d = q.shape
   hkv, capacity = qkv.k_codes.shape[1], qkv.capacity
   group = hq // hkv
+  sel = check_score_queries(score_queries, tq, group)
+  mask = inflight_mask.astype(bool)
+  # The selected queries go first (their rows lead q block 0); q and the in-flight mask's rows
+  # follow that order, out and lse are put back below.
+  order = selected_first(sel, range(tq))
+  permuted = order != tuple(range(tq))
+  if permuted:
+    q, mask = q[:, np.array(order)], mask[np.array(order)]
   n_rows = tq * group
   q_blocks = -(-n_rows // BLOCK_M)
   rows_out = BLOCK_M if q_blocks > 1 else -(-n_rows // 8) * 8
@@ -467,17 +532,28 @@ def quant_attention(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,
   q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, q_blocks * BLOCK_M - n_rows), (0, 0)))
   q_halves = q_rows.reshape(b, hkv, -1, 2, d // 2).transpose(0, 1, 3, 2, 4)  # [B,Hkv,2,M,D/2]
   lengths = jnp.clip(lengths_quantized.astype(jnp.int32), 0, capacity)
-  acc, m2, l = _quant_partials(q_halves, qkv, lengths, bits=bits, rows_out=rows_out,
-                               num_splits=num_splits, cfg=config, interpret=interpret)
+  acc, m2, l, *scores = _quant_partials(
+      q_halves, qkv, lengths, bits=bits, rows_out=rows_out, num_splits=num_splits, cfg=config,
+      score_rows=score_rows(len(sel), group), interpret=interpret)
   # acc [B, Hkv, NQB, NS, 2, R, D/2] (two column halves) -> [B, Hkv, NQB, NS, R, D]
   acc = jnp.moveaxis(acc, 4, 5).reshape(*acc.shape[:4], acc.shape[5], d)
   n_full = jnp.clip(lengths_full.astype(jnp.int32), 0, k_full.shape[2])
   full_mask = jnp.arange(k_full.shape[2])[None, None, :] < n_full[:, None, None]  # [B, 1, Rf]
   exact = [(k_full.transpose(0, 2, 1, 3), v_full.transpose(0, 2, 1, 3), full_mask),
-           (k_new, v_new, inflight_mask.astype(bool)[None])]
+           (k_new, v_new, mask[None])]
   out, lse = combine_partials(acc, m2, l, q, exact, group=group)
-  out = out.astype(q.dtype)
-  return (out, lse) if return_lse else out
+  results = [out.astype(q.dtype)]
+  if sel:
+    read = (jnp.arange(capacity)[None] < lengths[:, None])[:, None]        # [B, 1, S]
+    probs = scores_to_probs(scores[0], lse[:, :len(sel)], read, group=group)
+  if permuted:
+    inverse = np.argsort(np.array(order))
+    results, lse = [results[0][:, inverse]], lse[:, inverse]
+  if return_lse:
+    results.append(lse)
+  if sel:
+    results.append(probs)
+  return results[0] if len(results) == 1 else tuple(results)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -486,10 +562,11 @@ def quant_attention(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,
 
 def quant_attention_reference(q, qkv: QuantKV, bits, lengths_quantized, k_full, v_full,
                               lengths_full, k_new, v_new, inflight_mask, *,
-                              return_lse: bool = False):
+                              return_lse: bool = False, score_queries: tuple[int, ...] = ()):
   """One softmax over quantized slots s < lengths_quantized[b] (dequantized at `bits`),
   full-precision slots r < lengths_full[b] and in-flight keys u with inflight_mask[t, u].
-  Shapes as `quant_attention`; computes in q's dtype (pass fp32 copies on CPU)."""
+  Shapes and outputs as `quant_attention` (probs straight from the softmax); computes in q's
+  dtype (pass fp32 copies on CPU)."""
   b, tq, hq, d = q.shape
   k_q, v_q = dequantize(qkv, bits, dtype=q.dtype)                          # [B, Hkv, S, D]
   hkv, s_q = k_q.shape[1], k_q.shape[2]
@@ -513,9 +590,13 @@ def quant_attention_reference(q, qkv: QuantKV, bits, lengths_quantized, k_full, 
                   preferred_element_type=jnp.float32)
        + jnp.einsum("bhgtu,buhd->bthgd", p_n.astype(v_new.dtype), v_new,
                     preferred_element_type=jnp.float32))
-  inv = jnp.where(denom > 0, 1.0 / denom, 0.0).transpose(0, 3, 1, 2)[..., None]
-  out = (o * inv).reshape(b, tq, hq, d).astype(q.dtype)
-  if not return_lse:
-    return out
-  lse = (m + jnp.log(denom)).transpose(0, 3, 1, 2).reshape(b, tq, hq)
-  return out, lse
+  inv = jnp.where(denom > 0, 1.0 / denom, 0.0)                             # [B, Hkv, G, Tq]
+  out = (o * inv.transpose(0, 3, 1, 2)[..., None]).reshape(b, tq, hq, d).astype(q.dtype)
+  results = [out]
+  if return_lse:
+    results.append((m + jnp.log(denom)).transpose(0, 3, 1, 2).reshape(b, tq, hq))
+  if score_queries:
+    sel = np.array(score_queries, np.int32)
+    probs = (p_c[..., :s_q] * inv[..., None])[:, :, :, sel]                # [B, Hkv, G, n, S]
+    results.append(probs.transpose(0, 3, 1, 2, 4).reshape(b, len(sel), hq, s_q))
+  return results[0] if len(results) == 1 else tuple(results)

@@ -5,7 +5,9 @@ Contract (what `sparsedec.attention` will call for block-list cache views):
   sparse_attention(q [B, Tq, Hq, D], k_cache [B, Hkv, S, D], v_cache [B, Hkv, S, D],
                    block_tables [B, Hkv, NB] int32, num_blocks [B, Hkv] int32, lengths [B] int32,
                    k_new [B, Tq, Hkv, D], v_new [B, Tq, Hkv, D], inflight_mask [Tq, Tq] bool,
-                   *, block_size, sparse_queries=None) -> out [B, Tq, Hq, D]  (+ lse [B, Tq, Hq])
+                   *, block_size, sparse_queries=None, return_lse=False, score_queries=())
+    -> out [B, Tq, Hq, D]  (+ lse [B, Tq, Hq] fp32 with return_lse)
+                           (+ probs [B, len(score_queries), Hq, S] fp32 with score_queries)
 
 The cache is cut into S / block_size blocks of `block_size` slots. Query segments:
   * queries [0, sparse_queries) read the listed blocks: entries i < num_blocks[b, h] of
@@ -18,6 +20,21 @@ In both segments slots >= lengths[b] never count, even inside a listed block. Ev
 reads the in-flight keys u with inflight_mask[t, u]; one softmax over both parts, scale D**-0.5,
 fp32 accumulation (the semantics of `sparsedec.attention.reference_attention`).
 
+What selectors read (SnapKV, H2O, the SFI selector), as in `pallas_kernels.decode_attention`:
+  * lse: per query and query head, the log-sum-exp (natural log) of that softmax;
+  * probs: for the queries t = score_queries[i] (static, distinct, len(score_queries) * G <= 64),
+    the final softmax weight exp(score - lse) of each query head on each cache slot s, times the
+    number of times the query reads the slot: for a listed-segment query, the count of entries
+    i < num_blocks[b, h] of block_tables[b, h] naming s's block (1 for a duplicate-free list),
+    for a full-segment query 1; 0 for s >= lengths[b]. So probs summed over S plus the query's
+    in-flight weights is 1. The kernel writes the scores from the tiles it computes (no second
+    pass): within each segment the selected queries' rows come first (queries permuted, the
+    in-flight mask rows alike, outputs permuted back), and the work items of a segment's first q
+    block store the first `score_rows` rows of each scaled score tile (log2 units) through SMEM
+    and a TMA to a [B, Hkv, segments with selected queries, score_rows, S] fp32 output; the
+    wrapper converts them with the combined lse and zeroes the slots not read (never written).
+    score_queries=() builds exactly the kernel without any of this.
+
 Two steps, as `pallas_kernels.decode_attention`:
   1. The Mosaic GPU kernel (`_cache_partials`), grid (work, Hkv, B). The G query heads of a KV
      head times a segment's queries form the M rows of 64-row q blocks (r = t * G + g, zero
@@ -29,7 +46,8 @@ Two steps, as `pallas_kernels.decode_attention`:
      shared out among its splits; tile i of the list is rows
      block_tables[b, h, i // tiles_per_block] * block_size + (i % tiles_per_block) * block_kv.
      K/V tiles go through a `num_stages`-deep TMA ring; QK^T and PV on wgmma; online softmax in
-     registers (exp2, log2 units). Time scales with the listed blocks, not S.
+     registers (exp2, log2 units). Time scales with the listed blocks, not S. With
+     score_queries, the first q block's work items also store the selected rows' scores.
   2. A jnp step (`pallas_kernels.combine.combine_partials`) per segment: the in-flight part (Tq x
      Tq) merged with the split
      partials by log-sum-exp.
@@ -49,8 +67,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+import numpy as np
 
-from pallas_kernels.combine import combine_partials
+from pallas_kernels.combine import (check_score_queries, combine_partials, score_rows,
+                                    scores_to_probs, selected_first)
 
 from pallas_kernels.decode_attention import _SUPPORTED_DTYPES, BLOCK_M, LOG2E
 
@@ -99,6 +119,7 @@ class _Segment:
   q_blocks: int
   num_splits: int
   first_work: int       # its work items: [first_work, first_work + q_blocks * num_splits)
+  score_slot: int = -1  # its index in the kernel's score output, -1: no selected queries
 
   @property
   def num_work(self) -> int:
@@ -136,7 +157,7 @@ def _plan_segments(cfg: SparseConfig, *, batch, num_kv_heads, group, num_queries
 
 def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths, *,
                     segments: tuple[_Segment, ...], rows_out: int, block_size: int,
-                    cfg: SparseConfig, interpret: Any = None):
+                    cfg: SparseConfig, score_rows: int = 0, interpret: Any = None):
   """Split partials of the cache part, all segments in one launch.
 
   q_rows [B, Hkv, QB * 64, D]; k_cache, v_cache [B, Hkv, S, D]; block_tables [B, Hkv, NB] int32
@@ -144,6 +165,10 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
   lengths [B] int32 (clipped to [0, S]). Returns, with W = sum of the segments' work items,
   acc [B, Hkv, W, rows_out, D] fp32 (un-normalised), m [B, Hkv, W, 64] fp32 (row max of the
   scaled scores in log2 units, -inf when the split saw no valid slot), l [B, Hkv, W, 64] fp32.
+  With score_rows > 0 (a multiple of 8, <= 64) also scores [B, Hkv, NSS, score_rows, S] fp32,
+  NSS = the segments with score_slot >= 0: rows [0, score_rows) of the segment's first q block,
+  the scaled scores (log2 units) of the slots its tiles visit, -inf for those >= lengths[b];
+  the other slots are never written (undefined).
   """
   batch, num_kv_heads, _, head_dim = q_rows.shape
   table_len = block_tables.shape[2]
@@ -153,6 +178,7 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
   dtype = q_rows.dtype
   score_scale = head_dim ** -0.5 * LOG2E
   num_work = sum(seg.num_work for seg in segments)
+  score_slots = sum(seg.score_slot >= 0 for seg in segments)
   i32 = lambda x: jnp.int32(x)
 
   def locate(work):
@@ -167,6 +193,17 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
       split = jnp.where(mine, lax.rem(local, i32(seg.num_splits)), split)
       splits = jnp.where(mine, i32(seg.num_splits), splits)
     return full, qblock, split, splits
+
+  def score_slot_of(work):
+    """The score output slot a work item writes (a scalar), -1 for none: the work items of the
+    first q block of a segment with selected queries (local work index < num_splits)."""
+    slot = i32(-1)
+    for seg in segments:
+      if seg.score_slot >= 0:
+        local = work - seg.first_work
+        first_qblock = jnp.logical_and(local >= 0, local < seg.num_splits)
+        slot = jnp.where(first_qblock, i32(seg.score_slot), slot)
+    return slot
 
   def body(tables_ref,      # [B, Hkv, NB] int32                        GMEM
            counts_ref,      # [B, Hkv] int32                            GMEM
@@ -184,7 +221,9 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
            o_smem,          # [64, D] fp32                              SMEM
            m_smem,          # [64] fp32                                 SMEM
            l_smem,          # [64] fp32                                 SMEM
-           q_barrier, k_barriers, v_barriers):
+           q_barrier, k_barriers, v_barriers,
+           scores_ref=None,  # [B, Hkv, NSS, score_rows, S] fp32          GMEM (score_rows > 0)
+           s_smem=None):    # [64, block_kv] fp32, aliases o_smem       SMEM (score_rows > 0)
     work = lax.axis_index("work")
     h = lax.axis_index("head")
     b = lax.axis_index("batch")
@@ -215,6 +254,17 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
       plgpu.copy_gmem_to_smem(k_ref.at[b, h, rows], k_smem.at[slot], k_barriers.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[b, h, rows], v_smem.at[slot], v_barriers.at[slot])
 
+    def store_scores(s, start, slot):
+      """Rows [0, score_rows) of the score tile s [64, block_kv] (registers, WGMMA layout) to
+      scores[b, h, slot, :, start:start + block_kv], through s_smem and a TMA (the whole tile
+      goes to SMEM: a WGMMA-layout array slices at 64-row granularity only)."""
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous tile's TMA has read it
+      s_smem[...] = s
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(s_smem.at[pl.ds(0, score_rows)],
+                              scores_ref.at[b, h, slot, :, pl.ds(start, block_kv)])
+
+    score_slot = score_slot_of(work) if score_rows else None
     plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(qb * BLOCK_M, BLOCK_M)], q_smem, q_barrier)
     for step in range(num_stages):                 # prologue: fill the ring
       pl.when(step < my_tiles)(functools.partial(fetch, step, step))
@@ -240,6 +290,8 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
       slot_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, block_kv), 1,
                                         layout=plgpu.Layout.WGMMA)
       s = jnp.where(slot_ids + start < length, s, -jnp.inf)
+      if score_rows:
+        pl.when(score_slot >= 0)(lambda: store_scores(s, start, score_slot))
 
       # A listed block may lie wholly past lengths[b]: then the tile is all -inf, and so may be
       # m_new; exponents use a finite stand-in so that alpha and p are 0, not NaN.
@@ -266,6 +318,8 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
 
     acc, m_i, l_i = lax.fori_loop(0, my_tiles, kv_step, (acc, m_i, l_i))
 
+    if score_rows:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last score TMA has read s_smem
     o_smem[...] = acc
     m_smem[...] = m_i
     l_smem[...] = l_i
@@ -289,21 +343,32 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
       plgpu.Barrier(num_barriers=num_stages),
   ]
   part = (batch, num_kv_heads, num_work)
-  out_type = (
+  out_type = [
       jax.ShapeDtypeStruct((*part, rows_out, head_dim), jnp.float32),
       jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32),
       jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32),
-  )
+  ]
+  if score_rows:               # only then: score_rows == 0 builds the plain kernel
+    # The score tile buffer shares o_smem's memory (idle until the epilogue): with the default
+    # tiling a separate 32 KiB buffer would exceed the 227 KiB of SMEM.
+    scratch[4] = plgpu.RefUnion(scratch[4], plgpu.SMEM((BLOCK_M, block_kv), jnp.float32))
+    out_type.append(jax.ShapeDtypeStruct(
+        (batch, num_kv_heads, score_slots, score_rows, k_cache.shape[2]), jnp.float32))
 
-  def entry(tables_ref, counts_ref, lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref):
-    def scoped(*scratch_refs):
+  def entry(tables_ref, counts_ref, lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
+            *scores_ref):
+    def scoped(q_smem, k_smem, v_smem, p_smem, o_smem, *rest):
+      extra = ()
+      if score_rows:
+        o_smem, s_smem = o_smem                    # the union's two views
+        extra = (scores_ref[0], s_smem)
       body(tables_ref, counts_ref, lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
-           *scratch_refs)
+           q_smem, k_smem, v_smem, p_smem, o_smem, *rest, *extra)
     pl.run_scoped(scoped, *scratch)
 
   return plgpu.kernel(
       entry,
-      out_type=out_type,
+      out_type=tuple(out_type),
       grid=(num_work, num_kv_heads, batch),
       grid_names=("work", "head", "batch"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -363,9 +428,11 @@ def _check_inputs(q, k_cache, v_cache, block_tables, num_blocks, lengths, k_new,
 
 def split_partials(q, k_cache, v_cache, block_tables, num_blocks, lengths, *, block_size: int,
                    sparse_queries: int, config: SparseConfig = SparseConfig(),
-                   interpret: Any = None):
+                   num_score_queries: tuple[int, int] = (0, 0), interpret: Any = None):
   """The cache part only (step 1). Returns (segments, acc, m, l): the static segment layout
-  and the partials of `_cache_partials`."""
+  and the partials of `_cache_partials`. With num_score_queries = (n_list, n_full) != (0, 0),
+  also the scores [B, Hkv, NSS, R, S] of the first n queries of each segment (slot
+  segments[i].score_slot; rows r = t * G + g < n * G; R the larger n * G rounded up to 8)."""
   b, tq, hq, d = q.shape
   hkv, capacity = k_cache.shape[1], k_cache.shape[2]
   group = hq // hkv
@@ -375,6 +442,11 @@ def split_partials(q, k_cache, v_cache, block_tables, num_blocks, lengths, *, bl
       config, batch=b, num_kv_heads=hkv, group=group, num_queries=tq,
       sparse_queries=sparse_queries, list_tiles=table_len * (block_size // block_kv),
       full_tiles=capacity // block_kv)
+  selected = dict(zip((False, True), num_score_queries))       # full? -> selected queries
+  slot_ids = iter(range(len(segments)))
+  segments = tuple(dataclasses.replace(seg, score_slot=next(slot_ids)) if selected[seg.full]
+                   else seg for seg in segments)
+  rows_score = score_rows(max(num_score_queries), group)
   rows_out = BLOCK_M
   if all(seg.q_blocks == 1 for seg in segments):
     rows_out = max(-(-seg.num_queries * group // 8) * 8 for seg in segments)
@@ -394,38 +466,67 @@ def split_partials(q, k_cache, v_cache, block_tables, num_blocks, lengths, *, bl
   block_tables = jnp.clip(block_tables.astype(jnp.int32), 0, capacity // block_size - 1)
   num_blocks = jnp.clip(num_blocks.astype(jnp.int32), 0, table_len)
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
-  acc, m2, l = _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
-                               segments=segments, rows_out=rows_out, block_size=block_size,
-                               cfg=config, interpret=interpret)
-  return segments, acc, m2, l
+  return (segments,) + tuple(_cache_partials(
+      q_rows, k_cache, v_cache, block_tables, num_blocks, lengths, segments=segments,
+      rows_out=rows_out, block_size=block_size, cfg=config, score_rows=rows_score,
+      interpret=interpret))
+
+
+def _read_counts(block_tables, num_blocks, lengths, *, block_size: int, capacity: int):
+  """How often a listed-segment query reads each cache slot: [B, Hkv, S] int32 (the number of
+  entries i < num_blocks[b, h] naming the slot's block; 0 for slots >= lengths[b])."""
+  table_len = block_tables.shape[2]
+  n_cache_blocks = capacity // block_size
+  tables = jnp.clip(block_tables.astype(jnp.int32), 0, n_cache_blocks - 1)      # [B, Hkv, NB]
+  counts = jnp.clip(num_blocks.astype(jnp.int32), 0, table_len)                 # [B, Hkv]
+  listed = jnp.arange(table_len) < counts[..., None]                            # [B, Hkv, NB]
+  hits = (tables[..., None] == jnp.arange(n_cache_blocks)) & listed[..., None]  # [.., NB, S/bs]
+  per_block = hits.sum(2, dtype=jnp.int32)                                      # [B, Hkv, S/bs]
+  per_slot = jnp.repeat(per_block, block_size, axis=2)                          # [B, Hkv, S]
+  return jnp.where(jnp.arange(capacity) < lengths[:, None, None], per_slot, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "sparse_queries", "return_lse",
-                                             "config", "interpret"))
+                                             "score_queries", "config", "interpret"))
 def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                      block_tables: jax.Array, num_blocks: jax.Array, lengths: jax.Array,
                      k_new: jax.Array, v_new: jax.Array, inflight_mask: jax.Array, *,
                      block_size: int, sparse_queries: int | None = None,
-                     return_lse: bool = False, config: SparseConfig = SparseConfig(),
-                     interpret: Any = None):
+                     return_lse: bool = False, score_queries: tuple[int, ...] = (),
+                     config: SparseConfig = SparseConfig(), interpret: Any = None):
   """Block-list decode attention plus in-flight tokens (see the module docstring).
 
   q [B, Tq, Hq, D]; k_cache, v_cache [B, Hkv, S, D]; block_tables [B, Hkv, NB] int32;
   num_blocks [B, Hkv] int32; lengths [B] int32; k_new, v_new [B, Tq, Hkv, D];
   inflight_mask [Tq, Tq] bool. Queries [0, sparse_queries) read the listed blocks, the rest the
-  full cache. Returns out [B, Tq, Hq, D] (q's dtype) and, with return_lse, lse [B, Tq, Hq] fp32.
-  `interpret=plgpu.InterpretGPUParams()` runs the kernel in the Mosaic GPU interpreter (CPU).
+  full cache. Returns out [B, Tq, Hq, D] (q's dtype), then with return_lse lse [B, Tq, Hq] fp32,
+  then with score_queries (a tuple of distinct query indices, static) probs
+  [B, len(score_queries), Hq, S] fp32: those queries' final softmax weights on the cache slots
+  (0 on the slots they do not read). `interpret=plgpu.InterpretGPUParams()` runs the kernel in
+  the Mosaic GPU interpreter (CPU).
   """
   tq, hq = q.shape[1:3]
+  capacity = k_cache.shape[2]
   sparse_queries = tq if sparse_queries is None else sparse_queries
   _check_inputs(q, k_cache, v_cache, block_tables, num_blocks, lengths, k_new, v_new,
                 inflight_mask, block_size, sparse_queries, config)
   group = hq // k_cache.shape[1]
-  segments, acc, m2, l = split_partials(
-      q, k_cache, v_cache, block_tables, num_blocks, lengths, block_size=block_size,
-      sparse_queries=sparse_queries, config=config, interpret=interpret)
+  sel = check_score_queries(score_queries, tq, group)
   mask = inflight_mask.astype(bool)
-  outs, lses = [], []
+  # Within each segment its selected queries go first (their rows lead the segment's first q
+  # block); q and the in-flight mask's rows follow that order, out and lse are put back below.
+  sel_list = tuple(t for t in sel if t < sparse_queries)
+  sel_full = tuple(t for t in sel if t >= sparse_queries)
+  order = (selected_first(sel_list, range(sparse_queries))
+           + selected_first(sel_full, range(sparse_queries, tq)))
+  permuted = order != tuple(range(tq))
+  if permuted:
+    q, mask = q[:, np.array(order)], mask[np.array(order)]
+  segments, acc, m2, l, *scores = split_partials(
+      q, k_cache, v_cache, block_tables, num_blocks, lengths, block_size=block_size,
+      sparse_queries=sparse_queries, config=config,
+      num_score_queries=(len(sel_list), len(sel_full)), interpret=interpret)
+  outs, lses, probs = [], [], []
   for seg in segments:
     # This segment's work items [B, Hkv, W_seg, ...] -> [B, Hkv, NQB, NS, ...].
     acc_s, m2_s, l_s = (
@@ -437,9 +538,30 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                                 [(k_new, v_new, mask[queries][None])], group=group)
     outs.append(out)
     lses.append(lse)
-  out = (jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]).astype(q.dtype)
+    if seg.score_slot >= 0:
+      lengths_c = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
+      if seg.full:
+        reads = (jnp.arange(capacity) < lengths_c[:, None])[:, None]              # [B, 1, S]
+      else:
+        reads = _read_counts(block_tables, num_blocks, lengths_c, block_size=block_size,
+                             capacity=capacity)                                 # [B, Hkv, S]
+      n_sel = len(sel_full if seg.full else sel_list)
+      probs.append(scores_to_probs(scores[0][:, :, seg.score_slot], lse[:, :n_sel], reads,
+                                   group=group))                          # [B, n_sel, Hq, S]
+  results = [(jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]).astype(q.dtype)]
   lse = jnp.concatenate(lses, axis=1) if len(lses) > 1 else lses[0]
-  return (out, lse) if return_lse else out
+  if permuted:
+    inverse = np.argsort(np.array(order))
+    results, lse = [results[0][:, inverse]], lse[:, inverse]
+  if return_lse:
+    results.append(lse)
+  if sel:
+    probs = jnp.concatenate(probs, axis=1) if len(probs) > 1 else probs[0]
+    computed = sel_list + sel_full                 # the segments' order -> score_queries order
+    if computed != sel:
+      probs = probs[:, np.array([computed.index(t) for t in sel])]
+    results.append(probs)
+  return results[0] if len(results) == 1 else tuple(results)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -447,9 +569,10 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 # ----------------------------------------------------------------------------------------------
 
 def _gathered_attention(q, k_cache, v_cache, tables, counts, lengths, k_new, v_new,
-                        inflight_mask, block_size):
-  """q [B, T, Hq, D]; tables [B, Hkv, NB] (clipped ids); counts [B, Hkv]; inflight_mask [T, U].
-  Returns out [B, T, Hq, D] fp32 and lse [B, T, Hq] fp32."""
+                        inflight_mask, block_size, score_queries=()):
+  """q [B, T, Hq, D]; tables [B, Hkv, NB] (clipped ids); counts [B, Hkv]; inflight_mask [T, U];
+  score_queries: indices into T. Returns out [B, T, Hq, D] fp32, lse [B, T, Hq] fp32 and probs
+  [B, len(score_queries), Hq, S] fp32 (the softmax weights scattered back onto the slots)."""
   b, t, hq, d = q.shape
   hkv, capacity = k_cache.shape[1], k_cache.shape[2]
   table_len = tables.shape[2]
@@ -478,19 +601,28 @@ def _gathered_attention(q, k_cache, v_cache, tables, counts, lengths, k_new, v_n
                   preferred_element_type=jnp.float32)
        + jnp.einsum("bhgtu,buhd->bthgd", p_n.astype(v_new.dtype), v_new,
                     preferred_element_type=jnp.float32))                   # [B, T, Hkv, G, D]
-  inv = jnp.where(denom > 0, 1.0 / denom, 0.0).transpose(0, 3, 1, 2)[..., None]
-  out = (o * inv).reshape(b, t, hq, d)
+  inv = jnp.where(denom > 0, 1.0 / denom, 0.0)                             # [B, Hkv, G, T]
+  out = (o * inv.transpose(0, 3, 1, 2)[..., None]).reshape(b, t, hq, d)
   lse = (m + jnp.log(denom)).transpose(0, 3, 1, 2).reshape(b, t, hq)
-  return out, lse
+  if not score_queries:
+    return out, lse, None
+  sel = np.array(score_queries, np.int32)
+  p_sel = (p_c * inv[..., None])[:, :, :, sel]                             # [B, Hkv, G, n, L]
+  # Scatter-add the gathered slots back onto the cache (a block listed twice counts twice).
+  scatter = lambda p, idx: jnp.zeros(p.shape[:-1] + (capacity,), p.dtype).at[..., idx].add(p)
+  probs = jax.vmap(jax.vmap(scatter))(p_sel, slots)                        # [B, Hkv, G, n, S]
+  probs = probs.transpose(0, 3, 1, 2, 4).reshape(b, len(sel), hq, capacity)
+  return out, lse, probs
 
 
 def sparse_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                                block_tables: jax.Array, num_blocks: jax.Array, lengths: jax.Array,
                                k_new: jax.Array, v_new: jax.Array, inflight_mask: jax.Array, *,
                                block_size: int, sparse_queries: int | None = None,
-                               return_lse: bool = False):
-  """Pure-jnp `sparse_attention`. Shapes and semantics as there. (On CPU pass fp32 arrays:
-  XLA:CPU has no bf16 x bf16 -> fp32 dot.)"""
+                               return_lse: bool = False, score_queries: tuple[int, ...] = ()):
+  """Pure-jnp `sparse_attention`. Shapes, semantics and outputs as there (probs straight from
+  the softmax over the gathered slots). (On CPU pass fp32 arrays: XLA:CPU has no
+  bf16 x bf16 -> fp32 dot.)"""
   b, tq = q.shape[:2]
   hkv, capacity = k_cache.shape[1], k_cache.shape[2]
   n_cache_blocks = capacity // block_size
@@ -502,14 +634,22 @@ def sparse_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
   full_tables = jnp.broadcast_to(jnp.arange(n_cache_blocks, dtype=jnp.int32),
                                  (b, hkv, n_cache_blocks))
   full_counts = jnp.broadcast_to(-(-lengths // block_size)[:, None], (b, hkv))
-  outs, lses = [], []
+  outs, lses, probs, computed = [], [], [], []
   for start, stop, tab, cnt in ((0, sparse_queries, tables, counts),
                                 (sparse_queries, tq, full_tables, full_counts)):
     if stop > start:
-      out, lse = _gathered_attention(q[:, start:stop], k_cache, v_cache, tab, cnt, lengths,
-                                     k_new, v_new, mask[start:stop], block_size)
+      local = tuple(t - start for t in score_queries if start <= t < stop)
+      out, lse, p = _gathered_attention(q[:, start:stop], k_cache, v_cache, tab, cnt, lengths,
+                                        k_new, v_new, mask[start:stop], block_size, local)
       outs.append(out)
       lses.append(lse)
-  out = jnp.concatenate(outs, axis=1).astype(q.dtype)
-  lse = jnp.concatenate(lses, axis=1)
-  return (out, lse) if return_lse else out
+      if local:
+        probs.append(p)
+        computed += [t + start for t in local]
+  results = [jnp.concatenate(outs, axis=1).astype(q.dtype)]
+  if return_lse:
+    results.append(jnp.concatenate(lses, axis=1))
+  if score_queries:
+    probs = jnp.concatenate(probs, axis=1)
+    results.append(probs[:, np.array([computed.index(t) for t in score_queries])])
+  return results[0] if len(results) == 1 else tuple(results)

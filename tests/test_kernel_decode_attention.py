@@ -1,5 +1,6 @@
 """The Mosaic GPU decode-attention kernel against its jnp reference, in GPU interpret mode (CPU),
-plus a check that it lowers to the Mosaic GPU custom call for the cuda platform."""
+including the selected queries' per-slot softmax weights (score_queries), plus a check that it
+lowers to the Mosaic GPU custom call for the cuda platform."""
 
 from __future__ import annotations
 
@@ -29,15 +30,48 @@ def _inputs(seed, *, batch, num_queries, num_q_heads, num_kv_heads, head_dim, ca
   return q, k_cache, v_cache, k_new, v_new
 
 
-def _check(q, k_cache, v_cache, lengths, k_new, v_new, mask, config):
+def _inflight_weights(q, k_new, mask, lse, score_queries):
+  """Softmax weights [B, n, Hq, U] of the selected queries on the in-flight keys (numpy, fp32),
+  normalised with `lse` [B, Tq, Hq]."""
+  q, k_new = np.asarray(q, np.float32), np.asarray(k_new, np.float32)
+  b, tq, hq, d = q.shape
+  k = np.repeat(k_new, hq // k_new.shape[2], axis=2)                      # [B, U, Hq, D]
+  sel = list(score_queries)
+  s = np.einsum("bthd,buhd->bthu", q[:, sel], k) * d ** -0.5             # [B, n, Hq, U]
+  w = np.exp(s - np.asarray(lse)[:, sel, :, None])
+  return np.where(np.asarray(mask)[sel][None, :, None, :], w, 0.0)
+
+
+def _check_probs(probs, ref_probs, rest, read):
+  """probs [B, n, Hq, S] of the kernel against the reference's; 0 exactly where the query does
+  not read the slot (read [B, 1 or n, 1 or Hq, S] bool); with the rest of the softmax (rest
+  [B, n, Hq]: the in-flight weights' sum) a whole softmax: 1, or 0 for a query that sees no key.
+  """
+  probs, ref_probs = np.asarray(probs), np.asarray(ref_probs)
+  assert probs.shape == ref_probs.shape and probs.dtype == np.float32
+  # The kernel's scores are the fp32 products of the same bf16/fp16 values: probs are as close
+  # as lse (atol 2e-3 in log space, i.e. relative).
+  np.testing.assert_allclose(probs, ref_probs, atol=1e-5, rtol=5e-3)
+  assert np.all(probs[np.broadcast_to(~read, probs.shape)] == 0.0)
+  total = probs.sum(-1) + rest
+  np.testing.assert_allclose(total, np.where(total > 0.5, 1.0, 0.0), atol=2e-3)
+
+
+def _check(q, k_cache, v_cache, lengths, k_new, v_new, mask, config, score_queries=()):
   """Runs the kernel (interpret mode), compares with the reference, returns (out, lse)."""
-  out, lse = decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, mask,
-                              return_lse=True, config=config, interpret=INTERPRET)
+  out, lse, *probs = decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, mask,
+                                      return_lse=True, score_queries=score_queries,
+                                      config=config, interpret=INTERPRET)
   # The reference runs on fp32 copies: XLA:CPU has no bf16 x bf16 -> f32 dot for these
   # einsums, and the fp32 reference is the exact oracle the kernel's bf16 P is measured against.
   f32 = lambda x: x.astype(jnp.float32)
-  ref_out, ref_lse = decode_attention_reference(f32(q), f32(k_cache), f32(v_cache), lengths,
-                                                f32(k_new), f32(v_new), mask, return_lse=True)
+  ref_out, ref_lse, *ref_probs = decode_attention_reference(
+      f32(q), f32(k_cache), f32(v_cache), lengths, f32(k_new), f32(v_new), mask,
+      return_lse=True, score_queries=score_queries)
+  if score_queries:
+    read = (np.arange(k_cache.shape[2]) < np.asarray(lengths)[:, None])[:, None, None]
+    rest = _inflight_weights(q, k_new, mask, lse, score_queries).sum(-1)
+    _check_probs(probs[0], ref_probs[0], rest, read)
   assert out.shape == q.shape and out.dtype == q.dtype
   assert lse.shape == q.shape[:3] and lse.dtype == jnp.float32
   tol = TOLERANCE[q.dtype.type]
@@ -70,6 +104,10 @@ def _cases(draw):
   else:
     bits = draw(st.lists(st.booleans(), min_size=num_queries ** 2, max_size=num_queries ** 2))
     mask = np.array(bits, bool).reshape(num_queries, num_queries)
+  # A few selected queries, in any order (none half the time).
+  score_queries = ()
+  if draw(st.booleans()):
+    score_queries = tuple(draw(st.permutations(range(num_queries)))[:draw(st.integers(1, 2))])
   return dict(
       shape=dict(batch=batch, num_queries=num_queries, num_q_heads=num_kv_heads * group,
                  num_kv_heads=num_kv_heads, head_dim=64,
@@ -78,6 +116,7 @@ def _cases(draw):
       mask=mask,
       config=DecodeConfig(block_kv=block_kv, num_stages=draw(st.sampled_from([1, 2, 3])),
                           num_splits=draw(st.sampled_from([1, 2, 3]))),
+      score_queries=score_queries,
       seed=draw(st.integers(0, 2 ** 16)),
   )
 
@@ -88,7 +127,42 @@ def _cases(draw):
 def test_kernel_matches_reference(case):
   q, k_cache, v_cache, k_new, v_new = _inputs(case["seed"], **case["shape"])
   _check(q, k_cache, v_cache, jnp.asarray(case["lengths"]), k_new, v_new,
-         jnp.asarray(case["mask"]), case["config"])
+         jnp.asarray(case["mask"]), case["config"], case["score_queries"])
+
+
+@pytest.mark.parametrize("case", ["two splits, an empty row", "two q blocks"])
+def test_score_queries_probs(case):
+  """The selected queries' softmax weights over the cache: equal to the reference's, 0 past the
+  row's length, a whole softmax with the in-flight part; out and lse in the original query order.
+  "two splits": queries picked out of order (2, 0), GQA 4:1, ragged lengths with an empty row.
+  "two q blocks": G * Tq = 8 * 9 = 72 rows; the selected rows lead q block 0, q block 1 writes
+  no scores; default 128-row tiles, fp16."""
+  if case == "two splits, an empty row":
+    q, k_cache, v_cache, k_new, v_new = _inputs(
+        7, batch=2, num_queries=3, num_q_heads=4, num_kv_heads=1, head_dim=64, capacity=192,
+        dtype=jnp.bfloat16)
+    _check(q, k_cache, v_cache, jnp.array([150, 0], jnp.int32), k_new, v_new,
+           jnp.tril(jnp.ones((3, 3), bool)), DecodeConfig(block_kv=64, num_splits=2),
+           score_queries=(2, 0))
+  else:
+    q, k_cache, v_cache, k_new, v_new = _inputs(
+        8, batch=1, num_queries=9, num_q_heads=8, num_kv_heads=1, head_dim=64, capacity=128,
+        dtype=jnp.float16)
+    _check(q, k_cache, v_cache, jnp.array([100], jnp.int32), k_new, v_new,
+           jnp.tril(jnp.ones((9, 9), bool)), DecodeConfig(num_splits=1), score_queries=(8, 4))
+
+
+def test_score_queries_are_checked():
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      0, batch=1, num_queries=9, num_q_heads=8, num_kv_heads=1, head_dim=64, capacity=128,
+      dtype=jnp.bfloat16)
+  args = (q, k_cache, v_cache, jnp.array([1]), k_new, v_new, jnp.ones((9, 9), bool))
+  with pytest.raises(ValueError, match="in \\[0, Tq=9\\)"):
+    decode_attention(*args, score_queries=(9,))
+  with pytest.raises(ValueError, match="distinct"):
+    decode_attention(*args, score_queries=(1, 1))
+  with pytest.raises(ValueError, match="more than 64"):
+    decode_attention(*args, score_queries=tuple(range(9)))
 
 
 def test_single_query_decode_ragged_lengths_including_zero():
@@ -134,16 +208,18 @@ def test_bad_inputs_are_rejected_in_plain_words():
     decode_attention(q, k_cache, v_cache, jnp.array([1]), k_new, v_new, jnp.ones((1, 1), bool))
 
 
-@pytest.mark.parametrize("num_queries", [1, 16])
-def test_lowers_to_mosaic_gpu_custom_call_for_cuda(num_queries):
+@pytest.mark.parametrize("num_queries,score_queries", [(1, ()), (16, ()), (1, (0,)), (16, (9, 2))])
+def test_lowers_to_mosaic_gpu_custom_call_for_cuda(num_queries, score_queries):
   """The H100 benchmark shape lowers (Pallas -> Mosaic GPU MLIR -> stablehlo custom call) on a
-  CPU-only machine; PTX generation happens later, in XLA:GPU's compile of the custom call."""
+  CPU-only machine, also with the score output (its SMEM, with the default tiling, must fit:
+  checked here); PTX generation happens later, in XLA:GPU's compile of the custom call."""
   b, hq, hkv, d, s = 1, 32, 8, 128, 4096
   sds = jax.ShapeDtypeStruct
   args = (sds((b, num_queries, hq, d), jnp.bfloat16), sds((b, hkv, s, d), jnp.bfloat16),
           sds((b, hkv, s, d), jnp.bfloat16), sds((b,), jnp.int32),
           sds((b, num_queries, hkv, d), jnp.bfloat16), sds((b, num_queries, hkv, d), jnp.bfloat16),
           sds((num_queries, num_queries), jnp.bool_))
-  lowered = jax.jit(decode_attention).trace(*args).lower(lowering_platforms=("cuda",))
+  fn = lambda *a: decode_attention(*a, score_queries=score_queries)
+  lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
   text = lowered.as_text()
   assert "stablehlo.custom_call @mosaic_gpu_v2" in text

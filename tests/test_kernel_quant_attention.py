@@ -1,5 +1,6 @@
 """QuantSpec hierarchical INT4/INT8 KV quantizer and the Mosaic GPU quant_attention kernel,
-in GPU interpret mode (CPU) against dequantize-then-attend, plus the cuda lowering check."""
+in GPU interpret mode (CPU) against dequantize-then-attend (with the selected queries' per-slot
+softmax weights, score_queries), plus the cuda lowering check."""
 
 from __future__ import annotations
 
@@ -134,14 +135,44 @@ def _inputs(seed, *, batch, num_queries, num_q_heads, num_kv_heads, head_dim, ca
   return q, qkv, k_full, v_full, k_new, v_new
 
 
-def _check(q, qkv, bits, lq, k_full, v_full, lf, k_new, v_new, mask, config, ref_qkv=None):
-  out, lse = quant_attention(q, qkv, lq, k_full, v_full, lf, k_new, v_new, mask, bits=bits,
-                             return_lse=True, config=config, interpret=INTERPRET)
+def _exact_weights(q, k, lse, score_queries, read):
+  """Softmax weights [B, n, Hq, U] of the selected queries on exactly attended keys k
+  [B, U, Hkv, D] (numpy, fp32), normalised with `lse` [B, Tq, Hq]; read [B or 1, n, U] bool."""
+  q, k = np.asarray(q, np.float32), np.asarray(k, np.float32)
+  d, hq = q.shape[3], q.shape[2]
+  k = np.repeat(k, hq // k.shape[2], axis=2)                              # [B, U, Hq, D]
+  sel = list(score_queries)
+  s = np.einsum("bthd,buhd->bthu", q[:, sel], k) * d ** -0.5             # [B, n, Hq, U]
+  return np.where(read[:, :, None], np.exp(s - np.asarray(lse)[:, sel, :, None]), 0.0)
+
+
+def _check(q, qkv, bits, lq, k_full, v_full, lf, k_new, v_new, mask, config, ref_qkv=None,
+           score_queries=()):
+  out, lse, *probs = quant_attention(q, qkv, lq, k_full, v_full, lf, k_new, v_new, mask,
+                                     bits=bits, return_lse=True, score_queries=score_queries,
+                                     config=config, interpret=INTERPRET)
   # fp32 reference copies: XLA:CPU has no bf16 x bf16 -> f32 dot.
   f32 = lambda x: x.astype(jnp.float32)
-  ref_out, ref_lse = quant_attention_reference(
+  ref_out, ref_lse, *ref_probs = quant_attention_reference(
       f32(q), qkv if ref_qkv is None else ref_qkv, bits, lq, f32(k_full), f32(v_full), lf,
-      f32(k_new), f32(v_new), mask, return_lse=True)
+      f32(k_new), f32(v_new), mask, return_lse=True, score_queries=score_queries)
+  if score_queries:
+    probs = np.asarray(probs[0])
+    assert probs.shape == (q.shape[0], len(score_queries), q.shape[2], qkv.capacity)
+    # The kernel attends the bf16/fp16 dequantized K, the reference the fp32 one: as out.
+    tol = TOLERANCE[q.dtype.type]
+    np.testing.assert_allclose(probs, np.asarray(ref_probs[0]), atol=tol / 10, rtol=tol)
+    unread = np.arange(qkv.capacity)[None] >= np.asarray(lq)[:, None]       # [B, S]
+    assert np.all(probs.transpose(0, 3, 1, 2)[unread] == 0.0)
+    # With the full-precision and in-flight parts a whole softmax: 1, or 0 for no key at all.
+    n = len(score_queries)
+    full_read = np.arange(k_full.shape[2])[None, None] < np.asarray(lf)[:, None, None]
+    rest = (_exact_weights(q, np.swapaxes(np.asarray(k_full, np.float32), 1, 2), lse,
+                           score_queries, np.repeat(full_read, n, 1)).sum(-1)
+            + _exact_weights(q, k_new, lse, score_queries,
+                             np.asarray(mask)[list(score_queries)][None]).sum(-1))
+    total = probs.sum(-1) + rest
+    np.testing.assert_allclose(total, np.where(total > 0.5, 1.0, 0.0), atol=2e-3)
   assert out.shape == q.shape and out.dtype == q.dtype
   tol = TOLERANCE[q.dtype.type]
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out), atol=tol, rtol=tol)
@@ -213,6 +244,20 @@ def test_multi_query_gqa_causal(bits):
          QuantAttentionConfig(block_kv=64, num_splits=2, num_stages=2))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_score_queries_probs(bits):
+  """Queries (3, 1) of 5 (out of order, causal in-flight mask), GQA 4:1, rows of
+  quantized length 150 and 0, 3 tiles over 2 splits: probs over the quantized slots equal the
+  reference's, are 0 past the quantized length, and with the full-precision and in-flight parts
+  sum to 1; out and lse stay in query order."""
+  q, qkv, k_full, v_full, k_new, v_new = _inputs(
+      13, batch=2, num_queries=5, num_q_heads=4, num_kv_heads=1, head_dim=64, capacity=192,
+      full_capacity=8, group=64, dtype=jnp.bfloat16)
+  _check(q, qkv, bits, jnp.array([150, 0], jnp.int32), k_full, v_full,
+         jnp.array([5, 8], jnp.int32), k_new, v_new, jnp.tril(jnp.ones((5, 5), bool)),
+         QuantAttentionConfig(block_kv=64, num_splits=2), score_queries=(3, 1))
+
+
 def test_4bit_read_ignores_the_lower_plane():
   """Scrambling every lower-nibble byte leaves the 4-bit read unchanged (it is never loaded)."""
   q, qkv, k_full, v_full, k_new, v_new = _inputs(
@@ -240,9 +285,12 @@ def test_kernel_rejects_bad_inputs_in_plain_words():
     quant_attention(*args, bits=4)                 # default block_kv 128 > group 64
 
 
-@pytest.mark.parametrize("bits,num_queries", [(4, 1), (8, 1), (4, 16), (8, 16)])
-def test_lowers_to_mosaic_gpu_custom_call_for_cuda(bits, num_queries):
-  """The benchmark shape (Hq 32, Hkv 8, D 128, G 128) lowers to the Mosaic GPU custom call."""
+@pytest.mark.parametrize("bits,num_queries,score_queries",
+                         [(4, 1, ()), (8, 1, ()), (4, 16, ()), (8, 16, ()), (4, 1, (0,)),
+                          (8, 16, (9, 2))])
+def test_lowers_to_mosaic_gpu_custom_call_for_cuda(bits, num_queries, score_queries):
+  """The benchmark shape (Hq 32, Hkv 8, D 128, G 128) lowers to the Mosaic GPU custom call, also
+  with the score output."""
   b, hq, hkv, d, s, r = 1, 32, 8, 128, 4096, 128
   sds = jax.ShapeDtypeStruct
   codes = sds((b, hkv, 2, s, d // 2), jnp.uint8)
@@ -253,6 +301,6 @@ def test_lowers_to_mosaic_gpu_custom_call_for_cuda(bits, num_queries):
   full = sds((b, hkv, r, d), jnp.bfloat16)
   args = (sds((b, num_queries, hq, d), jnp.bfloat16), qkv, sds((b,), jnp.int32), full, full,
           sds((b,), jnp.int32), tok, tok, sds((num_queries, num_queries), jnp.bool_))
-  f = functools.partial(quant_attention, bits=bits)
+  f = functools.partial(quant_attention, bits=bits, score_queries=score_queries)
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "stablehlo.custom_call @mosaic_gpu_v2" in text

@@ -1,6 +1,7 @@
 """The Mosaic GPU block-sparse attention kernel against its jnp reference, in GPU interpret mode
-(CPU); the reference against `sparsedec.attention.reference_attention` and `decode_attention`;
-and a check that the kernel lowers to the Mosaic GPU custom call for the cuda platform."""
+(CPU), including the selected queries' per-slot softmax weights (score_queries); the reference
+against `sparsedec.attention.reference_attention` and `decode_attention`; and a check that the
+kernel lowers to the Mosaic GPU custom call for the cuda platform."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ TOLERANCE = {jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
 f32 = lambda x: x.astype(jnp.float32)
 # The references run jitted: one compile per shape instead of an XLA:CPU compile per eager op.
 sparse_reference = jax.jit(sparse_attention_reference,
-                           static_argnames=("block_size", "sparse_queries", "return_lse"))
+                           static_argnames=("block_size", "sparse_queries", "return_lse",
+                                            "score_queries"))
 dense_reference = jax.jit(decode_attention_reference, static_argnames=("return_lse",))
 row_mask_reference = jax.jit(reference_attention, static_argnames=("return_lse",))
 
@@ -64,16 +66,61 @@ def _assert_close(out, lse, ref_out, ref_lse, dtype):
   np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=2e-3, rtol=1e-4)
 
 
+def _inflight_weights(q, k_new, mask, lse, score_queries):
+  """Softmax weights [B, n, Hq, U] of the selected queries on the in-flight keys (numpy, fp32),
+  normalised with `lse` [B, Tq, Hq]."""
+  q, k_new = np.asarray(q, np.float32), np.asarray(k_new, np.float32)
+  b, tq, hq, d = q.shape
+  k = np.repeat(k_new, hq // k_new.shape[2], axis=2)                      # [B, U, Hq, D]
+  sel = list(score_queries)
+  s = np.einsum("bthd,buhd->bthu", q[:, sel], k) * d ** -0.5             # [B, n, Hq, U]
+  w = np.exp(s - np.asarray(lse)[:, sel, :, None])
+  return np.where(np.asarray(mask)[sel][None, :, None, :], w, 0.0)
+
+
+def _slots_read(tables, counts, lengths, *, capacity, block_size, group, sparse_queries,
+                score_queries):
+  """[B, n, Hq, S] bool: the cache slots each selected query reads (numpy)."""
+  tables = np.clip(np.asarray(tables), 0, capacity // block_size - 1)
+  counts, lengths = np.asarray(counts), np.asarray(lengths)
+  b, hkv, _ = tables.shape
+  valid = np.arange(capacity)[None] < lengths[:, None]                     # [B, S]
+  listed = np.zeros((b, hkv, capacity), bool)
+  for row in range(b):
+    for h in range(hkv):
+      for block in tables[row, h, :counts[row, h]]:
+        listed[row, h, block * block_size:(block + 1) * block_size] = True
+  per_query = [listed if t < sparse_queries else np.ones_like(listed) for t in score_queries]
+  read = np.stack(per_query, 1) & valid[:, None, None]                     # [B, n, Hkv, S]
+  return np.repeat(read, group, axis=2)
+
+
 def _check(q, k_cache, v_cache, tables, counts, lengths, k_new, v_new, mask, *, block_size,
-           sparse_queries=None, config=SparseConfig()):
+           sparse_queries=None, config=SparseConfig(), score_queries=()):
   """Runs the kernel (interpret mode), compares with the fp32 reference, returns (out, lse)."""
-  out, lse = sparse_attention(q, k_cache, v_cache, tables, counts, lengths, k_new, v_new, mask,
-                              block_size=block_size, sparse_queries=sparse_queries,
-                              return_lse=True, config=config, interpret=INTERPRET)
+  out, lse, *probs = sparse_attention(
+      q, k_cache, v_cache, tables, counts, lengths, k_new, v_new, mask, block_size=block_size,
+      sparse_queries=sparse_queries, return_lse=True, score_queries=score_queries,
+      config=config, interpret=INTERPRET)
   # fp32 copies: XLA:CPU has no bf16 x bf16 -> f32 dot, and fp32 is the exact oracle.
-  ref_out, ref_lse = sparse_reference(
+  ref_out, ref_lse, *ref_probs = sparse_reference(
       f32(q), f32(k_cache), f32(v_cache), tables, counts, lengths, f32(k_new), f32(v_new), mask,
-      block_size=block_size, sparse_queries=sparse_queries, return_lse=True)
+      block_size=block_size, sparse_queries=sparse_queries, return_lse=True,
+      score_queries=score_queries)
+  if score_queries:
+    probs, ref_probs = np.asarray(probs[0]), np.asarray(ref_probs[0])
+    assert probs.shape == (q.shape[0], len(score_queries), q.shape[2], k_cache.shape[2])
+    # The kernel's scores are the fp32 products of the same bf16/fp16 values: probs are as
+    # close as lse (atol 2e-3 in log space, i.e. relative).
+    np.testing.assert_allclose(probs, ref_probs, atol=1e-5, rtol=5e-3)
+    read = _slots_read(tables, counts, lengths, capacity=k_cache.shape[2], block_size=block_size,
+                       group=q.shape[2] // k_cache.shape[1],
+                       sparse_queries=q.shape[1] if sparse_queries is None else sparse_queries,
+                       score_queries=score_queries)
+    assert np.all(probs[~read] == 0.0)
+    # With the in-flight part a whole softmax (a duplicate-free list): 1, or 0 for no key at all.
+    total = probs.sum(-1) + _inflight_weights(q, k_new, mask, lse, score_queries).sum(-1)
+    np.testing.assert_allclose(total, np.where(total > 0.5, 1.0, 0.0), atol=2e-3)
   assert out.shape == q.shape and out.dtype == q.dtype
   assert lse.shape == q.shape[:3] and lse.dtype == jnp.float32
   _assert_close(out, lse, ref_out, ref_lse, q.dtype)
@@ -112,7 +159,12 @@ def _cases(draw):
   else:
     bits = draw(st.lists(st.booleans(), min_size=num_queries ** 2, max_size=num_queries ** 2))
     mask = np.array(bits, bool).reshape(num_queries, num_queries)
+  # A few selected queries, in any order, from either segment (none half the time).
+  score_queries = ()
+  if draw(st.booleans()):
+    score_queries = tuple(draw(st.permutations(range(num_queries)))[:draw(st.integers(1, 2))])
   return dict(
+      score_queries=score_queries,
       shape=dict(batch=batch, num_queries=num_queries, num_q_heads=num_kv_heads * group,
                  num_kv_heads=num_kv_heads, head_dim=64, capacity=capacity,
                  dtype=draw(st.sampled_from([jnp.bfloat16, jnp.float16]))),
@@ -138,7 +190,8 @@ def test_kernel_matches_reference(case):
     counts = jnp.full_like(counts, case["table_len"])
   _check(q, k_cache, v_cache, tables, counts, jnp.asarray(case["lengths"]), k_new, v_new,
          jnp.asarray(case["mask"]), block_size=case["block_size"],
-         sparse_queries=case["sparse_queries"], config=case["config"])
+         sparse_queries=case["sparse_queries"], config=case["config"],
+         score_queries=case["score_queries"])
 
 
 def test_single_query_ragged_lengths_and_empty_lists():
@@ -209,6 +262,49 @@ def test_segment_split_fumble_and_verification_queries():
   assert np.abs(np.asarray(out[:, :2], np.float32) - np.asarray(dense[:, :2])).max() > 0.1
 
 
+def test_score_queries_probs_in_both_segments():
+  """Selected queries (3, 1, 0) out of order: 1 and 0 read the list (queries [0, 2)), 3 the full
+  cache. Head 0 lists block 1 only, head 1 block 3 (wholly past the length 180) and block 0.
+  probs equal the reference's, are 0 off the slots read and with the in-flight part sum to 1;
+  out and lse stay in query order."""
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      5, batch=1, num_queries=5, num_q_heads=4, num_kv_heads=2, head_dim=64, capacity=256,
+      dtype=jnp.bfloat16)
+  _check(q, k_cache, v_cache, jnp.array([[[1, 0], [3, 0]]], jnp.int32),
+         jnp.array([[1, 2]], jnp.int32), jnp.array([180], jnp.int32), k_new, v_new,
+         jnp.tril(jnp.ones((5, 5), bool)), block_size=64, sparse_queries=2,
+         config=SparseConfig(block_kv=64, num_splits=1, num_splits_full=2),
+         score_queries=(3, 1, 0))
+
+
+def test_score_queries_probs_count_a_duplicate_block_twice():
+  """A block listed twice is read twice, in the kernel and the reference alike: its slots'
+  probs are twice the single weight, and the whole still sums to 1 with the in-flight part."""
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      9, batch=1, num_queries=2, num_q_heads=2, num_kv_heads=1, head_dim=64, capacity=256,
+      dtype=jnp.float16)
+  tables, counts = jnp.array([[[2, 0, 2]]], jnp.int32), jnp.array([[3]], jnp.int32)
+  lengths, mask = jnp.array([160], jnp.int32), jnp.ones((2, 2), bool)
+  out, lse, probs = sparse_attention(
+      q, k_cache, v_cache, tables, counts, lengths, k_new, v_new, mask, block_size=64,
+      return_lse=True, score_queries=(1,), config=SparseConfig(num_splits=1),
+      interpret=INTERPRET)
+  ref_probs = sparse_reference(
+      f32(q), f32(k_cache), f32(v_cache), tables, counts, lengths, f32(k_new), f32(v_new), mask,
+      block_size=64, score_queries=(1,))[1]
+  probs = np.asarray(probs)
+  np.testing.assert_allclose(probs, np.asarray(ref_probs), atol=1e-5, rtol=5e-3)
+  # Slot s of block 2 (128..159 < 160) weighs 2 exp(score - lse); block 0 once; the rest 0.
+  qf, kf = np.asarray(q, np.float32)[0, 1], np.asarray(k_cache, np.float32)[0, 0]
+  single = np.exp(qf @ kf.T * 64 ** -0.5 - np.asarray(lse)[0, 1][:, None])   # [Hq, S]
+  expected = np.zeros_like(single)
+  expected[:, :64] = single[:, :64]
+  expected[:, 128:160] = 2 * single[:, 128:160]
+  np.testing.assert_allclose(probs[0, 0], expected, atol=1e-5, rtol=5e-3)
+  total = probs.sum(-1) + _inflight_weights(q, k_new, mask, lse, (1,)).sum(-1)
+  np.testing.assert_allclose(total, 1.0, atol=2e-3)
+
+
 @pytest.mark.parametrize("num_kv_heads", [1, 2])
 def test_reference_matches_sparsedec_reference_attention(num_kv_heads):
   """The gather reference = reference_attention with the block list written as a [B, T, S]
@@ -261,12 +357,14 @@ def test_bad_inputs_are_rejected_in_plain_words():
     sparse_attention(*args(good), block_size=64, config=SparseConfig(block_kv=128))
 
 
-@pytest.mark.parametrize("num_queries,sparse_queries,block_size,table_len",
-                         [(1, None, 128, 2), (16, 8, 64, 4), (16, 16, 256, 4)])
+@pytest.mark.parametrize("num_queries,sparse_queries,block_size,table_len,score_queries",
+                         [(1, None, 128, 2, ()), (16, 8, 64, 4, ()), (16, 16, 256, 4, ()),
+                          (1, None, 128, 2, (0,)), (16, 8, 64, 4, (12, 3))])
 def test_lowers_to_mosaic_gpu_custom_call_for_cuda(num_queries, sparse_queries, block_size,
-                                                   table_len):
+                                                   table_len, score_queries):
   """The H100 benchmark shapes (S = 16K, 1.6% of the blocks listed) lower to the Mosaic GPU
-  custom call on a CPU-only machine; PTX generation happens later, in XLA:GPU."""
+  custom call on a CPU-only machine, also with the score output (both segments; its SMEM must
+  fit); PTX generation happens later, in XLA:GPU."""
   b, hq, hkv, d, s, tq = 1, 32, 8, 128, 16384, num_queries
   sds = jax.ShapeDtypeStruct
   args = (sds((b, tq, hq, d), jnp.bfloat16), sds((b, hkv, s, d), jnp.bfloat16),
@@ -274,6 +372,7 @@ def test_lowers_to_mosaic_gpu_custom_call_for_cuda(num_queries, sparse_queries, 
           sds((b, hkv), jnp.int32), sds((b,), jnp.int32),
           sds((b, tq, hkv, d), jnp.bfloat16), sds((b, tq, hkv, d), jnp.bfloat16),
           sds((tq, tq), jnp.bool_))
-  fn = lambda *a: sparse_attention(*a, block_size=block_size, sparse_queries=sparse_queries)
+  fn = lambda *a: sparse_attention(*a, block_size=block_size, sparse_queries=sparse_queries,
+                                   score_queries=score_queries)
   text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "stablehlo.custom_call @mosaic_gpu_v2" in text

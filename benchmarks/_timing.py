@@ -1,0 +1,130 @@
+"""Timing helpers shared by the GPU kernel benchmarks (kernels.py, kernels_decode_smoke.py).
+
+`time_loop` runs many calls inside one jit: a lax.fori_loop whose carry (the first argument, e.g.
+q) depends on each call's output, so no call is hoisted, dropped or sliced and no Python
+dispatch sits between calls. `read_bandwidth` measures the device's read bandwidth the same way
+(a fused elementwise + reduction over a multi-GiB bf16 array).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+_SENTINEL = 12345.0           # an output value that never occurs: the dependency is never taken
+
+
+def time_loop(fn: Callable, x: jax.Array, *rest: Any, num_calls: int, repeats: int = 3,
+              rotate: Sequence[tuple] = (), with_index: bool = False) -> dict:
+  """Seconds per call of fn(x, *rest), calls chained inside one jit.
+
+  rotate: further argument tuples (copies of the large arrays) used in turn with `rest`, so that
+    consecutive calls read different buffers and do not hit in L2; the loop body calls fn once per
+    argument tuple (statically unrolled), so num_calls is rounded up to a multiple of
+    1 + len(rotate).
+  with_index: call fn(x, it, *rest) with `it` the loop iteration (int32 scalar; the same for all
+    argument tuples of one iteration), e.g. to pick one of several block tables.
+  Returns {"min_s", "median_s", "runs_s", "num_calls", "repeats"}: per-call seconds, min and
+  median over `repeats` timed runs after one warm-up (compile) run.
+  """
+  arg_sets = (tuple(rest), *map(tuple, rotate))
+  iterations = -(-num_calls // len(arg_sets))
+
+  def call(x, it, args):
+    out = fn(x, it, *args) if with_index else fn(x, *args)
+    # The barrier keeps XLA from shrinking the call to the one element the dependency reads.
+    out = lax.optimization_barrier(out)
+    first = jax.tree.leaves(out)[0]
+    return jnp.where(first.reshape(-1)[0] == _SENTINEL, x + 1, x)
+
+  @jax.jit
+  def loop(x, arg_sets):
+    def body(it, x):
+      for args in arg_sets:
+        x = call(x, it, args)
+      return x
+    return lax.fori_loop(0, iterations, body, x)
+
+  jax.block_until_ready(loop(x, arg_sets))            # compile + warm up
+  runs = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(loop(x, arg_sets))
+    runs.append((time.perf_counter() - t0) / (iterations * len(arg_sets)))
+  return dict(min_s=min(runs), median_s=statistics.median(runs), runs_s=runs,
+              num_calls=iterations * len(arg_sets), repeats=repeats)
+
+
+def read_bandwidth(num_bytes: float = 4 * 2 ** 30, iters: int = 10, repeats: int = 5) -> dict:
+  """Read bandwidth of a fused elementwise + sum over a `num_bytes` bf16 array, `iters`
+  reductions inside one jit (each scaled by the loop index, so none is hoisted)."""
+  n = int(num_bytes) // 2 // 4096 * 4096
+  x = jnp.ones((n // 4096, 4096), jnp.bfloat16)                            # [n / 4096, 4096]
+
+  @jax.jit
+  def many(x):
+    def body(i, acc):
+      return acc + jnp.sum(x * (1 + i).astype(x.dtype), dtype=jnp.float32)
+    return lax.fori_loop(0, iters, body, jnp.float32(0))
+
+  jax.block_until_ready(many(x))
+  runs = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(many(x))
+    runs.append((time.perf_counter() - t0) / iters)
+  del x
+  best = min(runs)
+  return dict(bytes=2 * n, seconds=best, median_seconds=statistics.median(runs),
+              gb_per_s=2 * n / best / 1e9, iters=iters, repeats=repeats,
+              statistic="min over repeats of (loop time / iters)")
+
+
+def call_seconds(fn: Callable, *args) -> float:
+  """Wall time of one already-compiled call, Python dispatch included (a calibration only)."""
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  return time.perf_counter() - t0
+
+
+def num_calls_for(bytes_per_call: float, est_seconds: float | None, *, target_bytes: float,
+                  min_calls: int, max_calls: int, max_loop_seconds: float) -> int:
+  """Calls per timed loop: about `target_bytes` of reads, within [min_calls, max_calls], but a
+  loop of slow calls (est_seconds each) is cut to ~max_loop_seconds (never below 3 calls)."""
+  n = int(np.clip(target_bytes / max(bytes_per_call, 1.0), min_calls, max_calls))
+  if est_seconds is not None and est_seconds * n > max_loop_seconds:
+    n = max(min(3, n), int(max_loop_seconds / est_seconds))
+  return n
+
+
+def max_abs_err(a, b) -> float:
+  """Max |a - b| in fp32; equal infinities count 0, a NaN counts inf."""
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  same_inf = np.isinf(a) & (a == b)
+  with np.errstate(invalid="ignore"):                     # inf - inf: masked just below
+    diff = np.where(same_inf, 0.0, np.abs(a - b))
+  return float(np.max(np.where(np.isnan(diff), np.inf, diff), initial=0.0))
+
+
+def default_out_dir() -> str:
+  """$OUT when set (device runs), else benchmarks/results/."""
+  out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+  os.makedirs(out_dir, exist_ok=True)
+  return out_dir
+
+
+def write_json(path: str, obj) -> None:
+  """Writes atomically (a kill mid-write leaves the previous file)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=1)
+  os.replace(tmp, path)

@@ -1,0 +1,138 @@
+"""The kernel benchmark's pure parts on the CPU (fast): the timing helpers, the block lists, the
+targets section and the plots, on synthetic measurements. The benchmark itself runs on a GPU;
+`python benchmarks/kernels.py --dry-run` exercises all of its code paths in interpret mode (~3
+minutes, not part of the suite)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))   # benchmarks/ importable
+
+from benchmarks._targets import compute_targets, format_targets  # noqa: E402
+from benchmarks._timing import max_abs_err, num_calls_for, time_loop  # noqa: E402
+
+READ_BW = 3000.0                                                        # GB/s
+
+
+def _entry(kernel, impl, role, b, s, tq, us, nbytes, **extra):
+  gb = nbytes / us / 1e3
+  return dict(kernel=kernel, impl=impl, role=role, B=b, S=s, Tq=tq, bytes=nbytes,
+              us_per_call=us, gb_per_s=gb, read_bw_gb_per_s=READ_BW,
+              fraction_of_read_bw=gb / READ_BW, **extra)
+
+
+def synthetic_measurements() -> list[dict]:
+  """Plausible H100-like numbers for every kernel (B = 1, 8; a few S and Tq)."""
+  ms = []
+  for b in (1, 8):
+    for s in (4096, 16384, 65536):
+      kv = 2 * b * 8 * s * 128 * 2
+      for tq in (1, 16):
+        ms.append(_entry("decode", "decode_attention", "kernel", b, s, tq,
+                         kv / (0.88 * READ_BW * 1e3) + 5, kv, max_err=2e-3, ok=True))
+        ms.append(_entry("decode", "jnp_reference", "reference", b, s, tq,
+                         kv / (0.7 * READ_BW * 1e3) * tq ** 0.5 + 8, kv))
+        ms.append(_entry("decode", "jax.nn.dot_product_attention[cudnn]", "reference", b, s, tq,
+                         kv / (0.8 * READ_BW * 1e3) + 10, kv, max_err=0.5, ok=False))
+      for bits, speed in ((4, 3.6), (8, 1.9)):
+        for tq in (1, 16):
+          dec = kv / (0.88 * READ_BW * 1e3) + 5
+          ms.append(_entry("quant", f"quant_attention[{bits}bit]", "kernel", b, s, tq,
+                           dec / speed, kv * (bits / 16 + 0.02), bits=bits, ok=True,
+                           max_err=1e-3))
+          ms.append(_entry("quant", f"jnp_reference[{bits}bit]", "reference", b, s, tq,
+                           dec * 3, kv * (bits / 16 + 0.02), bits=bits))
+    for s in (16384, 65536):
+      kv = 2 * b * 8 * s * 128 * 2
+      for tq in (1, 16):
+        for listed_fraction in (1 / 64, 1 / 16, 1 / 4, 1.0):
+          listed = listed_fraction * kv
+          ideal = listed / READ_BW / 1e3
+          extra = dict(listed_fraction=listed_fraction, listed_blocks=int(listed_fraction * s / 64),
+                       listed_kv_bytes=listed, ideal_read_us=ideal, ok=True, max_err=1e-3)
+          ms.append(_entry("sparse", "sparse_attention", "kernel", b, s, tq, 1.2 * ideal + 0.5,
+                           listed, **extra))
+          ms.append(_entry("sparse", "jnp_reference", "reference", b, s, tq, 3 * ideal + 20,
+                           listed, **extra))
+  kv = 2 * 8 * 16384 * 128 * 2
+  for impl, us in (("sparse_attention (two segments)", 60.0), ("jnp_reference", 300.0),
+                   ("decode_attention (all queries on the full cache)", 45.0)):
+    ms.append(_entry("fafo", impl, "kernel", 1, 16384, 80, us, kv, sparse_queries=64,
+                     full_queries=16))
+  return ms
+
+
+def test_targets_on_synthetic_measurements():
+  targets = compute_targets(synthetic_measurements())
+  summary = targets["summary"]
+  assert summary["decode_read_bw"]["measured"] == 8        # B x S >= 16K x Tq
+  by = {(c["target"], c["B"], c["S"], c["Tq"]): c for c in targets["checks"]}
+  big = by[("decode_read_bw", 8, 65536, 1)]
+  assert big["passed"] and 0.85 < big["ratio"] < 0.88
+  # The cudnn entry did not match its reference: it does not count as the best reference.
+  vs_ref = by[("decode_vs_best_reference", 1, 16384, 1)]
+  assert vs_ref["best_reference"] == "jnp_reference" and vs_ref["passed"]
+  assert by[("quant4_vs_decode", 1, 65536, 1)]["ratio"] == pytest.approx(3.6)
+  assert by[("quant8_vs_decode", 8, 65536, 1)]["passed"]
+  assert ("quant4_vs_decode", 1, 65536, 16) not in by     # Tq = 1 only
+  sparse = by[("sparse_vs_listed_read", 1, 16384, 1)]
+  assert sparse["ratio"] > 1.3 and not sparse["passed"]    # the 0.5 us launch cost dominates
+  assert by[("sparse_vs_decode", 8, 16384, 16)]["ratio"] > 20
+  assert ("sparse_vs_decode", 1, 65536, 1) not in by       # S = 16K only
+  assert len(format_targets(targets)) == len(summary) + len(targets["checks"])
+
+
+def test_time_loop_counts_rotations_and_index():
+  calls = []
+
+  def fn(x, it, a):                      # x [4]; a [4]; it the loop iteration
+    calls.append(1)                      # traced once per argument tuple
+    return x * 0 + a + it
+
+  x, a, a2 = jnp.zeros(4), jnp.ones(4), 2 * jnp.ones(4)
+  t = time_loop(fn, x, a, num_calls=5, repeats=2, rotate=[(a2,)], with_index=True)
+  assert t["num_calls"] == 6 and len(t["runs_s"]) == 2 and t["min_s"] <= t["median_s"]
+  assert len(calls) == 2
+
+
+def test_helpers():
+  assert num_calls_for(1e6, None, target_bytes=4e9, min_calls=20, max_calls=2000,
+                       max_loop_seconds=1.0) == 2000
+  assert num_calls_for(4e9, None, target_bytes=4e9, min_calls=20, max_calls=2000,
+                       max_loop_seconds=1.0) == 20
+  assert num_calls_for(4e9, 0.2, target_bytes=4e9, min_calls=20, max_calls=2000,
+                       max_loop_seconds=1.0) == 5
+  assert max_abs_err(np.array([1.0, -np.inf]), np.array([1.5, -np.inf])) == 0.5
+  assert max_abs_err(np.array([np.nan]), np.array([0.0])) == np.inf
+
+
+def test_random_table_sets_cover_the_cache_with_distinct_blocks():
+  from benchmarks.kernels import random_table_sets
+  sets = np.asarray(random_table_sets(0, 2, 3, cache_blocks=64, listed=4))
+  assert sets.shape == (16, 2, 3, 4)
+  for b in range(2):
+    for h in range(3):
+      blocks = sets[:, b, h].reshape(-1)
+      assert sorted(blocks) == list(range(64))              # every block once over the lists
+  assert (np.diff(sets, axis=-1) > 0).all()                 # each list sorted, distinct
+
+
+def test_plot_kernels_writes_one_png_per_kernel(tmp_path):
+  pytest.importorskip("matplotlib")
+  from benchmarks import plot_kernels
+  ms = synthetic_measurements()
+  for i, part in enumerate((ms[: len(ms) // 2], ms[len(ms) // 2:])):  # two runs, merged
+    (tmp_path / f"run{i}.json").write_text(json.dumps(dict(device="synthetic", measurements=part)))
+  merged = tmp_path / "merged.json"
+  plot_kernels.main([str(tmp_path / "run0.json"), str(tmp_path / "run1.json"),
+                     "--out-dir", str(tmp_path), "--merged", str(merged)])
+  for name in ("decode", "sparse", "quant", "fafo"):
+    assert (tmp_path / f"{name}.png").stat().st_size > 10_000
+  assert len(json.loads(merged.read_text())["measurements"]) == len(ms)
