@@ -11,6 +11,8 @@ import jax
 import numpy as np
 
 from sparsedec.decode.api import generate
+from sparsedec.decode.loop import DecodeMethod
+from sparsedec.decode.methods import method_config
 from sparsedec.decode.sampling import SamplingConfig
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.params import Params, num_bytes
@@ -43,7 +45,8 @@ def encode_prompts(tok: Tokenizer, texts: list[str], chat_template: bool) -> lis
 
 def run_bench(cfg: ModelConfig, params: Params, tok: Tokenizer, *, prompts: str = "mt_bench",
               num_prompts: int = 10, batch_size: int = 1, max_new_tokens: int = 256,
-              sampling: SamplingConfig | None = None, seed: int = 0, method: str = "dense",
+              sampling: SamplingConfig | None = None, seed: int = 0,
+              method: str | DecodeMethod = "dense",
               chat_template: bool = False, ignore_eos: bool = False,
               model_name: str = "") -> dict:
   texts = load_prompt_set(prompts)[:num_prompts]
@@ -62,11 +65,14 @@ def run_bench(cfg: ModelConfig, params: Params, tok: Tokenizer, *, prompts: str 
     r = generate(cfg, params, ids[i: i + batch_size], **kw)
     runs.append({"prompt_tokens": r.prompt_lengths, "generated_tokens": r.num_generated,
                  "steps": r.steps, "tau": r.tau, "prefill_seconds": r.prefill_seconds,
-                 "decode_seconds": r.decode_seconds, "tokens_per_second": r.tokens_per_second})
+                 "decode_seconds": r.decode_seconds, "tokens_per_second": r.tokens_per_second,
+                 **r.method_stats})
   gen = sum(r["generated_tokens"] for r in runs)
   dec = sum(r["decode_seconds"] for r in runs)
   return {
-      "model": model_name, "method": method, "dtype": cfg.dtype,
+      "model": model_name, "method": method if isinstance(method, str) else method.name,
+      "method_config": method_config(method),
+      "dtype": cfg.dtype,
       "param_bytes": num_bytes(params), "prompt_set": prompts, "num_prompts": len(ids),
       "batch_size": batch_size, "max_new_tokens": max_new_tokens,
       "sampling": None if sampling is None else vars(sampling),

@@ -33,6 +33,26 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
   p.add_argument("--cache-size", type=int, default=None, help="KV cache capacity in tokens")
   p.add_argument("--ignore-eos", action="store_true", help="generate max-new-tokens tokens")
+  la = p.add_argument_group("lookahead (--method lookahead)")
+  la.add_argument("--lookahead-window", type=int, default=None,
+                  help="W: columns of the Jacobi window (default 7)")
+  la.add_argument("--ngram", type=int, default=None,
+                  help="N: n-gram size; up to N tokens per step (default 5)")
+  la.add_argument("--guesses", type=int, default=None,
+                  help="G: n-gram candidates verified per step (default 7)")
+  fa = p.add_argument_group("fafo (--method fafo)")
+  fa.add_argument("--subsequences", type=int, default=None,
+                  help="n: fumble subsequences, i.e. guesses made per step (default 16)")
+  fa.add_argument("--fafo-length", type=int, default=None,
+                  help="k: tokens per subsequence / guess / candidate (default 4)")
+  fa.add_argument("--candidates", type=int, default=None,
+                  help="m: candidates verified per step (default 7)")
+  fa.add_argument("--policy", default=None, choices=("streaming", "quest", "snapkv"),
+                  help="compression policy C(kv) the fumble tokens read (default streaming)")
+  fa.add_argument("--budget-blocks", type=int, default=None,
+                  help="blocks in C(kv) per KV head (default 16)")
+  fa.add_argument("--block-size", type=int, default=None,
+                  help="cache slots per block (default 64)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,6 +91,32 @@ def _sampling(args):
   return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 
 
+_METHOD_KNOBS = {"lookahead": {"lookahead_window": "window", "ngram": "ngram",
+                               "guesses": "guesses"},
+                 "fafo": {"subsequences": "subsequences", "fafo_length": "length",
+                          "candidates": "candidates", "policy": "policy",
+                          "budget_blocks": "budget_blocks", "block_size": "block_size"}}
+_POLICY_KNOBS = ("budget_blocks", "block_size")
+
+
+def _method(args):
+  """The decoding method object, with the knobs given on the command line."""
+  from sparsedec.decode.methods import get_method
+  from sparsedec.errors import InputError
+  given = {flag: getattr(args, flag) for knobs in _METHOD_KNOBS.values() for flag in knobs
+           if getattr(args, flag) is not None}
+  mine = _METHOD_KNOBS.get(args.method, {})
+  stray = sorted(set(given) - set(mine))
+  if stray:
+    raise InputError(f"--{stray[0].replace('_', '-')} does not apply to --method {args.method}")
+  knobs = {mine[flag]: value for flag, value in given.items()}
+  if args.method == "fafo":
+    from sparsedec.compress import POLICIES
+    policy_knobs = {name: knobs.pop(name) for name in _POLICY_KNOBS if name in knobs}
+    knobs["policy"] = POLICIES[knobs.pop("policy", "streaming")](**policy_knobs)
+  return get_method(args.method, **knobs)
+
+
 def _load(args):
   from sparsedec.weights.checkpoint import load_model
   return load_model(args.model or default_model(), dtype=args.dtype)
@@ -87,11 +133,13 @@ def _prompt_ids(args, tok) -> list[int]:
 
 def cmd_generate(args) -> int:
   from sparsedec.decode import api
+  from sparsedec.decode.methods import method_config
   sampling = _sampling(args)
+  method = _method(args)
   cfg, params, tok = _load(args)
   ids = _prompt_ids(args, tok)
   kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
-                method=args.method, cache_size=args.cache_size,
+                method=method, cache_size=args.cache_size,
                 stop_tokens=() if args.ignore_eos else None)
   if args.stream and not args.json:
     decoder = tok.stream_decoder(skip_special_tokens=True)
@@ -105,7 +153,8 @@ def cmd_generate(args) -> int:
     return 0
   result = api.generate(cfg, params, [ids], **kwargs)
   text = tok.decode(result.tokens[0], skip_special_tokens=True)
-  stats = {"method": args.method, "prompt_tokens": len(ids), **result.stats()}
+  stats = {"method": args.method, "method_config": method_config(method),
+           "prompt_tokens": len(ids), **result.stats()}
   if args.json:
     print(json.dumps({"text": text, "tokens": result.tokens[0], "stats": stats}))
   else:
@@ -123,10 +172,11 @@ def cmd_convert(args) -> int:
 
 def cmd_bench(args) -> int:
   from sparsedec.bench import run_bench
+  method = _method(args)
   cfg, params, tok = _load(args)
   result = run_bench(cfg, params, tok, prompts=args.prompts, num_prompts=args.num_prompts,
                      batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                     sampling=_sampling(args), seed=args.seed, method=args.method,
+                     sampling=_sampling(args), seed=args.seed, method=method,
                      chat_template=args.chat_template, ignore_eos=args.ignore_eos,
                      model_name=args.model or default_model())
   text = json.dumps(result, indent=2)

@@ -56,6 +56,7 @@ class GenerationResult:
   decode_seconds: float             # wall time of the decode loop, compilation excluded
   compile_seconds: float = 0.0      # tracing + compiling during this call (first calls only)
   state: DecodeState | None = None  # the final decode state, when asked for
+  method_stats: dict = dataclasses.field(default_factory=dict)  # the method's own figures
 
   @property
   def num_generated(self) -> int:
@@ -77,7 +78,8 @@ class GenerationResult:
             "decode_seconds": round(self.decode_seconds, 6),
             "compile_seconds": round(self.compile_seconds, 3),
             "tokens_per_second": round(self.tokens_per_second, 2),
-            "stopped": self.stopped, "prompt_lengths": self.prompt_lengths}
+            "stopped": self.stopped, "prompt_lengths": self.prompt_lengths,
+            **self.method_stats}
 
 
 def prompt_bucket(length: int) -> int:
@@ -186,6 +188,12 @@ def collect(state: DecodeState, stop_ids: tuple[int, ...]) -> tuple[list[list[in
   return generated, [bool(g) and g[-1] in stop_ids for g in generated]
 
 
+def method_stats(method: DecodeMethod, state: DecodeState) -> dict:
+  """The method's figures (tau-like acceptance counters, ...), {} when it reports none."""
+  stats = getattr(method, "stats", None)
+  return dict(stats(state)) if stats is not None else {}
+
+
 def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int = 128, sampling: SamplingConfig | None = None,
              seed: int | Sequence[int] = 0, stop_tokens: Sequence[int] | None = None,
@@ -215,7 +223,7 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
       active_steps=[int(a) for a in jax.device_get(state.active_steps)],
       prefill_seconds=t1 - t0 - prefill_compile[0], decode_seconds=t2 - t1 - decode_compile[0],
       compile_seconds=prefill_compile[0] + decode_compile[0],
-      state=state if return_state else None)
+      state=state if return_state else None, method_stats=method_stats(run.method, state))
 
 
 def stream(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,

@@ -25,6 +25,9 @@ class Dense:
   def max_steps(self, max_new_tokens: int) -> int:
     return max_new_tokens
 
+  def stats(self, state: DecodeState) -> dict:
+    return {}
+
   def step(self, cfg: ModelConfig, params: Params, state: DecodeState,
            ctx: StepContext) -> DecodeState:
     active = (~state.done).astype(jnp.int32)                              # [B]

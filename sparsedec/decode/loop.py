@@ -4,6 +4,10 @@ A method is a frozen (hashable) object with
   init(cfg, params, state) -> state            # set state.extras (outside the loop, under jit)
   step(cfg, params, state, ctx) -> state       # one forward over T tokens, accept, commit
   max_steps(max_new_tokens) -> int             # worst-case iterations (dense: max_new_tokens)
+  stats(state) -> dict                         # host-side method figures for the result
+A step may append several tokens per row: `append_tokens` clips them at the row's stop token and
+token limit, and the step commits K/V only for the tokens it appended, so a multi-token step
+never overflows the token buffer or the cache (plan_capacity needs no slack per method).
 The loop bound is a traced argument, so one compiled loop serves every max_new_tokens and a
 caller can run it in slices (streaming) by raising `step_limit`.
 """
@@ -39,6 +43,8 @@ class DecodeMethod(Protocol):
            ctx: StepContext) -> DecodeState: ...
 
   def max_steps(self, max_new_tokens: int) -> int: ...
+
+  def stats(self, state: DecodeState) -> dict: ...
 
 
 def finish_step(state: DecodeState) -> DecodeState:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from sparsedec.decode.dense import Dense
+from sparsedec.decode.fafo import Fafo
+from sparsedec.decode.lookahead import Lookahead
 from sparsedec.decode.loop import DecodeMethod
 from sparsedec.errors import InputError
 
-_METHODS: dict[str, type] = {"dense": Dense}
+_METHODS: dict[str, type] = {"dense": Dense, "lookahead": Lookahead, "fafo": Fafo}
 
 
 def register(name: str, cls: type) -> None:
@@ -18,8 +22,29 @@ def method_names() -> list[str]:
 
 
 def get_method(name_or_method: str | DecodeMethod, **knobs) -> DecodeMethod:
+  """A method object by name, built with its knobs (e.g. get_method("lookahead", window=5))."""
   if not isinstance(name_or_method, str):
+    if knobs:
+      raise InputError(f"knobs {sorted(knobs)} given with a method object: set them on it")
     return name_or_method
   if name_or_method not in _METHODS:
     raise InputError(f"unknown method {name_or_method!r} (available: {method_names()})")
-  return _METHODS[name_or_method](**knobs)
+  cls = _METHODS[name_or_method]
+  if not dataclasses.is_dataclass(cls):
+    return cls(**knobs)
+  fields = {f.name for f in dataclasses.fields(cls)} - {"name"}
+  unknown = sorted(set(knobs) - fields)
+  if unknown:
+    raise InputError(f"method {name_or_method!r} has no knob {unknown[0]!r} "
+                     f"(its knobs: {sorted(fields) or 'none'})")
+  return cls(**knobs)
+
+
+def method_config(method: str | DecodeMethod) -> dict:
+  """A method's knobs as a JSON-ready dict (for stats and benchmark records; knobs that are not
+  plain values are given by their repr); {} for a bare name."""
+  if isinstance(method, str) or not dataclasses.is_dataclass(method):
+    return {}
+  plain = (bool, int, float, str, type(None))
+  return {f.name: v if isinstance(v := getattr(method, f.name), plain) else repr(v)
+          for f in dataclasses.fields(method) if f.name != "name"}

@@ -1,0 +1,146 @@
+"""FAFO vs Lookahead vs dense on SmolLM2-135M-Instruct: tau against the number of guesses, and
+wall-clock tokens/s (the FAFO paper's Figure 1 setting: greedy, 256 new tokens).
+
+Guesses per step: FAFO's fumble subsequences n, Lookahead's window W (each makes that many n-gram
+guesses per step). Same guess length (FAFO k = Lookahead N - 1) and the same number of verified
+candidates (FAFO m = Lookahead G). EOS is ignored so every prompt generates --max-new-tokens.
+
+  --sweep: tau (and aggregate tokens/s) per method and guess count, each prompt set decoded as one
+           batch (tau is per row; rows are independent).
+  --speed: tokens/s at batch size 1, prompt by prompt, for dense / FAFO / Lookahead at
+           --speed-guesses (decode time only, compilation excluded).
+
+  python benchmarks/ngram_decoding.py --gguf PATH --dtype bfloat16 --sweep --speed
+Writes $OUT/ngram_decoding.json (rewritten after every measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+from sparsedec.bench import device_description, encode_prompts
+from sparsedec.compress import POLICIES
+from sparsedec.decode.api import generate
+from sparsedec.decode.fafo import Fafo
+from sparsedec.decode.lookahead import Lookahead
+from sparsedec.prompts import humaneval, mt_bench
+from sparsedec.weights.checkpoint import load_model
+
+DEFAULT_GGUF = os.environ.get(
+    "SPARSEDEC_SMOLLM2_GGUF",
+    os.path.join(os.path.dirname(__file__), "..", ".cache", "models",
+                 "SmolLM2-135M-Instruct.Q4_1.gguf"))
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+  print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
+
+
+def prompt_ids(tok, name: str, num: int) -> list[list[int]]:
+  if name == "mt_bench":
+    return encode_prompts(tok, mt_bench(turn=1)[:num], chat_template=True)
+  if name == "humaneval":
+    return encode_prompts(tok, humaneval()[:num], chat_template=False)
+  raise ValueError(f"unknown prompt set {name!r}")
+
+
+def make_method(name: str, guesses: int, args):
+  if name == "fafo":
+    policy = POLICIES[args.policy](budget_blocks=args.budget_blocks, block_size=args.block_size)
+    return Fafo(subsequences=guesses, length=args.length, candidates=args.candidates,
+                policy=policy)
+  if name == "lookahead":
+    return Lookahead(window=guesses, ngram=args.length + 1, guesses=args.candidates)
+  return "dense"
+
+
+def run(cfg, params, ids, method, max_new_tokens):
+  generate(cfg, params, ids, method=method, max_new_tokens=max_new_tokens, stop_tokens=())  # warm
+  return generate(cfg, params, ids, method=method, max_new_tokens=max_new_tokens, stop_tokens=())
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--gguf", default=DEFAULT_GGUF)
+  ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+  ap.add_argument("--prompt-sets", nargs="+", default=["mt_bench", "humaneval"])
+  ap.add_argument("--num-prompts", type=int, default=10)
+  ap.add_argument("--max-new-tokens", type=int, default=256)
+  ap.add_argument("--guesses", type=int, nargs="+", default=[10, 20, 30, 40, 50, 60])
+  ap.add_argument("--methods", nargs="+", default=["fafo", "lookahead"])
+  ap.add_argument("--length", type=int, default=4, help="FAFO k = Lookahead N - 1")
+  ap.add_argument("--candidates", type=int, default=7, help="FAFO m = Lookahead G")
+  ap.add_argument("--policy", default="streaming", choices=sorted(POLICIES))
+  ap.add_argument("--budget-blocks", type=int, default=4)
+  ap.add_argument("--block-size", type=int, default=64)
+  ap.add_argument("--sweep", action="store_true")
+  ap.add_argument("--speed", action="store_true")
+  ap.add_argument("--speed-guesses", type=int, default=40)
+  ap.add_argument("--speed-prompts", type=int, default=5)
+  ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
+                                                "ngram_decoding.json"))
+  args = ap.parse_args()
+  cfg, params, tok = load_model(args.gguf, dtype=args.dtype)
+  result = {"benchmark": "FAFO vs Lookahead vs dense, SmolLM2-135M-Instruct, greedy",
+            "device": device_description(), "dtype": args.dtype, "args": vars(args),
+            "sweep": [], "speed": []}
+
+  def save():
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+      json.dump(result, f, indent=2)
+
+  for set_name in args.prompt_sets:
+    ids = prompt_ids(tok, set_name, args.num_prompts)
+    if args.sweep:
+      dense = run(cfg, params, ids, "dense", args.max_new_tokens)
+      result["sweep"].append({"prompt_set": set_name, "method": "dense", "guesses": 0, "tau": 1.0,
+                              "tokens_per_second": dense.tokens_per_second})
+      log(f"{set_name} dense: {dense.tokens_per_second:.1f} tokens/s (B={len(ids)})")
+      for guesses in args.guesses:
+        for name in args.methods:
+          res = run(cfg, params, ids, make_method(name, guesses, args), args.max_new_tokens)
+          same = sum(list(a) == list(b) for a, b in zip(res.tokens, dense.tokens))
+          row = {"prompt_set": set_name, "method": name, "guesses": guesses, "tau": res.tau,
+                 "tokens_per_second": res.tokens_per_second,
+                 "speedup_vs_dense_batched": res.tokens_per_second / dense.tokens_per_second,
+                 "identical_to_dense_rows": same, "rows": len(ids), **res.method_stats}
+          result["sweep"].append(row)
+          log(f"{set_name} {name} guesses={guesses}: tau {res.tau:.3f}, "
+              f"{res.tokens_per_second:.1f} tokens/s, identical {same}/{len(ids)}")
+          save()
+    if args.speed:
+      for name in ["dense"] + list(args.methods):
+        method = make_method(name, args.speed_guesses, args)
+        generate(cfg, params, ids[:1], method=method, max_new_tokens=args.max_new_tokens,
+                 stop_tokens=())                                       # compile once
+        toks, secs, taus = 0, 0.0, []
+        for one in ids[: args.speed_prompts]:
+          res = generate(cfg, params, [one], method=method, max_new_tokens=args.max_new_tokens,
+                         stop_tokens=())
+          toks += res.num_generated
+          secs += res.decode_seconds
+          taus.append(res.tau)
+        row = {"prompt_set": set_name, "method": name, "guesses": args.speed_guesses,
+               "batch_size": 1, "tokens_per_second": toks / secs, "tau": float(np.mean(taus)),
+               "prompts": min(args.speed_prompts, len(ids))}
+        result["speed"].append(row)
+        log(f"{set_name} speed {name}: {row['tokens_per_second']:.1f} tokens/s, "
+            f"tau {row['tau']:.3f}")
+        save()
+  dense_speed = {r["prompt_set"]: r["tokens_per_second"] for r in result["speed"]
+                 if r["method"] == "dense"}
+  for r in result["speed"]:
+    r["speedup_vs_dense"] = r["tokens_per_second"] / dense_speed.get(r["prompt_set"], np.nan)
+  save()
+  log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,78 @@
+"""The one interface of KV compression policies.
+
+A policy turns (cache state, query statistics) into a fixed budget of selected cache blocks per
+(row, KV head), as a `BlockListView` of constant shape, so a method's plan never changes shape
+and no mask is rebuilt per step:
+
+  init(cfg, params, state) -> pstate                 # after prefill (SnapKV looks at the prompt)
+  view(pstate, cache) -> BlockListView               # C(kv) for this step's compressed queries
+  update(pstate, cache, queries) -> pstate           # after the step's commit; queries: the
+                                                     # step's per-layer query statistics or None
+
+Static policies (StreamingLLM, SnapKV) ignore `queries`; dynamic ones (Quest; later TriForce's
+chunk retrieval and the SFI Selector) re-select from them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from sparsedec.attention import BlockListView
+from sparsedec.kv.dense import KVCache
+
+
+class CompressionPolicy(Protocol):
+  name: str
+  block_size: int       # cache slots per block (a multiple of 64 for the GPU kernel)
+  budget_blocks: int    # NB: blocks listed per (row, KV head)
+
+  def init(self, cfg, params, state) -> Any: ...
+
+  def view(self, pstate: Any, cache: KVCache) -> BlockListView: ...
+
+  def update(self, pstate: Any, cache: KVCache, queries: Any) -> Any: ...
+
+
+def check_budget(name: str, block_size: int, budget_blocks: int) -> None:
+  from sparsedec.errors import InputError
+  if not isinstance(block_size, int) or block_size < 1:
+    raise InputError(f"{name}: block_size must be a positive integer, got {block_size!r}")
+  if not isinstance(budget_blocks, int) or budget_blocks < 1:
+    raise InputError(f"{name}: budget_blocks must be a positive integer, got {budget_blocks!r}")
+
+
+def prompt_window_queries(cfg, params, state, window: int):
+  """Each layer's queries of the last `window` tokens of every row (the current token last):
+  (queries: tuple per layer of [B, w, Hq, D], positions [B, w] int32, valid [B, w] bool).
+
+  One extra forward at init for query-aware policies (SnapKV's observation window, Quest's first
+  selection). Rows shorter than the window repeat their first token (marked invalid)."""
+  import jax.numpy as jnp
+  from sparsedec.model.forward import forward
+  n = state.num_tokens                                                      # [B]
+  idx = n[:, None] - window + jnp.arange(window, dtype=jnp.int32)[None, :]  # [B, w]
+  valid = idx >= 0
+  idx = jnp.maximum(idx, 0)
+  tokens = jnp.take_along_axis(state.tokens, idx, axis=1)
+  cache = state.cache.replace(lengths=jnp.maximum(n - window, 0).astype(jnp.int32))
+  _, kv = forward(cfg, params, tokens, idx, cache, capture_queries=True,
+                  logits_at=jnp.zeros((tokens.shape[0], 1), jnp.int32))
+  return kv.q, idx, valid
+
+
+def pack_tables(first: "jax.Array", first_counts: "jax.Array", second: "jax.Array",
+                second_counts: "jax.Array") -> tuple["jax.Array", "jax.Array"]:
+  """Concatenate two block lists per (.., head) so the valid entries are contiguous:
+  first [..., N1] with first_counts [...], second [..., N2] with second_counts [...] ->
+  tables [..., N1 + N2], counts [...]."""
+  import jax.numpy as jnp
+  n1, n2 = first.shape[-1], second.shape[-1]
+  i = jnp.arange(n1 + n2, dtype=jnp.int32)
+  c1 = first_counts[..., None]
+  if n1 == 0:
+    return second.astype(jnp.int32), second_counts.astype(jnp.int32)
+  at = jnp.broadcast_to(jnp.clip(i, 0, n1 - 1), first.shape[:-1] + (n1 + n2,))
+  from_first = jnp.take_along_axis(first, at, axis=-1)
+  from_second = jnp.take_along_axis(second, jnp.clip(i - c1, 0, n2 - 1), axis=-1)
+  tables = jnp.where(i < c1, from_first, from_second)
+  return tables.astype(jnp.int32), (first_counts + second_counts).astype(jnp.int32)

@@ -1,0 +1,96 @@
+"""SnapKV (Li et al. 2024): select the prompt's important blocks once, from the attention of an
+observation window at the end of prefill; static.
+
+Per layer, row and KV head: the last `window` prompt tokens' softmax attention over the committed
+prompt (summed over the window's queries and the KV head's query heads, average-pooled over
+`pool` neighbouring slots) scores each block before the recent region; the best
+`budget_blocks - recent_blocks` of them are kept for the whole generation. The `recent_blocks`
+newest blocks of the row (which slide as text is generated) are always read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from sparsedec.attention import BlockListView
+from sparsedec.compress.base import check_budget, pack_tables, prompt_window_queries
+from sparsedec.compress.streaming import streaming_tables
+from sparsedec.errors import InputError
+from sparsedec.kv.dense import KVCache
+
+
+@struct.dataclass
+class SnapKVState:
+  tables: jax.Array        # [L, B, Hkv, NS] int32 selected prompt blocks
+  counts: jax.Array        # [L, B, Hkv] int32
+
+
+def _block_scores(q: jax.Array, q_pos: jax.Array, q_valid: jax.Array, k: jax.Array,
+                  lengths: jax.Array, block_size: int, pool: int) -> jax.Array:
+  """q [B, w, Hq, D] at q_pos [B, w]; k [B, Hkv, S, D] -> pooled attention mass [B, Hkv, S/bs]."""
+  b, w, hq, d = q.shape
+  hkv, s = k.shape[1], k.shape[2]
+  qg = q.reshape(b, w, hkv, hq // hkv, d).astype(jnp.float32)
+  scores = jnp.einsum("bwhgd,bhsd->bhgws", qg, k.astype(jnp.float32)) * d ** -0.5
+  slot = jnp.arange(s)
+  ok = (slot[None, None, :] <= q_pos[:, :, None]) & (slot[None, None, :] < lengths[:, None, None])
+  scores = jnp.where(ok[:, None, None], scores, -jnp.inf)                 # [B, Hkv, G, w, S]
+  probs = jax.nn.softmax(scores, axis=-1)
+  probs = jnp.where(jnp.isfinite(scores), probs, 0.0) * q_valid[:, None, None, :, None]
+  mass = probs.sum((2, 3))                                                 # [B, Hkv, S]
+  if pool > 1:
+    mass = jax.lax.reduce_window(mass, 0.0, jax.lax.add, (1, 1, pool), (1, 1, 1), "SAME") / pool
+  return mass.reshape(b, hkv, s // block_size, block_size).sum(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapKV:
+  budget_blocks: int = 16
+  block_size: int = 64
+  recent_blocks: int = 2
+  window: int = 32            # observation window (prompt tokens)
+  pool: int = 7               # average-pooling width over slots
+  name: str = "snapkv"
+
+  def __post_init__(self):
+    check_budget("SnapKV", self.block_size, self.budget_blocks)
+    if not 1 <= self.recent_blocks < self.budget_blocks:
+      raise InputError(f"SnapKV: recent_blocks must be in [1, budget_blocks="
+                       f"{self.budget_blocks}), got {self.recent_blocks}")
+    if self.window < 1 or self.pool < 1:
+      raise InputError(f"SnapKV: window and pool must be >= 1, got {self.window}, {self.pool}")
+
+  def init(self, cfg, params, state) -> SnapKVState:
+    cache = state.cache
+    bs, keep = self.block_size, self.budget_blocks - self.recent_blocks
+    used = -(-cache.lengths // bs)                                          # [B]
+    candidates = jnp.maximum(used - self.recent_blocks, 0)                  # blocks before recent
+    queries, q_pos, q_valid = prompt_window_queries(cfg, params, state, self.window)
+    tables, counts = [], []
+    for q, k in zip(queries, cache.k):
+      score = _block_scores(q, q_pos, q_valid, k, cache.lengths, bs, self.pool)  # [B, Hkv, P]
+      page = jnp.arange(score.shape[-1])
+      score = jnp.where(page[None, None] < candidates[:, None, None], score, -jnp.inf)
+      n = min(keep, score.shape[-1])
+      _, top = jax.lax.top_k(score, n)
+      top = jnp.pad(top, ((0, 0), (0, 0), (0, keep - n)))
+      tables.append(top.astype(jnp.int32))
+      counts.append(jnp.broadcast_to(jnp.minimum(candidates, keep)[:, None], top.shape[:2]))
+    return SnapKVState(jnp.stack(tables), jnp.stack(counts).astype(jnp.int32))
+
+  def view(self, st: SnapKVState, cache: KVCache) -> BlockListView:
+    recent, recent_counts = streaming_tables(
+        cache.lengths, cache.k[0].shape[1], block_size=self.block_size,
+        budget_blocks=self.recent_blocks, sink_blocks=0)                    # [B, Hkv, R]
+    layers = st.tables.shape[0]
+    recent = jnp.broadcast_to(recent, (layers,) + recent.shape)
+    recent_counts = jnp.broadcast_to(recent_counts, (layers,) + recent_counts.shape)
+    tables, counts = pack_tables(st.tables, st.counts, recent, recent_counts)
+    return BlockListView(tables, counts, self.block_size, per_layer=True)
+
+  def update(self, st: SnapKVState, cache: KVCache, queries) -> SnapKVState:
+    return st

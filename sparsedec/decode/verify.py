@@ -1,0 +1,146 @@
+"""Verification of several guessed continuations in one forward, preserving the target distribution.
+
+The guesses are deterministic (n-gram candidates: a draft distribution that is one-hot on the
+guessed token). Given the model's logits at the current token and at every candidate token,
+`verify` emits the accepted guessed tokens plus one token from the model, so that the emitted text
+is distributed exactly as dense sampling (greedy: token-identical to dense greedy).
+
+Sampling (multi-candidate rejection sampling, SpecInfer-style, for one-hot drafts): at depth i the
+target distribution is p (at depth 0 the model's distribution after the current token). The
+candidates still alive (their first i tokens equal the accepted ones) are tried in order: a
+candidate's token t is accepted with probability min(1, p(t) / 1) = p(t); if rejected, p becomes
+the residual max(p - onehot(t), 0), renormalised, and the next alive candidate is tried (a
+candidate repeating a rejected token has residual probability 0). On acceptance the candidates not
+continuing with t die and p becomes the model's distribution after t. When no candidate is
+accepted, the step's last token is drawn from the residual; when all depths are accepted, from
+the distribution after the last one. Each emitted token is therefore distributed as p (token t
+accepted at the j-th distinct try has probability p(t); any other token (1 - sum of the tried
+p) * p(x) / (1 - sum of the tried p) = p(x)).
+
+The tries at one depth are computed at once: with the distinct tokens' masses in try order,
+s_j = p(t_1) + ... + p(t_{j-1}), the j-th try accepts with p(t_j) / (1 - s_j), drawn with
+independent uniforms; the first success wins (the same law as trying one after the other).
+
+Greedy (temperature 0) is the special case where p is one-hot on the argmax: the longest candidate
+prefix that matches the model's argmax tokens is accepted. `verify_greedy` computes it directly
+(no random draws); `verify_sampled` with one-hot distributions gives the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from sparsedec.decode.sampling import SamplingConfig, probabilities
+
+
+@struct.dataclass
+class Verdict:
+  tokens: jax.Array       # [B, L+1] int32: the accepted guessed tokens, then the model's token
+  num_tokens: jax.Array   # [B] int32: accepted + 1 (entries past it are unspecified)
+  accepted: jax.Array     # [B] int32: guessed tokens accepted, 0..L
+  candidate: jax.Array    # [B] int32: a candidate whose first `accepted` tokens were accepted
+
+
+def _emit(cand_tokens: jax.Array, best: jax.Array, accepted: jax.Array,
+          last: jax.Array) -> Verdict:
+  """tokens = cand_tokens[best, :accepted] then `last`."""
+  b = cand_tokens.shape[0]
+  chosen = jnp.take_along_axis(cand_tokens, best[:, None, None], axis=1)[:, 0]    # [B, L]
+  tokens = jnp.concatenate([chosen, jnp.zeros((b, 1), jnp.int32)], axis=1)        # [B, L+1]
+  tokens = tokens.at[jnp.arange(b), accepted].set(last)
+  return Verdict(tokens=tokens.astype(jnp.int32), num_tokens=(accepted + 1).astype(jnp.int32),
+                 accepted=accepted.astype(jnp.int32), candidate=best.astype(jnp.int32))
+
+
+def verify_greedy(root_logits: jax.Array, cand_tokens: jax.Array, cand_valid: jax.Array,
+                  cand_logits: jax.Array) -> Verdict:
+  """Longest candidate prefix equal to the model's argmax tokens, then the model's next argmax.
+
+  root_logits [B, V] at the current token; cand_tokens [B, G, L]; cand_valid [B, G];
+  cand_logits [B, G, L, V] at each candidate token (what follows it). Ties between equally long
+  prefixes go to the first candidate.
+  """
+  b, g, _ = cand_tokens.shape
+  root = jnp.argmax(root_logits, axis=-1).astype(jnp.int32)                       # [B]
+  after = jnp.argmax(cand_logits, axis=-1).astype(jnp.int32)                      # [B, G, L]
+  target = jnp.concatenate([jnp.broadcast_to(root[:, None, None], (b, g, 1)), after[:, :, :-1]],
+                           axis=2)                                                # [B, G, L]
+  match = (cand_tokens == target) & cand_valid[:, :, None]
+  prefix = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=2), axis=2)          # [B, G]
+  best = jnp.argmax(prefix, axis=1).astype(jnp.int32)                             # [B]
+  accepted = jnp.max(prefix, axis=1)
+  after_best = jnp.take_along_axis(after, best[:, None, None], axis=1)[:, 0]      # [B, L]
+  prev = jnp.take_along_axis(after_best, jnp.maximum(accepted - 1, 0)[:, None], axis=1)[:, 0]
+  return _emit(cand_tokens, best, accepted, jnp.where(accepted == 0, root, prev))
+
+
+def verify_sampled(root_logits: jax.Array, cand_tokens: jax.Array, cand_valid: jax.Array,
+                   cand_logits: jax.Array, keys: jax.Array,
+                   to_probs: Callable[[jax.Array], jax.Array]) -> Verdict:
+  """Multi-candidate rejection sampling (module docstring). Shapes as `verify_greedy`; keys [B]
+  (one PRNG key per row); to_probs maps logits [B, V] to the target distribution [B, V]."""
+  b, g, length = cand_tokens.shape
+  rows = jnp.arange(b)
+  # All uniforms of the step in one draw per row (one PRNG call compiles and runs faster than
+  # several): [B, L, G] for the tries, [B] for the last token (inverse-CDF sampling).
+  draws = jax.vmap(lambda k: jax.random.uniform(k, (length * g + 1,)))(keys)
+  tries = draws[:, : length * g].reshape(b, length, g)
+  earlier = jnp.asarray(np.tri(g, k=-1, dtype=bool))                              # [g, g'] g' < g
+
+  def depth(carry, xs):
+    # p [B, V]: the target at this depth; final [B, V]: what the last token is drawn from.
+    p, final, alive, going, accepted, best = carry
+    tok, u, logits = xs                                              # [B, G], [B, G], [B, G, V]
+    repeat = jnp.any((tok[:, :, None] == tok[:, None, :]) & alive[:, None, :] & earlier[None],
+                     axis=2)
+    first = alive & ~repeat & going[:, None]                                      # distinct tries
+    mass = jnp.where(first, jnp.take_along_axis(p, tok, axis=1), 0.0)             # [B, G]
+    before = jnp.cumsum(mass, axis=1) - mass
+    success = first & (mass > 0) & (u * (1.0 - before) < mass)
+    hit = jnp.any(success, axis=1)                                                # [B]
+    pick = jnp.argmax(success, axis=1).astype(jnp.int32)
+    token = tok[rows, pick]
+    tried = jnp.zeros_like(p, dtype=bool).at[rows[:, None], tok].max(first)       # [B, V]
+    residual = jnp.where(tried, 0.0, p)
+    total = jnp.sum(residual, axis=1, keepdims=True)
+    residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p)
+    p = jnp.where(hit[:, None], to_probs(logits[rows, pick]), p)
+    final = jnp.where(hit[:, None], p, jnp.where((going & ~hit)[:, None], residual, final))
+    return (p, final, alive & (tok == token[:, None]) & hit[:, None], hit, accepted + hit,
+            jnp.where(hit, pick, best)), None
+
+  p = to_probs(root_logits)                                                       # [B, V]
+  init = (p, p, cand_valid, jnp.ones((b,), bool), jnp.zeros((b,), jnp.int32),
+          jnp.zeros((b,), jnp.int32))
+  xs = (jnp.moveaxis(cand_tokens, 2, 0), jnp.moveaxis(tries, 1, 0),
+        jnp.moveaxis(cand_logits, 2, 0))                 # one depth per iteration (compiled once)
+  (_, final, _, _, accepted, best), _ = jax.lax.scan(depth, init, xs)
+  return _emit(cand_tokens, best, accepted, draw_from(final, draws[:, -1]))
+
+
+def draw_from(probs: jax.Array, u: jax.Array) -> jax.Array:
+  """Inverse-CDF draw: tokens [B] from probs [B, V] (unnormalised, >= 0) with uniforms u [B] in
+  [0, 1). A token of probability 0 is never drawn (the first index whose CDF exceeds u*total)."""
+  cdf = jnp.cumsum(probs, axis=-1)                                                # [B, V]
+  target = u * cdf[:, -1]
+  idx = jnp.sum(cdf <= target[:, None], axis=-1)
+  return jnp.minimum(idx, probs.shape[-1] - 1).astype(jnp.int32)
+
+
+def verify(root_logits: jax.Array, cand_tokens: jax.Array, cand_valid: jax.Array,
+           cand_logits: jax.Array, keys: jax.Array, sampling: SamplingConfig) -> Verdict:
+  """Accept guessed tokens against the model: greedy when sampling.greedy, else distribution-
+  preserving rejection sampling from `probabilities(logits, sampling)` (temperature, top-k, top-p).
+
+  root_logits [B, V]: logits at the current token; cand_tokens [B, G, L] candidate continuations
+  of it; cand_valid [B, G]; cand_logits [B, G, L, V]: logits at each candidate token; keys [B].
+  """
+  if sampling.greedy:
+    return verify_greedy(root_logits, cand_tokens, cand_valid, cand_logits)
+  return verify_sampled(root_logits, cand_tokens, cand_valid, cand_logits, keys,
+                        lambda logits: probabilities(logits, sampling))

@@ -1,0 +1,317 @@
+"""An n-gram pool held in device arrays: suffix keys of 1..K tokens -> recent V-token continuations.
+
+Every operation is a jittable array op batched over B rows, each row its own pool (no host round
+trip), so a decode step can look up guesses and store new n-grams inside its while_loop.
+
+Layout (per row; every array has a leading batch axis B):
+  * a set-associative hash table of `num_buckets` buckets x `bucket_ways` key slots. A key is 1..K
+    tokens, stored left-aligned (oldest first), padded with -1, together with its length; it hashes
+    (`key_hash`, tokens and length) to one bucket and lives in one of that bucket's ways. Lookups
+    compare the stored key tokens and length, so a hash collision never returns another key's
+    continuations. A new key takes the bucket's first free way, else evicts the way whose key was
+    inserted into least recently (with its continuations).
+  * each key slot holds up to `entries_per_key` continuations of `value_len` tokens with an LRU
+    stamp each: inserting a continuation the key already holds refreshes its stamp; a new one takes
+    a free entry, else replaces the least recently used one.
+  * stamps come from a per-row clock that advances once per (valid) insert, so they are unique.
+  * storage: one int32 record per key slot (tokens, length, stamp) and one per continuation
+    (tokens, stamp): `NgramPool.keys` [B, NB, A, K+2] and `NgramPool.entries` [B, NB, A, E, V+1].
+
+`insert` takes M items per row and gives exactly the result of inserting them one by one, in
+rounds of parallel writes (one round per item of the busiest bucket, not one per item).
+
+Lookups do not change the pool (they are pure reads: a guess that is retrieved but never
+re-inserted ages out). `lookup` tries the keys of a decoded suffix longest first (K down to 1),
+each key's continuations most recent first, drops duplicates and keeps the first `num`.
+
+Lookahead Decoding keys n-grams by one token (key_len 1, value_len N-1); FAFO stores a guess under
+every suffix of a discarded-token buffer (`insert_under_suffixes`, key lengths 1..K).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from sparsedec.errors import InputError
+
+EMPTY = -1   # padding of keys and of invalid lookup results
+
+# Hash constants (multiplicative mixing and the murmur3 32-bit finaliser). tests/test_ngram_pool.py
+# re-implements the hash in plain Python: change both together.
+HASH_SEED = 0x9E3779B1
+HASH_MUL = 0x85EBCA6B
+FMIX_MUL1 = 0x85EBCA6B
+FMIX_MUL2 = 0xC2B2AE35
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolConfig:
+  """Static shape of a pool (hashable: part of the pool's treedef)."""
+
+  key_len: int               # K: longest key, in tokens
+  value_len: int             # V: tokens per continuation
+  entries_per_key: int       # E: continuations kept per key (LRU)
+  num_buckets: int = 256     # hash buckets per row
+  bucket_ways: int = 4       # key slots per bucket (keys kept per bucket, LRU)
+
+  def __post_init__(self):
+    for name in ("key_len", "value_len", "entries_per_key", "num_buckets", "bucket_ways"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise InputError(f"PoolConfig.{name} must be an integer >= 1, got {value!r}")
+
+  @property
+  def num_keys(self) -> int:
+    return self.num_buckets * self.bucket_ways
+
+  def num_bytes(self, batch_size: int) -> int:
+    per_key = self.key_len + 2 + self.entries_per_key * (self.value_len + 1)
+    return 4 * batch_size * (self.num_keys * per_key + 1)
+
+
+@struct.dataclass
+class NgramPool:
+  """Per row: key records and continuation records (one int32 array each, so an insert writes
+  two records, not five arrays; the named views below read them)."""
+  keys: jax.Array            # [B, NB, A, K+2] int32: K tokens (left-aligned, -1 padded),
+                             #   length (0 = free way), stamp of the last insert under the key
+  entries: jax.Array         # [B, NB, A, E, V+1] int32: V tokens, stamp (0 = free entry)
+  clock: jax.Array           # [B] int32, inserts so far
+  config: PoolConfig = struct.field(pytree_node=False)
+
+  @property
+  def batch_size(self) -> int:
+    return self.clock.shape[0]
+
+  @property
+  def key_tokens(self) -> jax.Array:     # [B, NB, A, K]
+    return self.keys[..., : self.config.key_len]
+
+  @property
+  def key_lens(self) -> jax.Array:       # [B, NB, A]
+    return self.keys[..., self.config.key_len]
+
+  @property
+  def key_stamps(self) -> jax.Array:     # [B, NB, A]
+    return self.keys[..., self.config.key_len + 1]
+
+  @property
+  def values(self) -> jax.Array:         # [B, NB, A, E, V]
+    return self.entries[..., : self.config.value_len]
+
+  @property
+  def value_stamps(self) -> jax.Array:   # [B, NB, A, E]
+    return self.entries[..., self.config.value_len]
+
+
+def init_pool(config: PoolConfig, batch_size: int) -> NgramPool:
+  c = config
+  nb, a = c.num_buckets, c.bucket_ways
+  key_record = np.array([EMPTY] * c.key_len + [0, 0], np.int32)
+  entry_record = np.array([EMPTY] * c.value_len + [0], np.int32)
+  return NgramPool(
+      keys=jnp.broadcast_to(jnp.asarray(key_record), (batch_size, nb, a, c.key_len + 2)),
+      entries=jnp.broadcast_to(jnp.asarray(entry_record),
+                               (batch_size, nb, a, c.entries_per_key, c.value_len + 1)),
+      clock=jnp.zeros((batch_size,), jnp.int32), config=config)
+
+
+def normalize_keys(keys: jax.Array, lengths: jax.Array) -> jax.Array:
+  """keys [..., K] left-aligned with lengths [...]: tokens past the length set to -1."""
+  col = jnp.arange(keys.shape[-1], dtype=jnp.int32)
+  return jnp.where(col < lengths[..., None], keys, EMPTY).astype(jnp.int32)
+
+
+def key_hash(keys: jax.Array, lengths: jax.Array) -> jax.Array:
+  """uint32 hash [...] of normalized keys [..., K] (see `normalize_keys`) and lengths [...]."""
+  u32 = jnp.uint32
+  h = lengths.astype(u32) * u32(HASH_SEED)
+  tokens = jax.lax.bitcast_convert_type(keys.astype(jnp.int32), u32)      # -1 -> 0xFFFFFFFF
+  for i in range(keys.shape[-1]):
+    h = (h ^ tokens[..., i]) * u32(HASH_MUL)
+    h = h ^ (h >> u32(15))
+  h = h ^ (h >> u32(16))
+  h = h * u32(FMIX_MUL1)
+  h = h ^ (h >> u32(13))
+  h = h * u32(FMIX_MUL2)
+  return h ^ (h >> u32(16))
+
+
+def bucket_index(config: PoolConfig, keys: jax.Array, lengths: jax.Array) -> jax.Array:
+  """int32 bucket [...] of normalized keys [..., K] with lengths [...]."""
+  return (key_hash(keys, lengths) % jnp.uint32(config.num_buckets)).astype(jnp.int32)
+
+
+def _row_arrays(pool: NgramPool) -> tuple[jax.Array, ...]:
+  return (pool.keys, pool.entries, pool.clock)
+
+
+def _insert_round(config: PoolConfig, row: tuple, items: tuple) -> tuple:
+  """One row's (keys, entries) tables (no batch axis) after inserting the `active` items, which
+  lie in distinct buckets (so they do not interact and are written in parallel).
+
+  items: keys [M, K] normalized, lengths [M], values [M, V], active [M], buckets [M], stamps [M].
+  """
+  table, entry_table = row                                 # [NB, A, K+2], [NB, A, E, V+1]
+  key, length, value, active, bucket, now = items
+  kk, v, e = config.key_len, config.value_len, config.entries_per_key
+  records = table[bucket]                                  # [M, A, K+2]
+  b_lens, b_stamps = records[..., kk], records[..., kk + 1]                     # [M, A]
+  match = (b_lens == length[:, None]) & jnp.all(records[..., :kk] == key[:, None, :], axis=-1)
+  found = jnp.any(match, axis=-1)                                               # [M]
+  free = b_lens == 0
+  victim = jnp.where(jnp.any(free, axis=-1), jnp.argmax(free, axis=-1),
+                     jnp.argmin(b_stamps, axis=-1))       # a free way, else the LRU key
+  way = jnp.where(found, jnp.argmax(match, axis=-1), victim).astype(jnp.int32)  # [M]
+  empty_record = jnp.asarray(np.array([EMPTY] * v + [0], np.int32))
+  held = jnp.where(found[:, None, None], entry_table[bucket, way], empty_record)  # [M, E, V+1]
+  stamps = held[..., v]                                                          # [M, E]
+  same = (stamps > 0) & jnp.all(held[..., :v] == value[:, None, :], axis=-1)
+  empty = stamps == 0
+  slot = jnp.where(jnp.any(same, axis=-1), jnp.argmax(same, axis=-1),       # refresh, else a
+                   jnp.where(jnp.any(empty, axis=-1), jnp.argmax(empty, axis=-1),  # free entry,
+                             jnp.argmin(stamps, axis=-1)))                  # else the LRU one
+  entry = jnp.concatenate([value, now[:, None]], axis=-1)                        # [M, V+1]
+  at_slot = (jnp.arange(e)[None, :] == slot[:, None])[..., None]                 # [M, E, 1]
+  held = jnp.where(at_slot, entry[:, None, :], held)
+  key_record = jnp.concatenate([key, length[:, None], now[:, None]], axis=-1)    # [M, K+2]
+  target = jnp.where(active, bucket, config.num_buckets)   # inactive: out of range, dropped
+  return (table.at[target, way].set(key_record, mode="drop"),
+          entry_table.at[target, way].set(held, mode="drop"))
+
+
+def insert(pool: NgramPool, keys: jax.Array, key_lens: jax.Array, values: jax.Array,
+           valid: jax.Array) -> NgramPool:
+  """Insert M items per row, in order (a later item sees the earlier ones).
+
+  keys [B, M, K'] left-aligned (K' <= K; tokens past key_lens are ignored), key_lens [B, M] in
+  1..K', values [B, M, V] int32, valid [B, M] bool (invalid items change nothing).
+
+  The result is exactly that of inserting the items one after the other, computed in rounds:
+  items of different buckets do not interact (the stamps, which follow item order, are assigned
+  up front), so round r writes, in parallel, every item that is the r-th valid one of its bucket.
+  The loop runs as many rounds as the most items one bucket receives (usually 1 or 2), not M.
+  """
+  c = pool.config
+  b, m, kw = keys.shape
+  if kw > c.key_len:
+    raise InputError(f"keys of {kw} tokens do not fit a pool with key_len {c.key_len}")
+  if values.shape != (b, m, c.value_len):
+    raise InputError(f"values must have shape {(b, m, c.value_len)}, got {values.shape}")
+  if kw < c.key_len:
+    keys = jnp.pad(keys, ((0, 0), (0, 0), (0, c.key_len - kw)), constant_values=EMPTY)
+  key_lens = key_lens.astype(jnp.int32)
+  valid = valid & (key_lens >= 1) & (key_lens <= kw)
+  keys = normalize_keys(keys, key_lens)
+  buckets = bucket_index(c, keys, key_lens)                                    # [B, M]
+  stamps = pool.clock[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32)    # [B, M]
+  earlier = jnp.asarray(np.tri(m, k=-1, dtype=bool))                           # [i, j]: j < i
+  same_bucket = (buckets[:, :, None] == buckets[:, None, :]) & valid[:, None, :] & earlier[None]
+  rank = jnp.where(valid, jnp.sum(same_bucket, axis=2, dtype=jnp.int32), -1)   # [B, M]
+  values = values.astype(jnp.int32)
+  write = jax.vmap(lambda row, items: _insert_round(c, row, items))
+
+  def body(carry):
+    r, tables = carry
+    return r + 1, write(tables, (keys, key_lens, values, rank == r, buckets, stamps))
+
+  _, (table, entry_table) = jax.lax.while_loop(
+      lambda carry: carry[0] <= jnp.max(rank), body, (jnp.int32(0), (pool.keys, pool.entries)))
+  clock = pool.clock + jnp.sum(valid, axis=1, dtype=jnp.int32)
+  return NgramPool(table, entry_table, clock, config=c)
+
+
+def suffix_keys(suffix: jax.Array, suffix_len: jax.Array, max_len: int) -> tuple[jax.Array, ...]:
+  """Every suffix key of a decoded suffix, longest first.
+
+  suffix [B, S] right-aligned (suffix[:, -1] newest), suffix_len [B] valid tokens at its end.
+  Returns keys [B, Kx, max_len] left-aligned and -1 padded, lengths [B, Kx] (Kx down to 1) and
+  valid [B, Kx] (length <= suffix_len), Kx = min(S, max_len).
+  """
+  s = suffix.shape[1]
+  kx = min(s, max_len)
+  lengths = np.arange(kx, 0, -1, dtype=np.int32)                              # [Kx]
+  col = np.arange(max_len, dtype=np.int32)
+  src = s - lengths[:, None] + col[None, :]                                   # [Kx, max_len]
+  inside = col[None, :] < lengths[:, None]
+  keys = jnp.where(jnp.asarray(inside)[None], suffix[:, np.clip(src, 0, s - 1)], EMPTY)
+  lens = jnp.broadcast_to(jnp.asarray(lengths)[None], (suffix.shape[0], kx))
+  return keys.astype(jnp.int32), lens, lens <= suffix_len[:, None]
+
+
+def insert_under_suffixes(pool: NgramPool, suffix: jax.Array, suffix_len: jax.Array,
+                          value: jax.Array, valid: jax.Array) -> NgramPool:
+  """Store value [B, V] under every suffix (lengths 1..min(S, K)) of suffix [B, S] (right-aligned,
+  suffix_len [B] valid tokens), where valid [B]. Shorter keys are inserted last (most recent)."""
+  keys, lens, ok = suffix_keys(suffix, suffix_len, pool.config.key_len)
+  kx = keys.shape[1]
+  values = jnp.broadcast_to(value[:, None, :], (value.shape[0], kx, value.shape[-1]))
+  return insert(pool, keys, lens, values, ok & valid[:, None])
+
+
+def _lookup_one(config: PoolConfig, num: int, row: tuple, keys: jax.Array, lengths: jax.Array,
+                usable: jax.Array) -> tuple[jax.Array, jax.Array]:
+  key_table, entry_table, _ = row
+  kx = keys.shape[0]
+  kk, e, v = config.key_len, config.entries_per_key, config.value_len
+  buckets = bucket_index(config, keys, lengths)                               # [Kx]
+  records = key_table[buckets]                                                # [Kx, A, K+2]
+  match = ((records[..., kk] == lengths[:, None])
+           & jnp.all(records[..., :kk] == keys[:, None, :], axis=-1) & usable[:, None])  # [Kx, A]
+  found = jnp.any(match, axis=-1)
+  way = jnp.argmax(match, axis=-1)
+  held = entry_table[buckets, way]                                            # [Kx, E, V+1]
+  entries = held[..., :v].reshape(kx * e, v)                                  # [C, V], C = Kx*E
+  stamps = jnp.where(found[:, None], held[..., v], 0)                         # [Kx, E]
+  # Order: longer keys first, then most recent first (stamps are unique); no sort needed.
+  newer = jnp.sum(stamps[:, None, :] > stamps[:, :, None], axis=-1)           # [Kx, E]
+  ok = (stamps > 0).reshape(kx * e)                                           # [C]
+  order = (jnp.arange(kx)[:, None] * e + newer).reshape(kx * e)
+  order = jnp.where(ok, order, kx * e + jnp.arange(kx * e))                   # [C], unique
+  before = order[None, :] < order[:, None]                                    # [c, c'] c' first
+  same = jnp.all(entries[:, None, :] == entries[None, :, :], axis=-1)         # [C, C]
+  keep = ok & ~jnp.any(same & before & ok[None, :], axis=-1)
+  rank = jnp.sum(before & keep[None, :], axis=-1)
+  dest = jnp.where(keep & (rank < num), rank, num)
+  out = jnp.full((num, v), EMPTY, jnp.int32).at[dest].set(entries, mode="drop")
+  out_ok = jnp.zeros((num,), bool).at[dest].set(True, mode="drop")
+  return out, out_ok
+
+
+def lookup(pool: NgramPool, suffix: jax.Array, suffix_len: jax.Array,
+           num: int) -> tuple[jax.Array, jax.Array]:
+  """Up to `num` distinct continuations of a decoded suffix.
+
+  suffix [B, S] right-aligned (suffix[:, -1] is the newest token), suffix_len [B] how many of its
+  last tokens are real (>= 1). Keys of length min(S, K) down to 1 are tried in turn; each key's
+  continuations come most recently used first. Returns candidates [B, num, V] int32 (-1 where
+  invalid) and valid [B, num] bool (valid entries first).
+  """
+  keys, lens, usable = suffix_keys(suffix.astype(jnp.int32), suffix_len, pool.config.key_len)
+  def one_row(row, k, n, u):
+    return _lookup_one(pool.config, num, row, k, n, u)
+  return jax.vmap(one_row)(_row_arrays(pool), keys, lens, usable)
+
+
+def insert_sequence_ngrams(pool: NgramPool, tokens: jax.Array, num_tokens: jax.Array) -> NgramPool:
+  """Store every n-gram of tokens[b, :num_tokens[b]] ([B, L], [B]): each V-token span is stored
+  under every key (1..K tokens) that ends right before it, in text order (later n-grams are more
+  recent). One loop iteration per span start, up to the longest row."""
+  c = pool.config
+  b = tokens.shape[0]
+  kk, v = c.key_len, c.value_len
+  padded = jnp.pad(tokens.astype(jnp.int32), ((0, 0), (kk, v)), constant_values=EMPTY)
+
+  def body(start, pool):           # the value span is tokens[:, start : start + V]
+    window = jax.lax.dynamic_slice_in_dim(padded, start, kk + v, axis=1)     # [B, K + V]
+    ok = start + v <= num_tokens
+    key_len = jnp.full((b,), jnp.minimum(start, kk), jnp.int32)
+    return insert_under_suffixes(pool, window[:, :kk], key_len, window[:, kk:], ok)
+
+  last = jnp.max(num_tokens) - v + 1                                          # exclusive bound
+  return jax.lax.fori_loop(1, jnp.maximum(last, 1), body, pool)

@@ -1,0 +1,179 @@
+"""FAFO: greedy token-identical to dense greedy on real checkpoints (each compression policy),
+sampling distribution equal to dense sampling, and the fumble tokens read only C(kv)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import sparsedec
+from sparsedec import prompts as prompt_sets
+from sparsedec import testing
+from sparsedec.compress import Quest, SnapKV, StreamingLLM
+from sparsedec.decode.fafo import Fafo, fafo_layout
+from sparsedec.decode.sampling import SamplingConfig
+from sparsedec.errors import InputError
+from sparsedec.kv.dense import KVCache
+from sparsedec.model.forward import forward
+
+# Small blocks and budgets so the compressed view is much smaller than the cache in every test.
+POLICIES = {
+    "streaming": StreamingLLM(budget_blocks=3, block_size=8, sink_blocks=1),
+    "quest": Quest(budget_blocks=3, block_size=8),
+    "snapkv": SnapKV(budget_blocks=3, block_size=8, recent_blocks=1, window=4, pool=3),
+}
+
+
+@pytest.fixture(scope="module")
+def stories():
+  from sparsedec.weights.checkpoint import load_model
+  return load_model("checkpoints/stories260K")
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+  from sparsedec.weights.gguf_file import load_gguf
+  return load_gguf(smollm2_gguf, dtype="float32")
+
+
+def test_layout_masks_follow_the_paper():
+  n, k, m = 3, 2, 2
+  mask, offsets = fafo_layout(n, k, m)
+  f = n * k
+  assert mask.shape == (f + 1 + m * k,) * 2
+  # fumble (j=1, i=1) at index 1*n+1 sees (j=1, i=0) and itself, nothing else (not the current)
+  assert sorted(np.flatnonzero(mask[n + 1])) == [1, n + 1]
+  assert offsets[n + 1] == 1 + 1 + 1
+  # candidate 1 token 1 sees the current token, its own token 0 and itself
+  q = f + 1 + k + 1
+  assert sorted(np.flatnonzero(mask[q])) == [f, f + 1 + k, q]
+  assert offsets[q] == 2 and offsets[f] == 0
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_greedy_equals_dense_on_stories260k(stories, policy):
+  cfg, params, tok = stories
+  prompts = [tok.encode("Once upon a time, there was a little girl named Lily. She liked to"),
+             tok.encode("The dog")]
+  method = Fafo(subsequences=8, length=4, candidates=5, policy=POLICIES[policy])
+  result = testing.assert_matches_dense(cfg, params, prompts, method=method, max_new_tokens=256,
+                                        stop_tokens=())
+  assert result.tau > 1.2, result.tau          # guesses were accepted, not just one per step
+
+
+def test_greedy_equals_dense_on_smollm2_mt_bench_and_humaneval(smollm2):
+  cfg, params, tok = smollm2
+  chats = [tok.apply_chat_template([{"role": "user", "content": q}],
+                                   add_generation_prompt=True)
+           for q in prompt_sets.mt_bench()[:1]]
+  texts = [tok.encode(c, add_bos=False) for c in chats]
+  texts.append(tok.encode(prompt_sets.humaneval()[0]))
+  method = Fafo(subsequences=6, length=4, candidates=4,
+                policy=StreamingLLM(budget_blocks=4, block_size=16))
+  result = testing.assert_matches_dense(cfg, params, texts, method=method, max_new_tokens=256,
+                                        stop_tokens=())
+  assert result.tau > 1.0
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_fumble_tokens_read_only_the_compressed_view(stories, policy):
+  """Poison every cache entry outside C(kv): fumble logits stay bit-identical, verification
+  logits change."""
+  cfg, params, tok = stories
+  method = Fafo(subsequences=4, length=3, candidates=2, policy=POLICIES[policy])
+  prompt = tok.encode("Once upon a time, there was a little girl named Lily. She liked to play")
+  result = sparsedec.generate(cfg, params, [prompt], max_new_tokens=40, stop_tokens=(),
+                              method=method, return_state=True)
+  state = result.state
+  cache = state.cache
+  view = method.policy.view(state.extras.policy_state, cache)
+  inside = view.at_layer(0).slot_mask(cache.lengths, cache.capacity)       # [B, Hkv, S]
+  assert int(inside.sum()) < int(cache.lengths[0]) * cfg.num_kv_heads      # really compressed
+  noise = jax.random.normal(jax.random.key(7), cache.k[0].shape) * 5.0
+  poison = lambda x: jnp.where(inside[..., None], x, noise.astype(x.dtype))  # noqa: E731
+  poisoned = KVCache(k=tuple(map(poison, cache.k)), v=tuple(map(poison, cache.v)),
+                     lengths=cache.lengths)
+  n, k, m = method.subsequences, method.length, method.candidates
+  _, offsets = fafo_layout(n, k, m)
+  tokens = jax.random.randint(jax.random.key(1), (1, len(offsets)), 0, cfg.vocab_size)
+  positions = cache.lengths[:, None] + jnp.asarray(offsets)[None]
+  plan = method.plan(view)
+  if view.per_layer:                    # every layer's list is compressed, and they differ
+    per_layer = [view.at_layer(i).slot_mask(cache.lengths, cache.capacity)
+                 for i in range(cfg.num_layers)]
+    assert all(int(m.sum()) < int(cache.lengths[0]) * cfg.num_kv_heads for m in per_layer)
+    inside = jnp.stack(per_layer)                                         # [L, B, Hkv, S]
+    noise_k = [jnp.where(inside[i][..., None], cache.k[i], noise.astype(cache.k[i].dtype))
+               for i in range(cfg.num_layers)]
+    noise_v = [jnp.where(inside[i][..., None], cache.v[i], noise.astype(cache.v[i].dtype))
+               for i in range(cfg.num_layers)]
+    poisoned = KVCache(k=tuple(noise_k), v=tuple(noise_v), lengths=cache.lengths)
+  clean_logits, _ = forward(cfg, params, tokens, positions, cache, plan)
+  dirty_logits, _ = forward(cfg, params, tokens, positions, poisoned, plan)
+  f = n * k
+  np.testing.assert_array_equal(np.asarray(dirty_logits[:, :f]), np.asarray(clean_logits[:, :f]))
+  assert np.abs(np.asarray(dirty_logits[:, f:] - clean_logits[:, f:])).max() > 1e-2
+
+
+def test_sampling_first_three_tokens_distributed_as_dense(stories):
+  """Joint distribution of the first 3 sampled tokens over many per-row seeds: FAFO vs dense,
+  a chi-square test of homogeneity. False-alarm rate: alpha = 1e-3 (the test fails when the two
+  samples differ at p < 1e-3, which happens by chance once in a thousand runs)."""
+  cfg, params, tok = stories
+  prompt = tok.encode("Lily and Tom went to the park. Lily and Tom went to the")
+  rows = 600
+  sampling = SamplingConfig(temperature=1.6, top_k=12)
+  method = Fafo(subsequences=6, length=3, candidates=6,
+                policy=StreamingLLM(budget_blocks=2, block_size=8))
+  seeds = list(range(rows))
+  dense = sparsedec.generate(cfg, params, [prompt] * rows, max_new_tokens=3, sampling=sampling,
+                             seed=seeds, stop_tokens=())
+  fafo = sparsedec.generate(cfg, params, [prompt] * rows, max_new_tokens=3, sampling=sampling,
+                            seed=[s + 10_000 for s in seeds], stop_tokens=(), method=method)
+  assert fafo.method_stats["accepted_guesses_per_step"] > 0.2   # guesses really were accepted
+  a = [tuple(t) for t in dense.tokens]
+  b = [tuple(t) for t in fafo.tokens]
+  cats = sorted(set(a) | set(b))
+  counts = np.array([[a.count(c) for c in cats], [b.count(c) for c in cats]])
+  # pool categories expected < 5 times into one "rare" bin (chi-square validity)
+  common = counts.sum(0) >= 10
+  table = np.concatenate([counts[:, common], counts[:, ~common].sum(1, keepdims=True)], axis=1)
+  table = table[:, table.sum(0) > 0]
+  p = stats.chi2_contingency(table).pvalue
+  assert table.shape[1] >= 5, table             # a real distribution, not a near-constant
+  assert p > 1e-3, (p, table)
+
+
+def test_bad_knobs_and_unsupported_models_are_refused(stories):
+  cfg, params, tok = stories
+  with pytest.raises(InputError, match="subsequences"):
+    Fafo(subsequences=0)
+  with pytest.raises(InputError, match="not a CompressionPolicy"):
+    Fafo(policy="streaming")
+  with pytest.raises(InputError, match="sliding"):
+    sparsedec.generate(cfg.replace(family="mistral", sliding_window=16), params,
+                       [[1, 2, 3]], max_new_tokens=2, method=Fafo())
+
+
+def test_cli_generate_fafo_equals_dense_and_reports_stats(capsys, stories):
+  import json
+  from sparsedec import cli
+  cfg, params, tok = stories
+  argv = ["generate", "--prompt", "Once upon a time", "--max-new-tokens", "48", "--ignore-eos",
+          "--json"]
+  assert cli.main(argv + ["--method", "fafo", "--subsequences", "6", "--fafo-length", "3",
+                          "--candidates", "4", "--policy", "snapkv", "--budget-blocks", "3",
+                          "--block-size", "8"]) == 0
+  got = json.loads(capsys.readouterr()[0])
+  dense = sparsedec.generate(cfg, params, [tok.encode("Once upon a time")], max_new_tokens=48,
+                             stop_tokens=())
+  assert got["tokens"] == dense.tokens[0]
+  stats = got["stats"]
+  assert stats["method"] == "fafo" and stats["policy"] == "snapkv"
+  assert stats["tau"] >= 1.0 and 0.0 <= stats["pool_hit_rate"] <= 1.0
+  # a FAFO knob with another method is refused by name
+  assert cli.main(["generate", "--prompt", "Once", "--subsequences", "4"]) == 2
+  assert "--subsequences does not apply to --method dense" in capsys.readouterr()[1]

@@ -1,0 +1,303 @@
+"""Lookahead Decoding: exact against dense decoding, stop tokens and limits inside multi-token
+steps, the attention layout, distribution-preserving verification, and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sparsedec
+from sparsedec import cli, testing
+from sparsedec.decode import api
+from sparsedec.decode.lookahead import Lookahead, lookahead_layout
+from sparsedec.decode.methods import get_method
+from sparsedec.decode.sampling import SamplingConfig, probabilities
+from sparsedec.decode.verify import verify, verify_greedy, verify_sampled
+from sparsedec.weights.checkpoint import load_model
+
+# One method, batch and cache capacity for every stories test, so they share compiled functions.
+METHOD = Lookahead()                      # the defaults: W=7, N=5, G=7
+CACHE = 384
+NEW = 256
+TEXTS = ["Once upon a time", "The cat sat on the mat and looked at the big red ball", "Lily"]
+
+
+@pytest.fixture(scope="module")
+def stories():
+  cfg, params, tok = load_model(cli.default_model())
+  assert cfg.dtype == "float32"
+  prompts = [tok.encode(t) for t in TEXTS]
+  assert len({len(p) for p in prompts}) == len(prompts), "ragged prompts wanted"
+  return cfg, params, prompts
+
+
+@pytest.fixture(scope="module")
+def dense(stories):
+  cfg, params, prompts = stories
+  return sparsedec.generate(cfg, params, prompts, max_new_tokens=NEW, stop_tokens=(),
+                            cache_size=CACHE).tokens
+
+
+@pytest.fixture(scope="module")
+def step_sizes(stories):
+  """Tokens appended per step and row, [steps, B] (the first 96 tokens of each row)."""
+  cfg, params, prompts = stories
+  state, run = api.start(cfg, params, prompts, max_new_tokens=96, stop_tokens=(),
+                         method=METHOD, cache_size=CACHE)
+  counts = [np.asarray(state.num_tokens)]
+  while not bool(state.done.all()):
+    state = run.advance(params, state, 1)
+    counts.append(np.asarray(state.num_tokens))
+  return np.diff(np.stack(counts), axis=0)                           # [steps, B]
+
+
+def test_greedy_equals_dense_for_256_tokens(stories, dense):
+  cfg, params, prompts = stories
+  result = testing.assert_matches_dense(cfg, params, prompts, method=METHOD, max_new_tokens=NEW,
+                                        expected=dense, stop_tokens=(), cache_size=CACHE)
+  assert all(len(t) == NEW for t in result.tokens)
+  stats = result.stats()
+  assert stats["tau"] > 1.3, stats                 # several tokens per step on this model
+  assert result.steps < NEW / 1.3
+  for key in ("guesses_per_step", "pool_hit_rate", "accept_rate", "accepted_guesses_per_step"):
+    assert key in stats
+  assert 0 < stats["pool_hit_rate"] <= 1 and 0 < stats["accept_rate"] <= stats["pool_hit_rate"]
+  assert stats["accepted_guesses_per_step"] == pytest.approx(stats["tau"] - 1, abs=1e-3)
+
+
+def _multi_token_step(step_sizes, dense, avoid_repeat=True):
+  """(row, generated-before, size) of a step that appended >= 3 tokens, whose second token does
+  not occur earlier in the row's output (so a stop on it ends the row inside that step)."""
+  for row in range(step_sizes.shape[1]):
+    before = 1                                                       # the prefill token
+    for size in step_sizes[:, row]:
+      if size >= 3 and (not avoid_repeat or dense[row][before + 1] not in dense[row][:before + 1]):
+        return row, before, int(size)
+      before += int(size)
+  pytest.fail("no step accepted 3 or more tokens: the test needs one")
+
+
+@pytest.mark.parametrize("cut", [1, 2])
+def test_max_new_tokens_inside_a_multi_token_step(stories, dense, step_sizes, cut):
+  cfg, params, prompts = stories
+  _, before, _ = _multi_token_step(step_sizes, dense, avoid_repeat=False)
+  limit = before + cut                        # the step accepts >= 3 but only `cut` fit
+  result = sparsedec.generate(cfg, params, prompts, max_new_tokens=limit, stop_tokens=(),
+                              method=METHOD, cache_size=CACHE, return_state=True)
+  assert [len(t) for t in result.tokens] == [limit] * len(prompts)
+  testing.assert_tokens_equal(result.tokens, [d[:limit] for d in dense])
+  state = result.state
+  assert (np.asarray(state.cache.lengths) == np.asarray(state.num_tokens) - 1).all()
+
+
+def test_stop_token_inside_a_multi_token_step(stories, dense, step_sizes):
+  """A stop token that arrives as the second token of a multi-token step ends the row there: the
+  tokens accepted after it are dropped and their K/V are not committed."""
+  cfg, params, prompts = stories
+  row, before, _ = _multi_token_step(step_sizes, dense)
+  stop = dense[row][before + 1]
+  state, run = api.start(cfg, params, prompts, max_new_tokens=NEW, stop_tokens=(stop,),
+                         method=METHOD, cache_size=CACHE)
+  lengths = [int(state.num_tokens[row])]
+  while not bool(state.done.all()):
+    state = run.advance(params, state, 1)
+    lengths.append(int(state.num_tokens[row]))
+  tokens, stopped = api.collect(state, (stop,))
+  expected = [d[: d.index(stop) + 1] if stop in d else d for d in dense]
+  testing.assert_tokens_equal(tokens, expected, label="lookahead with a stop token")
+  assert len(tokens[row]) == before + 2 and stopped[row]
+  # (the stop set also filters the window, so the steps may differ from the unstopped run's)
+  last_step = np.diff(lengths)[np.nonzero(np.diff(lengths))[0][-1]]
+  assert last_step >= 2, "the stop token should come inside a multi-token step"
+  assert (np.asarray(state.cache.lengths) == np.asarray(state.num_tokens) - 1).all()
+
+
+def test_sampled_path_with_one_hot_target_equals_dense_greedy(stories, dense):
+  """top_k=1 makes the sampling target one-hot: the whole sampled path (rejection sampling,
+  residuals, final draw) must then reproduce dense greedy exactly."""
+  cfg, params, prompts = stories
+  result = sparsedec.generate(cfg, params, prompts, max_new_tokens=128, stop_tokens=(),
+                              method=METHOD, cache_size=CACHE,
+                              sampling=SamplingConfig(temperature=1.0, top_k=1), seed=[3, 4, 5])
+  testing.assert_tokens_equal(result.tokens, [d[:128] for d in dense], cfg=cfg, params=params,
+                              prompts=prompts, label="lookahead sampling with top_k=1")
+  assert result.tau > 1.3
+
+
+@pytest.mark.parametrize("window, ngram, guesses", [(7, 5, 7), (3, 2, 2), (1, 3, 1), (4, 4, 3)])
+def test_layout_every_query_sees_a_consecutive_run_of_positions(window, ngram, guesses):
+  mask, offsets = lookahead_layout(window, ngram, guesses)
+  lv = ngram - 1
+  assert mask.shape == (lv * (window + guesses),) * 2
+  for q in range(mask.shape[0]):
+    seen = sorted(offsets[mask[q]].tolist())
+    assert seen == list(range(offsets[q] + 1)), f"query {q}"   # one token per position 0..own
+    assert mask[q, q] and mask[q, 0]
+  cand = lv * window
+  for c in range(guesses):                                        # candidates see no other branch
+    rows = slice(cand + c * lv, cand + (c + 1) * lv)
+    visible = np.nonzero(mask[rows].any(axis=0))[0].tolist()
+    assert visible == [0] + list(range(cand + c * lv, cand + (c + 1) * lv))
+
+
+def test_bad_knobs_are_errors():
+  with pytest.raises(sparsedec.InputError, match="window must be an integer >= 1"):
+    get_method("lookahead", window=0)
+  with pytest.raises(sparsedec.InputError, match="ngram must be an integer >= 2"):
+    Lookahead(ngram=1)
+  with pytest.raises(sparsedec.InputError, match="no knob 'windows'"):
+    get_method("lookahead", windows=3)
+  with pytest.raises(sparsedec.InputError, match="no knob 'ngram'"):
+    get_method("dense", ngram=3)
+
+
+# ---------------------------------------------------------------- verification (verify.py)
+
+V = 6
+CANDIDATES = [(1, 2), (1, 4), (3, 3), (1, 2), (0, 5)]     # a shared prefix, a duplicate, ...
+VALID = [True, True, True, True, False]                   # ... and an invalid one
+
+
+def _toy_logits(seed: int = 0):
+  """Root logits [V] and, per candidate prefix, the logits of what follows it [G, L, V]
+  (candidates with equal prefixes get equal logits, as a real model gives them)."""
+  rng = np.random.default_rng(seed)
+  root = rng.normal(0, 1.0, V)
+  table = {}
+  cand_logits = np.zeros((len(CANDIDATES), 2, V))
+  for g, cand in enumerate(CANDIDATES):
+    for i in range(2):
+      cand_logits[g, i] = table.setdefault(cand[: i + 1], rng.normal(0, 1.0, V))
+  return root, cand_logits, table
+
+
+def _expected_sequences(root, table, sampling):
+  """Probability of each emitted token sequence under the target: the sequence continues while it
+  is a prefix of a valid candidate, then ends with one token from the model (L + 1 at most)."""
+  dist = lambda logits: np.asarray(probabilities(jnp.asarray(logits)[None], sampling))[0]
+  prefixes = {c[: i + 1] for c, ok in zip(CANDIDATES, VALID) if ok for i in range(2)}
+  out = {}
+
+  def walk(seq, p, prob):
+    for t in range(V):
+      q = prob * float(p[t])
+      if q == 0:
+        continue
+      s = seq + (t,)
+      if s in prefixes and len(s) <= 2:
+        walk(s, dist(table[s]), q)
+      else:
+        out[s] = q
+  walk((), dist(root), 1.0)
+  return out
+
+
+def test_verify_sampled_emits_the_target_distribution():
+  """Chi-square goodness of fit of the emitted sequences over 20000 keys (false-alarm rate 1e-3),
+  against the exact law: first token ~ target, each next token ~ target given the ones before.
+  The target is processed (temperature, top-k, top-p) as dense sampling processes it."""
+  from scipy import stats
+  sampling = SamplingConfig(temperature=0.8, top_k=5, top_p=0.95)
+  n = 20_000
+  root, cand_logits, table = _toy_logits()
+  bcast = lambda x: jnp.broadcast_to(jnp.asarray(x), (n,) + np.shape(x))
+  verdict = jax.jit(verify, static_argnames="sampling")(
+      bcast(root.astype(np.float32)), bcast(np.asarray(CANDIDATES, np.int32)),
+      bcast(np.asarray(VALID)), bcast(cand_logits.astype(np.float32)),
+      jax.random.split(jax.random.key(0), n), sampling=sampling)
+  tokens, num = np.asarray(verdict.tokens), np.asarray(verdict.num_tokens)
+  seqs = [tuple(tokens[i, : num[i]].tolist()) for i in range(n)]
+  expected = _expected_sequences(root, table, sampling)
+  assert sum(expected.values()) == pytest.approx(1.0, abs=1e-5)
+  unknown = set(seqs) - set(expected)
+  assert not unknown, f"emitted sequences the target never produces: {sorted(unknown)[:5]}"
+  big = [s for s, p in expected.items() if p * n >= 5]
+  counts = {s: 0 for s in big}
+  other = 0
+  for s in seqs:
+    if s in counts:
+      counts[s] += 1
+    else:
+      other += 1
+  observed = [counts[s] for s in big] + [other]
+  exp = [expected[s] * n for s in big] + [n - sum(expected[s] * n for s in big)]
+  if exp[-1] < 5:                              # fold a tiny remainder bin into the largest one
+    observed, exp = observed[:-1], exp[:-1]
+    observed[int(np.argmax(exp))] += other
+  assert len(big) >= 8, "the test needs a spread-out law to mean anything"
+  assert max(len(s) for s in big) == 3          # full acceptance plus the bonus token is tested
+  exp = np.asarray(exp, np.float64)
+  assert stats.chisquare(observed, exp * (sum(observed) / exp.sum())).pvalue > 1e-3
+
+
+def test_verify_sampled_with_one_hot_target_is_greedy():
+  """With a one-hot target the sampled rule accepts exactly the longest argmax-matching prefix."""
+  rng = np.random.default_rng(1)
+  b, g, length, v = 64, 4, 3, 11
+  root = rng.normal(size=(b, v)).astype(np.float32)
+  # Candidates mostly follow the argmax chain (so prefixes of every length match); the logits
+  # after a candidate token depend only on the row and the prefix, as a model's do.
+  cands = np.zeros((b, g, length), np.int64)
+  cand_logits = np.zeros((b, g, length, v), np.float32)
+  table = {}
+  for i in range(length):
+    for r in range(b):
+      for c in range(g):
+        before = root[r] if i == 0 else cand_logits[r, c, i - 1]
+        follow = rng.random() < 0.7
+        cands[r, c, i] = before.argmax() if follow else rng.integers(0, v)
+        prefix = (r,) + tuple(cands[r, c, : i + 1])
+        cand_logits[r, c, i] = table.setdefault(prefix, rng.normal(size=v).astype(np.float32))
+  valid = rng.random((b, g)) < 0.8
+  args = (jnp.asarray(root), jnp.asarray(cands, jnp.int32), jnp.asarray(valid),
+          jnp.asarray(cand_logits))
+  greedy = jax.jit(verify_greedy)(*args)
+  one_hot = lambda x: jax.nn.one_hot(jnp.argmax(x, -1), v)
+  sampled = jax.jit(verify_sampled, static_argnums=5)(
+      *args, jax.random.split(jax.random.key(2), b), one_hot)
+  acc = np.asarray(greedy.accepted)
+  assert len(set(acc.tolist())) == length + 1, "want every acceptance length 0..L"
+  np.testing.assert_array_equal(np.asarray(sampled.accepted), acc)
+  np.testing.assert_array_equal(np.asarray(sampled.num_tokens), acc + 1)
+  for i in range(b):
+    assert (np.asarray(sampled.tokens)[i, : acc[i] + 1]
+            == np.asarray(greedy.tokens)[i, : acc[i] + 1]).all()
+    if acc[i]:
+      assert int(sampled.candidate[i]) == int(greedy.candidate[i])
+  # plain numpy: the longest valid prefix equal to the argmax chain, then the argmax after it
+  target = np.concatenate([np.broadcast_to(root.argmax(-1)[:, None, None], (b, g, 1)),
+                           cand_logits.argmax(-1)[:, :, :-1]], axis=2)
+  prefix = np.cumprod((cands == target) & valid[:, :, None], axis=2).sum(axis=2)   # [b, g]
+  np.testing.assert_array_equal(acc, prefix.max(axis=1))
+  for i in range(b):
+    c = int(greedy.candidate[i])
+    assert prefix[i, c] == acc[i]
+    after = root[i].argmax() if acc[i] == 0 else cand_logits[i, c, acc[i] - 1].argmax()
+    assert np.asarray(greedy.tokens)[i, : acc[i] + 1].tolist() == (
+        cands[i, c, : acc[i]].tolist() + [int(after)])
+
+
+# ---------------------------------------------------------------- command line
+
+def test_cli_generate_lookahead_equals_dense_and_reports_stats(capsys, dense):
+  assert TEXTS[0] == "Once upon a time"          # dense[0] is its dense continuation
+  code = cli.main(["generate", "--prompt", TEXTS[0], "--max-new-tokens", "48", "--ignore-eos",
+                   "--json", "--method", "lookahead", "--lookahead-window", "4", "--ngram", "3",
+                   "--guesses", "2"])
+  out, _ = capsys.readouterr()
+  assert code == 0
+  la = json.loads(out)
+  assert la["tokens"] == dense[0][:48]
+  stats = la["stats"]
+  assert stats["method"] == "lookahead"
+  assert stats["method_config"]["window"] == 4 and stats["method_config"]["ngram"] == 3
+  for key in ("tau", "steps", "guesses_per_step", "pool_hit_rate", "accept_rate"):
+    assert key in stats
+  assert stats["steps"] < 48 and stats["guesses_per_step"] <= 2
+  code = cli.main(["generate", "--prompt", "Once", "--ngram", "3"])
+  _, err = capsys.readouterr()
+  assert code == 2 and "--ngram does not apply to --method dense" in err

@@ -1,0 +1,282 @@
+"""The device n-gram pool against a plain-Python model: inserts, longest-suffix lookups, LRU."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sparsedec.errors import InputError
+from sparsedec.ngram import pool as ngram_pool
+from sparsedec.ngram.pool import PoolConfig
+
+MASK32 = 0xFFFFFFFF
+
+
+def py_hash(key: tuple[int, ...], key_len: int) -> int:
+  """Plain-Python re-implementation of pool.key_hash (uint32 arithmetic)."""
+  h = (len(key) * ngram_pool.HASH_SEED) & MASK32
+  tokens = list(key) + [-1] * (key_len - len(key))
+  for t in tokens:
+    h = ((h ^ (t & MASK32)) * ngram_pool.HASH_MUL) & MASK32
+    h ^= h >> 15
+  h ^= h >> 16
+  h = (h * ngram_pool.FMIX_MUL1) & MASK32
+  h ^= h >> 13
+  h = (h * ngram_pool.FMIX_MUL2) & MASK32
+  return h ^ (h >> 16)
+
+
+class ModelPool:
+  """The pool's specification in plain Python: buckets of key slots, LRU keys and entries."""
+
+  def __init__(self, cfg: PoolConfig):
+    self.cfg = cfg
+    # bucket -> list of ways: None or [key, key_stamp, entries: list of None | [value, stamp]]
+    self.buckets = [[None] * cfg.bucket_ways for _ in range(cfg.num_buckets)]
+    self.clock = 0
+
+  def _bucket(self, key):
+    return self.buckets[py_hash(key, self.cfg.key_len) % self.cfg.num_buckets]
+
+  def insert(self, key: tuple, value: tuple) -> None:
+    self.clock += 1
+    ways = self._bucket(key)
+    slot = next((w for w in ways if w is not None and w[0] == key), None)
+    if slot is None:
+      free = [i for i, w in enumerate(ways) if w is None]
+      i = free[0] if free else min(range(len(ways)), key=lambda i: ways[i][1])
+      slot = ways[i] = [key, 0, [None] * self.cfg.entries_per_key]
+    slot[1] = self.clock
+    entries = slot[2]
+    same = [i for i, e in enumerate(entries) if e is not None and e[0] == value]
+    free = [i for i, e in enumerate(entries) if e is None]
+    i = (same or free or [min(range(len(entries)), key=lambda i: entries[i][1])])[0]
+    entries[i] = [value, self.clock]
+
+  def lookup(self, suffix: tuple, num: int) -> list[tuple]:
+    out = []
+    for k in range(min(len(suffix), self.cfg.key_len), 0, -1):
+      key = tuple(suffix[-k:])
+      slot = next((w for w in self._bucket(key) if w is not None and w[0] == key), None)
+      if slot is None:
+        continue
+      for value, _ in sorted((e for e in slot[2] if e is not None), key=lambda e: -e[1]):
+        if value not in out and len(out) < num:
+          out.append(value)
+    return out
+
+
+ROWS = 2           # every device call uses 2 rows, ...
+INSERT_WIDTH = 8   # ... 8 items per insert (padded with invalid ones) ...
+NUM = 4            # ... and 4 lookup slots, so each config compiles insert and lookup once
+
+
+@functools.cache
+def jitted_lookup(num: int):
+  return jax.jit(functools.partial(ngram_pool.lookup, num=num))
+
+
+_insert = jax.jit(ngram_pool.insert)
+
+
+def device_insert(pool, *rows: list[tuple[tuple, tuple] | None]):
+  """rows[b]: the items (key, value) or None (invalid) for row b; missing rows get none."""
+  cfg = pool.config
+  b, m = pool.batch_size, INSERT_WIDTH
+  keys = np.full((b, m, cfg.key_len), -1, np.int32)
+  lens = np.ones((b, m), np.int32)
+  values = np.zeros((b, m, cfg.value_len), np.int32)
+  valid = np.zeros((b, m), bool)
+  for r, items in enumerate(rows):
+    for i, item in enumerate(items):
+      if item is None:
+        continue
+      key, value = item
+      keys[r, i, : len(key)] = key
+      lens[r, i] = len(key)
+      values[r, i] = value
+      valid[r, i] = True
+  return _insert(pool, keys, lens, values, valid)
+
+
+def device_lookup(pool, *suffixes: tuple, num: int = NUM, width: int | None = None
+                  ) -> list[list[tuple]]:
+  """Candidates per row for suffixes[b] (rows beyond them look up a dummy); `width` defaults to
+  the key length, the results are cut to `num` on the host unless num > NUM."""
+  b = pool.batch_size
+  width = width or pool.config.key_len
+  suffix = np.full((b, width), -1, np.int32)
+  slen = np.ones((b,), np.int32)
+  for r, s in enumerate(suffixes):
+    s = s[-width:]
+    suffix[r, width - len(s):] = s
+    slen[r] = len(s)
+  cands, ok = jitted_lookup(max(num, NUM))(pool, suffix, slen)
+  cands, ok = np.asarray(cands), np.asarray(ok)
+  out = []
+  for r in range(len(suffixes)):
+    n = int(ok[r].sum())
+    assert ok[r, :n].all(), "valid candidates must come first"
+    assert (cands[r, n:] == -1).all()
+    out.append([tuple(int(t) for t in c) for c in cands[r, :n]][:num])
+  return out
+
+
+SMALL = PoolConfig(key_len=3, value_len=2, entries_per_key=2, num_buckets=2, bucket_ways=2)
+
+tokens = st.integers(0, 2)
+keys = st.lists(tokens, min_size=1, max_size=SMALL.key_len).map(tuple)
+values = st.lists(tokens, min_size=SMALL.value_len, max_size=SMALL.value_len).map(tuple)
+ops = st.lists(st.one_of(
+    st.tuples(st.just("insert"), keys, values, st.booleans()),
+    st.tuples(st.just("lookup"), st.lists(tokens, min_size=1, max_size=4).map(tuple),
+              st.integers(1, 4)),
+), min_size=1, max_size=30)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops)
+def test_pool_matches_python_model(ops):
+  """Random inserts and lookups over a 3-token vocabulary in a 2x2-slot table: keys collide in
+  buckets, keys and entries get evicted. Row 1 gets the same operations as row 0 except that
+  inserts flagged False are invalid there (skipped by the model of row 1)."""
+  pool = ngram_pool.init_pool(SMALL, ROWS)
+  models = [ModelPool(SMALL), ModelPool(SMALL)]
+  for op in ops:
+    if op[0] == "insert":
+      _, key, value, in_row1 = op
+      pool = device_insert(pool, [(key, value)], [(key, value) if in_row1 else None])
+      models[0].insert(key, value)
+      if in_row1:
+        models[1].insert(key, value)
+    else:
+      _, suffix, num = op
+      got = device_lookup(pool, suffix, suffix, num=num, width=4)
+      assert got == [m.lookup(suffix, num) for m in models]
+
+
+@settings(max_examples=20, deadline=None)
+@given(items=st.lists(st.tuples(keys, values), min_size=1, max_size=INSERT_WIDTH))
+def test_one_call_with_many_items_equals_one_call_per_item(items):
+  """M items in one insert call behave as M sequential inserts (duplicates in one call included)."""
+  batched = device_insert(ngram_pool.init_pool(SMALL, ROWS), items)
+  model = ModelPool(SMALL)
+  for key, value in items:
+    model.insert(key, value)
+  for suffix in [(0,), (1,), (2,), (0, 1, 2), (2, 1, 0), (1, 1, 1), (0, 0, 0)]:
+    assert device_lookup(batched, suffix) == [model.lookup(suffix, NUM)]
+
+
+def test_empty_pool_returns_nothing():
+  pool = ngram_pool.init_pool(SMALL, ROWS)
+  for suffix in [(0,), (1, 2), (2, 2, 2)]:
+    assert device_lookup(pool, suffix, suffix) == [[], []]
+
+
+# One-token keys, 8 buckets of 2 ways, 3 continuations per key.
+ONE = PoolConfig(key_len=1, value_len=2, entries_per_key=3, num_buckets=8, bucket_ways=2)
+
+
+def colliding_keys(cfg: PoolConfig, count: int) -> list[tuple[int]]:
+  """`count` one-token keys that hash to bucket 0."""
+  out = [(t,) for t in range(10_000) if py_hash((t,), cfg.key_len) % cfg.num_buckets == 0]
+  assert len(out) >= count
+  return out[:count]
+
+
+def test_colliding_keys_share_a_bucket_without_mixing_up():
+  a, b, c = colliding_keys(ONE, 3)
+  def both(pool, items):            # the same items in both rows
+    return device_insert(pool, items, items)
+  pool = both(ngram_pool.init_pool(ONE, ROWS), [(a, (1, 1)), (b, (2, 2))])
+  assert device_lookup(pool, a, b) == [[(1, 1)], [(2, 2)]]
+  # A third key in the full bucket evicts the least recently inserted-into key (a) ...
+  pool = both(pool, [(c, (3, 3))])
+  assert device_lookup(pool, a, b) == [[], [(2, 2)]]   # the key check: a finds nothing, not c's
+  assert device_lookup(pool, c) == [[(3, 3)]]
+  # ... and inserting under b refreshes b, so the next eviction takes c.
+  pool = both(pool, [(b, (4, 4)), (a, (5, 5))])
+  assert device_lookup(pool, b, a) == [[(4, 4), (2, 2)], [(5, 5)]]
+  assert device_lookup(pool, c) == [[]]
+
+
+def test_direct_mapped_collision_is_a_miss_not_a_wrong_hit():
+  cfg = PoolConfig(key_len=1, value_len=1, entries_per_key=1, num_buckets=4, bucket_ways=1)
+  a, b = colliding_keys(cfg, 2)
+  items = [(a, (7,)), (b, (8,))]
+  pool = device_insert(ngram_pool.init_pool(cfg, ROWS), items, items)
+  assert device_lookup(pool, a, b) == [[], [(8,)]]
+
+
+def test_full_key_evicts_its_least_recently_used_continuation():
+  pool = ngram_pool.init_pool(ONE, ROWS)
+  pool = device_insert(pool, [((5,), (1, 1)), ((5,), (2, 2)), ((5,), (3, 3))])
+  assert device_lookup(pool, (5,)) == [[(3, 3), (2, 2), (1, 1)]]
+  pool = device_insert(pool, [((5,), (1, 1))])             # refresh: now most recent
+  assert device_lookup(pool, (5,)) == [[(1, 1), (3, 3), (2, 2)]]
+  pool = device_insert(pool, [((5,), (4, 4))])             # full: evicts (2, 2)
+  assert device_lookup(pool, (5,)) == [[(4, 4), (1, 1), (3, 3)]]
+
+
+def test_rows_are_independent_pools():
+  pool = device_insert(ngram_pool.init_pool(ONE, ROWS), [((1,), (5, 5))], [((1,), (6, 6))])
+  assert device_lookup(pool, (1,), (1,)) == [[(5, 5)], [(6, 6)]]
+
+
+# Keys of up to 3 tokens in a table large enough that nothing is evicted.
+WIDE = PoolConfig(key_len=3, value_len=2, entries_per_key=3, num_buckets=64, bucket_ways=4)
+
+
+def test_lookup_goes_longest_suffix_first_and_dedupes():
+  pool = device_insert(ngram_pool.init_pool(WIDE, ROWS),
+                       [((9,), (1, 1)), ((9,), (2, 2)), ((8, 9), (3, 3)), ((7, 8, 9), (2, 2)),
+                        ((6, 9), (5, 5)), ((9,), (4, 4))])
+  # suffix ... 7 8 9: key (7,8,9) -> (2,2); (8,9) -> (3,3); (9,) -> (4,4), (2,2) dup, (1,1)
+  assert device_lookup(pool, (7, 8, 9)) == [[(2, 2), (3, 3), (4, 4), (1, 1)]]
+  # the device's own `num` cut (not the host's) and a narrower lookup width capping key length
+  cands, ok = jitted_lookup(2)(pool, np.asarray([[7, 8, 9], [0, 0, 0]], np.int32),
+                               np.asarray([3, 3], np.int32))
+  assert np.asarray(cands)[0].tolist() == [[2, 2], [3, 3]] and np.asarray(ok)[0].all()
+  assert device_lookup(pool, (7, 8, 9), width=1) == [[(4, 4), (2, 2), (1, 1)]]
+  # a suffix of one real token only tries the one-token key
+  assert device_lookup(pool, (9,)) == [[(4, 4), (2, 2), (1, 1)]]
+
+
+def test_insert_under_suffixes_and_sequence_ngrams():
+  pool = jax.jit(ngram_pool.insert_under_suffixes)(
+      ngram_pool.init_pool(WIDE, ROWS), jnp.asarray([[3, 4], [3, 4]]), jnp.asarray([2, 1]),
+      jnp.asarray([[7, 7], [8, 8]]), jnp.asarray([True, True]))
+  assert device_lookup(pool, (4,), (4,)) == [[(7, 7)], [(8, 8)]]
+  assert device_lookup(pool, (3, 4), (3, 4)) == [[(7, 7)], [(8, 8)]]   # row 1: only key (4,)
+  assert device_lookup(pool, (9, 3, 4), (3,)) == [[(7, 7)], []]
+  # n-grams of a text: 1 2 3 1 2 4 (rows of different lengths; row 1 has only 1 2 3)
+  text = jnp.asarray([[1, 2, 3, 1, 2, 4, 0, 0], [1, 2, 3, 0, 0, 0, 0, 0]])
+  pool = jax.jit(ngram_pool.insert_sequence_ngrams)(ngram_pool.init_pool(WIDE, ROWS), text,
+                                                    jnp.asarray([6, 3]))
+  model = ModelPool(WIDE)
+  seq = [1, 2, 3, 1, 2, 4]
+  for start in range(1, len(seq) - 1):
+    for k in range(min(start, 3), 0, -1):
+      model.insert(tuple(seq[start - k: start]), tuple(seq[start: start + 2]))
+  for suffix in [(1,), (2,), (1, 2), (3, 1), (2, 3), (3, 1, 2), (9, 9, 1)]:
+    assert device_lookup(pool, suffix)[0] == model.lookup(suffix, NUM)
+  assert device_lookup(pool, (1,), (1,)) == [[(2, 4), (2, 3)], [(2, 3)]]
+  assert device_lookup(pool, (2,), (2,))[1] == []          # 2 3 then nothing: no full span
+
+
+def test_bad_config_and_shapes_are_errors():
+  with pytest.raises(InputError, match="entries_per_key"):
+    PoolConfig(key_len=1, value_len=2, entries_per_key=0)
+  pool = ngram_pool.init_pool(SMALL, 1)
+  with pytest.raises(InputError, match="key_len 3"):
+    ngram_pool.insert(pool, jnp.zeros((1, 1, 4), jnp.int32), jnp.ones((1, 1), jnp.int32),
+                      jnp.zeros((1, 1, 2), jnp.int32), jnp.ones((1, 1), bool))
+  with pytest.raises(InputError, match="values must have shape"):
+    ngram_pool.insert(pool, jnp.zeros((1, 1, 1), jnp.int32), jnp.ones((1, 1), jnp.int32),
+                      jnp.zeros((1, 1, 3), jnp.int32), jnp.ones((1, 1), bool))
