@@ -47,14 +47,14 @@ setup_venv() {
   local stamp=.venv/.sparsedec-setup-stamp want
   want="$(inputs_hash pyproject.toml)"
   if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] \
-      && has_modules .venv/bin/python jax jaxlib flax orbax.checkpoint pytest xdist hypothesis \
+      && has_modules .venv/bin/python jax jaxlib flax orbax.checkpoint pytest xdist hypothesis scipy matplotlib \
       && .venv/bin/python -c "import importlib.util as u
 assert u.find_spec('sparsedec').origin.startswith('$ROOT/')" 2>/dev/null; then
     log ".venv up to date"
     return
   fi
-  log "installing sparsedec[test] into .venv"
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+  log "installing sparsedec[test,bench] into .venv"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,bench]'
   echo "$want" > "$stamp"
 }
 

@@ -125,7 +125,6 @@ def test_random_table_sets_cover_the_cache_with_distinct_blocks():
 
 
 def test_plot_kernels_writes_one_png_per_kernel(tmp_path):
-  pytest.importorskip("matplotlib")
   from benchmarks import plot_kernels
   ms = synthetic_measurements()
   for i, part in enumerate((ms[: len(ms) // 2], ms[len(ms) // 2:])):  # two runs, merged
