@@ -2,7 +2,8 @@
 
 One entry point, `attend`. An `AttentionPlan` says what each in-flight query reads:
   * `segments`: consecutive query ranges, each with a cache *view* (`FullView`: every committed
-    entry of its row; later methods add block lists and quantized reads),
+    entry of its row; `BlockListView`: listed blocks; `QuantView`: QuantSpec's quantized cache
+    read at 4 or 8 bits, plus its full-precision buffer and optional extra in-flight K/V),
   * `inflight_mask` [T, T]: which in-flight tokens each query sees (causal, n-gram columns, trees).
 Queries always attend with the committed part and the in-flight part normalised together
 (a two-part softmax, so the cache is never concatenated with the new entries).
@@ -51,6 +52,36 @@ class BlockListView:
     hit = (self.tables[..., None] == jnp.arange(n_blocks)) & listed[..., None]  # [B,Hkv,NB,S/bs]
     per_slot = jnp.repeat(hit.any(-2), self.block_size, axis=-1)               # [B, Hkv, S]
     return per_slot & (jnp.arange(capacity) < lengths[:, None, None])
+
+
+@struct.dataclass
+class QuantView:
+  """Read a `sparsedec.kv.quantized.QuantizedCache` instead of the forward's dense cache: the
+  quantized prefix dequantized at `bits` (4: upper nibbles, the draft; 8: both, the verifier),
+  then the full-precision double buffer, then `extra` K/V (the draft's own earlier in-flight
+  tokens, positions lengths[b] + j for j < extra_len[b]), all in one softmax with the forward's
+  in-flight tokens. The dense k_cache/v_cache handed to `attend` are not read by this segment.
+
+  Exactness across a flush boundary: a query at position p reads, like a one-token-per-step
+  decoder with p committed tokens would, slots < quantized_length(p) quantized. When that is one
+  group beyond the cache's quant_len (a verification window crossing the next flush), CF1 is
+  quantized on the fly (bit-identical to the later flush) and read at `bits` by that query only.
+
+  The forward reaches it through the plan (`Segment(QuantView(...), 0, T)`); `at_layer(i)` picks
+  layer i's arrays. CPU / reference path: dequantize, then `reference_attention`."""
+  cache: Any                                      # QuantizedCache (every layer)
+  extra_k: Any = None                             # per layer [B, W, Hkv, D] or None
+  extra_v: Any = None                             # per layer [B, W, Hkv, D] or None
+  extra_len: Any = None                           # [B] int32 or None
+  bits: int = struct.field(pytree_node=False, default=8)
+  layer: int | None = struct.field(pytree_node=False, default=None)
+
+  def __post_init__(self):
+    if self.bits not in (4, 8):
+      raise UnsupportedConfigError(f"QuantView bits must be 4 or 8, got {self.bits!r}")
+
+  def at_layer(self, i: int) -> QuantView:
+    return self.replace(layer=i)
 
 
 @struct.dataclass
@@ -141,12 +172,57 @@ def reference_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   return out, lse
 
 
+def _quant_view_attention(q: jax.Array, view: QuantView, k_new: jax.Array, v_new: jax.Array,
+                          q_pos: jax.Array, inflight: jax.Array, window: int | None) -> jax.Array:
+  """Reference attention of one QuantView segment (see QuantView). q [B, Tseg, Hq, D];
+  inflight [B, Tseg, T]. Cache slots: [quantized Sq | CF1 re-quantized G | buffer 2G | extra W]."""
+  from pallas_kernels.quant_attention import dequantize, quantize_kv
+  from sparsedec.kv.quantized import quantized_length
+  if window is not None:
+    raise UnsupportedConfigError(f"QuantView does not support sliding windows ({window})")
+  if view.layer is None:
+    raise ValueError("a QuantView must be sliced with at_layer first")
+  cache = view.cache
+  g, i = cache.group, view.layer
+  dtype = q.dtype if q.dtype == jnp.float32 else jnp.float32
+  k_q, v_q = dequantize(cache.codes[i], view.bits, dtype=dtype)            # [B, Hkv, Sq, D]
+  buf_k, buf_v = cache.buf_k[i], cache.buf_v[i]                            # [B, Hkv, 2G, D]
+  cf1 = quantize_kv(buf_k[:, :, :g], buf_v[:, :, :g], group=g)
+  k_1, v_1 = dequantize(cf1, view.bits, dtype=dtype)                       # [B, Hkv, G, D]
+  ks = [k_q, k_1, buf_k.astype(dtype)]
+  vs = [v_q, v_1, buf_v.astype(dtype)]
+  b, t = q.shape[:2]
+  sq = k_q.shape[2]
+  quant_len, buf_len = cache.quant_len[:, None, None], cache.buf_len[:, None, None]
+  promote = (quantized_length(q_pos, g) > cache.quant_len[:, None])[:, :, None]  # [B, Tseg, 1]
+  slot_q = jnp.arange(sq)[None, None, :]
+  slot_1 = jnp.arange(g)[None, None, :]
+  slot_b = jnp.arange(2 * g)[None, None, :]
+  masks = [jnp.broadcast_to(slot_q < quant_len, (b, t, sq)),
+           jnp.broadcast_to(promote & (slot_1 < buf_len), (b, t, g)),
+           (slot_b < buf_len) & ~(promote & (slot_b < g))]
+  if view.extra_k is not None:
+    ek, ev = view.extra_k[i], view.extra_v[i]                              # [B, W, Hkv, D]
+    w = ek.shape[1]
+    ks.append(ek.transpose(0, 2, 1, 3).astype(dtype))
+    vs.append(ev.transpose(0, 2, 1, 3).astype(dtype))
+    masks.append(jnp.broadcast_to(jnp.arange(w)[None, None, :] < view.extra_len[:, None, None],
+                                  (b, t, w)))
+  mask = jnp.concatenate(masks, axis=2)                                    # [B, Tseg, S']
+  out = reference_attention(q.astype(dtype), jnp.concatenate(ks, axis=2),
+                            jnp.concatenate(vs, axis=2), mask, k_new.astype(dtype),
+                            v_new.astype(dtype), inflight)
+  return out.astype(q.dtype)
+
+
 def _kernel_choice(q: jax.Array, k_cache: jax.Array, plan: AttentionPlan,
                    window: int | None) -> tuple[str | None, str]:
   """("decode" | "sparse", "") when a Pallas kernel computes this attention exactly, else
   (None, why not). decode_attention: every segment reads FullView. sparse_attention: a
   BlockListView segment first, then optionally one FullView segment (FAFO's plan)."""
   from pallas_kernels.decode_attention import DecodeConfig
+  if any(isinstance(seg.view, QuantView) for seg in plan.segments):
+    return None, "a QuantView segment (its GPU dispatch to quant_attention is not wired yet)"
   if window is not None and window < k_cache.shape[2] + q.shape[1]:
     return None, f"sliding window {window} is shorter than the cache capacity plus in-flight tokens"
   if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -217,6 +293,10 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Ar
   outs = []
   for seg in plan.segments:
     sl = slice(seg.start, seg.stop)
+    if isinstance(seg.view, QuantView):
+      outs.append(_quant_view_attention(q[:, sl], seg.view, k_new, v_new, q_pos[:, sl],
+                                        inflight[:, sl], window))
+      continue
     mask = _cache_mask(seg.view, lengths, q_pos[:, sl], capacity, window)
     outs.append(reference_attention(q[:, sl], k_cache, v_cache, mask, k_new, v_new,
                                     inflight[:, sl]))

@@ -53,6 +53,15 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                   help="blocks in C(kv) per KV head (default 16)")
   fa.add_argument("--block-size", type=int, default=None,
                   help="cache slots per block (default 64)")
+  qs = p.add_argument_group("quantspec (--method quantspec)")
+  qs.add_argument("--gamma", type=int, default=None,
+                  help="draft tokens per step (default 4)")
+  qs.add_argument("--verify-precision", default=None, choices=("int8", "full"),
+                  help="what the verifier reads: the 8-bit view of the quantized cache, or a "
+                       "full-precision cache kept alongside it (default int8)")
+  qs.add_argument("--quant-group", type=int, default=None,
+                  help="G: tokens per key quantization group; 2G recent tokens stay in full "
+                       "precision (default 128)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -95,7 +104,9 @@ _METHOD_KNOBS = {"lookahead": {"lookahead_window": "window", "ngram": "ngram",
                                "guesses": "guesses"},
                  "fafo": {"subsequences": "subsequences", "fafo_length": "length",
                           "candidates": "candidates", "policy": "policy",
-                          "budget_blocks": "budget_blocks", "block_size": "block_size"}}
+                          "budget_blocks": "budget_blocks", "block_size": "block_size"},
+                 "quantspec": {"gamma": "gamma", "verify_precision": "verify_precision",
+                               "quant_group": "quant_group"}}
 _POLICY_KNOBS = ("budget_blocks", "block_size")
 
 

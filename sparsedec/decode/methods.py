@@ -8,9 +8,11 @@ from sparsedec.decode.dense import Dense
 from sparsedec.decode.fafo import Fafo
 from sparsedec.decode.lookahead import Lookahead
 from sparsedec.decode.loop import DecodeMethod
+from sparsedec.decode.quantspec import QuantSpec
 from sparsedec.errors import InputError
 
-_METHODS: dict[str, type] = {"dense": Dense, "lookahead": Lookahead, "fafo": Fafo}
+_METHODS: dict[str, type] = {"dense": Dense, "lookahead": Lookahead, "fafo": Fafo,
+                             "quantspec": QuantSpec}
 
 
 def register(name: str, cls: type) -> None:

@@ -1,0 +1,195 @@
+"""QuantSpec: self-speculative decoding with a hierarchical INT4/INT8 KV cache (lossless).
+
+One step, with N committed tokens and the current token x_N (its K/V not yet committed):
+  1. Draft: gamma forwards of one token each (a `lax.fori_loop`), the SAME model with 4-bit
+     weights (`quant_weights`, unless weight_bits=None) reading the 4-bit view of the quantized
+     cache + the full-precision double buffer (`QuantView(bits=4)`). Draft i reads the draft K/V of
+     x_N, d_1 .. d_{i-1} from a small in-flight scratch ([B, gamma, Hkv, D] per layer, the
+     QuantView's `extra`); nothing of the draft is ever committed.
+  2. Verify: ONE forward over [x_N, d_1 .. d_gamma] with the full model, reading
+     verify_precision="int8": the 8-bit view of the same codes + the buffer (`QuantView(bits=8)`);
+     verify_precision="full": a full-precision dense cache kept alongside the codes
+     (`FullView`; it costs the dense cache's memory on top of the codes, reported in stats).
+  3. `verify.verify` with the drafts as one candidate: greedy accepts the longest prefix equal to
+     the verifier's argmax; sampling is distribution-preserving rejection sampling. The accepted
+     tokens' K/V (from the verify forward) are committed to the double buffer
+     (`kv.quantized.commit`; the flush runs there) and, in "full" mode, to the dense cache.
+
+What is exact (tests/test_quantspec.py proves both in fp32):
+  * "full": greedy output is token-identical to dense greedy; sampling has dense's distribution.
+  * "int8": the output is that of the model whose attention reads every token older than the
+    recent buffer at INT8, i.e. a one-token-per-step decoder whose cache slots < quantized_length(N)
+    hold the dequantized INT8 values (QuantView's per-query flush rule makes a verification window
+    that crosses a flush read exactly what that decoder reads).
+
+Choices where the paper leaves one:
+  * Drafts are the draft's argmax tokens, also when sampling, and verification treats them as
+    deterministic guesses (accept t with probability p(t), else draw from the residual). This is
+    exactly distribution-preserving; Leviathan's min(1, p/q) rule with sampled drafts accepts more
+    often and is not implemented yet.
+  * The lm_head, embeddings and norms of the draft stay full precision (see quant_weights).
+  * Prefill fills a dense cache in chunks, then quantizes it (`from_dense`); in "int8" mode the
+    dense cache is then dropped (replaced by a zero-capacity one that only carries lengths).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from sparsedec.attention import AttentionPlan, QuantView, Segment, causal_plan
+from sparsedec.decode.loop import StepContext, finish_step
+from sparsedec.decode.sampling import split_keys
+from sparsedec.decode.state import DecodeState, append_tokens
+from sparsedec.decode.verify import verify
+from sparsedec.errors import InputError
+from sparsedec.kv import quantized as qkv
+from sparsedec.kv.dense import KVCache, commit
+from sparsedec.model.config import ModelConfig
+from sparsedec.model.forward import forward
+from sparsedec.model.params import Params
+from sparsedec.model.quant_weights import quantize_params, weights_bytes
+
+VERIFY_PRECISIONS = ("int8", "full")
+
+
+@struct.dataclass
+class QuantSpecExtras:
+  qcache: qkv.QuantizedCache   # the hierarchical codes + full-precision double buffer
+  draft_params: Any            # the 4-bit params pytree, or None (the draft uses params)
+  drafted: jax.Array           # [B] int32: draft tokens proposed, summed over steps
+  accepted_drafts: jax.Array   # [B] int32: draft tokens accepted (and appended)
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+  gamma: int = 4                   # draft tokens per step
+  verify_precision: str = "int8"   # "int8": 8-bit view of the codes; "full": dense cache too
+  quant_group: int = 128           # G: key group (tokens); the buffer holds 2G tokens
+  weight_bits: int | None = 4      # draft weights: 4 (group-wise RTN) or None (unquantized)
+  weight_group: int = 128          # input rows per weight group
+  name: str = "quantspec"
+
+  def __post_init__(self):
+    for field, low in (("gamma", 1), ("quant_group", 2), ("weight_group", 2)):
+      value = getattr(self, field)
+      if not _is_int(value) or value < low:
+        raise InputError(f"quantspec {field} must be an integer >= {low}, got {value!r}")
+    if self.verify_precision not in VERIFY_PRECISIONS:
+      raise InputError(f"quantspec verify_precision must be one of {VERIFY_PRECISIONS}, "
+                       f"got {self.verify_precision!r}")
+    if self.gamma + 1 > self.quant_group:
+      raise InputError(f"quantspec commits up to gamma + 1 = {self.gamma + 1} entries per step, "
+                       f"more than quant_group = {self.quant_group}")
+    if self.weight_bits not in (4, None):
+      raise InputError(f"quantspec weight_bits must be 4 or None, got {self.weight_bits!r}")
+    if self.weight_group % 2:
+      raise InputError(f"quantspec weight_group must be even, got {self.weight_group}")
+
+  @property
+  def tokens_per_forward(self) -> int:
+    return self.gamma + 1
+
+  def max_steps(self, max_new_tokens: int) -> int:
+    return max_new_tokens
+
+  def init(self, cfg: ModelConfig, params: Params, state: DecodeState) -> DecodeState:
+    if cfg.sliding_window is not None:
+      raise InputError("quantspec does not support sliding-window attention models "
+                       f"(sliding_window={cfg.sliding_window})")
+    if cfg.head_dim % 2:
+      raise InputError(f"quantspec needs an even head_dim, got {cfg.head_dim}")
+    b = state.batch_size
+    qcache = qkv.from_dense(state.cache, self.quant_group)
+    cache = state.cache
+    if self.verify_precision == "int8":      # the codes replace the dense cache
+      empty = tuple(x[:, :, :0] for x in cache.k)
+      cache = KVCache(k=empty, v=tuple(x[:, :, :0] for x in cache.v), lengths=cache.lengths)
+    draft = quantize_params(params, self.weight_group) if self.weight_bits == 4 else None
+    zeros = jnp.zeros((b,), jnp.int32)
+    return state.replace(cache=cache, extras=QuantSpecExtras(
+        qcache=qcache, draft_params=draft, drafted=zeros, accepted_drafts=zeros))
+
+  def _draft(self, cfg: ModelConfig, params: Params, state: DecodeState) -> jax.Array:
+    """[B, gamma] the draft's greedy tokens after the current one."""
+    x: QuantSpecExtras = state.extras
+    b, g = state.batch_size, self.gamma
+    draft_params = params if x.draft_params is None else x.draft_params
+    n0 = x.qcache.lengths                                                   # [B]
+    dtype = x.qcache.buf_k[0].dtype
+    shape = (b, g, cfg.num_kv_heads, cfg.head_dim)
+    scratch = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # [B, gamma, Hkv, D]
+    plan_mask = jnp.ones((1, 1), bool)
+
+    def body(i, carry):
+      tok, ek, ev, drafts = carry                                           # tok [B, 1]
+      view = QuantView(x.qcache, ek, ev, jnp.full((b,), i, jnp.int32), bits=4)
+      plan = AttentionPlan(plan_mask, (Segment(view, 0, 1),))
+      logits, kv = forward(cfg, draft_params, tok, (n0 + i)[:, None], state.cache, plan)
+      nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)             # [B]
+      def put(buf, new):   # buf [B, gamma, Hkv, D] <- new [B, 1, Hkv, D] at slot i
+        return jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), i, axis=1)
+
+      ek = tuple(map(put, ek, kv.k))
+      ev = tuple(map(put, ev, kv.v))
+      drafts = jax.lax.dynamic_update_slice_in_dim(drafts, nxt[:, None], i, axis=1)
+      return nxt[:, None], ek, ev, drafts
+
+    init = (state.last_tokens(), scratch, scratch, jnp.zeros((b, g), jnp.int32))
+    return jax.lax.fori_loop(0, g, body, init)[3]
+
+  def verify_plan(self, qcache: qkv.QuantizedCache) -> AttentionPlan:
+    t = self.gamma + 1
+    if self.verify_precision == "full":
+      return causal_plan(t)
+    plan = causal_plan(t)
+    return AttentionPlan(plan.inflight_mask, (Segment(QuantView(qcache, bits=8), 0, t),))
+
+  def step(self, cfg: ModelConfig, params: Params, state: DecodeState,
+           ctx: StepContext) -> DecodeState:
+    x: QuantSpecExtras = state.extras
+    g = self.gamma
+    active = ~state.done                                                    # [B]
+    drafts = self._draft(cfg, params, state)                                # [B, gamma]
+    tokens = jnp.concatenate([state.last_tokens(), drafts], axis=1)         # [B, gamma + 1]
+    positions = x.qcache.lengths[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None]
+    logits, kv = forward(cfg, params, tokens, positions, state.cache, self.verify_plan(x.qcache))
+    keys, step_keys = split_keys(state.keys)
+    verdict = verify(logits[:, 0], drafts[:, None], active[:, None], logits[:, None, 1:],
+                     step_keys, ctx.sampling)
+    state = finish_step(state.replace(keys=keys))
+    state, appended = append_tokens(state, verdict.tokens, verdict.num_tokens, ctx.stop_ids)
+    accepted = jnp.maximum(jnp.minimum(verdict.accepted, appended - 1), 0)
+    extras = x.replace(qcache=qkv.commit(x.qcache, kv, appended),
+                       drafted=x.drafted + g * active,
+                       accepted_drafts=x.accepted_drafts + accepted)
+    return state.replace(cache=commit(state.cache, kv, appended), extras=extras)
+
+  def stats(self, state: DecodeState) -> dict:
+    """Host-side figures: acceptance, memory (bytes of the caches actually held)."""
+    x: QuantSpecExtras = state.extras
+    active, drafted, accepted = jax.device_get((state.active_steps, x.drafted, x.accepted_drafts))
+    steps, proposed = int(np.sum(active)), int(np.sum(drafted))
+    qc = x.qcache
+    dense_equiv = sum(2 * k.shape[0] * k.shape[1] * qc.quant_capacity * k.shape[3]
+                      * k.dtype.itemsize for k in qc.buf_k)
+    return {
+        "acceptance_rate": round(int(np.sum(accepted)) / proposed, 4) if proposed else 0.0,
+        "accepted_drafts_per_step": round(int(np.sum(accepted)) / steps, 4) if steps else 0.0,
+        "gamma": self.gamma, "verify_precision": self.verify_precision,
+        "quant_group": self.quant_group,
+        "quantized_cache_bytes": qc.num_bytes(),
+        "dense_cache_bytes": state.cache.num_bytes(),
+        "cache_bytes": qc.num_bytes() + state.cache.num_bytes(),
+        "dense_equivalent_cache_bytes": dense_equiv,
+        "draft_weight_bytes": weights_bytes(x.draft_params) if x.draft_params is not None else 0,
+    }

@@ -1,0 +1,352 @@
+"""QuantSpec: the hierarchical quantized cache's double buffer, the 4-bit weights, and the
+self-speculative method (greedy "full" == dense greedy; greedy "int8" == a dense decoder whose
+cache holds the dequantized INT8 values)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sparsedec
+from pallas_kernels.quant_attention import dequantize, quantize_kv
+from sparsedec import testing
+from sparsedec.decode.loop import StepContext, finish_step
+from sparsedec.decode.methods import get_method
+from sparsedec.decode.quantspec import QuantSpec
+from sparsedec.decode.sampling import sample, split_keys
+from sparsedec.decode.state import DecodeState, append_tokens
+from sparsedec.errors import InputError
+from sparsedec.kv import quantized as qkv
+from sparsedec.kv.dense import InflightKV, KVCache
+from sparsedec.kv.dense import commit as dense_commit
+from sparsedec.model.forward import forward
+from sparsedec.model.quant_weights import quantize_weight
+
+G = 4            # quant group of the cache tests
+GAMMA = 3
+LAYERS, B, HKV, D, CAP = 2, 2, 2, 8, 64
+METHOD = QuantSpec(gamma=3, quant_group=8, weight_group=32)   # stories260K: head_dim 8
+
+
+@pytest.fixture(scope="module")
+def stories():
+  from sparsedec.weights.checkpoint import load_model
+  return load_model("checkpoints/stories260K")
+
+
+# ------------------------------------------------------------------------------------------------
+# The quantized cache.
+# ------------------------------------------------------------------------------------------------
+
+def _tokens_kv(seed: int) -> tuple[np.ndarray, np.ndarray]:
+  """Per layer K, V of CAP token positions: [L, B, Hkv, CAP, D]."""
+  rng = np.random.default_rng(seed)
+  shape = (LAYERS, B, HKV, CAP, D)
+  return rng.normal(size=shape).astype(np.float32), rng.normal(size=shape).astype(np.float32)
+
+
+def _dense(k, v, lengths) -> KVCache:
+  keep = (np.arange(CAP)[None, :] < np.asarray(lengths)[:, None])[None, :, None, :, None]
+  return KVCache(k=tuple(jnp.asarray(np.where(keep, k, 0))[i] for i in range(LAYERS)),
+                 v=tuple(jnp.asarray(np.where(keep, v, 0))[i] for i in range(LAYERS)),
+                 lengths=jnp.asarray(lengths, jnp.int32))
+
+
+@jax.jit
+def _commit_window(cache: qkv.QuantizedCache, k, v, accepted):
+  """A gamma window at each row's next positions: the true K/V for the accepted prefix + one,
+  garbage for the rejected rest; commit accepted + 1 entries. k, v [L, B, Hkv, CAP, D]."""
+  n = cache.lengths
+  pos = jnp.minimum(n[:, None] + jnp.arange(GAMMA + 1)[None], CAP - 1)      # [B, W]
+  keep = (jnp.arange(GAMMA + 1)[None] <= accepted[:, None])[:, :, None, None]
+
+  def window(x):  # [B, Hkv, CAP, D] -> [B, W, Hkv, D]
+    got = jnp.take_along_axis(x, pos[:, None, :, None], axis=2).transpose(0, 2, 1, 3)
+    return jnp.where(keep, got, 1e3)                                        # rejected: garbage
+
+  new = InflightKV(tuple(window(k[i]) for i in range(LAYERS)),
+                   tuple(window(v[i]) for i in range(LAYERS)))
+  return qkv.commit(cache, new, accepted + 1)
+
+
+def _assert_same_cache(got: qkv.QuantizedCache, want: qkv.QuantizedCache):
+  np.testing.assert_array_equal(np.asarray(got.quant_len), np.asarray(want.quant_len))
+  np.testing.assert_array_equal(np.asarray(got.buf_len), np.asarray(want.buf_len))
+  for layer in range(LAYERS):
+    np.testing.assert_array_equal(np.asarray(got.buf_k[layer]), np.asarray(want.buf_k[layer]))
+    np.testing.assert_array_equal(np.asarray(got.buf_v[layer]), np.asarray(want.buf_v[layer]))
+    a, b = got.codes[layer], want.codes[layer]
+    for row in range(B):
+      ql = int(got.quant_len[row])
+      for name in ("k_codes", "v_codes"):
+        np.testing.assert_array_equal(np.asarray(getattr(a, name))[row, :, :, :ql],
+                                      np.asarray(getattr(b, name))[row, :, :, :ql])
+      for name in ("v_scale", "v_zero"):
+        np.testing.assert_array_equal(np.asarray(getattr(a, name))[row, :, :ql],
+                                      np.asarray(getattr(b, name))[row, :, :ql])
+      for name in ("k_scale", "k_zero"):
+        np.testing.assert_array_equal(np.asarray(getattr(a, name))[row, :, :ql // G],
+                                      np.asarray(getattr(b, name))[row, :, :ql // G])
+
+
+def test_split_rule_keeps_more_than_g_recent_tokens():
+  n = jnp.arange(0, 40)
+  ql = np.asarray(qkv.quantized_length(n, G))
+  assert (ql % G == 0).all() and (ql >= 0).all()
+  recent = np.asarray(n) - ql
+  assert (recent[np.asarray(n) > G] >= G + 1).all() and (recent <= 2 * G).all()
+  assert (ql[np.asarray(n) <= G] == 0).all()
+
+
+def test_prefill_quantizes_whole_groups_bit_identical_to_quantize_kv():
+  k, v = _tokens_kv(0)
+  lengths = [13, 30]
+  cache = qkv.from_dense(_dense(k, v, lengths), G)
+  np.testing.assert_array_equal(np.asarray(cache.quant_len), [8, 24])      # recent: 5 and 6
+  direct = quantize_kv(jnp.asarray(k[0]), jnp.asarray(v[0]), group=G)
+  for row, n in enumerate(lengths):
+    ql = int(cache.quant_len[row])
+    for name in ("k_codes", "v_codes"):
+      np.testing.assert_array_equal(np.asarray(getattr(cache.codes[0], name))[row, :, :, :ql],
+                                    np.asarray(getattr(direct, name))[row, :, :, :ql])
+    np.testing.assert_array_equal(np.asarray(cache.buf_k[0])[row, :, : n - ql], k[0, row, :, ql:n])
+    assert not np.asarray(cache.buf_k[0])[row, :, n - ql:].any()
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, GAMMA), st.integers(0, GAMMA)), min_size=1,
+                max_size=12),
+       st.integers(1, 9), st.integers(1, 9))
+def test_commits_with_any_rejections_equal_decoding_only_the_accepted(pattern, p0, p1):
+  """Prefill, then gamma windows rejected at any position (per row): the cache equals (a) the
+  same tokens quantized directly and (b) decoding the accepted tokens one at a time."""
+  k, v = _tokens_kv(1)
+  lengths = np.array([p0, p1], np.int32)
+  cache = qkv.from_dense(_dense(k, v, lengths), G)
+  for accepted in pattern:
+    cache = _commit_window(cache, k, v, jnp.asarray(accepted, jnp.int32))
+  total = lengths + np.array([sum(a[r] + 1 for a in pattern) for r in range(B)])
+  _assert_same_cache(cache, qkv.from_dense(_dense(k, v, total), G))
+  one_by_one = qkv.from_dense(_dense(k, v, [0, 0]), G)
+  for _ in range(int(total.max())):
+    step = jnp.asarray((np.asarray(one_by_one.lengths) < total).astype(np.int32))
+    one_by_one = _commit_one(one_by_one, k, v, step)
+  _assert_same_cache(cache, one_by_one)
+
+
+@jax.jit
+def _commit_one(cache, k, v, count):
+  n = jnp.minimum(cache.lengths, CAP - 1)
+  new = InflightKV(
+      tuple(jnp.take_along_axis(k[i], n[:, None, None, None], axis=2).transpose(0, 2, 1, 3)
+            for i in range(LAYERS)),
+      tuple(jnp.take_along_axis(v[i], n[:, None, None, None], axis=2).transpose(0, 2, 1, 3)
+            for i in range(LAYERS)))
+  return qkv.commit(cache, new, count)
+
+
+def test_memory_accounting():
+  k, v = _tokens_kv(2)
+  cache = qkv.from_dense(_dense(k, v, [20, 20]), G)
+  codes = LAYERS * 2 * B * HKV * CAP * D            # two 4-bit planes = D bytes per token, K and V
+  meta = LAYERS * B * HKV * (2 * 2 * (CAP // G) * D + 2 * 2 * CAP)
+  buffer = LAYERS * 2 * B * HKV * 2 * G * D * 4
+  assert cache.num_bytes() == codes + meta + buffer + 2 * B * 4
+  assert qkv.bytes_per_token(D, HKV, LAYERS, 4, G) < qkv.bytes_per_token(D, HKV, LAYERS, 8, G)
+
+
+# ------------------------------------------------------------------------------------------------
+# 4-bit weights.
+# ------------------------------------------------------------------------------------------------
+
+def test_weight_quantization_round_trip_and_padding():
+  w = jax.random.normal(jax.random.key(0), (172, 24), jnp.float32)
+  qw = quantize_weight(w, group=128)
+  assert qw.codes.shape == (128, 24) and qw.scale.shape == (2, 24) and qw.shape == (172, 24)
+  err = np.abs(np.asarray(qw.dequantize()) - np.asarray(w))
+  step = np.repeat(np.asarray(qw.scale, np.float32), 128, axis=0)[:172]
+  assert (err <= step * 0.5 + 1e-6).all()
+  x = jax.random.normal(jax.random.key(1), (3, 172))
+  from sparsedec.model.linear import linear
+  np.testing.assert_allclose(np.asarray(linear(x, qw)), np.asarray(x @ qw.dequantize()),
+                             rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# The method.
+# ------------------------------------------------------------------------------------------------
+
+def _prompts(tok):
+  return [tok.encode("Once upon a time, there was a little girl named Lily. She liked to"),
+          tok.encode("The dog")]
+
+
+def test_greedy_full_precision_verify_equals_dense(stories):
+  cfg, params, tok = stories
+  method = dataclasses.replace(METHOD, verify_precision="full")
+  result = testing.assert_matches_dense(cfg, params, _prompts(tok), method=method,
+                                        max_new_tokens=256, stop_tokens=())
+  assert result.tau > 1.5, result.tau
+  stats = result.method_stats
+  assert 0.0 < stats["acceptance_rate"] <= 1.0
+  assert stats["cache_bytes"] == stats["quantized_cache_bytes"] + stats["dense_cache_bytes"]
+  assert stats["dense_cache_bytes"] > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DequantizedInt8Dense:
+  """The int8 reference: dense one-token steps whose forward reads slots < quantized_length(N)
+  as the dequantized INT8 values of `quantize_kv` (the raw K/V are what is committed)."""
+  group: int
+  name: str = "dequantized_int8_dense"
+
+  def init(self, cfg, params, state):
+    return state
+
+  def max_steps(self, max_new_tokens):
+    return max_new_tokens
+
+  def stats(self, state):
+    return {}
+
+  def step(self, cfg, params, state: DecodeState, ctx: StepContext) -> DecodeState:
+    active = (~state.done).astype(jnp.int32)
+    cache = state.cache
+    ql = qkv.quantized_length(cache.lengths, self.group)
+    old = (jnp.arange(cache.capacity)[None, :] < ql[:, None])[:, None, :, None]   # [B,1,S,1]
+    ks, vs = [], []
+    for k, v in zip(cache.k, cache.v):
+      dk, dv = dequantize(quantize_kv(k, v, group=self.group), 8, dtype=k.dtype)
+      ks.append(jnp.where(old, dk, k))
+      vs.append(jnp.where(old, dv, v))
+    read = KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths)
+    logits, kv = forward(cfg, params, state.last_tokens(), cache.lengths[:, None], read)
+    keys, step_keys = split_keys(state.keys)
+    nxt = sample(logits[:, 0], step_keys, ctx.sampling)
+    state = finish_step(state.replace(cache=dense_commit(cache, kv, active), keys=keys))
+    state, _ = append_tokens(state, nxt[:, None], active, ctx.stop_ids)
+    return state
+
+
+def test_greedy_int8_verify_equals_dequantized_int8_dense(stories):
+  cfg, params, tok = stories
+  prompts = _prompts(tok)
+  ref = sparsedec.generate(cfg, params, prompts, max_new_tokens=256, stop_tokens=(),
+                           method=DequantizedInt8Dense(group=METHOD.quant_group))
+  got = sparsedec.generate(cfg, params, prompts, max_new_tokens=256, stop_tokens=(),
+                           method=METHOD)
+  assert got.tokens == ref.tokens
+  assert got.tau > 1.5, got.tau
+  stats = got.method_stats
+  assert stats["dense_cache_bytes"] == 0          # the codes replace the dense cache
+  assert stats["cache_bytes"] < stats["dense_equivalent_cache_bytes"]
+
+
+def test_bad_knobs_are_refused_by_name(stories):
+  cfg, params, _ = stories
+  with pytest.raises(InputError, match="gamma"):
+    QuantSpec(gamma=0)
+  with pytest.raises(InputError, match="verify_precision"):
+    QuantSpec(verify_precision="fp16")
+  with pytest.raises(InputError, match="quant_group"):
+    QuantSpec(gamma=8, quant_group=4)
+  with pytest.raises(InputError, match="weight_bits"):
+    QuantSpec(weight_bits=3)
+  with pytest.raises(InputError, match="knob 'window'"):
+    get_method("quantspec", window=3)
+  with pytest.raises(InputError, match="sliding"):
+    sparsedec.generate(cfg.replace(family="mistral", sliding_window=16), params, [[1, 2, 3]],
+                       max_new_tokens=2, method=METHOD)
+
+
+def test_cli_knobs(capsys):
+  from sparsedec import cli
+  assert cli.main(["generate", "--prompt", "Once", "--gamma", "2"]) == 2
+  assert "--gamma does not apply to --method dense" in capsys.readouterr()[1]
+  assert cli.main(["generate", "--prompt", "Once", "--method", "quantspec", "--gamma", "9",
+                   "--quant-group", "8"]) == 2
+  assert "quant_group" in capsys.readouterr()[1]
+
+
+def test_int8_view_logits_equal_the_dequantized_reference_across_a_flush(stories):
+  """Teacher-forced logits: a verify window read through QuantView(bits=8) equals, query by
+  query, a forward over a dense cache whose slots < quantized_length(position) hold the INT8
+  values, including a window crossing the next flush (row 0); and the quantization is real (the
+  logits differ from full precision). The 4-bit draft read with its in-flight scratch equals the
+  same window run as one forward."""
+  from sparsedec.attention import AttentionPlan, QuantView, Segment, causal_plan
+  cfg, params, tok = stories
+  g, t = METHOD.quant_group, METHOD.gamma + 1
+  fwd = jax.jit(forward, static_argnums=0)
+  dense = sparsedec.generate(cfg, params, _prompts(tok), max_new_tokens=256, stop_tokens=(),
+                             return_state=True).state.cache   # compiled as in the tests above
+  lengths = jnp.asarray([30, 25], jnp.int32)     # row 0: position 33 reads one more group
+  raw = dense.replace(lengths=lengths)
+  qc = qkv.from_dense(raw, g)
+  window = jax.random.randint(jax.random.key(3), (2, t), 0, cfg.vocab_size)
+  positions = lengths[:, None] + jnp.arange(t)[None]
+  assert int(qkv.quantized_length(positions[0, -1], g)) > int(qc.quant_len[0])
+  plan = causal_plan(t)
+  got, _ = fwd(cfg, params, window, positions, raw, AttentionPlan(
+      plan.inflight_mask, (Segment(QuantView(qc, bits=8), 0, t),)))
+  full, _ = fwd(cfg, params, window, positions, raw)
+  committed = raw               # the reference: one token per step, each reading INT8 below
+  for i in range(t):            # quantized_length(its position), committing raw K/V
+    ql = qkv.quantized_length(positions[:, i], g)
+    old = (jnp.arange(raw.capacity)[None, :] < ql[:, None])[:, None, :, None]
+    deq = [dequantize(quantize_kv(k, v, group=g), 8) for k, v in zip(committed.k, committed.v)]
+    read = committed.replace(k=tuple(jnp.where(old, d[0], k) for d, k in zip(deq, committed.k)),
+                             v=tuple(jnp.where(old, d[1], v) for d, v in zip(deq, committed.v)))
+    want, kv = fwd(cfg, params, window[:, i:i + 1], positions[:, i:i + 1], read)
+    committed = dense_commit(committed, kv, jnp.ones((2,), jnp.int32))
+    np.testing.assert_allclose(np.asarray(got[:, i]), np.asarray(want[:, 0]), atol=5e-5)
+  assert np.abs(np.asarray(got - full)).max() > 1e-4
+
+  # 4-bit: one window forward == token by token with the in-flight scratch (QuantView.extra)
+  whole, _ = fwd(cfg, params, window, positions, raw, AttentionPlan(
+      plan.inflight_mask, (Segment(QuantView(qc, bits=4), 0, t),)))
+  shape = (2, t, cfg.num_kv_heads, cfg.head_dim)
+  ek = [jnp.zeros(shape) for _ in range(cfg.num_layers)]
+  ev = [jnp.zeros(shape) for _ in range(cfg.num_layers)]
+  for i in range(t):
+    view = QuantView(qc, tuple(ek), tuple(ev), jnp.full((2,), i, jnp.int32), bits=4)
+    one, kv = fwd(cfg, params, window[:, i:i + 1], positions[:, i:i + 1], raw,
+                      AttentionPlan(jnp.ones((1, 1), bool), (Segment(view, 0, 1),)))
+    np.testing.assert_allclose(np.asarray(one[:, 0]), np.asarray(whole[:, i]), atol=5e-5)
+    ek = [e.at[:, i].set(k[:, 0]) for e, k in zip(ek, kv.k)]
+    ev = [e.at[:, i].set(v[:, 0]) for e, v in zip(ev, kv.v)]
+  assert np.abs(np.asarray(whole - got)).max() > 1e-4     # 4 bits really read less
+
+
+def test_sampling_first_three_tokens_distributed_as_dense(stories):
+  """Joint law of the first 3 sampled tokens over many per-row seeds, QuantSpec ("full") vs
+  dense: chi-square test of homogeneity, false-alarm rate alpha = 1e-3 (as test_fafo)."""
+  from scipy import stats
+
+  from sparsedec.decode.sampling import SamplingConfig
+  cfg, params, tok = stories
+  prompt = tok.encode("Lily and Tom went to the park. Lily and Tom went to the")
+  rows = 300
+  sampling = SamplingConfig(temperature=1.6, top_k=12)
+  method = dataclasses.replace(METHOD, verify_precision="full")
+  dense = sparsedec.generate(cfg, params, [prompt] * rows, max_new_tokens=3, sampling=sampling,
+                             seed=list(range(rows)), stop_tokens=())
+  spec = sparsedec.generate(cfg, params, [prompt] * rows, max_new_tokens=3, sampling=sampling,
+                            seed=[s + 10_000 for s in range(rows)], stop_tokens=(), method=method)
+  assert spec.method_stats["accepted_drafts_per_step"] > 0.2    # drafts really were accepted
+  a = [tuple(t) for t in dense.tokens]
+  b = [tuple(t) for t in spec.tokens]
+  cats = sorted(set(a) | set(b))
+  counts = np.array([[a.count(c) for c in cats], [b.count(c) for c in cats]])
+  common = counts.sum(0) >= 10
+  table = np.concatenate([counts[:, common], counts[:, ~common].sum(1, keepdims=True)], axis=1)
+  table = table[:, table.sum(0) > 0]
+  assert table.shape[1] >= 5, table
+  assert stats.chi2_contingency(table).pvalue > 1e-3, table
+
