@@ -1,0 +1,149 @@
+"""QuantSpec on SmolLM2-135M-Instruct: what the INT8 target costs in quality, and how often the
+4-bit draft is accepted (CPU or GPU; no kernel involved).
+
+1. Perplexity of the book text (../shared/prompts/books) with the KV cache read at full precision
+   versus INT8 (and, for reference, the draft's 4-bit view), teacher-forced in chunks of
+   `--chunk` tokens: each chunk reads the hierarchical cache built from everything before it
+   exactly as a one-token-per-step QuantSpec verifier would (`QuantView`'s per-query rule), then is
+   committed to it. Target (issue): INT8 perplexity within +0.5% of full precision.
+2. Draft acceptance rate versus gamma, greedy, continuing a long book prompt (`--prompt-tokens`)
+   and MT-Bench turn-1 prompts. Target (issue): >= 90% at the best gamma.
+
+  .venv/bin/python benchmarks/quantspec_quality.py --out benchmarks/results/quantspec_quality_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparsedec.attention import AttentionPlan, QuantView, Segment, causal_plan
+from sparsedec.bench import device_description, encode_prompts
+from sparsedec.decode.api import generate
+from sparsedec.decode.quantspec import QuantSpec
+from sparsedec.kv import quantized as qkv
+from sparsedec.kv.dense import KVCache, init_cache
+from sparsedec.model.forward import forward
+from sparsedec.prompts import book, mt_bench
+from sparsedec.weights.checkpoint import load_model
+
+DEFAULT_GGUF = os.environ.get(
+    "SPARSEDEC_SMOLLM2_GGUF",
+    os.path.join(os.path.dirname(__file__), "..", ".cache", "models",
+                 "SmolLM2-135M-Instruct.Q4_1.gguf"))
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+  print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
+
+
+def _nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """logits [1, T, V], targets [1, T] -> summed negative log-likelihood (fp32)."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return -jnp.take_along_axis(logp, targets[..., None], axis=-1).sum()
+
+
+def perplexity_full(cfg, params, ids: np.ndarray, chunk: int) -> float:
+  n = len(ids) - 1
+  cache = init_cache(cfg, 1, -(-n // chunk) * chunk)
+  step = jax.jit(functools.partial(forward, cfg), donate_argnums=())
+  total = 0.0
+  from sparsedec.kv.dense import commit
+  for start in range(0, n, chunk):
+    stop = min(start + chunk, n)
+    toks = jnp.asarray(ids[None, start:stop])
+    pos = jnp.arange(start, stop)[None]
+    logits, kv = step(params, toks, pos, cache, causal_plan(stop - start))
+    total += float(_nll(logits, jnp.asarray(ids[None, start + 1:stop + 1])))
+    cache = commit(cache, kv, jnp.asarray([stop - start], jnp.int32))
+  return float(np.exp(total / n))
+
+
+def perplexity_quantized(cfg, params, ids: np.ndarray, chunk: int, group: int,
+                         bits: int) -> float:
+  n = len(ids) - 1
+  cap = -(-n // group) * group + 2 * group
+  empty = init_cache(cfg, 1, 0)                                   # lengths only
+  qcache = qkv.from_dense(init_cache(cfg, 1, group), group, quant_capacity=cap)
+
+  @jax.jit
+  def step(params, toks, pos, qcache):
+    t = toks.shape[1]
+    plan = causal_plan(t)
+    plan = AttentionPlan(plan.inflight_mask, (Segment(QuantView(qcache, bits=bits), 0, t),))
+    dense = KVCache(k=empty.k, v=empty.v, lengths=qcache.lengths)
+    logits, kv = forward(cfg, params, toks, pos, dense, plan)
+    return logits, qkv.commit(qcache, kv, jnp.full((1,), t, jnp.int32))
+
+  total = 0.0
+  for start in range(0, n, chunk):
+    stop = min(start + chunk, n)
+    logits, qcache = step(params, jnp.asarray(ids[None, start:stop]),
+                          jnp.arange(start, stop)[None], qcache)
+    total += float(_nll(logits, jnp.asarray(ids[None, start + 1:stop + 1])))
+  return float(np.exp(total / n))
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--gguf", default=DEFAULT_GGUF)
+  ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  ap.add_argument("--ppl-tokens", type=int, default=2048)
+  ap.add_argument("--chunk", type=int, default=64)
+  ap.add_argument("--group", type=int, default=128)
+  ap.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 4, 6, 8])
+  ap.add_argument("--prompt-tokens", type=int, default=4096)
+  ap.add_argument("--new-tokens", type=int, default=96)
+  ap.add_argument("--mt-bench-prompts", type=int, default=4)
+  ap.add_argument("--skip-ppl", action="store_true")
+  ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
+                                                "quantspec_quality.json"))
+  args = ap.parse_args()
+  cfg, params, tok = load_model(args.gguf, dtype=args.dtype)
+  text_ids = np.asarray(tok.encode(book()), np.int32)
+  result = {"benchmark": "QuantSpec quality and acceptance, SmolLM2-135M-Instruct",
+            "device": device_description(), "args": vars(args), "perplexity": {},
+            "acceptance": []}
+
+  def save():
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+      json.dump(result, f, indent=2)
+
+  if not args.skip_ppl:
+    ids = text_ids[: args.ppl_tokens + 1]
+    full = perplexity_full(cfg, params, ids, args.chunk)
+    log(f"perplexity full-precision KV: {full:.4f}")
+    result["perplexity"]["full"] = full
+    for bits in (8, 4):
+      ppl = perplexity_quantized(cfg, params, ids, args.chunk, args.group, bits)
+      result["perplexity"][f"int{bits}"] = ppl
+      result["perplexity"][f"int{bits}_relative_increase"] = ppl / full - 1
+      log(f"perplexity INT{bits} KV: {ppl:.4f} ({100 * (ppl / full - 1):+.3f}%)")
+      save()
+
+  prompts = {"book": [text_ids[: args.prompt_tokens].tolist()],
+             "mt_bench": encode_prompts(tok, mt_bench(turn=1)[: args.mt_bench_prompts],
+                                        chat_template=True)}
+  for name, ids in prompts.items():
+    for gamma in args.gammas:
+      method = QuantSpec(gamma=gamma, quant_group=args.group, verify_precision="int8")
+      res = generate(cfg, params, ids, method=method, max_new_tokens=args.new_tokens,
+                     stop_tokens=())
+      row = {"prompts": name, "gamma": gamma, "tau": res.tau, **res.method_stats}
+      result["acceptance"].append(row)
+      log(f"{name} gamma={gamma}: acceptance {row.get('acceptance_rate')}, tau {res.tau:.3f}")
+      save()
+  log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+  main()
