@@ -54,6 +54,27 @@ def selected_first(selected: Sequence[int], queries: Sequence[int]) -> tuple[int
   return tuple(selected) + tuple(t for t in queries if t not in chosen)
 
 
+def permute_queries(order: tuple[int, ...], q: jax.Array, mask: jax.Array
+                    ) -> tuple[jax.Array, jax.Array]:
+  """q [B, T, Hq, D] and the in-flight mask's rows [T, T] in `order` (a permutation of 0..T-1)."""
+  if order == tuple(range(len(order))):
+    return q, mask
+  idx = np.array(order)
+  return q[:, idx], mask[idx]
+
+
+def wrapper_outputs(out: jax.Array, lse: jax.Array, probs: jax.Array | None,
+                    order: tuple[int, ...], *, return_lse: bool):
+  """A kernel wrapper's results in the caller's query order: out [B, T, Hq, D] and lse [B, T, Hq]
+  (computed in `order`) put back; then out, lse if asked, probs if any (already in
+  score_queries order)."""
+  if order != tuple(range(len(order))):
+    inverse = np.argsort(np.array(order))
+    out, lse = out[:, inverse], lse[:, inverse]
+  results = [out] + ([lse] if return_lse else []) + ([probs] if probs is not None else [])
+  return results[0] if len(results) == 1 else tuple(results)
+
+
 def scores_to_probs(scores: jax.Array, lse: jax.Array, weight: jax.Array, *, group: int
                     ) -> jax.Array:
   """scores [B, Hkv, R, S] fp32: rows r = i * G + g of the selected queries i (R >= n * G),

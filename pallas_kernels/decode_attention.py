@@ -57,8 +57,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import (check_score_queries, combine_partials, score_rows,
-                                    scores_to_probs, selected_first)
+from pallas_kernels.combine import (check_score_queries, combine_partials, permute_queries,
+                                    score_rows, scores_to_probs, selected_first, wrapper_outputs)
 
 LOG2E = math.log2(math.e)
 BLOCK_M = 64                      # wgmma M of one warpgroup
@@ -363,25 +363,16 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
   # The selected queries go first (their rows lead q block 0); every per-query input and output
   # follows the same order: q and the in-flight mask's rows here, out and lse back below.
   order = selected_first(sel, range(tq))
-  permuted = order != tuple(range(tq))
-  if permuted:
-    q, mask = q[:, np.array(order)], mask[np.array(order)]
+  q, mask = permute_queries(order, q, mask)
   parts = split_partials(q, k_cache, v_cache, lengths, config=config,
                          num_score_queries=len(sel), interpret=interpret)
   out, lse = combine_partials(*parts[:3], q, [(k_new, v_new, mask[None])], group=group)
-  results = [out.astype(q.dtype)]
+  probs = None
   if sel:
     slots = jnp.arange(k_cache.shape[2])
     read = (slots[None] < jnp.clip(lengths, 0, k_cache.shape[2])[:, None])[:, None]  # [B, 1, S]
     probs = scores_to_probs(parts[3], lse[:, :len(sel)], read, group=group)
-  if permuted:
-    inverse = np.argsort(np.array(order))
-    results, lse = [results[0][:, inverse]], lse[:, inverse]
-  if return_lse:
-    results.append(lse)
-  if sel:
-    results.append(probs)
-  return results[0] if len(results) == 1 else tuple(results)
+  return wrapper_outputs(out.astype(q.dtype), lse, probs, order, return_lse=return_lse)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -67,8 +67,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import (check_score_queries, combine_partials, score_rows,
-                                    scores_to_probs, selected_first)
+from pallas_kernels.combine import (check_score_queries, combine_partials, permute_queries,
+                                    score_rows, scores_to_probs, selected_first, wrapper_outputs)
 
 from pallas_kernels.decode_attention import BLOCK_M, LOG2E
 
@@ -520,9 +520,7 @@ def quant_attention(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,
   # The selected queries go first (their rows lead q block 0); q and the in-flight mask's rows
   # follow that order, out and lse are put back below.
   order = selected_first(sel, range(tq))
-  permuted = order != tuple(range(tq))
-  if permuted:
-    q, mask = q[:, np.array(order)], mask[np.array(order)]
+  q, mask = permute_queries(order, q, mask)
   n_rows = tq * group
   q_blocks = -(-n_rows // BLOCK_M)
   rows_out = BLOCK_M if q_blocks > 1 else -(-n_rows // 8) * 8
@@ -542,18 +540,11 @@ def quant_attention(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,
   exact = [(k_full.transpose(0, 2, 1, 3), v_full.transpose(0, 2, 1, 3), full_mask),
            (k_new, v_new, mask[None])]
   out, lse = combine_partials(acc, m2, l, q, exact, group=group)
-  results = [out.astype(q.dtype)]
+  probs = None
   if sel:
     read = (jnp.arange(capacity)[None] < lengths[:, None])[:, None]        # [B, 1, S]
     probs = scores_to_probs(scores[0], lse[:, :len(sel)], read, group=group)
-  if permuted:
-    inverse = np.argsort(np.array(order))
-    results, lse = [results[0][:, inverse]], lse[:, inverse]
-  if return_lse:
-    results.append(lse)
-  if sel:
-    results.append(probs)
-  return results[0] if len(results) == 1 else tuple(results)
+  return wrapper_outputs(out.astype(q.dtype), lse, probs, order, return_lse=return_lse)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -69,8 +69,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import (check_score_queries, combine_partials, score_rows,
-                                    scores_to_probs, selected_first)
+from pallas_kernels.combine import (check_score_queries, combine_partials, permute_queries,
+                                    score_rows, scores_to_probs, selected_first, wrapper_outputs)
 
 from pallas_kernels.decode_attention import _SUPPORTED_DTYPES, BLOCK_M, LOG2E
 
@@ -519,9 +519,7 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   sel_full = tuple(t for t in sel if t >= sparse_queries)
   order = (selected_first(sel_list, range(sparse_queries))
            + selected_first(sel_full, range(sparse_queries, tq)))
-  permuted = order != tuple(range(tq))
-  if permuted:
-    q, mask = q[:, np.array(order)], mask[np.array(order)]
+  q, mask = permute_queries(order, q, mask)
   segments, acc, m2, l, *scores = split_partials(
       q, k_cache, v_cache, block_tables, num_blocks, lengths, block_size=block_size,
       sparse_queries=sparse_queries, config=config,
@@ -548,20 +546,13 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       n_sel = len(sel_full if seg.full else sel_list)
       probs.append(scores_to_probs(scores[0][:, :, seg.score_slot], lse[:, :n_sel], reads,
                                    group=group))                          # [B, n_sel, Hq, S]
-  results = [(jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]).astype(q.dtype)]
+  out = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
   lse = jnp.concatenate(lses, axis=1) if len(lses) > 1 else lses[0]
-  if permuted:
-    inverse = np.argsort(np.array(order))
-    results, lse = [results[0][:, inverse]], lse[:, inverse]
-  if return_lse:
-    results.append(lse)
-  if sel:
-    probs = jnp.concatenate(probs, axis=1) if len(probs) > 1 else probs[0]
-    computed = sel_list + sel_full                 # the segments' order -> score_queries order
-    if computed != sel:
-      probs = probs[:, np.array([computed.index(t) for t in sel])]
-    results.append(probs)
-  return results[0] if len(results) == 1 else tuple(results)
+  probs = jnp.concatenate(probs, axis=1) if len(probs) > 1 else (probs[0] if probs else None)
+  computed = sel_list + sel_full                   # the segments' order -> score_queries order
+  if probs is not None and computed != sel:
+    probs = probs[:, np.array([computed.index(t) for t in sel])]
+  return wrapper_outputs(out.astype(q.dtype), lse, probs, order, return_lse=return_lse)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -64,17 +64,39 @@ def test_greedy_equals_dense_on_stories260k(stories, policy):
   assert result.tau > 1.2, result.tau          # guesses were accepted, not just one per step
 
 
-def test_greedy_equals_dense_on_smollm2_mt_bench_and_humaneval(smollm2):
+@pytest.fixture(scope="module")
+def smollm2_dense(smollm2):
+  """Two real prompts (an MT-Bench chat turn, a HumanEval prompt) and dense greedy's 256 tokens."""
   cfg, params, tok = smollm2
-  chats = [tok.apply_chat_template([{"role": "user", "content": q}],
-                                   add_generation_prompt=True)
-           for q in prompt_sets.mt_bench()[:1]]
-  texts = [tok.encode(c, add_bos=False) for c in chats]
-  texts.append(tok.encode(prompt_sets.humaneval()[0]))
-  method = Fafo(subsequences=6, length=4, candidates=4,
-                policy=StreamingLLM(budget_blocks=4, block_size=16))
+  chat = tok.apply_chat_template([{"role": "user", "content": prompt_sets.mt_bench()[0]}],
+                                 add_generation_prompt=True)
+  texts = [tok.encode(chat, add_bos=False), tok.encode(prompt_sets.humaneval()[0])]
+  dense = sparsedec.generate(cfg, params, texts, max_new_tokens=256, stop_tokens=())
+  return texts, dense.tokens
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_greedy_equals_dense_on_smollm2_mt_bench_and_humaneval(smollm2, smollm2_dense, policy):
+  cfg, params, _ = smollm2
+  texts, expected = smollm2_dense
+  small = {"streaming": StreamingLLM(budget_blocks=4, block_size=16),
+           "quest": Quest(budget_blocks=4, block_size=16),
+           "snapkv": SnapKV(budget_blocks=4, block_size=16, recent_blocks=2, window=8)}
+  method = Fafo(subsequences=6, length=4, candidates=4, policy=small[policy])
   result = testing.assert_matches_dense(cfg, params, texts, method=method, max_new_tokens=256,
-                                        stop_tokens=())
+                                        stop_tokens=(), expected=expected)
+  assert result.tau > 1.0
+
+
+def test_lookahead_greedy_equals_dense_on_smollm2(smollm2, smollm2_dense):
+  """Lookahead, the baseline FAFO is compared against, on the same real prompts (kept here to
+  share the dense run)."""
+  from sparsedec.decode.lookahead import Lookahead
+  cfg, params, _ = smollm2
+  texts, expected = smollm2_dense
+  result = testing.assert_matches_dense(cfg, params, texts, method=Lookahead(window=6, ngram=5,
+                                                                             guesses=4),
+                                        max_new_tokens=256, stop_tokens=(), expected=expected)
   assert result.tau > 1.0
 
 

@@ -17,7 +17,11 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import jax
+import jax.numpy as jnp
+
 from sparsedec.attention import BlockListView
+from sparsedec.errors import InputError
 from sparsedec.kv.dense import KVCache
 
 
@@ -34,7 +38,6 @@ class CompressionPolicy(Protocol):
 
 
 def check_budget(name: str, block_size: int, budget_blocks: int) -> None:
-  from sparsedec.errors import InputError
   if not isinstance(block_size, int) or block_size < 1:
     raise InputError(f"{name}: block_size must be a positive integer, got {block_size!r}")
   if not isinstance(budget_blocks, int) or budget_blocks < 1:
@@ -47,8 +50,7 @@ def prompt_window_queries(cfg, params, state, window: int):
 
   One extra forward at init for query-aware policies (SnapKV's observation window, Quest's first
   selection). Rows shorter than the window repeat their first token (marked invalid)."""
-  import jax.numpy as jnp
-  from sparsedec.model.forward import forward
+  from sparsedec.model.forward import forward   # compress <- forward <- attention: no cycle
   n = state.num_tokens                                                      # [B]
   idx = n[:, None] - window + jnp.arange(window, dtype=jnp.int32)[None, :]  # [B, w]
   valid = idx >= 0
@@ -60,12 +62,11 @@ def prompt_window_queries(cfg, params, state, window: int):
   return kv.q, idx, valid
 
 
-def pack_tables(first: "jax.Array", first_counts: "jax.Array", second: "jax.Array",
-                second_counts: "jax.Array") -> tuple["jax.Array", "jax.Array"]:
+def pack_tables(first: jax.Array, first_counts: jax.Array, second: jax.Array,
+                second_counts: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Concatenate two block lists per (.., head) so the valid entries are contiguous:
   first [..., N1] with first_counts [...], second [..., N2] with second_counts [...] ->
   tables [..., N1 + N2], counts [...]."""
-  import jax.numpy as jnp
   n1, n2 = first.shape[-1], second.shape[-1]
   i = jnp.arange(n1 + n2, dtype=jnp.int32)
   c1 = first_counts[..., None]

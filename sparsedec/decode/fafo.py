@@ -90,7 +90,7 @@ def fafo_layout(subsequences: int, length: int, candidates: int) -> tuple[np.nda
 class FafoExtras:
   fumble: jax.Array            # [B, n, k] int32: each subsequence's current guess, oldest first
   discarded: jax.Array         # [B, n, k] int32: its last k discarded tokens, right-aligned
-  discarded_len: jax.Array     # [B, n] int32: how many of them are real (0..k)
+                               #   (the real ones: min(active steps, k), one per active step)
   pool: ngram_pool.NgramPool   # key: 1..k tokens, value: k tokens
   policy_state: Any            # the compression policy's own arrays
   guesses: jax.Array           # [B] int32: candidates verified, summed over steps
@@ -155,7 +155,7 @@ class Fafo:
     zeros = jnp.zeros((b,), jnp.int32)
     return state.replace(extras=FafoExtras(
         fumble=fumble, discarded=jnp.zeros((b, n, k), jnp.int32),
-        discarded_len=jnp.zeros((b, n), jnp.int32), pool=pool,
+        pool=pool,
         policy_state=self.policy.init(cfg, params, state), guesses=zeros, hit_steps=zeros,
         accepted_guesses=zeros))
 
@@ -214,14 +214,13 @@ class Fafo:
       new_tokens = jnp.where(is_stop, fill, new_tokens)
     guess = jnp.concatenate([x.fumble[:, :, 1:], new_tokens[:, :, None]], axis=2)   # [B, n, k]
     discarded = jnp.concatenate([x.discarded[:, :, 1:], x.fumble[:, :, :1]], axis=2)
-    discarded_len = jnp.minimum(x.discarded_len + 1, k)
+    discarded_len = jnp.broadcast_to(jnp.minimum(state.active_steps, k)[:, None], (b, n))
     pool = self._store(x.pool, discarded, discarded_len, guess, state, appended, active)
     accepted = jnp.maximum(jnp.minimum(verdict.accepted, appended - 1), 0)
     keep = active[:, None, None]
     extras = x.replace(
         fumble=jnp.where(keep, guess, x.fumble),
         discarded=jnp.where(keep, discarded, x.discarded),
-        discarded_len=jnp.where(active[:, None], discarded_len, x.discarded_len),
         pool=pool,
         policy_state=self.policy.update(
             x.policy_state, cache, [q[:, f] for q in kv.q] if needs_queries else None),
