@@ -25,10 +25,19 @@ copy. Scales and zeros are fp16 (finite K/V required: |x| < 65504).
 
 Kernel (`quant_attention`), grid (num_splits, Hkv * q_blocks, B), as decode_attention.py: one
 thread block per (split, KV head x q block, row) walks its share of the row's valid quantized
-tiles through a TMA ring of uint8 code tiles, dequantizes them in registers (fp32 FMA with the
-group's scale/zero, then bf16/fp16) into SMEM, and runs QK^T and PV on wgmma as two D/2-wide
-halves with an online softmax. The full-precision recent segment and the in-flight tokens are
-merged with the split partials in jnp (`pallas_kernels.combine.combine_partials`), by log-sum-exp.
+tiles through a TMA ring that brings each tile's uint8 codes together with its scale/zero rows,
+dequantizes them in registers (integer nibble extraction, the exact int -> fp32 conversion by bit
+pattern, one fp32 FMA with the group's scale/zero, then bf16/fp16) into SMEM, and runs QK^T and PV
+on wgmma as two D/2-wide halves with an online softmax. The full-precision recent segment and the
+in-flight tokens are merged with the split partials in jnp
+(`pallas_kernels.combine.combine_partials`), by log-sum-exp. The dequantized K and V tiles share
+one SMEM buffer and the epilogue's output buffer reuses the loop's, so two blocks fit on an SM
+(`target_blocks` 264 = 2 per SM of an H100/H200).
+
+Measured (H200, S = 64K, Tq = 1, `benchmarks/quant_sweep.py`): 4-bit 129 us, 8-bit 149 us, against
+78 us for decode_attention on the bf16 cache: the kernel is bound by instruction issue, not by
+memory (~5 instructions per dequantized element, plus a softmax over a 64-row wgmma tile of which
+Tq * Hq / Hkv = 4 rows are real). See benchmarks/NOTES.md for what would close the gap.
 
 Contract:
 
@@ -75,6 +84,9 @@ from pallas_kernels.decode_attention import BLOCK_M, LOG2E
 META_DTYPE = jnp.float16
 UPPER_LEVELS = 15                 # 4-bit upper code in [0, 15]
 CODE8_MAX = 16 * UPPER_LEVELS     # 8-bit code in [0, 240]
+MAGIC = 0x4B000000                # fp32 bits of 2^23: (MAGIC | c) as fp32 = 2^23 + c, c < 2^23
+MAGIC_VALUE = float(2 ** 23)
+CODE_BIAS = {4: 0.0, 8: 8.0}      # what the kernel's code tile carries on top of u / c8
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -209,11 +221,12 @@ def bytes_per_token(head_dim: int, bits: int, group: int = 128) -> float:
 @dataclasses.dataclass(frozen=True)
 class QuantAttentionConfig:
   """Tiling. `block_kv` must divide the key group (a tile uses one row of key scales)."""
-  block_kv: int = 128
+  block_kv: int = 64
   num_stages: int = 2
   num_splits: int | None = None
-  target_blocks: int = 132
+  target_blocks: int = 264       # 2 thread blocks per SM on an H100/H200 (fits SMEM/registers)
   min_tiles_per_split: int = 2
+  share_dequant: bool = True     # one SMEM buffer for the dequantized K, then V, tile
 
   def __post_init__(self):
     if self.block_kv % 64 or self.block_kv <= 0:
@@ -262,11 +275,13 @@ def _quant_partials(q_halves, qkv: QuantKV, lengths, *, bits, rows_out, num_spli
            q_smem,        # [2, 64, D/2] dtype            (tiled, swizzled)
            kc_smem,       # [stages, planes, bkv, D/2] u8 (tiled, swizzled)
            vc_smem,       # [stages, planes, bkv, D/2] u8
-           kd_smem,       # [2, bkv, D/2] dtype: dequantized K halves
-           vd_smem,       # [2, bkv, D/2] dtype: dequantized V halves
+           kd_smem,       # [2, bkv, D/2] dtype: the dequantized K halves
+           vd_smem,       # [2, bkv, D/2] dtype: the V halves (kd_smem itself with share_dequant)
            p_smem,        # [64, bkv] dtype
-           o_smem,        # [2, 64, D/2] fp32
+           o_smem,        # [2, 64, D/2] fp32 (epilogue only; may alias kd, vd and p)
            m_smem, l_smem,
+           kmeta_smem,    # [stages, 2, D] fp16: the tile's key scale (0) and zero (1) rows
+           vmeta_smem,    # [stages, 2, bkv] fp16: the tile's value scales (0) and zeros (1)
            q_barrier, k_barriers, v_barriers,
            scores_ref=None,  # [B, Hkv, score_rows, S] fp32  GMEM (score_rows > 0)
            s_smem=None):    # [64, bkv] fp32, aliases o_smem (score_rows > 0)
@@ -286,8 +301,13 @@ def _quant_partials(q_halves, qkv: QuantKV, lengths, *, bits, rows_out, num_spli
       rows = pl.ds((first_tile + step) * block_kv, block_kv)
       plgpu.copy_gmem_to_smem(kc_ref.at[b, h, pl.ds(0, planes), rows], kc_smem.at[slot],
                               k_barriers.at[slot])
+      grp = lax.div((first_tile + step) * block_kv, jnp.int32(group))
+      plgpu.copy_gmem_to_smem(ks_ref.at[b, h, grp], kmeta_smem.at[slot, 0], k_barriers.at[slot])
+      plgpu.copy_gmem_to_smem(kz_ref.at[b, h, grp], kmeta_smem.at[slot, 1], k_barriers.at[slot])
       plgpu.copy_gmem_to_smem(vc_ref.at[b, h, pl.ds(0, planes), rows], vc_smem.at[slot],
                               v_barriers.at[slot])
+      plgpu.copy_gmem_to_smem(vs_ref.at[b, h, rows], vmeta_smem.at[slot, 0], v_barriers.at[slot])
+      plgpu.copy_gmem_to_smem(vz_ref.at[b, h, rows], vmeta_smem.at[slot, 1], v_barriers.at[slot])
 
     def store_scores(s, start):
       """Rows [0, score_rows) of the score tile s [64, bkv] (registers, WGMMA layout) to
@@ -304,40 +324,40 @@ def _quant_partials(q_halves, qkv: QuantKV, lengths, *, bits, rows_out, num_spli
       pl.when(step < my_tiles)(functools.partial(fetch, step, step))
     plgpu.barrier_wait(q_barrier)
 
-    def codes(codes_smem, slot, hf):
-      """Code tile [bkv, D/2] fp32 of channel half hf: u (4-bit) or 16 u + l (8-bit)."""
+    def codes(codes_smem, slot):
+      """The code tiles [bkv, D/2] fp32 of the two channel halves, offset by CODE_BIAS[bits]:
+      u (4-bit) or 16 u + l + 8 (8-bit; the lower plane stores l + 8). Each plane is read from
+      SMEM once for both halves; integer ops, then the exact int -> fp32 conversion by bits
+      (MAGIC | c read as fp32 is 2^23 + c): no I2F instructions."""
       # Mosaic GPU has no 8-bit shifts: widen the bytes first (zero-extended; < 256).
       upper = codes_smem[slot, 0].astype(jnp.int32)                # [bkv, D/2]
-      c = (upper & 15) if hf == 0 else (upper >> 4)
-      c = c.astype(jnp.float32)
+      halves = [upper & 15, upper >> 4]
       if bits == 8:
         lower = codes_smem[slot, 1].astype(jnp.int32)
-        cl = (lower & 15) if hf == 0 else (lower >> 4)
-        c = c * 16.0 + (cl.astype(jnp.float32) - 8.0)
-      return c
+        halves = [(halves[0] << 4) + (lower & 15), (halves[1] << 4) + (lower >> 4)]
+      bias = MAGIC_VALUE + CODE_BIAS[bits]
+      return [lax.bitcast_convert_type(c | MAGIC, jnp.float32) - bias for c in halves]
 
     step_mult = 1.0 if bits == 4 else 1.0 / 16.0
 
-    def dequant_k(slot, tile):
-      grp = lax.div(tile * block_kv, jnp.int32(group))
-      for hf in range(2):
+    def dequant_k(slot):
+      for hf, c in enumerate(codes(kc_smem, slot)):
         cols = pl.ds(hf * half, half)
-        sc = plgpu.load(ks_ref.at[b, h, grp, cols], layout=col, optimized=False)
-        zr = plgpu.load(kz_ref.at[b, h, grp, cols], layout=col, optimized=False)
+        sc = plgpu.load(kmeta_smem.at[slot, 0, cols], layout=col, optimized=False)
+        zr = plgpu.load(kmeta_smem.at[slot, 1, cols], layout=col, optimized=False)
         sc = sc.astype(jnp.float32) * step_mult
         zr = zr.astype(jnp.float32)
-        x = (codes(kc_smem, slot, hf) * lax.broadcast_in_dim(sc, (block_kv, half), [1])
+        x = (c * lax.broadcast_in_dim(sc, (block_kv, half), [1])
              + lax.broadcast_in_dim(zr, (block_kv, half), [1]))
         kd_smem[hf] = x.astype(dtype)
 
-    def dequant_v(slot, tile):
-      rows = pl.ds(tile * block_kv, block_kv)
-      sc = plgpu.load(vs_ref.at[b, h, rows], layout=row, optimized=False)
-      zr = plgpu.load(vz_ref.at[b, h, rows], layout=row, optimized=False)
+    def dequant_v(slot):
+      sc = plgpu.load(vmeta_smem.at[slot, 0], layout=row, optimized=False)
+      zr = plgpu.load(vmeta_smem.at[slot, 1], layout=row, optimized=False)
       sc = lax.broadcast_in_dim(sc.astype(jnp.float32) * step_mult, (block_kv, half), [0])
       zr = lax.broadcast_in_dim(zr.astype(jnp.float32), (block_kv, half), [0])
-      for hf in range(2):
-        vd_smem[hf] = (codes(vc_smem, slot, hf) * sc + zr).astype(dtype)
+      for hf, c in enumerate(codes(vc_smem, slot)):
+        vd_smem[hf] = (c * sc + zr).astype(dtype)
 
     acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_M, half), jnp.float32), plgpu.Layout.WGMMA)
     m_i = plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row)
@@ -349,12 +369,12 @@ def _quant_partials(q_halves, qkv: QuantKV, lengths, *, bits, rows_out, num_spli
       tile = first_tile + step
 
       plgpu.barrier_wait(k_barriers.at[slot])
-      dequant_k(slot, tile)
+      dequant_k(slot)
       plgpu.commit_smem()
       def qk_scope(s_ref):                      # [64, bkv] fp32; two D/2-deep wgmmas
         plgpu.wgmma(s_ref, q_smem.at[0], kd_smem.at[0].transpose((1, 0)))
         plgpu.wgmma(s_ref, q_smem.at[1], kd_smem.at[1].transpose((1, 0)))
-        return s_ref[...]
+        return s_ref[...]                       # waits: kd_smem is free for V after this
       s = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_M, block_kv), jnp.float32))
       s = s * score_scale
       slot_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, block_kv), 1,
@@ -369,7 +389,7 @@ def _quant_partials(q_halves, qkv: QuantKV, lengths, *, bits, rows_out, num_spli
       l_i = l_i * alpha + p.sum(axis=1)
 
       plgpu.barrier_wait(v_barriers.at[slot])
-      dequant_v(slot, tile)
+      dequant_v(slot)
       p_smem[...] = p.astype(dtype)
       plgpu.commit_smem()                       # also: every thread is done with this slot
       def pv_scope(lo_ref, hi_ref):
@@ -405,20 +425,29 @@ def _quant_partials(q_halves, qkv: QuantKV, lengths, *, bits, rows_out, num_spli
   itemsize = jnp.dtype(dtype).itemsize
   half_sw = _swizzled(half * itemsize, itemsize)
   code_sw = _swizzled(half, 1)
+  kvd = plgpu.SMEM((2, block_kv, half), dtype, **half_sw)
+  p_buf = plgpu.SMEM((BLOCK_M, block_kv), dtype, **_swizzled(128, itemsize))
+  loop_bufs = (kvd, p_buf) if cfg.share_dequant else (kvd, kvd, p_buf)
+  o_buf = plgpu.SMEM((2, BLOCK_M, half), jnp.float32)
   scratch = [
       plgpu.SMEM((2, BLOCK_M, half), dtype, **half_sw),
       plgpu.SMEM((num_stages, planes, block_kv, half), jnp.uint8, **code_sw),
       plgpu.SMEM((num_stages, planes, block_kv, half), jnp.uint8, **code_sw),
-      plgpu.SMEM((2, block_kv, half), dtype, **half_sw),
-      plgpu.SMEM((2, block_kv, half), dtype, **half_sw),
-      plgpu.SMEM((BLOCK_M, block_kv), dtype, **_swizzled(128, itemsize)),
-      plgpu.SMEM((2, BLOCK_M, half), jnp.float32),
+      # The epilogue's o buffer reuses the loop's dequantization and p buffers (idle by then);
+      # with scores it shares memory with the score tile instead (which the loop uses).
+      plgpu.RefUnion(o_buf, plgpu.SMEM((BLOCK_M, block_kv), jnp.float32)) if score_rows
+      else plgpu.RefUnion(o_buf, loop_bufs),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
+      plgpu.SMEM((num_stages, 2, head_dim), META_DTYPE),
+      plgpu.SMEM((num_stages, 2, block_kv), META_DTYPE),
       plgpu.Barrier(),
-      plgpu.Barrier(num_barriers=num_stages),
-      plgpu.Barrier(num_barriers=num_stages),
+      # Three TMAs land on each: the codes, the scales, the zeros.
+      plgpu.Barrier(num_arrivals=3, num_barriers=num_stages),
+      plgpu.Barrier(num_arrivals=3, num_barriers=num_stages),
   ]
+  if score_rows:
+    scratch[3:3] = loop_bufs
   part = (batch, num_kv_heads, q_blocks, num_splits)
   out_type = [
       jax.ShapeDtypeStruct((*part, 2, rows_out, half), jnp.float32),
@@ -426,17 +455,21 @@ def _quant_partials(q_halves, qkv: QuantKV, lengths, *, bits, rows_out, num_spli
       jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32),
   ]
   if score_rows:               # only then: score_rows == 0 builds the plain kernel
-    # The score tile buffer shares o_smem's memory (idle until the epilogue).
-    scratch[6] = plgpu.RefUnion(scratch[6], plgpu.SMEM((BLOCK_M, block_kv), jnp.float32))
     out_type.append(jax.ShapeDtypeStruct((batch, num_kv_heads, score_rows, qkv.capacity),
                                          jnp.float32))
 
   def entry(*refs):
-    def scoped(*scr):
-      if not score_rows:
-        return body(*refs, *scr)
-      o_smem, s_smem = scr[6]                      # the union's two views
-      return body(*refs[:-1], *scr[:6], o_smem, *scr[7:], scores_ref=refs[-1], s_smem=s_smem)
+    def scoped(q_smem, kc_smem, vc_smem, *scr):
+      n = len(loop_bufs)
+      if score_rows:
+        bufs, (o_smem, s_smem), rest = scr[:n], scr[n], scr[n + 1:]
+      else:
+        (o_smem, bufs), rest, s_smem = scr[0], scr[1:], None
+      kd_smem, vd_smem, p_smem = bufs if n == 3 else (bufs[0], *bufs)
+      tail = dict(scores_ref=refs[-1], s_smem=s_smem) if score_rows else {}
+      outs = refs[:-1] if score_rows else refs
+      return body(*outs, q_smem, kc_smem, vc_smem, kd_smem, vd_smem, p_smem, o_smem, *rest,
+                  **tail)
     pl.run_scoped(scoped, *scratch)
 
   return plgpu.kernel(

@@ -11,6 +11,7 @@ Queries always attend with the committed part and the in-flight part normalised 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -68,7 +69,10 @@ class QuantView:
   quantized on the fly (bit-identical to the later flush) and read at `bits` by that query only.
 
   The forward reaches it through the plan (`Segment(QuantView(...), 0, T)`); `at_layer(i)` picks
-  layer i's arrays. CPU / reference path: dequantize, then `reference_attention`."""
+  layer i's arrays. Reference path: dequantize, then `reference_attention` (fp32). Kernel path
+  (GPU, bf16/fp16, head_dim 64 or 128, group a multiple of 64): `quant_attention` reads the
+  quantized prefix at `bits`, the rest is attended in jnp and merged by log-sum-exp
+  (`_quant_kernel_attention`)."""
   cache: Any                                      # QuantizedCache (every layer)
   extra_k: Any = None                             # per layer [B, W, Hkv, D] or None
   extra_v: Any = None                             # per layer [B, W, Hkv, D] or None
@@ -172,34 +176,28 @@ def reference_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   return out, lse
 
 
-def _quant_view_attention(q: jax.Array, view: QuantView, k_new: jax.Array, v_new: jax.Array,
-                          q_pos: jax.Array, inflight: jax.Array, window: int | None) -> jax.Array:
-  """Reference attention of one QuantView segment (see QuantView). q [B, Tseg, Hq, D];
-  inflight [B, Tseg, T]. Cache slots: [quantized Sq | CF1 re-quantized G | buffer 2G | extra W]."""
+def _quant_view_tail(view: QuantView, q_pos: jax.Array, dtype
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The full-precision side of a QuantView read by the queries at q_pos [B, Tseg] (layer
+  view.layer), all but the quantized prefix: [CF1 re-quantized G | buffer 2G | extra W] slots.
+  Returns k, v [B, Hkv, 3G (+ W), D] in `dtype` and mask [B, Tseg, 3G (+ W)] bool.
+
+  CF1 re-quantized (read at view.bits) replaces the buffer's CF1 for the queries whose
+  quantized_length(position) is one group beyond the cache's quant_len (the flush rule)."""
   from pallas_kernels.quant_attention import dequantize, quantize_kv
   from sparsedec.kv.quantized import quantized_length
-  if window is not None:
-    raise UnsupportedConfigError(f"QuantView does not support sliding windows ({window})")
-  if view.layer is None:
-    raise ValueError("a QuantView must be sliced with at_layer first")
-  cache = view.cache
-  g, i = cache.group, view.layer
-  dtype = q.dtype if q.dtype == jnp.float32 else jnp.float32
-  k_q, v_q = dequantize(cache.codes[i], view.bits, dtype=dtype)            # [B, Hkv, Sq, D]
+  cache, i = view.cache, view.layer
+  g = cache.group
+  b, t = q_pos.shape
   buf_k, buf_v = cache.buf_k[i], cache.buf_v[i]                            # [B, Hkv, 2G, D]
   cf1 = quantize_kv(buf_k[:, :, :g], buf_v[:, :, :g], group=g)
   k_1, v_1 = dequantize(cf1, view.bits, dtype=dtype)                       # [B, Hkv, G, D]
-  ks = [k_q, k_1, buf_k.astype(dtype)]
-  vs = [v_q, v_1, buf_v.astype(dtype)]
-  b, t = q.shape[:2]
-  sq = k_q.shape[2]
-  quant_len, buf_len = cache.quant_len[:, None, None], cache.buf_len[:, None, None]
+  ks, vs = [k_1, buf_k.astype(dtype)], [v_1, buf_v.astype(dtype)]
+  buf_len = cache.buf_len[:, None, None]
   promote = (quantized_length(q_pos, g) > cache.quant_len[:, None])[:, :, None]  # [B, Tseg, 1]
-  slot_q = jnp.arange(sq)[None, None, :]
   slot_1 = jnp.arange(g)[None, None, :]
   slot_b = jnp.arange(2 * g)[None, None, :]
-  masks = [jnp.broadcast_to(slot_q < quant_len, (b, t, sq)),
-           jnp.broadcast_to(promote & (slot_1 < buf_len), (b, t, g)),
+  masks = [jnp.broadcast_to(promote & (slot_1 < buf_len), (b, t, g)),
            (slot_b < buf_len) & ~(promote & (slot_b < g))]
   if view.extra_k is not None:
     ek, ev = view.extra_k[i], view.extra_v[i]                              # [B, W, Hkv, D]
@@ -208,21 +206,123 @@ def _quant_view_attention(q: jax.Array, view: QuantView, k_new: jax.Array, v_new
     vs.append(ev.transpose(0, 2, 1, 3).astype(dtype))
     masks.append(jnp.broadcast_to(jnp.arange(w)[None, None, :] < view.extra_len[:, None, None],
                                   (b, t, w)))
-  mask = jnp.concatenate(masks, axis=2)                                    # [B, Tseg, S']
-  out = reference_attention(q.astype(dtype), jnp.concatenate(ks, axis=2),
-                            jnp.concatenate(vs, axis=2), mask, k_new.astype(dtype),
+  return (jnp.concatenate(ks, axis=2), jnp.concatenate(vs, axis=2),
+          jnp.concatenate(masks, axis=2))
+
+
+def _check_quant_view(view: QuantView, window: int | None) -> None:
+  if window is not None:
+    raise UnsupportedConfigError(f"QuantView does not support sliding windows ({window})")
+  if view.layer is None:
+    raise ValueError("a QuantView must be sliced with at_layer first")
+
+
+def _quant_view_attention(q: jax.Array, view: QuantView, k_new: jax.Array, v_new: jax.Array,
+                          q_pos: jax.Array, inflight: jax.Array, window: int | None) -> jax.Array:
+  """Reference attention of one QuantView segment (see QuantView). q [B, Tseg, Hq, D];
+  inflight [B, Tseg, T]. Cache slots: [quantized Sq | CF1 re-quantized G | buffer 2G | extra W],
+  all dequantized to fp32 (q's dtype when that is fp32), one fp32 softmax."""
+  from pallas_kernels.quant_attention import dequantize
+  _check_quant_view(view, window)
+  cache = view.cache
+  dtype = q.dtype if q.dtype == jnp.float32 else jnp.float32
+  k_q, v_q = dequantize(cache.codes[view.layer], view.bits, dtype=dtype)   # [B, Hkv, Sq, D]
+  k_t, v_t, mask_t = _quant_view_tail(view, q_pos, dtype)
+  b, t = q.shape[:2]
+  sq = k_q.shape[2]
+  mask_q = jnp.broadcast_to(jnp.arange(sq)[None, None, :] < cache.quant_len[:, None, None],
+                            (b, t, sq))
+  out = reference_attention(q.astype(dtype), jnp.concatenate([k_q, k_t], axis=2),
+                            jnp.concatenate([v_q, v_t], axis=2),
+                            jnp.concatenate([mask_q, mask_t], axis=2), k_new.astype(dtype),
                             v_new.astype(dtype), inflight)
   return out.astype(q.dtype)
 
 
+def _merge_softmaxes(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array,
+                     lse_b: jax.Array) -> jax.Array:
+  """One softmax from two over disjoint key sets: out [B, T, Hq, D] (each normalised over its
+  own keys), lse [B, T, Hq] (-inf for an empty set). Returns fp32 [B, T, Hq, D]."""
+  lse = jnp.logaddexp(lse_a, lse_b)
+  lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+  w_a = jnp.exp(lse_a - lse)[..., None]
+  w_b = jnp.exp(lse_b - lse)[..., None]
+  return w_a * out_a.astype(jnp.float32) + w_b * out_b.astype(jnp.float32)
+
+
+def _quant_block_kv() -> int:
+  """The quant_attention tile: the kernel's default (64 slots, the fastest on an H200 in
+  benchmarks/NOTES.md); it must divide the key group."""
+  from pallas_kernels.quant_attention import QuantAttentionConfig
+  return QuantAttentionConfig().block_kv
+
+
+def _quant_kernel_attention(q: jax.Array, view: QuantView, k_new: jax.Array, v_new: jax.Array,
+                            q_pos: jax.Array, inflight: jax.Array, interpret) -> jax.Array:
+  """One QuantView segment with `pallas_kernels.quant_attention`; equals _quant_view_attention.
+
+  The kernel reads the quantized prefix (slots < quant_len at view.bits) and returns its output
+  and log-sum-exp; everything else (CF1 re-quantized or full precision per query, the buffer,
+  the `extra` draft scratch, the in-flight tokens: at most 3G + W + T keys, whose masks differ
+  per query, which the kernel's per-row full-precision segment cannot express) is attended in
+  jnp (fp32) exactly as the reference does, and the two softmaxes are merged by log-sum-exp.
+  The kernel's partial output comes back in q's dtype (bf16 / fp16) before the merge: one extra
+  rounding of that share against the reference's fp32 path.
+  q [B, Tseg, Hq, D] bf16/fp16; inflight [B, Tseg, T]."""
+  from pallas_kernels.quant_attention import QuantAttentionConfig, quant_attention
+  _check_quant_view(view, None)
+  cache = view.cache
+  b, t, _, d = q.shape
+  hkv = cache.buf_k[view.layer].shape[1]
+  codes = cache.codes[view.layer]
+  # Nothing but the quantized prefix in the kernel: an empty full-precision segment (one masked
+  # slot) and no in-flight keys.
+  dummy_full = jnp.zeros((b, hkv, 1, d), q.dtype)
+  dummy_new = jnp.zeros((b, t, hkv, d), q.dtype)
+  out_q, lse_q = quant_attention(
+      q, codes, cache.quant_len, dummy_full, dummy_full, jnp.zeros((b,), jnp.int32), dummy_new,
+      dummy_new, jnp.zeros((t, t), bool), bits=view.bits, return_lse=True,
+      config=QuantAttentionConfig(), interpret=interpret)
+  k_t, v_t, mask_t = _quant_view_tail(view, q_pos, jnp.float32)
+  out_t, lse_t = reference_attention(q.astype(jnp.float32), k_t, v_t, mask_t,
+                                     k_new.astype(jnp.float32), v_new.astype(jnp.float32),
+                                     inflight, return_lse=True)
+  return _merge_softmaxes(out_q, lse_q, out_t, lse_t).astype(q.dtype)
+
+
+def _quant_kernel_choice(q: jax.Array, plan: AttentionPlan,
+                         window: int | None) -> tuple[str | None, str]:
+  """("quant", "") when every segment is a QuantView the quant_attention kernel can read."""
+  views = [seg.view for seg in plan.segments]
+  if not all(isinstance(v, QuantView) for v in views):
+    return None, "a plan mixing QuantView segments with other cache views"
+  if window is not None:
+    return None, f"sliding window {window} with a QuantView"
+  if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return None, f"dtype {q.dtype} (quant_attention takes bfloat16 or float16)"
+  if q.shape[-1] not in (64, 128):
+    return None, f"head_dim {q.shape[-1]} (quant_attention takes 64 or 128)"
+  for view in views:
+    group = view.cache.group
+    tile = _quant_block_kv()
+    if group % tile:
+      return None, f"quant group {group} is not a multiple of the kernel's {tile}-slot tile"
+    capacity = view.cache.quant_capacity
+    if capacity == 0 or capacity % tile:
+      return None, f"quantized capacity {capacity} is not a positive multiple of {tile}"
+  return "quant", ""
+
+
 def _kernel_choice(q: jax.Array, k_cache: jax.Array, plan: AttentionPlan,
                    window: int | None) -> tuple[str | None, str]:
-  """("decode" | "sparse", "") when a Pallas kernel computes this attention exactly, else
-  (None, why not). decode_attention: every segment reads FullView. sparse_attention: a
-  BlockListView segment first, then optionally one FullView segment (FAFO's plan)."""
+  """("decode" | "sparse" | "quant", "") when a Pallas kernel computes this attention (exactly,
+  or for "quant" up to the merge rounding of _quant_kernel_attention), else (None, why not).
+  decode_attention: every segment reads FullView. sparse_attention: a BlockListView segment
+  first, then optionally one FullView segment (FAFO's plan). quant_attention: every segment is
+  a QuantView (one kernel call per segment)."""
   from pallas_kernels.decode_attention import DecodeConfig
   if any(isinstance(seg.view, QuantView) for seg in plan.segments):
-    return None, "a QuantView segment (its GPU dispatch to quant_attention is not wired yet)"
+    return _quant_kernel_choice(q, plan, window)
   if window is not None and window < k_cache.shape[2] + q.shape[1]:
     return None, f"sliding window {window} is shorter than the cache capacity plus in-flight tokens"
   if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -246,12 +346,31 @@ def _kernel_choice(q: jax.Array, k_cache: jax.Array, plan: AttentionPlan,
   return None, "the plan's segments are not [block list][full cache] or all full-cache"
 
 
-def _kernel_attention(kind, q, k_cache, v_cache, lengths, k_new, v_new, plan, impl):
-  interpret = None
-  if impl == "interpret":
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    interpret = plgpu.InterpretGPUParams()
+def kernel_choice(q: jax.Array, k_cache: jax.Array, plan: AttentionPlan,
+                  window: int | None = None) -> tuple[str | None, str]:
+  """Which Pallas kernel `attend` would use for this call on a GPU ("decode", "sparse", "quant"),
+  or (None, the reason none applies): what "auto" falls back on, "pallas" refuses."""
+  return _kernel_choice(q, k_cache, plan, window)
+
+
+def _interpret_params(impl: str):
+  if impl != "interpret":
+    return None
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  return plgpu.InterpretGPUParams()
+
+
+def _kernel_attention(kind, q, k_cache, v_cache, lengths, k_new, v_new, q_pos, plan, impl):
+  interpret = _interpret_params(impl)
   mask = plan.inflight_mask.astype(bool)
+  if kind == "quant":
+    b, t = q.shape[:2]
+    inflight = jnp.broadcast_to(mask, (b, t, t))
+    outs = [_quant_kernel_attention(q[:, seg.start:seg.stop], seg.view, k_new, v_new,
+                                    q_pos[:, seg.start:seg.stop],
+                                    inflight[:, seg.start:seg.stop], interpret)
+            for seg in plan.segments]
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
   if kind == "decode":
     from pallas_kernels.decode_attention import decode_attention
     return decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, mask,
@@ -273,18 +392,26 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Ar
   has position q_pos[:, u]. Returns [B, T, Hq, D].
 
   impl (`ModelConfig.attention`): "auto" runs a Pallas kernel on a GPU when one applies
-  (decode_attention when every segment reads FullView; sparse_attention for a block-list segment
-  followed by an optional full-cache one; bf16/fp16, head_dim % 64 == 0, capacity a multiple of
-  the kernel's tile or block size, no effective sliding window) and the jnp reference otherwise; "reference" always the jnp
-  reference; "pallas" always the kernel (raises where it does not apply); "interpret" the kernel
-  in the Mosaic GPU interpreter (for CPU tests).
+  (`kernel_choice`: decode_attention when every segment reads FullView; sparse_attention for a
+  block-list segment followed by an optional full-cache one; quant_attention when every segment
+  is a QuantView; bf16/fp16, head_dim % 64 == 0 (64 or 128 for quant_attention), capacity a
+  multiple of the kernel's tile or block size, quant group a multiple of 64, no effective sliding
+  window) and the jnp reference otherwise (on a GPU with a warning naming why, once per reason);
+  "reference" always the jnp reference; "pallas" always the kernel (raises
+  UnsupportedConfigError naming why where none applies); "interpret" the kernel in the Mosaic GPU
+  interpreter (for CPU tests; raises like "pallas").
   """
   if impl != "reference":
     kind, blocker = _kernel_choice(q, k_cache, plan, window)
     if impl in ("pallas", "interpret") and kind is None:
       raise UnsupportedConfigError(f"attention={impl!r}: no Pallas kernel applies: {blocker}")
-    if kind is not None and (impl != "auto" or jax.default_backend() == "gpu"):
-      return _kernel_attention(kind, q, k_cache, v_cache, lengths, k_new, v_new, plan, impl)
+    on_gpu = jax.default_backend() == "gpu"
+    if kind is not None and (impl != "auto" or on_gpu):
+      return _kernel_attention(kind, q, k_cache, v_cache, lengths, k_new, v_new, q_pos, plan,
+                               impl)
+    if on_gpu:
+      warnings.warn(f"attention='auto' runs the jnp reference on this GPU: {blocker}",
+                    stacklevel=2)
   b, t = q.shape[:2]
   capacity = k_cache.shape[2]
   inflight = jnp.broadcast_to(plan.inflight_mask, (b, t, t))

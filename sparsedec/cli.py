@@ -62,6 +62,11 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
   qs.add_argument("--quant-group", type=int, default=None,
                   help="G: tokens per key quantization group; 2G recent tokens stay in full "
                        "precision (default 128)")
+  qs.add_argument("--draft-sampling", default=None, choices=("sample", "argmax"),
+                  help="when sampling (--temperature > 0): draw the drafts from the draft's "
+                       "distribution and accept with min(1, p/q) (sample, Leviathan et al.), or "
+                       "propose the draft's argmax as deterministic guesses (argmax); both are "
+                       "lossless (default sample)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -106,7 +111,8 @@ _METHOD_KNOBS = {"lookahead": {"lookahead_window": "window", "ngram": "ngram",
                           "candidates": "candidates", "policy": "policy",
                           "budget_blocks": "budget_blocks", "block_size": "block_size"},
                  "quantspec": {"gamma": "gamma", "verify_precision": "verify_precision",
-                               "quant_group": "quant_group"}}
+                               "quant_group": "quant_group",
+                               "draft_sampling": "draft_sampling"}}
 _POLICY_KNOBS = ("budget_blocks", "block_size")
 
 

@@ -282,7 +282,7 @@ def test_kernel_rejects_bad_inputs_in_plain_words():
   with pytest.raises(ValueError, match="bits must be 4 or 8"):
     quant_attention(*args, bits=3)
   with pytest.raises(ValueError, match="multiple of block_kv"):
-    quant_attention(*args, bits=4)                 # default block_kv 128 > group 64
+    quant_attention(*args, bits=4, config=QuantAttentionConfig(block_kv=128))   # > group 64
 
 
 @pytest.mark.parametrize("bits,num_queries,score_queries",

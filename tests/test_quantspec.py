@@ -1,6 +1,7 @@
 """QuantSpec: the hierarchical quantized cache's double buffer, the 4-bit weights, and the
 self-speculative method (greedy "full" == dense greedy; greedy "int8" == a dense decoder whose
-cache holds the dequantized INT8 values)."""
+cache holds the dequantized INT8 values, on stories260K and SmolLM2; speculative sampling, both
+draft modes, distributed as dense sampling)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ from hypothesis import strategies as st
 
 import sparsedec
 from pallas_kernels.quant_attention import dequantize, quantize_kv
+from sparsedec import prompts as prompt_sets
 from sparsedec import testing
 from sparsedec.decode.loop import StepContext, finish_step
 from sparsedec.decode.methods import get_method
 from sparsedec.decode.quantspec import QuantSpec
-from sparsedec.decode.sampling import sample, split_keys
+from sparsedec.decode.sampling import SamplingConfig, sample, split_keys
 from sparsedec.decode.state import DecodeState, append_tokens
+from sparsedec.decode.verify import draw_from, speculative_accept, verify_drafted
 from sparsedec.errors import InputError
 from sparsedec.kv import quantized as qkv
 from sparsedec.kv.dense import InflightKV, KVCache
@@ -38,6 +41,12 @@ METHOD = QuantSpec(gamma=3, quant_group=8, weight_group=32)   # stories260K: hea
 def stories():
   from sparsedec.weights.checkpoint import load_model
   return load_model("checkpoints/stories260K")
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+  from sparsedec.weights.gguf_file import load_gguf
+  return load_gguf(smollm2_gguf, dtype="float32")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -258,6 +267,10 @@ def test_bad_knobs_are_refused_by_name(stories):
     QuantSpec(gamma=8, quant_group=4)
   with pytest.raises(InputError, match="weight_bits"):
     QuantSpec(weight_bits=3)
+  with pytest.raises(InputError, match="draft_sampling"):
+    QuantSpec(draft_sampling="greedy")
+  with pytest.raises(InputError, match="weight_layout"):
+    QuantSpec(weight_layout="int3")
   with pytest.raises(InputError, match="knob 'window'"):
     get_method("quantspec", window=3)
   with pytest.raises(InputError, match="sliding"):
@@ -272,6 +285,13 @@ def test_cli_knobs(capsys):
   assert cli.main(["generate", "--prompt", "Once", "--method", "quantspec", "--gamma", "9",
                    "--quant-group", "8"]) == 2
   assert "quant_group" in capsys.readouterr()[1]
+  args = cli._parser().parse_args(["generate", "--prompt", "Once", "--method", "quantspec",
+                                   "--draft-sampling", "argmax"])
+  assert cli._method(args) == QuantSpec(draft_sampling="argmax")
+  assert cli.main(["generate", "--prompt", "Once", "--draft-sampling", "argmax"]) == 2
+  assert "--draft-sampling does not apply to --method dense" in capsys.readouterr()[1]
+  with pytest.raises(SystemExit):
+    cli.main(["generate", "--prompt", "Once", "--method", "quantspec", "--draft-sampling", "x"])
 
 
 def test_int8_view_logits_equal_the_dequantized_reference_across_a_flush(stories):
@@ -324,29 +344,204 @@ def test_int8_view_logits_equal_the_dequantized_reference_across_a_flush(stories
   assert np.abs(np.asarray(whole - got)).max() > 1e-4     # 4 bits really read less
 
 
-def test_sampling_first_three_tokens_distributed_as_dense(stories):
-  """Joint law of the first 3 sampled tokens over many per-row seeds, QuantSpec ("full") vs
-  dense: chi-square test of homogeneity, false-alarm rate alpha = 1e-3 (as test_fafo)."""
-  from scipy import stats
+# ------------------------------------------------------------------------------------------------
+# Speculative sampling (draft_sampling="sample", Leviathan et al.): the accept / residual rule.
+# ------------------------------------------------------------------------------------------------
 
-  from sparsedec.decode.sampling import SamplingConfig
+def _toy_pairs(v: int = 7) -> list[tuple[np.ndarray, np.ndarray]]:
+  """(p, q) over v tokens: random; different top-k-like supports; p == q; q one-hot (a
+  deterministic guess); disjoint supports."""
+  rng = np.random.default_rng(0)
+
+  def dist(zeros=()):
+    x = rng.dirichlet(np.full(v, 0.8))
+    x[list(zeros)] = 0.0
+    return x / x.sum()
+
+  same = dist()
+  return [(dist(), dist()), (dist((0, 1)), dist((5, 6))), (dist((2,)), dist((0, 1, 2, 3))),
+          (same, same), (dist(), np.eye(v)[3]), (dist((0, 1, 2)), dist((3, 4, 5, 6)))]
+
+
+def _one_step_law(q: np.ndarray, alpha: np.ndarray, residual: np.ndarray) -> np.ndarray:
+  """Exact law [V] of the token one step emits: the draft d ~ q is kept with probability
+  alpha[d], else the token is drawn from the residual [V]."""
+  return q * alpha + np.sum(q * (1.0 - alpha)) * residual
+
+
+def test_accept_residual_step_reproduces_the_target_exactly():
+  """For every draft token d, `speculative_accept` gives min(1, p(d)/q(d)) and norm(max(0, p-q));
+  the exact law of the emitted token (summed over d ~ q) is p to 1e-6. Wrong rules (always
+  accept; accept with p(d) as for a deterministic guess; residual p instead of p - q) miss p by
+  far more, so the comparison can fail."""
+  for p, q in _toy_pairs():
+    v = len(p)
+    alpha, residual = speculative_accept(jnp.asarray(np.tile(p, (v, 1)), jnp.float32),
+                                         jnp.asarray(np.tile(q, (v, 1)), jnp.float32),
+                                         jnp.arange(v))                   # [V] per d, [V, V]
+    alpha, residual = np.asarray(alpha, np.float64), np.asarray(residual, np.float64)
+    assert np.allclose(residual, residual[:1])                     # the residual ignores d
+    np.testing.assert_allclose(_one_step_law(q, alpha, residual[0]), p, rtol=0, atol=1e-6)
+  p, q = _toy_pairs()[0]
+  wrong = [_one_step_law(q, np.ones_like(p), p), _one_step_law(q, p, p),
+           _one_step_law(q, np.minimum(1.0, p / q), p)]
+  assert all(np.abs(w - p).max() > 1e-2 for w in wrong)
+
+
+@jax.jit
+def _speculate_toy_chain(p, q, key, accept_all):
+  """The first 3 tokens of 3 speculative steps (gamma 3) of a toy Markov target P [V, V] with a
+  Markov draft Q [V, V], from token 0, for 20000 rows; accept_all: acceptance uniforms 0 (a
+  wrong rule: keep every draft the target gives mass)."""
+  rows, gamma = 20_000, 3
+  out = jnp.zeros((rows, 3 * (gamma + 1)), jnp.int32)
+  n = jnp.zeros((rows,), jnp.int32)
+  cur = jnp.zeros((rows,), jnp.int32)
+  for _ in range(3):                             # each step emits >= 1 token
+    key, sub = jax.random.split(key)
+    u = jax.random.uniform(sub, (rows, 2 * gamma + 1))
+    drafts, qs, prev = [], [], cur
+    for i in range(gamma):
+      qs.append(q[prev])
+      prev = draw_from(q[prev], u[:, i])
+      drafts.append(prev)
+    drafts = jnp.stack(drafts, axis=1)                                     # [R, gamma]
+    chain = jnp.concatenate([cur[:, None], drafts], axis=1)                # [R, gamma + 1]
+    tests = jnp.where(accept_all, 0.0, u[:, gamma:2 * gamma])
+    verdict = verify_drafted(p[chain], drafts, jnp.stack(qs, axis=1), jnp.ones((rows,), bool),
+                             jnp.concatenate([tests, u[:, -1:]], axis=1))
+    col = jnp.arange(gamma + 1)[None]
+    pos = jnp.where(col < verdict.num_tokens[:, None], n[:, None] + col, out.shape[1])
+    out = out.at[jnp.arange(rows)[:, None], pos].set(verdict.tokens, mode="drop")
+    cur = verdict.tokens[jnp.arange(rows), verdict.num_tokens - 1]
+    n = n + verdict.num_tokens
+  return out[:, :3]
+
+
+def test_verify_drafted_chain_has_the_target_law_on_a_toy_markov_model():
+  """`verify_drafted` over whole steps (sampled drafts, target rows following the drafted
+  chain): the joint law of the first 3 emitted tokens is the target chain's, chi-square
+  goodness of fit at false-alarm rate alpha = 1e-3; the same statistic rejects the
+  always-accept rule."""
+  from scipy import stats
+  v = 4
+  rng = np.random.default_rng(1)
+  p = rng.dirichlet(np.full(v, 0.7), size=v)
+  q = rng.dirichlet(np.full(v, 0.7), size=v)
+  exact = (p[0][:, None, None] * p[:, :, None] * p[None]).reshape(-1)     # P(a, b, c | 0)
+  pvalues = []
+  for accept_all in (False, True):
+    first3 = np.asarray(_speculate_toy_chain(jnp.asarray(p, jnp.float32),
+                                             jnp.asarray(q, jnp.float32), jax.random.key(0),
+                                             accept_all))
+    counts = np.bincount(first3 @ np.array([v * v, v, 1]), minlength=v ** 3)
+    expected = exact * len(first3)
+    common = expected >= 5                       # pool the rare cells (chi-square validity)
+    observed = np.append(counts[common], counts[~common].sum())
+    pvalues.append(stats.chisquare(observed, np.append(expected[common],
+                                                       expected[~common].sum())).pvalue)
+  assert pvalues[0] > 1e-3 and pvalues[1] < 1e-6, pvalues
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling on stories260K: QuantSpec ("full") vs dense.
+# ------------------------------------------------------------------------------------------------
+
+SAMPLE_ROWS = 600
+SAMPLING = SamplingConfig(temperature=1.6, top_k=12, top_p=0.95)
+
+
+@pytest.fixture(scope="module")
+def stories_sampled(stories):
+  """A prompt and dense sampling's first 3 tokens over SAMPLE_ROWS per-row seeds."""
   cfg, params, tok = stories
   prompt = tok.encode("Lily and Tom went to the park. Lily and Tom went to the")
-  rows = 300
-  sampling = SamplingConfig(temperature=1.6, top_k=12)
-  method = dataclasses.replace(METHOD, verify_precision="full")
-  dense = sparsedec.generate(cfg, params, [prompt] * rows, max_new_tokens=3, sampling=sampling,
-                             seed=list(range(rows)), stop_tokens=())
-  spec = sparsedec.generate(cfg, params, [prompt] * rows, max_new_tokens=3, sampling=sampling,
-                            seed=[s + 10_000 for s in range(rows)], stop_tokens=(), method=method)
-  assert spec.method_stats["accepted_drafts_per_step"] > 0.2    # drafts really were accepted
-  a = [tuple(t) for t in dense.tokens]
-  b = [tuple(t) for t in spec.tokens]
+  dense = sparsedec.generate(cfg, params, [prompt] * SAMPLE_ROWS, max_new_tokens=3,
+                             sampling=SAMPLING, seed=list(range(SAMPLE_ROWS)), stop_tokens=())
+  return prompt, [tuple(t) for t in dense.tokens]
+
+
+def _homogeneity(a: list[tuple], b: list[tuple]) -> tuple[float, np.ndarray]:
+  """Chi-square test of homogeneity of two samples of token tuples: (p-value, table); tuples
+  seen < 10 times in both samples together share one pooled bin."""
+  from scipy import stats
   cats = sorted(set(a) | set(b))
   counts = np.array([[a.count(c) for c in cats], [b.count(c) for c in cats]])
   common = counts.sum(0) >= 10
   table = np.concatenate([counts[:, common], counts[:, ~common].sum(1, keepdims=True)], axis=1)
   table = table[:, table.sum(0) > 0]
-  assert table.shape[1] >= 5, table
-  assert stats.chi2_contingency(table).pvalue > 1e-3, table
+  return stats.chi2_contingency(table).pvalue, table
 
+
+@pytest.mark.parametrize("draft_sampling", ["sample", "argmax"])
+def test_sampling_first_three_tokens_distributed_as_dense(stories, stories_sampled,
+                                                          draft_sampling):
+  """Joint law of the first 3 sampled tokens (temperature 1.6, top-k 12, top-p 0.95) over many
+  per-row seeds, QuantSpec ("full") vs dense: chi-square test of homogeneity, false-alarm rate
+  alpha = 1e-3 (as test_fafo). "sample": Leviathan drafts drawn from q, accepted with
+  min(1, p/q); "argmax": deterministic guesses."""
+  cfg, params, _ = stories
+  prompt, dense = stories_sampled
+  method = dataclasses.replace(METHOD, verify_precision="full", draft_sampling=draft_sampling)
+  spec = sparsedec.generate(cfg, params, [prompt] * SAMPLE_ROWS, max_new_tokens=3,
+                            sampling=SAMPLING, seed=[s + 10_000 for s in range(SAMPLE_ROWS)],
+                            stop_tokens=(), method=method)
+  stats = spec.method_stats
+  assert stats["draft_sampling"] == draft_sampling
+  assert stats["accepted_drafts_per_step"] > 0.2                 # drafts really were accepted
+  assert 0.0 < stats["acceptance_rate"] <= 1.0
+  pvalue, table = _homogeneity(dense, [tuple(t) for t in spec.tokens])
+  assert table.shape[1] >= 5, table
+  assert pvalue > 1e-3, (pvalue, table)
+
+
+# ------------------------------------------------------------------------------------------------
+# SmolLM2-135M-Instruct (fp32): MT-Bench and HumanEval prompts, flushes within the generation.
+# ------------------------------------------------------------------------------------------------
+
+SMOL = QuantSpec(gamma=4, quant_group=32)     # a flush every 32 tokens; the 4-bit draft
+
+
+@pytest.fixture(scope="module")
+def smollm2_prompts(smollm2):
+  """An MT-Bench chat turn and a HumanEval prompt (others than test_fafo's)."""
+  _, _, tok = smollm2
+  chat = tok.apply_chat_template([{"role": "user", "content": prompt_sets.mt_bench()[1]}],
+                                 add_generation_prompt=True)
+  return [tok.encode(chat, add_bos=False), tok.encode(prompt_sets.humaneval()[1])]
+
+
+def _assert_flushed_while_generating(result, prompts, new_tokens: int):
+  """Each row holds as codes all but the last < 3G tokens: groups were flushed during decoding
+  (prefill quantized fewer than its prompt's length)."""
+  g = SMOL.quant_group
+  quantized = np.asarray(result.state.extras.qcache.quant_len)
+  for n, ql in zip(map(len, prompts), quantized.tolist()):
+    assert ql >= n + new_tokens - 3 * g > n, (ql, n)
+
+
+def test_greedy_full_precision_verify_equals_dense_on_smollm2(smollm2, smollm2_prompts):
+  """256 tokens, both prompts in one batch. The draft uses the full weights (reading the 4-bit
+  cache) to keep the CPU time down; the 4-bit weight draft runs in the int8 test below."""
+  cfg, params, _ = smollm2
+  method = dataclasses.replace(SMOL, verify_precision="full", weight_bits=None)
+  result = testing.assert_matches_dense(cfg, params, smollm2_prompts, method=method,
+                                        max_new_tokens=256, stop_tokens=(), return_state=True)
+  assert result.tau > 1.5, result.tau
+  assert result.method_stats["acceptance_rate"] < 1.0        # some drafts were rejected
+  _assert_flushed_while_generating(result, smollm2_prompts, 256)
+
+
+def test_greedy_int8_verify_equals_dequantized_int8_dense_on_smollm2(smollm2, smollm2_prompts):
+  """The HumanEval prompt, 128 tokens (4 flushes), the default 4-bit weight draft."""
+  cfg, params, _ = smollm2
+  prompts = smollm2_prompts[1:]
+  ref = sparsedec.generate(cfg, params, prompts, max_new_tokens=128, stop_tokens=(),
+                           method=DequantizedInt8Dense(group=SMOL.quant_group))
+  got = sparsedec.generate(cfg, params, prompts, max_new_tokens=128, stop_tokens=(),
+                           method=SMOL, return_state=True)
+  testing.assert_tokens_equal(got.tokens, ref.tokens, label="quantspec int8")
+  assert got.tau > 1.5, got.tau
+  assert got.method_stats["dense_cache_bytes"] == 0
+  assert 0.0 < got.method_stats["acceptance_rate"] < 1.0
+  _assert_flushed_while_generating(got, prompts, 128)

@@ -5,17 +5,31 @@ One step, with N committed tokens and the current token x_N (its K/V not yet com
      weights (`quant_weights`, unless weight_bits=None) reading the 4-bit view of the quantized
      cache + the full-precision double buffer (`QuantView(bits=4)`). Draft i reads the draft K/V of
      x_N, d_1 .. d_{i-1} from a small in-flight scratch ([B, gamma, Hkv, D] per layer, the
-     QuantView's `extra`); nothing of the draft is ever committed.
+     QuantView's `extra`); nothing of the draft is ever committed. d_i is the draft's argmax when
+     greedy (or draft_sampling="argmax"), else drawn from the draft's distribution q_i (below).
   2. Verify: ONE forward over [x_N, d_1 .. d_gamma] with the full model, reading
      verify_precision="int8": the 8-bit view of the same codes + the buffer (`QuantView(bits=8)`);
      verify_precision="full": a full-precision dense cache kept alongside the codes
      (`FullView`; it costs the dense cache's memory on top of the codes, reported in stats).
-  3. `verify.verify` with the drafts as one candidate: greedy accepts the longest prefix equal to
-     the verifier's argmax; sampling is distribution-preserving rejection sampling. The accepted
-     tokens' K/V (from the verify forward) are committed to the double buffer
+  3. Greedy: `verify.verify` with the drafts as one candidate accepts the longest prefix equal to
+     the verifier's argmax. Sampling: distribution-preserving rejection sampling (below). The
+     accepted tokens' K/V (from the verify forward) are committed to the double buffer
      (`kv.quantized.commit`; the flush runs there) and, in "full" mode, to the dense cache.
 
-What is exact (tests/test_quantspec.py proves both in fp32):
+Sampling (temperature > 0), two lossless modes (`draft_sampling`); p_i and q_i are the verifier's
+and the draft's distributions after the SAME temperature / top-k / top-p processing dense sampling
+uses (`sampling.probabilities`), so the output is distributed exactly as dense sampling:
+  * "sample" (default; Leviathan et al. 2023): d_i is drawn from q_i and the rows q_i [B, gamma, V]
+    are kept; `verify.verify_drafted` accepts d_i with probability min(1, p_i(d_i) / q_i(d_i)),
+    draws the first rejected position's token from norm(max(0, p_i - q_i)), and the bonus token
+    from p_{gamma+1} when all are accepted.
+  * "argmax": d_i is the draft's argmax, treated by `verify.verify` as a deterministic guess
+    (accepted with probability p_i(d_i), else the token is drawn from p_i with d_i removed). Also
+    exact, but it usually accepts less often: p_i(argmax q_i) against sum_t min(p_i(t), q_i(t))
+    (stories260K, temperature 1.6, first step: ~0.65 of "sample"'s accepted drafts).
+
+What is exact (tests/test_quantspec.py proves both in fp32: greedy on stories260K and
+SmolLM2-135M, sampling on stories260K (chi-square, both draft modes) and on toy distributions):
   * "full": greedy output is token-identical to dense greedy; sampling has dense's distribution.
   * "int8": the output is that of the model whose attention reads every token older than the
     recent buffer at INT8, i.e. a one-token-per-step decoder whose cache slots < quantized_length(N)
@@ -23,10 +37,8 @@ What is exact (tests/test_quantspec.py proves both in fp32):
     that crosses a flush read exactly what that decoder reads).
 
 Choices where the paper leaves one:
-  * Drafts are the draft's argmax tokens, also when sampling, and verification treats them as
-    deterministic guesses (accept t with probability p(t), else draw from the residual). This is
-    exactly distribution-preserving; Leviathan's min(1, p/q) rule with sampled drafts accepts more
-    often and is not implemented yet.
+  * One PRNG draw per row and step gives the gamma draft uniforms, the gamma acceptance tests
+    and the last token's uniform ("sample" mode); all are independent.
   * The lm_head, embeddings and norms of the draft stay full precision (see quant_weights).
   * Prefill fills a dense cache in chunks, then quantizes it (`from_dense`); in "int8" mode the
     dense cache is then dropped (replaced by a zero-capacity one that only carries lengths).
@@ -44,18 +56,19 @@ from flax import struct
 
 from sparsedec.attention import AttentionPlan, QuantView, Segment, causal_plan
 from sparsedec.decode.loop import StepContext, finish_step
-from sparsedec.decode.sampling import split_keys
+from sparsedec.decode.sampling import SamplingConfig, probabilities, split_keys
 from sparsedec.decode.state import DecodeState, append_tokens
-from sparsedec.decode.verify import verify
+from sparsedec.decode.verify import Verdict, draw_from, verify, verify_drafted
 from sparsedec.errors import InputError
 from sparsedec.kv import quantized as qkv
 from sparsedec.kv.dense import KVCache, commit
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.forward import forward
 from sparsedec.model.params import Params
-from sparsedec.model.quant_weights import quantize_params, weights_bytes
+from sparsedec.model.quant_weights import LAYOUTS, quantize_params, weights_bytes
 
 VERIFY_PRECISIONS = ("int8", "full")
+DRAFT_SAMPLINGS = ("sample", "argmax")
 
 
 @struct.dataclass
@@ -77,6 +90,8 @@ class QuantSpec:
   quant_group: int = 128           # G: key group (tokens); the buffer holds 2G tokens
   weight_bits: int | None = 4      # draft weights: 4 (group-wise RTN) or None (unquantized)
   weight_group: int = 128          # input rows per weight group
+  weight_layout: str = "packed"    # how the draft multiplies its 4-bit weights (quant_weights)
+  draft_sampling: str = "sample"   # when sampling: "sample" drafts from q (Leviathan), "argmax"
   name: str = "quantspec"
 
   def __post_init__(self):
@@ -90,10 +105,16 @@ class QuantSpec:
     if self.gamma + 1 > self.quant_group:
       raise InputError(f"quantspec commits up to gamma + 1 = {self.gamma + 1} entries per step, "
                        f"more than quant_group = {self.quant_group}")
+    if self.draft_sampling not in DRAFT_SAMPLINGS:
+      raise InputError(f"quantspec draft_sampling must be one of {DRAFT_SAMPLINGS}, "
+                       f"got {self.draft_sampling!r}")
     if self.weight_bits not in (4, None):
       raise InputError(f"quantspec weight_bits must be 4 or None, got {self.weight_bits!r}")
     if self.weight_group % 2:
       raise InputError(f"quantspec weight_group must be even, got {self.weight_group}")
+    if self.weight_layout not in LAYOUTS:
+      raise InputError(f"quantspec weight_layout must be one of {LAYOUTS}, "
+                       f"got {self.weight_layout!r}")
 
   @property
   def tokens_per_forward(self) -> int:
@@ -114,13 +135,22 @@ class QuantSpec:
     if self.verify_precision == "int8":      # the codes replace the dense cache
       empty = tuple(x[:, :, :0] for x in cache.k)
       cache = KVCache(k=empty, v=tuple(x[:, :, :0] for x in cache.v), lengths=cache.lengths)
-    draft = quantize_params(params, self.weight_group) if self.weight_bits == 4 else None
-    zeros = jnp.zeros((b,), jnp.int32)
+    draft = (quantize_params(params, self.weight_group, self.weight_layout)
+             if self.weight_bits == 4 else None)
+    # Two arrays, not one shared leaf: a state whose leaves alias cannot be donated.
     return state.replace(cache=cache, extras=QuantSpecExtras(
-        qcache=qcache, draft_params=draft, drafted=zeros, accepted_drafts=zeros))
+        qcache=qcache, draft_params=draft, drafted=jnp.zeros((b,), jnp.int32),
+        accepted_drafts=jnp.zeros((b,), jnp.int32)))
 
-  def _draft(self, cfg: ModelConfig, params: Params, state: DecodeState) -> jax.Array:
-    """[B, gamma] the draft's greedy tokens after the current one."""
+  def samples_drafts(self, sampling: SamplingConfig) -> bool:
+    """Whether the drafts are drawn from the draft's distribution (Leviathan) this run."""
+    return self.draft_sampling == "sample" and not sampling.greedy
+
+  def _draft(self, cfg: ModelConfig, params: Params, state: DecodeState, sampling: SamplingConfig,
+             uniforms: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+    """The draft's tokens after the current one, [B, gamma]: its argmax tokens (uniforms None), or
+    drawn with uniforms [B, gamma] from its processed distributions q, also returned
+    ([B, gamma, V] fp32; None for argmax drafts)."""
     x: QuantSpecExtras = state.extras
     b, g = state.batch_size, self.gamma
     draft_params = params if x.draft_params is None else x.draft_params
@@ -130,22 +160,28 @@ class QuantSpec:
     scratch = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # [B, gamma, Hkv, D]
     plan_mask = jnp.ones((1, 1), bool)
 
+    def put(buf, new, i):   # buf [B, gamma, ...] <- new [B, 1, ...] at slot i
+      return jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), i, axis=1)
+
     def body(i, carry):
-      tok, ek, ev, drafts = carry                                           # tok [B, 1]
+      tok, ek, ev, drafts, q = carry                                        # tok [B, 1]
       view = QuantView(x.qcache, ek, ev, jnp.full((b,), i, jnp.int32), bits=4)
       plan = AttentionPlan(plan_mask, (Segment(view, 0, 1),))
       logits, kv = forward(cfg, draft_params, tok, (n0 + i)[:, None], state.cache, plan)
-      nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)             # [B]
-      def put(buf, new):   # buf [B, gamma, Hkv, D] <- new [B, 1, Hkv, D] at slot i
-        return jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), i, axis=1)
+      if uniforms is None:
+        nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)           # [B]
+      else:
+        qi = probabilities(logits[:, 0], sampling)                          # [B, V]
+        nxt = draw_from(qi, jax.lax.dynamic_index_in_dim(uniforms, i, axis=1, keepdims=False))
+        q = put(q, qi[:, None], i)
+      ek = tuple(put(e, k, i) for e, k in zip(ek, kv.k))
+      ev = tuple(put(e, v, i) for e, v in zip(ev, kv.v))
+      return nxt[:, None], ek, ev, put(drafts, nxt[:, None], i), q
 
-      ek = tuple(map(put, ek, kv.k))
-      ev = tuple(map(put, ev, kv.v))
-      drafts = jax.lax.dynamic_update_slice_in_dim(drafts, nxt[:, None], i, axis=1)
-      return nxt[:, None], ek, ev, drafts
-
-    init = (state.last_tokens(), scratch, scratch, jnp.zeros((b, g), jnp.int32))
-    return jax.lax.fori_loop(0, g, body, init)[3]
+    q0 = None if uniforms is None else jnp.zeros((b, g, cfg.vocab_size), jnp.float32)
+    init = (state.last_tokens(), scratch, scratch, jnp.zeros((b, g), jnp.int32), q0)
+    _, _, _, drafts, q = jax.lax.fori_loop(0, g, body, init)
+    return drafts, q
 
   def verify_plan(self, qcache: qkv.QuantizedCache) -> AttentionPlan:
     t = self.gamma + 1
@@ -154,18 +190,31 @@ class QuantSpec:
     plan = causal_plan(t)
     return AttentionPlan(plan.inflight_mask, (Segment(QuantView(qcache, bits=8), 0, t),))
 
+  def _verify(self, logits: jax.Array, drafts: jax.Array, q: jax.Array | None,
+              active: jax.Array, step_keys: jax.Array, uniforms: jax.Array | None,
+              sampling: SamplingConfig) -> Verdict:
+    """logits [B, gamma + 1, V] of the verify forward; drafts [B, gamma]; q [B, gamma, V] (sampled
+    drafts) or None; active [B]; uniforms [B, gamma + 1] (sampled drafts) or None."""
+    if q is None:
+      return verify(logits[:, 0], drafts[:, None], active[:, None], logits[:, None, 1:],
+                    step_keys, sampling)
+    return verify_drafted(probabilities(logits, sampling), drafts, q, active, uniforms)
+
   def step(self, cfg: ModelConfig, params: Params, state: DecodeState,
            ctx: StepContext) -> DecodeState:
     x: QuantSpecExtras = state.extras
     g = self.gamma
     active = ~state.done                                                    # [B]
-    drafts = self._draft(cfg, params, state)                                # [B, gamma]
+    keys, step_keys = split_keys(state.keys)
+    draft_u = verify_u = None
+    if self.samples_drafts(ctx.sampling):   # one draw: gamma drafts, gamma tests, the last token
+      uniforms = jax.vmap(lambda k: jax.random.uniform(k, (2 * g + 1,)))(step_keys)
+      draft_u, verify_u = uniforms[:, :g], uniforms[:, g:]                  # [B, g], [B, g + 1]
+    drafts, q = self._draft(cfg, params, state, ctx.sampling, draft_u)      # [B, gamma]
     tokens = jnp.concatenate([state.last_tokens(), drafts], axis=1)         # [B, gamma + 1]
     positions = x.qcache.lengths[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None]
     logits, kv = forward(cfg, params, tokens, positions, state.cache, self.verify_plan(x.qcache))
-    keys, step_keys = split_keys(state.keys)
-    verdict = verify(logits[:, 0], drafts[:, None], active[:, None], logits[:, None, 1:],
-                     step_keys, ctx.sampling)
+    verdict = self._verify(logits, drafts, q, active, step_keys, verify_u, ctx.sampling)
     state = finish_step(state.replace(keys=keys))
     state, appended = append_tokens(state, verdict.tokens, verdict.num_tokens, ctx.stop_ids)
     accepted = jnp.maximum(jnp.minimum(verdict.accepted, appended - 1), 0)
@@ -186,6 +235,7 @@ class QuantSpec:
         "acceptance_rate": round(int(np.sum(accepted)) / proposed, 4) if proposed else 0.0,
         "accepted_drafts_per_step": round(int(np.sum(accepted)) / steps, 4) if steps else 0.0,
         "gamma": self.gamma, "verify_precision": self.verify_precision,
+        "draft_sampling": self.draft_sampling,
         "quant_group": self.quant_group,
         "quantized_cache_bytes": qc.num_bytes(),
         "dense_cache_bytes": state.cache.num_bytes(),

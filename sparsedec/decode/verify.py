@@ -24,6 +24,14 @@ independent uniforms; the first success wins (the same law as trying one after t
 Greedy (temperature 0) is the special case where p is one-hot on the argmax: the longest candidate
 prefix that matches the model's argmax tokens is accepted. `verify_greedy` computes it directly
 (no random draws); `verify_sampled` with one-hot distributions gives the same tokens.
+
+Sampled drafts (`verify_drafted`, Leviathan et al. 2023, one chain d_1 .. d_L drawn from a draft
+model's distributions q_1 .. q_L): d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i));
+at the first rejection the token is drawn from the residual norm(max(0, p_i - q_i)); when all L
+are accepted a bonus token is drawn from p_{L+1}. Each emitted token is distributed as p_i:
+P(x) = q(x) min(1, p(x)/q(x)) + (1 - sum_y min(q(y), p(y))) max(0, p(x) - q(x)) / Z
+     = min(q(x), p(x)) + max(0, p(x) - q(x)) = p(x), since Z = sum_y max(0, p(y) - q(y)) is the
+rejection probability. One-hot q (deterministic guesses) reduces to `verify_sampled`'s rule.
 """
 
 from __future__ import annotations
@@ -144,3 +152,41 @@ def verify(root_logits: jax.Array, cand_tokens: jax.Array, cand_valid: jax.Array
     return verify_greedy(root_logits, cand_tokens, cand_valid, cand_logits)
   return verify_sampled(root_logits, cand_tokens, cand_valid, cand_logits, keys,
                         lambda logits: probabilities(logits, sampling))
+
+
+def speculative_accept(p: jax.Array, q: jax.Array, token: jax.Array
+                       ) -> tuple[jax.Array, jax.Array]:
+  """One Leviathan accept/residual step (module docstring). p, q [..., V]: the target's and the
+  draft's distributions; token [...] int: the draft's token, drawn from q.
+
+  Returns the acceptance probability min(1, p(t) / q(t)) [...] (1 where q(t) = 0 < p(t), 0 where
+  both are 0) and the residual norm(max(0, p - q)) [..., V], which is p where p - q has no positive
+  mass (then p == q and a rejection has probability 0)."""
+  pt = jnp.take_along_axis(p, token[..., None], axis=-1)[..., 0]
+  qt = jnp.take_along_axis(q, token[..., None], axis=-1)[..., 0]
+  alpha = jnp.where(qt > 0, jnp.minimum(1.0, pt / jnp.where(qt > 0, qt, 1.0)),
+                    (pt > 0).astype(p.dtype))
+  excess = jnp.maximum(p - q, 0.0)
+  total = jnp.sum(excess, axis=-1, keepdims=True)
+  residual = jnp.where(total > 0, excess / jnp.where(total > 0, total, 1.0), p)
+  return alpha, residual
+
+
+def verify_drafted(target_probs: jax.Array, drafts: jax.Array, draft_probs: jax.Array,
+                   valid: jax.Array, uniforms: jax.Array) -> Verdict:
+  """Speculative sampling of one drafted chain (module docstring).
+
+  target_probs [B, L+1, V]: p_1 .. p_{L+1}, the target after the current token and after each
+  draft; drafts [B, L] with drafts[:, i] drawn from draft_probs[:, i] ([B, L, V], q_{i+1});
+  valid [B] (an invalid row accepts nothing); uniforms [B, L+1] in [0, 1), independent of the
+  drafts: L acceptance tests, then the draw of the last token (inverse CDF).
+  """
+  b, length = drafts.shape
+  # alpha [B, L], residual [B, L, V]
+  alpha, residual = speculative_accept(target_probs[:, :-1], draft_probs, drafts)
+  ok = (uniforms[:, :length] < alpha) & valid[:, None]
+  accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)           # [B]
+  finals = jnp.concatenate([residual, target_probs[:, -1:]], axis=1)              # [B, L+1, V]
+  final = jnp.take_along_axis(finals, accepted[:, None, None], axis=1)[:, 0]      # [B, V]
+  last = draw_from(final, uniforms[:, length])
+  return _emit(drafts[:, None], jnp.zeros((b,), jnp.int32), accepted, last)

@@ -5,17 +5,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sparsedec.model.quant_weights import QuantWeight
+from sparsedec.model.quant_weights import QuantWeight, quant_matmul
 
 
 def linear(x: jax.Array, w) -> jax.Array:
   """x [..., In] @ w [In, Out] in x's dtype with fp32 accumulation (full fp32 precision on GPU).
 
-  w may be a `quant_weights.QuantWeight` (4-bit): dequantized, then multiplied (the reference
-  W4A16 matmul)."""
-  if isinstance(w, QuantWeight):
-    w = w.dequantize(x.dtype)
+  w may be a `quant_weights.QuantWeight` (4-bit, W4A16): multiplied as its layout says ("packed":
+  dequantized, then multiplied, the reference; "int4": the dequantization fused into the dot's
+  operand; "int4_grouped": per-group dots on the codes, scaled after; "int4_reduce": a fused
+  multiply-and-sum, the GEMV form)."""
   precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+  if isinstance(w, QuantWeight):
+    return quant_matmul(x, w, precision)
   return jnp.dot(x, w.astype(x.dtype), precision=precision)
 
 

@@ -4,51 +4,109 @@ A weight w [In, Out] (x @ w convention) is cut into groups of `group` consecutiv
 (In zero-padded up to a multiple of the group); each (group, output column) gets an asymmetric
 round-to-nearest grid: zero z = group min, step s = (max - z) / 15 (1 for a constant group),
 code c = clip(round((w - z) / s), 0, 15), w ~ z + c * s. Scales and zeros are stored in fp16
-(rounded like the KV quantizer: zero down, step up, so no code ever clips); codes are packed two
-per byte along In (row 2i in the low nibble, row 2i + 1 in the high one).
+(rounded like the KV quantizer: zero down, step up, so no code ever clips).
 
-`linear` (sparsedec.model.linear) dequantizes a `QuantWeight` and multiplies: the reference
-W4A16 matmul. A params pytree from `quantize_params` is a drop-in for the forward. Quantized:
-wqkv, wo, w_gate_up, w_down of every layer; embeddings, lm_head, norms and biases stay as they
-are (the paper quantizes the transformer's linear layers; the vocabulary projection is a small
-share of a large model's bytes and the most sensitive to rounding).
+Code storage (`QuantWeight.layout`; every layout holds the same codes, scales and zeros, so the
+dequantized values are bit-identical, and `to_layout` converts between them exactly):
+  * "packed": uint8 [In_pad / 2, Out], two codes per byte along In (row 2i in the low nibble,
+    row 2i + 1 in the high one). `linear` dequantizes the whole weight, then multiplies (the
+    reference W4A16 matmul; on a GPU XLA materialises the bf16 weight first).
+  * "int4": jnp.int4 [In_pad, Out] holding c - 8 (XLA packs 4-bit arrays two per byte: the same
+    bytes). `linear` writes the dequantization as an elementwise function of the int4 operand
+    ((c + 8) * s + z, the scales broadcast over each group's rows), which XLA:GPU can fuse into
+    the GEMM's operand load (its Triton GEMM takes int4 operands).
+  * "int4_grouped": the "int4" storage, multiplied per group: y = sum_g s_g * (x_g @ (c - 8)_g)
+    + sum_g (z_g + 8 s_g) * sum(x_g), so the dot's operand is a bare int4 -> bf16 convert (the
+    most fusable form) and the scales apply to the [groups, M, Out] fp32 partial products. Not
+    bit-identical to dequantize-then-multiply (no bf16 rounding of the weight), just as exact.
+  * "int4_reduce": the "int4" storage, multiplied as an elementwise product with x summed over In
+    (fp32): for the draft's GEMV (M = batch rows) XLA emits one reduction kernel that reads the
+    codes once instead of materialising the bf16 weight (measured: benchmarks/NOTES.md).
+
+A params pytree from `quantize_params` is a drop-in for the forward. Quantized: wqkv, wo,
+w_gate_up, w_down of every layer; embeddings, lm_head, norms and biases stay as they are (the paper
+quantizes the transformer's linear layers; the vocabulary projection is a small share of a large
+model's bytes and the most sensitive to rounding).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from sparsedec.errors import InputError
 
 QUANTIZED_LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
 META_DTYPE = jnp.float16
+LAYOUTS = ("packed", "int4", "int4_grouped", "int4_reduce")
+CODE_OFFSET = 8          # int4 layouts store c - 8 in [-8, 7]
 
 
 @struct.dataclass
 class QuantWeight:
-  codes: jax.Array   # [In_pad / 2, Out] uint8: rows 2i (low nibble) and 2i + 1 (high nibble)
+  codes: jax.Array   # "packed": [In_pad / 2, Out] uint8; "int4*": [In_pad, Out] int4 (c - 8)
   scale: jax.Array   # [In_pad / G, Out] fp16
   zero: jax.Array    # [In_pad / G, Out] fp16
   in_features: int = struct.field(pytree_node=False)
   group: int = struct.field(pytree_node=False)
+  layout: str = struct.field(pytree_node=False, default="packed")
 
   @property
   def shape(self) -> tuple[int, int]:
     return (self.in_features, self.codes.shape[1])
 
+  @property
+  def in_padded(self) -> int:
+    return self.scale.shape[0] * self.group
+
+  def unsigned_codes(self) -> jax.Array:
+    """[In_pad, Out] int32 codes c in [0, 15]."""
+    if self.layout == "packed":
+      c = self.codes.astype(jnp.int32)
+      return jnp.stack([c & 15, c >> 4], axis=1).reshape(-1, c.shape[1])
+    return self.codes.astype(jnp.int32) + CODE_OFFSET
+
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """[In, Out] in `dtype` (computed in fp32)."""
-    c = self.codes.astype(jnp.int32)
-    codes = jnp.stack([c & 15, c >> 4], axis=1).reshape(-1, c.shape[1])     # [In_pad, Out]
     scale = jnp.repeat(self.scale.astype(jnp.float32), self.group, axis=0)
     zero = jnp.repeat(self.zero.astype(jnp.float32), self.group, axis=0)
-    w = codes.astype(jnp.float32) * scale + zero
+    w = self.unsigned_codes().astype(jnp.float32) * scale + zero
     return w[: self.in_features].astype(dtype)
 
+  def to_layout(self, layout: str) -> "QuantWeight":
+    """The same quantized weight stored as `layout` (exact)."""
+    _check_layout(layout)
+    if layout == self.layout:
+      return self
+    if "packed" not in (layout, self.layout):      # int4 <-> int4_grouped: the same arrays
+      return self.replace(layout=layout)
+    c = self.unsigned_codes()
+    return self.replace(codes=_store_codes(c, layout), layout=layout)
+
   def num_bytes(self) -> int:
-    return sum(x.size * x.dtype.itemsize for x in (self.codes, self.scale, self.zero))
+    return sum(array_bytes(x) for x in (self.codes, self.scale, self.zero))
+
+
+def array_bytes(x) -> int:
+  """Bytes of an array as the device stores it (4-bit dtypes: two values per byte)."""
+  bits = 4 if jnp.dtype(x.dtype) in (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4)) else \
+      8 * jnp.dtype(x.dtype).itemsize
+  return -(-int(np.prod(x.shape)) * bits // 8)
+
+
+def _check_layout(layout: str) -> None:
+  if layout not in LAYOUTS:
+    raise InputError(f"weight layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def _store_codes(c: jax.Array, layout: str) -> jax.Array:
+  """Codes c [In_pad, Out] (any int dtype, values in [0, 15]) in `layout`'s storage."""
+  if layout == "packed":
+    c = c.astype(jnp.uint8)
+    return c[0::2] | (c[1::2] << 4)
+  return (c.astype(jnp.int8) - CODE_OFFSET).astype(jnp.int4)
 
 
 def _to_meta(x: jax.Array, direction: int) -> jax.Array:
@@ -59,12 +117,13 @@ def _to_meta(x: jax.Array, direction: int) -> jax.Array:
   return jnp.where(off, jnp.nextafter(r, toward), r)
 
 
-def quantize_weight(w: jax.Array, group: int = 128) -> QuantWeight:
+def quantize_weight(w: jax.Array, group: int = 128, layout: str = "packed") -> QuantWeight:
   """w [In, Out] -> QuantWeight (4-bit, asymmetric RTN, groups of `group` input rows)."""
   if w.ndim != 2:
     raise InputError(f"a weight to quantize must be [In, Out], got shape {w.shape}")
   if not isinstance(group, int) or group < 2 or group % 2:
     raise InputError(f"weight quant group must be an even integer >= 2, got {group!r}")
+  _check_layout(layout)
   n_in, n_out = w.shape
   pad = -n_in % group
   wf = jnp.pad(w.astype(jnp.float32), ((0, pad), (0, 0)))
@@ -76,17 +135,86 @@ def quantize_weight(w: jax.Array, group: int = 128) -> QuantWeight:
   step = jnp.where(step > 0, step, jnp.ones_like(step))
   c = jnp.round((grouped - zero.astype(jnp.float32)[:, None]) / step.astype(jnp.float32)[:, None])
   c = jnp.clip(c, 0, 15).astype(jnp.uint8).reshape(-1, n_out)              # [In_pad, Out]
-  packed = c[0::2] | (c[1::2] << 4)
-  return QuantWeight(codes=packed, scale=step, zero=zero, in_features=n_in, group=group)
+  return QuantWeight(codes=_store_codes(c, layout), scale=step, zero=zero, in_features=n_in,
+                     group=group, layout=layout)
 
 
-def quantize_params(params: dict, group: int = 128) -> dict:
+def _pad_inputs(x: jax.Array, w: QuantWeight) -> jax.Array:
+  """x [..., In] zero-padded to [..., In_pad] (the padded rows of w are finite: no effect)."""
+  pad = w.in_padded - w.in_features
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) if pad else x
+
+
+def _int4_dequant_matmul(x: jax.Array, w: QuantWeight, precision) -> jax.Array:
+  """x [..., In] @ w ("int4"): the dequantization as an elementwise function of the int4 codes
+  (fusable into the dot's operand); the same values as dequantize()."""
+  n_groups, n_out = w.scale.shape
+  c = w.codes.reshape(n_groups, w.group, n_out)                            # [In/G, G, Out] int4
+  wf = ((c.astype(jnp.float32) + CODE_OFFSET) * w.scale.astype(jnp.float32)[:, None]
+        + w.zero.astype(jnp.float32)[:, None])                             # [In/G, G, Out]
+  wx = wf.astype(x.dtype).reshape(w.in_padded, n_out)
+  return jnp.dot(_pad_inputs(x, w), wx, precision=precision)
+
+
+def _int4_grouped_matmul(x: jax.Array, w: QuantWeight, precision) -> jax.Array:
+  """x [..., In] @ w ("int4_grouped"): per-group dots on the bare int4 codes, scaled after
+  (module docstring). fp32 accumulation; the result in x's dtype."""
+  n_groups, n_out = w.scale.shape
+  lead = x.shape[:-1]
+  xg = _pad_inputs(x, w).reshape(-1, n_groups, w.group)                    # [M, In/G, G]
+  c = w.codes.reshape(n_groups, w.group, n_out).astype(x.dtype)           # [In/G, G, Out]
+  if jax.default_backend() == "cpu" and x.dtype != jnp.float32:
+    xg, c = xg.astype(jnp.float32), c.astype(jnp.float32)   # XLA:CPU: no bf16 x bf16 -> fp32
+  part = jnp.einsum("mgi,gio->gmo", xg, c, precision=precision,
+                    preferred_element_type=jnp.float32)                    # [In/G, M, Out]
+  scale = w.scale.astype(jnp.float32)                                      # [In/G, Out]
+  offset = w.zero.astype(jnp.float32) + CODE_OFFSET * scale                # [In/G, Out]
+  xsum = xg.astype(jnp.float32).sum(-1)                                    # [M, In/G]
+  y = jnp.einsum("gmo,go->mo", part, scale) + jnp.dot(xsum, offset, precision=precision)
+  return y.astype(x.dtype).reshape(*lead, n_out)
+
+
+def _int4_reduce_matmul(x: jax.Array, w: QuantWeight, precision) -> jax.Array:
+  """x [..., In] @ w ("int4_reduce"), for the draft's few rows (GEMV): a multiply-and-sum over In
+  of x against the dequantized codes, written elementwise so that XLA emits ONE reduction kernel
+  that reads the 4-bit codes once and never materialises the bf16 weight (a dot would). The
+  weight values equal dequantize()'s; fp32 products and sums."""
+  del precision                                                  # fp32 elementwise throughout
+  n_groups, n_out = w.scale.shape
+  lead = x.shape[:-1]
+  xg = _pad_inputs(x, w).astype(jnp.float32).reshape(-1, n_groups, w.group)   # [M, In/G, G]
+  c = w.codes.reshape(n_groups, w.group, n_out)                           # [In/G, G, Out] int4
+  wf = ((c.astype(jnp.float32) + CODE_OFFSET) * w.scale.astype(jnp.float32)[:, None]
+        + w.zero.astype(jnp.float32)[:, None])                            # [In/G, G, Out]
+  y = jnp.sum(xg[:, :, :, None] * wf[None], axis=(1, 2))                  # [M, Out]
+  return y.astype(x.dtype).reshape(*lead, n_out)
+
+
+def quant_matmul(x: jax.Array, w: QuantWeight, precision=None) -> jax.Array:
+  """x [..., In] @ w [In, Out] for a QuantWeight, by its layout (module docstring)."""
+  if w.layout == "packed":
+    return jnp.dot(x, w.dequantize(x.dtype), precision=precision)
+  if w.layout == "int4":
+    return _int4_dequant_matmul(x, w, precision)
+  if w.layout == "int4_reduce":
+    return _int4_reduce_matmul(x, w, precision)
+  return _int4_grouped_matmul(x, w, precision)
+
+
+def quantize_params(params: dict, group: int = 128, layout: str = "packed") -> dict:
   """A copy of the params pytree with every layer's linear weights as QuantWeight."""
-  layers = [{name: quantize_weight(x, group) if name in QUANTIZED_LINEARS else x
+  layers = [{name: quantize_weight(x, group, layout) if name in QUANTIZED_LINEARS else x
              for name, x in lp.items()} for lp in params["layers"]]
   return {**params, "layers": layers}
 
 
+def params_to_layout(params: dict, layout: str) -> dict:
+  """The params pytree with every QuantWeight stored as `layout` (exact)."""
+  return jax.tree.map(lambda x: x.to_layout(layout) if isinstance(x, QuantWeight) else x, params,
+                      is_leaf=lambda x: isinstance(x, QuantWeight))
+
+
 def weights_bytes(params: dict) -> int:
-  """Bytes of a params pytree (QuantWeight leaves count their codes and scales)."""
-  return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+  """Bytes of a params pytree (QuantWeight leaves count their codes and scales; 4-bit arrays
+  half a byte per value)."""
+  return sum(array_bytes(x) for x in jax.tree_util.tree_leaves(params))

@@ -1,0 +1,162 @@
+"""Tiling sweep of `quant_attention` against `decode_attention`, one run, one device (GPU).
+
+The issue-3 shape (Hq = 32, Hkv = 8, D = 128, bf16, B = 1, Tq = 1) at one context S: the bf16
+decode_attention call, then quant_attention at 4 and 8 bits for each tiling in the grid
+(block_kv x num_stages x target_blocks x share_dequant), each timed whole (kernel + jnp combine) and as the
+kernel alone (`_quant_partials`), next to the device read bandwidth measured in the same run.
+`--module` names an alternative implementation (e.g. the previous kernel saved to a file) to
+time beside the current one. Writes JSON incrementally.
+
+  python benchmarks/quant_sweep.py --seq 65536 --out $OUT/quant_sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import itertools
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._timing import read_bandwidth, time_loop, write_json  # noqa: E402
+from pallas_kernels import quant_attention as qa  # noqa: E402
+from pallas_kernels.decode_attention import decode_attention  # noqa: E402
+
+HQ, HKV, D, GROUP, RECENT, RECENT_CAPACITY = 32, 8, 128, 128, 192, 256
+
+
+def _normal(key, shape):
+  return jax.random.normal(jax.random.key(key), shape, jnp.float32).astype(jnp.bfloat16)
+
+
+def _inputs(b: int, s: int):
+  k = _normal(1, (b, HKV, s, D))                                     # [B, Hkv, S, D]
+  v = _normal(2, (b, HKV, s, D))
+  qkv = qa.quantize_kv(k, v, group=GROUP)
+  x = dict(q=_normal(3, (b, 1, HQ, D)), k_new=_normal(4, (b, 1, HKV, D)),
+           v_new=_normal(5, (b, 1, HKV, D)), mask=jnp.ones((1, 1), bool),
+           k_full=_normal(6, (b, HKV, RECENT_CAPACITY, D)),
+           v_full=_normal(7, (b, HKV, RECENT_CAPACITY, D)))
+  return k, v, qkv, x
+
+
+def _load_module(path: str):
+  spec = importlib.util.spec_from_file_location("alt_quant_attention", path)
+  mod = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = mod              # dataclasses look their module up while defined
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--seq", type=int, default=65536)
+  p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--block-kv", default="64,128")
+  p.add_argument("--stages", default="2,3")
+  p.add_argument("--target-blocks", default="132,264,528")
+  p.add_argument("--bits", default="4,8")
+  p.add_argument("--share", default="1,0", help="share_dequant values (1: one K/V buffer)")
+  p.add_argument("--calls", type=int, default=200)
+  p.add_argument("--module", help="another quant_attention.py to time with its default config")
+  p.add_argument("--interpret", action="store_true", help="CPU dry run (Mosaic interpreter)")
+  p.add_argument("--out", required=True)
+  a = p.parse_args(argv)
+  b, s = a.batch, a.seq
+  t0 = time.time()
+  res = dict(device=str(jax.devices()[0].device_kind), B=b, S=s, Tq=1, Hq=HQ, Hkv=HKV, D=D,
+             group=GROUP, recent=RECENT, rows=[])
+
+  def save():
+    write_json(a.out, res)
+
+  ip = plgpu.InterpretGPUParams() if a.interpret else None
+  res["read_bandwidth"] = read_bandwidth(2e7 if a.interpret else 4 * 2 ** 30)
+  bw = res["read_bandwidth"]["gb_per_s"] * 1e9
+  save()
+  k, v, qkv, x = _inputs(b, s)
+  lengths = jnp.full((b,), s, jnp.int32)
+  lq = jnp.full((b,), s - RECENT, jnp.int32)
+  lf = jnp.full((b,), RECENT, jnp.int32)
+
+  def record(row, t, nbytes):
+    row.update(us=round(t["min_s"] * 1e6, 2), median_us=round(t["median_s"] * 1e6, 2),
+               bytes=nbytes, gb_per_s=round(nbytes / t["min_s"] / 1e9, 1),
+               frac_read_bw=round(nbytes / t["min_s"] / bw, 3))
+    res["rows"].append(row)
+    print(row, flush=True)
+    save()
+
+  dense_bytes = 2 * b * HKV * s * D * 2
+  fn = jax.jit(lambda q, k, v, lengths, kn, vn, m: decode_attention(q, k, v, lengths, kn, vn, m,
+                                                                     interpret=ip))
+  t = time_loop(fn, x["q"], k, v, lengths, x["k_new"], x["v_new"], x["mask"], num_calls=a.calls)
+  record(dict(impl="decode_attention"), t, dense_bytes)
+  decode_us = res["rows"][-1]["us"]
+
+  def quant_bytes(bits):
+    return b * HKV * ((s - RECENT) * qa.bytes_per_token(D, bits, GROUP) + RECENT * D * 2 * 2)
+
+  impls = [("current", qa)]
+  if a.module:
+    impls.append((os.path.basename(a.module), _load_module(a.module)))
+  bits_list = [int(x) for x in a.bits.split(",")]
+  for name, mod in impls:
+    if name != "current":
+      for bits in bits_list:
+        f = jax.jit(functools.partial(mod.quant_attention, bits=bits, interpret=ip))
+        args = (qkv, lq, x["k_full"], x["v_full"], lf, x["k_new"], x["v_new"], x["mask"])
+        try:
+          t = time_loop(f, x["q"], *args, num_calls=a.calls)
+          record(dict(impl=name, bits=bits, part="call"), t, quant_bytes(bits))
+        except Exception as e:  # noqa: BLE001 - record and go on
+          res["rows"].append(dict(impl=name, bits=bits, error=repr(e)[:500]))
+      continue
+    grid = itertools.product([int(x) for x in a.block_kv.split(",")],
+                             [int(x) for x in a.stages.split(",")],
+                             [int(x) for x in a.target_blocks.split(",")],
+                             [bool(int(x)) for x in a.share.split(",")], bits_list)
+    for bkv, stages, tb, share, bits in grid:
+      cfg = qa.QuantAttentionConfig(block_kv=bkv, num_stages=stages, target_blocks=tb,
+                                    share_dequant=share)
+      base = dict(impl=name, bits=bits, block_kv=bkv, num_stages=stages, target_blocks=tb,
+                  share_dequant=share)
+      f = jax.jit(functools.partial(qa.quant_attention, bits=bits, config=cfg,
+                                      interpret=ip))
+      args = (qkv, lq, x["k_full"], x["v_full"], lf, x["k_new"], x["v_new"], x["mask"])
+      try:
+        out = f(x["q"], *args)
+        ref = qa.quant_attention_reference(x["q"].astype(jnp.float32), qkv, bits, lq,
+                                           x["k_full"], x["v_full"], lf, x["k_new"],
+                                           x["v_new"], x["mask"])
+        err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
+        t = time_loop(f, x["q"], *args, num_calls=a.calls)
+        record(dict(base, part="call", max_abs_err=err,
+                    speedup_vs_decode=round(decode_us / (t["min_s"] * 1e6), 3)),
+               t, quant_bytes(bits))
+        q_halves = jnp.zeros((b, HKV, 2, 64, D // 2), jnp.bfloat16)
+        ns = qa._num_splits(cfg, b, HKV, 1, s)
+        kern = jax.jit(functools.partial(qa._quant_partials, bits=bits, rows_out=8,
+                                         num_splits=ns, cfg=cfg, interpret=ip))
+        t = time_loop(lambda qh, qkv, lq: kern(qh, qkv, lq)[1], q_halves, qkv, lq,
+                      num_calls=a.calls)
+        record(dict(base, part="kernel_only", num_splits=ns), t,
+               b * HKV * (s - RECENT) * qa.bytes_per_token(D, bits, GROUP))
+      except Exception as e:  # noqa: BLE001 - record and go on
+        res["rows"].append(dict(base, error=repr(e)[:500]))
+        print(base, repr(e)[:300], flush=True)
+        save()
+  res["seconds"] = round(time.time() - t0, 1)
+  save()
+
+
+if __name__ == "__main__":
+  main()
