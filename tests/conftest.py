@@ -54,3 +54,17 @@ def smollm2_gguf() -> pathlib.Path:
   if not path.is_file():
     hf_harness.unavailable(f"SmolLM2 GGUF not found at {path} (set SPARSEDEC_SMOLLM2_GGUF)")
   return path
+
+
+@pytest.fixture(scope="module")
+def stories():
+  """(cfg, params, tokenizer) of the embedded stories260K checkpoint (fp32)."""
+  from sparsedec.weights.checkpoint import load_model
+  return load_model(STORIES_HF)
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+  """(cfg, params, tokenizer) of SmolLM2-135M-Instruct from its GGUF, in fp32."""
+  from sparsedec.weights.gguf_file import load_gguf
+  return load_gguf(smollm2_gguf, dtype="float32")

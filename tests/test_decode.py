@@ -16,7 +16,6 @@ from sparsedec.model.config import ModelConfig, RopeScaling
 from sparsedec.model.forward import forward
 from sparsedec.model.params import init_random
 
-from conftest import STORIES_HF as STORIES
 
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
             num_kv_heads=2, head_dim=8, max_position_embeddings=512)
@@ -41,13 +40,6 @@ def recompute_greedy(cfg, params, prompt, n):
                     causal_plan(width))
     seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
   return seq[len(prompt):]
-
-
-@pytest.fixture(scope="module")
-def stories():
-  from sparsedec.weights.checkpoint import load_model
-  cfg, params, tok = load_model(STORIES)
-  return cfg, params, tok
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

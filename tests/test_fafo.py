@@ -27,18 +27,6 @@ POLICIES = {
 }
 
 
-@pytest.fixture(scope="module")
-def stories():
-  from sparsedec.weights.checkpoint import load_model
-  return load_model("checkpoints/stories260K")
-
-
-@pytest.fixture(scope="module")
-def smollm2(smollm2_gguf):
-  from sparsedec.weights.gguf_file import load_gguf
-  return load_gguf(smollm2_gguf, dtype="float32")
-
-
 def test_layout_masks_follow_the_paper():
   n, k, m = 3, 2, 2
   mask, offsets = fafo_layout(n, k, m)

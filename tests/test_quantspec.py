@@ -37,18 +37,6 @@ LAYERS, B, HKV, D, CAP = 2, 2, 2, 8, 64
 METHOD = QuantSpec(gamma=3, quant_group=8, weight_group=32)   # stories260K: head_dim 8
 
 
-@pytest.fixture(scope="module")
-def stories():
-  from sparsedec.weights.checkpoint import load_model
-  return load_model("checkpoints/stories260K")
-
-
-@pytest.fixture(scope="module")
-def smollm2(smollm2_gguf):
-  from sparsedec.weights.gguf_file import load_gguf
-  return load_gguf(smollm2_gguf, dtype="float32")
-
-
 # ------------------------------------------------------------------------------------------------
 # The quantized cache.
 # ------------------------------------------------------------------------------------------------
