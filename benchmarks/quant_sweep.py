@@ -2,7 +2,7 @@
 
 The issue-3 shape (Hq = 32, Hkv = 8, D = 128, bf16, B = 1, Tq = 1) at one context S: the bf16
 decode_attention call, then quant_attention at 4 and 8 bits for each tiling in the grid
-(block_kv x num_stages x target_blocks x share_dequant), each timed whole (kernel + jnp combine) and as the
+(num_stages x target_blocks), each timed whole (kernel + jnp combine) and as the
 kernel alone (`_quant_partials`), next to the device read bandwidth measured in the same run.
 `--module` names an alternative implementation (e.g. the previous kernel saved to a file) to
 time beside the current one. Writes JSON incrementally.
@@ -60,11 +60,9 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--seq", type=int, default=65536)
   p.add_argument("--batch", type=int, default=1)
-  p.add_argument("--block-kv", default="64,128")
-  p.add_argument("--stages", default="2,3")
-  p.add_argument("--target-blocks", default="132,264,528")
+  p.add_argument("--stages", default="2,4")
+  p.add_argument("--target-blocks", default="264,528,1056")
   p.add_argument("--bits", default="4,8")
-  p.add_argument("--share", default="1,0", help="share_dequant values (1: one K/V buffer)")
   p.add_argument("--calls", type=int, default=200)
   p.add_argument("--module", help="another quant_attention.py to time with its default config")
   p.add_argument("--interpret", action="store_true", help="CPU dry run (Mosaic interpreter)")
@@ -113,22 +111,20 @@ def main(argv=None):
     if name != "current":
       for bits in bits_list:
         f = jax.jit(functools.partial(mod.quant_attention, bits=bits, interpret=ip))
-        args = (qkv, lq, x["k_full"], x["v_full"], lf, x["k_new"], x["v_new"], x["mask"])
+        # The other module's own storage layout.
+        args = (mod.quantize_kv(k, v, group=GROUP), lq, x["k_full"], x["v_full"], lf, x["k_new"], x["v_new"], x["mask"])
         try:
           t = time_loop(f, x["q"], *args, num_calls=a.calls)
           record(dict(impl=name, bits=bits, part="call"), t, quant_bytes(bits))
         except Exception as e:  # noqa: BLE001 - record and go on
           res["rows"].append(dict(impl=name, bits=bits, error=repr(e)[:500]))
       continue
-    grid = itertools.product([int(x) for x in a.block_kv.split(",")],
-                             [int(x) for x in a.stages.split(",")],
-                             [int(x) for x in a.target_blocks.split(",")],
-                             [bool(int(x)) for x in a.share.split(",")], bits_list)
-    for bkv, stages, tb, share, bits in grid:
-      cfg = qa.QuantAttentionConfig(block_kv=bkv, num_stages=stages, target_blocks=tb,
-                                    share_dequant=share)
-      base = dict(impl=name, bits=bits, block_kv=bkv, num_stages=stages, target_blocks=tb,
-                  share_dequant=share)
+    grid = itertools.product([int(x) for x in a.stages.split(",")],
+                             [int(x) for x in a.target_blocks.split(",")], bits_list)
+    for stages, tb, bits in grid:
+      cfg = qa.QuantAttentionConfig(num_stages=stages, target_blocks=tb)
+      base = dict(impl=name, bits=bits, block_kv=cfg.block_kv, num_stages=stages,
+                  target_blocks=tb)
       f = jax.jit(functools.partial(qa.quant_attention, bits=bits, config=cfg,
                                       interpret=ip))
       args = (qkv, lq, x["k_full"], x["v_full"], lf, x["k_new"], x["v_new"], x["mask"])
@@ -142,11 +138,12 @@ def main(argv=None):
         record(dict(base, part="call", max_abs_err=err,
                     speedup_vs_decode=round(decode_us / (t["min_s"] * 1e6), 3)),
                t, quant_bytes(bits))
-        q_halves = jnp.zeros((b, HKV, 2, 64, D // 2), jnp.bfloat16)
+        q_t = jnp.zeros((b, HKV, 1, D // 64, 64, 8), jnp.float32)     # [B,Hkv,NQB,D/64,64,N]
+        bias = jnp.zeros((b, HKV, 1, s // GROUP, 32), jnp.float32)
         ns = qa._num_splits(cfg, b, HKV, 1, s)
-        kern = jax.jit(functools.partial(qa._quant_partials, bits=bits, rows_out=8,
-                                         num_splits=ns, cfg=cfg, interpret=ip))
-        t = time_loop(lambda qh, qkv, lq: kern(qh, qkv, lq)[1], q_halves, qkv, lq,
+        kern = jax.jit(functools.partial(qa._quant_partials, bits=bits, num_splits=ns,
+                                         dtype=jnp.bfloat16, cfg=cfg, interpret=ip))
+        t = time_loop(lambda qt, qkv, lq, bias: kern(qt, qkv, lq, bias)[1], q_t, qkv, lq, bias,
                       num_calls=a.calls)
         record(dict(base, part="kernel_only", num_splits=ns), t,
                b * HKV * (s - RECENT) * qa.bytes_per_token(D, bits, GROUP))

@@ -16,28 +16,39 @@ residual x - z - u s4 at step s4 / 16; no clipping ever happens), so 16 u + l ==
 Groups: KEYS per channel over G = `group` consecutive tokens (scale, zero [B, Hkv, S/G, D]);
 VALUES per token over the D channels (scale, zero [B, Hkv, S]).
 
-Storage (`QuantKV`): codes [B, Hkv, 2, S, D/2] uint8 for K and for V. Plane 0 holds the upper
-nibbles, plane 1 the lower nibbles (stored as l + 8). In a plane, byte j of a token packs channel
-j (low nibble) and channel j + D/2 (high nibble), so one byte-tile unpacks by `& 15` and `>> 4`
-into the two column halves of the head dim, each a wgmma-ready [tokens, D/2] tile. A 4-bit read
-TMA-loads plane 0 only (D/2 bytes per token per tensor); an 8-bit read loads planes 0 and 1 in one
-copy. Scales and zeros are fp16 (finite K/V required: |x| < 65504).
+Storage (`QuantKV`), signed int4 (two codes per byte, jnp.int4), two planes per tensor:
+plane 0 holds u - 8, plane 1 holds l, both two's complement in [-8, 7], so INT8 = 16 * upper +
+lower with upper = plane0 + 8. A 4-bit read touches plane 0 only; an 8-bit read both.
+  k_codes [B, Hkv, 2, D/C, S, C]: (plane, channel chunk, token, channel), C = 64 channels
+          per chunk (C = D when D is not a multiple of 64), each chunk a wgmma-ready
+          [tokens, 64] tile;
+  v_codes [B, Hkv, 2, D, S]: (plane, channel, token) - channel-major, so a V tile is the
+          transposed [D, tokens] operand the kernel multiplies from registers.
+Scales and zeros are fp16 (finite K/V required: |x| < 65504).
 
-Kernel (`quant_attention`), grid (num_splits, Hkv * q_blocks, B), as decode_attention.py: one
-thread block per (split, KV head x q block, row) walks its share of the row's valid quantized
-tiles through a TMA ring that brings each tile's uint8 codes together with its scale/zero rows,
-dequantizes them in registers (integer nibble extraction, the exact int -> fp32 conversion by bit
-pattern, one fp32 FMA with the group's scale/zero, then bf16/fp16) into SMEM, and runs QK^T and PV
-on wgmma as two D/2-wide halves with an online softmax. The full-precision recent segment and the
-in-flight tokens are merged with the split partials in jnp
-(`pallas_kernels.combine.combine_partials`), by log-sum-exp. The dequantized K and V tiles share
-one SMEM buffer and the epilogue's output buffer reuses the loop's, so two blocks fit on an SM
-(`target_blocks` 264 = 2 per SM of an H100/H200).
+Kernel (`quant_attention`), grid (num_splits, Hkv * q_blocks, B), one warpgroup per block, split-KV
+as decode_attention.py. The KEYS are the wgmma M dimension and the N = Tq * Hq / Hkv query rows
+(padded to a multiple of 8, at most 64 per q block) the N dimension, so a 4-query-head decode
+step computes a [64, 8] score tile, not a [64, 64] one:
+  S^T [64, N] = codes_K @ (q * s_K)^T + bias          A = the key codes, from registers
+  O^T [D, N] += codes_V^T @ (p * s_V)^T                A = the value codes, from registers
+  zsum  [N]  += sum_t p_t (z_t + 8 s4_t)               (added to every channel at the end)
+The codes come into SMEM by TMA as int4 and go to registers in the layout Mosaic GPU upcasts
+cheaply (`WGMMA_UPCAST_4X`: 8 codes per 32-bit load, two shuffles to the wgmma layout, then the
+CUTLASS lop3 + sub.bf16x2 int4 -> bf16 conversion); they are exact integers in bf16 (the 8-bit
+view is 16 * plane0 + plane1 = c8 - 128, |.| <= 136). Nothing is dequantized element-wise: the
+per-channel key scale is folded into q once per tile (q^T * s_K, one bf16 rounding, stored
+transposed as the B operand), the key zero points (z + 8 s4, the plane offset folded in) enter
+as a per-(key group, query row) score bias q . (z + 8 s4) computed by the wrapper, the
+per-token value scale multiplies p and the value zeros add zsum. No dequantized tile is ever
+written to SMEM. The full-precision recent segment and the in-flight tokens are merged with the
+split partials in jnp (`pallas_kernels.combine.combine_partials`), by log-sum-exp.
 
-Measured (H200, S = 64K, Tq = 1, `benchmarks/quant_sweep.py`): 4-bit 129 us, 8-bit 149 us, against
-78 us for decode_attention on the bf16 cache: the kernel is bound by instruction issue, not by
-memory (~5 instructions per dequantized element, plus a softmax over a 64-row wgmma tile of which
-Tq * Hq / Hkv = 4 rows are real). See benchmarks/NOTES.md for what would close the gap.
+Measured (H200, S = 64K, Tq = 1, B = 1, `benchmarks/quant_sweep.py`, one run): 4-bit 76 us per
+call (51 us the kernel alone), 8-bit 102 us (79 us), decode_attention on the bf16 cache 77 us;
+the session-3 kernel (dequantize into SMEM, keys as wgmma N) 111 / 128 us in the same run. Wide
+steps are slower than that kernel (Tq = 16, N = 64: 296 us against 197 us at 64K, 4 bits): the
+softmax statistics become cross-warp reductions over a [64, 64] tile. See benchmarks/NOTES.md.
 
 Contract:
 
@@ -55,10 +66,9 @@ query head log-sum-exp of that softmax; probs, for the queries t = score_queries
 distinct, len(score_queries) * G <= 64), the final softmax weight exp(score - lse) of each query
 head on each *quantized* slot s (S = the quantized capacity; 0 for s >= lengths_quantized[b]):
 probs summed over S plus the query's full-precision and in-flight weights is 1. The kernel
-writes the selected queries' scores (packed first into q block 0; queries permuted, the in-flight
-mask rows alike, outputs permuted back) from the tiles it computes, through SMEM and a TMA, to
-a [B, Hkv, score_rows, S] fp32 output; the wrapper converts them with the combined lse.
-score_queries=() builds exactly the kernel without any of this.
+writes q block 0's score tiles (queries permuted so the selected ones come first; outputs
+permuted back) through SMEM and a TMA to a [B, Hkv, S, N] fp32 output; the wrapper converts them
+with the combined lse. score_queries=() builds exactly the kernel without any of this.
 
 `quant_attention_reference` = dequantize, then exact fp32 attention (pure jnp).
 """
@@ -67,6 +77,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any
 
 import jax
@@ -82,11 +93,10 @@ from pallas_kernels.combine import (check_score_queries, combine_partials, permu
 from pallas_kernels.decode_attention import BLOCK_M, LOG2E
 
 META_DTYPE = jnp.float16
-UPPER_LEVELS = 15                 # 4-bit upper code in [0, 15]
-CODE8_MAX = 16 * UPPER_LEVELS     # 8-bit code in [0, 240]
-MAGIC = 0x4B000000                # fp32 bits of 2^23: (MAGIC | c) as fp32 = 2^23 + c, c < 2^23
-MAGIC_VALUE = float(2 ** 23)
-CODE_BIAS = {4: 0.0, 8: 8.0}      # what the kernel's code tile carries on top of u / c8
+UPPER_LEVELS = 15                 # 4-bit upper code u in [0, 15]
+CODE8_MAX = 16 * UPPER_LEVELS     # 8-bit code c8 = 16 u + l in [0, 240]
+UPPER_OFFSET = 8                  # plane 0 stores u - 8 (two's-complement int4)
+CHANNEL_CHUNK = 64                # K channels per stored chunk (and per key-side wgmma)
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -100,8 +110,8 @@ _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 @dataclasses.dataclass(frozen=True)
 class QuantKV:
   """Hierarchical INT4/INT8 K/V (see the module docstring)."""
-  k_codes: jax.Array   # [B, Hkv, 2, S, D/2] uint8 (plane 0: upper nibbles, 1: lower + 8)
-  v_codes: jax.Array   # [B, Hkv, 2, S, D/2] uint8
+  k_codes: jax.Array   # [B, Hkv, 2, D/C, S, C] int4 (plane 0: u - 8, plane 1: l; C channels)
+  v_codes: jax.Array   # [B, Hkv, 2, D, S] int4 (plane; channel-major)
   k_scale: jax.Array   # [B, Hkv, S/G, D] fp16, 4-bit step s4 per channel and token group
   k_zero: jax.Array    # [B, Hkv, S/G, D] fp16
   v_scale: jax.Array   # [B, Hkv, S] fp16, 4-bit step s4 per token
@@ -110,11 +120,11 @@ class QuantKV:
 
   @property
   def capacity(self) -> int:
-    return self.k_codes.shape[3]
+    return self.k_codes.shape[4]
 
   @property
   def head_dim(self) -> int:
-    return 2 * self.k_codes.shape[4]
+    return self.k_codes.shape[3] * self.k_codes.shape[5]
 
 
 def _round_to_meta(x, direction):
@@ -143,20 +153,41 @@ def _codes8(x, zero, step4):
   return jnp.clip(c, 0, CODE8_MAX).astype(jnp.int32)
 
 
-def _pack_planes(c8):
-  """c8 [..., S, D] int32 -> [..., 2, S, D/2] uint8 (upper plane, lower plane)."""
-  upper = (c8 + 8) >> 4                                     # [0, 15]
-  lower = c8 - 16 * upper + 8                               # l + 8, l in [-8, 7]
-  half = c8.shape[-1] // 2
-  pack = lambda c: (c[..., :half] | (c[..., half:] << 4)).astype(jnp.uint8)
-  return jnp.stack([pack(upper), pack(lower)], axis=-3)
+def _planes(c8):
+  """c8 [..., S, D] int32 -> [..., 2, S, D] int4: (u - 8, l), both in [-8, 7]."""
+  upper = (c8 + 8) >> 4                                     # u in [0, 15]
+  lower = c8 - 16 * upper                                   # l in [-8, 7]
+  return jnp.stack([upper - UPPER_OFFSET, lower], axis=-3).astype(jnp.int4)
 
 
-def _unpack_planes(codes):
-  """[..., 2, S, D/2] uint8 -> (upper [..., S, D], lower [..., S, D]) int32, lower in [-8, 7]."""
-  c = codes.astype(jnp.int32)
-  full = jnp.concatenate([c & 15, c >> 4], axis=-1)         # [..., 2, S, D]
-  return full[..., 0, :, :], full[..., 1, :, :] - 8
+def _chunk(head_dim):
+  """Channels per K chunk: 64 (one 128-byte bf16 wgmma K step), or all of a smaller D."""
+  return CHANNEL_CHUNK if head_dim % CHANNEL_CHUNK == 0 else head_dim
+
+
+def _k_layout(planes):
+  """[..., 2, S, D] -> [..., 2, D/C, S, C] (the channel chunks split off)."""
+  d = planes.shape[-1]
+  c = _chunk(d)
+  x = planes.reshape(*planes.shape[:-1], d // c, c)         # [..., 2, S, D/C, C]
+  return jnp.moveaxis(x, -2, -3)
+
+
+def _upper_lower(planes):
+  """[..., 2, S, D] int4 -> (upper [..., S, D] in [0, 15], lower [..., S, D] in [-8, 7]) int32."""
+  p = planes.astype(jnp.int32)
+  return p[..., 0, :, :] + UPPER_OFFSET, p[..., 1, :, :]
+
+
+def _k_planes(k_codes):
+  """[B, Hkv, 2, D/C, S, C] -> [B, Hkv, 2, S, D]."""
+  x = jnp.moveaxis(k_codes, 3, 4)                           # [B, Hkv, 2, S, D/C, C]
+  return x.reshape(*x.shape[:4], -1)
+
+
+def _v_planes(v_codes):
+  """[B, Hkv, 2, D, S] -> [B, Hkv, 2, S, D]."""
+  return jnp.swapaxes(v_codes, -1, -2)
 
 
 @functools.partial(jax.jit, static_argnames=("group",))
@@ -175,14 +206,19 @@ def quantize_kv(k: jax.Array, v: jax.Array, group: int = 128) -> QuantKV:
   vf = v.astype(jnp.float32)
   v_zero, v_scale = _grid(vf.min(3), vf.max(3))                       # [B, Hkv, S]
   v_c8 = _codes8(vf, v_zero[..., None], v_scale[..., None])
-  return QuantKV(_pack_planes(k_c8), _pack_planes(v_c8), k_scale, k_zero, v_scale, v_zero,
-                 group=group)
+  return QuantKV(_k_layout(_planes(k_c8)), _v_planes(_planes(v_c8)), k_scale, k_zero, v_scale,
+                 v_zero, group=group)
+
+
+def code_planes(qkv: QuantKV):
+  """The stored planes token-major, (K, V) each [B, Hkv, 2, S, D] int4 (u - 8, l)."""
+  return _k_planes(qkv.k_codes), _v_planes(qkv.v_codes)
 
 
 def codes8(qkv: QuantKV):
   """The reassembled 8-bit codes 16 * upper + lower, (K, V) each [B, Hkv, S, D] int32."""
-  ku, kl = _unpack_planes(qkv.k_codes)
-  vu, vl = _unpack_planes(qkv.v_codes)
+  ku, kl = _upper_lower(_k_planes(qkv.k_codes))
+  vu, vl = _upper_lower(_v_planes(qkv.v_codes))
   return 16 * ku + kl, 16 * vu + vl
 
 
@@ -191,8 +227,8 @@ def dequantize(qkv: QuantKV, bits: int = 8, dtype=jnp.float32):
   """(k, v) [B, Hkv, S, D] from the 4-bit (upper nibbles) or 8-bit (both) view."""
   if bits not in (4, 8):
     raise ValueError(f"bits must be 4 or 8, got {bits}")
-  ku, kl = _unpack_planes(qkv.k_codes)
-  vu, vl = _unpack_planes(qkv.v_codes)
+  ku, kl = _upper_lower(_k_planes(qkv.k_codes))
+  vu, vl = _upper_lower(_v_planes(qkv.v_codes))
   b, hkv, s, d = ku.shape
   ks = jnp.repeat(qkv.k_scale.astype(jnp.float32), qkv.group, axis=2)   # [B, Hkv, S, D]
   kz = jnp.repeat(qkv.k_zero.astype(jnp.float32), qkv.group, axis=2)
@@ -218,19 +254,24 @@ def bytes_per_token(head_dim: int, bits: int, group: int = 128) -> float:
 # Step 1: the Mosaic GPU kernel over the quantized region.
 # ----------------------------------------------------------------------------------------------
 
+KEY_TILE = 64                     # wgmma M: keys per tile (and A rows from registers)
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantAttentionConfig:
-  """Tiling. `block_kv` must divide the key group (a tile uses one row of key scales)."""
-  block_kv: int = 64
+  """Tiling. A tile is 64 keys (the wgmma M of the key-side product); it must divide the key
+  group (a tile uses one row of key scales)."""
+  # Defaults: the best of `benchmarks/quant_sweep.py` on an H200 (S = 64K, Tq = 1).
+  block_kv: int = KEY_TILE
   num_stages: int = 2
   num_splits: int | None = None
-  target_blocks: int = 264       # 2 thread blocks per SM on an H100/H200 (fits SMEM/registers)
+  target_blocks: int = 1056      # 8 thread blocks per SM of an H100/H200 (several waves)
   min_tiles_per_split: int = 2
-  share_dequant: bool = True     # one SMEM buffer for the dequantized K, then V, tile
 
   def __post_init__(self):
-    if self.block_kv % 64 or self.block_kv <= 0:
-      raise ValueError(f"block_kv must be a positive multiple of 64, got {self.block_kv}")
+    if self.block_kv != KEY_TILE:
+      raise ValueError(f"block_kv must be {KEY_TILE} (the wgmma M of the key tile), "
+                       f"got {self.block_kv}")
     if self.num_stages < 1:
       raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
     if self.num_splits is not None and self.num_splits < 1:
@@ -244,47 +285,54 @@ def _num_splits(cfg, batch, num_kv_heads, q_blocks, capacity):
   return max(1, min(per_head, (capacity // cfg.block_kv) // cfg.min_tiles_per_split))
 
 
-def _swizzled(minor_bytes, itemsize):
-  return dict(transforms=(plgpu.TilingTransform((8, minor_bytes // itemsize)),
+def _swizzled(minor_bytes, bits):
+  """Tiling + swizzle of an SMEM tile whose rows are `minor_bytes` long (16..128, power of 2)."""
+  return dict(transforms=(plgpu.TilingTransform((8, minor_bytes * 8 // bits)),
                           plgpu.SwizzleTransform(minor_bytes)))
 
 
-def _quant_partials(q_halves, qkv: QuantKV, lengths, *, bits, rows_out, num_splits,
-                    cfg: QuantAttentionConfig, score_rows: int = 0, interpret: Any = None):
+def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype,
+                    cfg: QuantAttentionConfig, with_scores: bool = False,
+                    interpret: Any = None):
   """Split partials of the quantized region.
 
-  q_halves [B, Hkv, 2, NQB * 64, D/2] (half 0: channels < D/2); lengths [B] int32 in [0, S].
-  Returns acc [B, Hkv, NQB, NS, 2, rows_out, D/2] fp32 (un-normalised, by channel half),
-  m [B, Hkv, NQB, NS, 64] fp32 (log2 units, -inf for an empty split), l [B, Hkv, NQB, NS, 64];
-  with score_rows > 0 (a multiple of 8, <= 64) also scores [B, Hkv, score_rows, S] fp32: rows
-  [0, score_rows) of q block 0, the scaled scores (log2 units) of the slots s < lengths[b], -inf
-  for the rest of their last tile; the other slots are never written (undefined).
+  q_t [B, Hkv, NQB, D/64, 64, N] fp32: q^T in 64-channel chunks (N query rows per q block, a
+  multiple of 8, <= 64); `dtype` the MMA input type (q's); lengths [B] int32 in [0, S];
+  bias [B, Hkv, NQB, S/G, NP] fp32 (NP = max(N, 32): 128-byte rows), columns < N: the key-zero
+  term (q . (z + 8 s4)) * D**-0.5 * log2(e) of each key group and query row.
+  Returns acc [B, Hkv, NQB, NS, D, N] fp32 (un-normalised O^T), m [B, Hkv, NQB, NS, NP] fp32
+  (log2 units, -inf for an empty split; columns >= N undefined), l [B, Hkv, NQB, NS, NP]; with
+  with_scores also scores [B, Hkv, S, N] fp32 of q block 0: the scaled scores (log2 units) of
+  the slots s < lengths[b],
+  -inf for the rest of their last tile; the other slots are never written (undefined).
   """
-  batch, num_kv_heads, _, m_total, half = q_halves.shape
-  q_blocks = m_total // BLOCK_M
-  block_kv, num_stages, group = cfg.block_kv, cfg.num_stages, qkv.group
-  dtype = q_halves.dtype
-  head_dim = 2 * half
-  score_scale = head_dim ** -0.5 * LOG2E
-  planes = 1 if bits == 4 else 2                  # the 4-bit read never touches plane 1
-  col = plgpu.Layout.WGMMA.reduce(0)              # a vector along the tile's columns
-  row = plgpu.Layout.WGMMA.reduce(1)              # a vector along the tile's rows
+  batch, num_kv_heads, q_blocks, n_chunks, chunk, n = q_t.shape
+  bkv, num_stages, group = cfg.block_kv, cfg.num_stages, qkv.group
 
-  def body(lengths_ref, q_ref, kc_ref, vc_ref, ks_ref, kz_ref, vs_ref, vz_ref,
-           acc_out_ref, m_out_ref, l_out_ref,
-           q_smem,        # [2, 64, D/2] dtype            (tiled, swizzled)
-           kc_smem,       # [stages, planes, bkv, D/2] u8 (tiled, swizzled)
-           vc_smem,       # [stages, planes, bkv, D/2] u8
-           kd_smem,       # [2, bkv, D/2] dtype: the dequantized K halves
-           vd_smem,       # [2, bkv, D/2] dtype: the V halves (kd_smem itself with share_dequant)
-           p_smem,        # [64, bkv] dtype
-           o_smem,        # [2, 64, D/2] fp32 (epilogue only; may alias kd, vd and p)
-           m_smem, l_smem,
-           kmeta_smem,    # [stages, 2, D] fp16: the tile's key scale (0) and zero (1) rows
+  head_dim = n_chunks * chunk
+  m_tiles = head_dim // KEY_TILE                # 64-channel row tiles of V^T
+  score_scale = head_dim ** -0.5 * LOG2E
+  planes = 1 if bits == 4 else 2                # the 4-bit read never touches plane 1
+  n_pad = bias.shape[-1]                        # N padded to >= 32 (128-byte TMA rows)
+  scale_mult = 1.0 if bits == 4 else 1.0 / 16.0
+  col = plgpu.Layout.WGMMA.reduce(0)            # a vector along a tile's columns (N)
+  row = plgpu.Layout.WGMMA.reduce(1)            # a vector along a tile's rows (keys)
+
+  def body(lengths_ref, q_ref, kc_ref, vc_ref, ks_ref, vs_ref, vz_ref, bias_ref,
+           acc_out_ref, m_out_ref, l_out_ref, scores_ref=None, *,
+           qs_smem,       # [D/64, N, 64] dtype (swizzled): q * s_K of the tile's key group, B of QK
+           kc_smem,       # [stages, planes, D/64, bkv, 64] int4    (swizzled)
+           vc_smem,       # [stages, planes, D, bkv] int4           (swizzled)
+           p_smem,        # [N, bkv] dtype (swizzled): (p * s_V) of the tile, the B operand of PV
+           qt_smem,       # [D/64, 64, N] fp32: q^T
+           o_smem,        # [D, N] fp32 (epilogue)
+           ks_smem,       # [stages, D] fp16: the tile's key scale row
            vmeta_smem,    # [stages, 2, bkv] fp16: the tile's value scales (0) and zeros (1)
+           bias_smem,     # [stages, N] fp32: the tile's key-zero bias per query row
+           m_smem, l_smem,  # [N] fp32
            q_barrier, k_barriers, v_barriers,
-           scores_ref=None,  # [B, Hkv, score_rows, S] fp32  GMEM (score_rows > 0)
-           s_smem=None):    # [64, bkv] fp32, aliases o_smem (score_rows > 0)
+           s_smem=None,   # [bkv, N] fp32 (with_scores)
+           a_smem=None):  # [64, 64] dtype: interpret mode only (its wgmma reads A from SMEM)
     split = lax.axis_index("split")
     head_qblock = lax.axis_index("head_qblock")
     b = lax.axis_index("batch")
@@ -292,185 +340,187 @@ def _quant_partials(q_halves, qkv: QuantKV, lengths, *, bits, rows_out, num_spli
     qb = lax.rem(head_qblock, jnp.int32(q_blocks))
 
     length = lengths_ref[b]
-    num_tiles = lax.div(length + (block_kv - 1), jnp.int32(block_kv))
+    num_tiles = lax.div(length + (bkv - 1), jnp.int32(bkv))
     tiles_per_split = lax.div(num_tiles + (num_splits - 1), jnp.int32(num_splits))
     first_tile = split * tiles_per_split
     my_tiles = jnp.maximum(jnp.minimum(tiles_per_split, num_tiles - first_tile), 0)
 
     def fetch(step, slot):
-      rows = pl.ds((first_tile + step) * block_kv, block_kv)
-      plgpu.copy_gmem_to_smem(kc_ref.at[b, h, pl.ds(0, planes), rows], kc_smem.at[slot],
+      start = (first_tile + step) * bkv
+      grp = lax.div(start, jnp.int32(group))
+      # One TMA per plane and channel chunk: a TMA box has at most 5 (tiled) dims.
+      for pn, hf in itertools.product(range(planes), range(n_chunks)):
+        plgpu.copy_gmem_to_smem(kc_ref.at[b, h, pn, hf, pl.ds(start, bkv)],
+                                kc_smem.at[slot, pn, hf], k_barriers.at[slot])
+      plgpu.copy_gmem_to_smem(ks_ref.at[b, h, grp], ks_smem.at[slot], k_barriers.at[slot])
+      plgpu.copy_gmem_to_smem(bias_ref.at[b, h, qb, grp], bias_smem.at[slot],
                               k_barriers.at[slot])
-      grp = lax.div((first_tile + step) * block_kv, jnp.int32(group))
-      plgpu.copy_gmem_to_smem(ks_ref.at[b, h, grp], kmeta_smem.at[slot, 0], k_barriers.at[slot])
-      plgpu.copy_gmem_to_smem(kz_ref.at[b, h, grp], kmeta_smem.at[slot, 1], k_barriers.at[slot])
-      plgpu.copy_gmem_to_smem(vc_ref.at[b, h, pl.ds(0, planes), rows], vc_smem.at[slot],
+      for pn in range(planes):
+        plgpu.copy_gmem_to_smem(vc_ref.at[b, h, pn, :, pl.ds(start, bkv)],
+                                vc_smem.at[slot, pn], v_barriers.at[slot])
+      plgpu.copy_gmem_to_smem(vs_ref.at[b, h, pl.ds(start, bkv)], vmeta_smem.at[slot, 0],
                               v_barriers.at[slot])
-      plgpu.copy_gmem_to_smem(vs_ref.at[b, h, rows], vmeta_smem.at[slot, 0], v_barriers.at[slot])
-      plgpu.copy_gmem_to_smem(vz_ref.at[b, h, rows], vmeta_smem.at[slot, 1], v_barriers.at[slot])
+      plgpu.copy_gmem_to_smem(vz_ref.at[b, h, pl.ds(start, bkv)], vmeta_smem.at[slot, 1],
+                              v_barriers.at[slot])
 
     def store_scores(s, start):
-      """Rows [0, score_rows) of the score tile s [64, bkv] (registers, WGMMA layout) to
-      scores[b, h, :, start:start + bkv], through s_smem and a TMA (the whole tile goes to
-      SMEM: a WGMMA-layout array slices at 64-row granularity only)."""
+      """The score tile s [bkv, N] (registers) to scores[b, h, start:start + bkv], through
+      s_smem and a TMA."""
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous tile's TMA has read it
       s_smem[...] = s
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(s_smem.at[pl.ds(0, score_rows)],
-                              scores_ref.at[b, h, :, pl.ds(start, block_kv)])
+      plgpu.copy_smem_to_gmem(s_smem, scores_ref.at[b, h, pl.ds(start, bkv)])
 
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h, :, pl.ds(qb * BLOCK_M, BLOCK_M)], q_smem, q_barrier)
+    for hf in range(n_chunks):   # per chunk: a TMA box has at most 5 dims
+      plgpu.copy_gmem_to_smem(q_ref.at[b, h, qb, hf], qt_smem.at[hf], q_barrier)
     for step in range(num_stages):
       pl.when(step < my_tiles)(functools.partial(fetch, step, step))
     plgpu.barrier_wait(q_barrier)
 
-    def codes(codes_smem, slot):
-      """The code tiles [bkv, D/2] fp32 of the two channel halves, offset by CODE_BIAS[bits]:
-      u (4-bit) or 16 u + l + 8 (8-bit; the lower plane stores l + 8). Each plane is read from
-      SMEM once for both halves; integer ops, then the exact int -> fp32 conversion by bits
-      (MAGIC | c read as fp32 is 2^23 + c): no I2F instructions."""
-      # Mosaic GPU has no 8-bit shifts: widen the bytes first (zero-extended; < 256).
-      upper = codes_smem[slot, 0].astype(jnp.int32)                # [bkv, D/2]
-      halves = [upper & 15, upper >> 4]
+    def codes(ref):
+      """The code tile of `ref` (upper plane at [0], lower at [1]; each [64, C] int4) as bf16
+      integers: u - 8 (4-bit) or 16 (u - 8) + l = c8 - 128 (8-bit), exact."""
+      def plane(p):
+        x = plgpu.load(ref.at[p], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+        return plgpu.layout_cast(x, plgpu.Layout.WGMMA).astype(dtype)
+      c = plane(0)
       if bits == 8:
-        lower = codes_smem[slot, 1].astype(jnp.int32)
-        halves = [(halves[0] << 4) + (lower & 15), (halves[1] << 4) + (lower >> 4)]
-      bias = MAGIC_VALUE + CODE_BIAS[bits]
-      return [lax.bitcast_convert_type(c | MAGIC, jnp.float32) - bias for c in halves]
+        c = c * 16.0 + plane(1)
+      return c
 
-    step_mult = 1.0 if bits == 4 else 1.0 / 16.0
+    q_regs = [plgpu.load(qt_smem.at[hf], (), layout=plgpu.Layout.WGMMA, optimized=False)
+              for hf in range(n_chunks)]                  # [64, N] fp32 each
 
-    def dequant_k(slot):
-      for hf, c in enumerate(codes(kc_smem, slot)):
-        cols = pl.ds(hf * half, half)
-        sc = plgpu.load(kmeta_smem.at[slot, 0, cols], layout=col, optimized=False)
-        zr = plgpu.load(kmeta_smem.at[slot, 1, cols], layout=col, optimized=False)
-        sc = sc.astype(jnp.float32) * step_mult
-        zr = zr.astype(jnp.float32)
-        x = (c * lax.broadcast_in_dim(sc, (block_kv, half), [1])
-             + lax.broadcast_in_dim(zr, (block_kv, half), [1]))
-        kd_smem[hf] = x.astype(dtype)
+    def mma(acc_ref, a, b_ref):
+      """acc += a @ b with a [64, C] in registers (through SMEM in interpret mode)."""
+      if a_smem is None:
+        plgpu.wgmma(acc_ref, a, b_ref)
+        return
+      a_smem[...] = a
+      plgpu.commit_smem()
+      plgpu.wgmma(acc_ref, a_smem, b_ref)
+      plgpu.wgmma_wait(0)
 
-    def dequant_v(slot):
-      sc = plgpu.load(vmeta_smem.at[slot, 0], layout=row, optimized=False)
-      zr = plgpu.load(vmeta_smem.at[slot, 1], layout=row, optimized=False)
-      sc = lax.broadcast_in_dim(sc.astype(jnp.float32) * step_mult, (block_kv, half), [0])
-      zr = lax.broadcast_in_dim(zr.astype(jnp.float32), (block_kv, half), [0])
-      for hf, c in enumerate(codes(vc_smem, slot)):
-        vd_smem[hf] = (c * sc + zr).astype(dtype)
-
-    acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_M, half), jnp.float32), plgpu.Layout.WGMMA)
-    m_i = plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row)
-    l_i = plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), row)
+    acc0 = plgpu.layout_cast(jnp.zeros((KEY_TILE, n), jnp.float32), plgpu.Layout.WGMMA)
+    m_i = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), col)
+    l_i = plgpu.layout_cast(jnp.zeros((n,), jnp.float32), col)
 
     def kv_step(step, carry):
-      acc_lo, acc_hi, m_i, l_i = carry
+      accs, zacc, m_i, l_i = carry
       slot = lax.rem(step, jnp.int32(num_stages))
       tile = first_tile + step
 
       plgpu.barrier_wait(k_barriers.at[slot])
-      dequant_k(slot)
+      # The key scales folded into q (one bf16 rounding of q * s, as a dequantized K would
+      # have): qs = (q^T * s_K)^T per 64-channel chunk, stored transposed as the B operand.
+      for hf, qt in enumerate(q_regs):
+        sc = plgpu.load(ks_smem.at[slot, pl.ds(hf * chunk, chunk)], (), layout=row,
+                        optimized=False)
+        sc = lax.broadcast_in_dim(sc.astype(jnp.float32) * scale_mult, (chunk, n), [0])
+        qs_smem.at[hf].transpose((1, 0))[...] = (qt * sc).astype(dtype)
       plgpu.commit_smem()
-      def qk_scope(s_ref):                      # [64, bkv] fp32; two D/2-deep wgmmas
-        plgpu.wgmma(s_ref, q_smem.at[0], kd_smem.at[0].transpose((1, 0)))
-        plgpu.wgmma(s_ref, q_smem.at[1], kd_smem.at[1].transpose((1, 0)))
-        return s_ref[...]                       # waits: kd_smem is free for V after this
-      s = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_M, block_kv), jnp.float32))
-      s = s * score_scale
-      slot_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, block_kv), 1,
-                                        layout=plgpu.Layout.WGMMA)
-      s = jnp.where(slot_ids + tile * block_kv < length, s, -jnp.inf)
-      if score_rows:
-        pl.when(qb == 0)(lambda: store_scores(s, tile * block_kv))
+      def qk_scope(s_ref):                      # [bkv, N] fp32: one wgmma per 64 channels
+        for hf in range(n_chunks):
+          mma(s_ref, codes(kc_smem.at[slot, :, hf]), qs_smem.at[hf].transpose((1, 0)))
+        return s_ref[...]
+      s = pl.run_scoped(qk_scope, plgpu.ACC((bkv, n), jnp.float32))
+      bias = plgpu.load(bias_smem.at[slot, pl.ds(0, n)], (), layout=col, optimized=False)
+      s = s * score_scale + lax.broadcast_in_dim(bias, (bkv, n), [1])
+      key_ids = plgpu.broadcasted_iota(jnp.int32, (bkv, n), 0, layout=plgpu.Layout.WGMMA)
+      valid = key_ids + tile * bkv < length
+      s = jnp.where(valid, s, -jnp.inf)
+      if with_scores:
+        pl.when(qb == 0)(lambda: store_scores(s, tile * bkv))
 
-      m_new = jnp.maximum(m_i, s.max(axis=1))
+      m_new = jnp.maximum(m_i, s.max(axis=0))
       alpha = jnp.exp2(m_i - m_new)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-      l_i = l_i * alpha + p.sum(axis=1)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+      l_i = l_i * alpha + p.sum(axis=0)
 
       plgpu.barrier_wait(v_barriers.at[slot])
-      dequant_v(slot)
-      p_smem[...] = p.astype(dtype)
-      plgpu.commit_smem()                       # also: every thread is done with this slot
-      def pv_scope(lo_ref, hi_ref):
-        plgpu.wgmma(lo_ref, p_smem, vd_smem.at[0])
-        plgpu.wgmma(hi_ref, p_smem, vd_smem.at[1])
-        return lo_ref[...], hi_ref[...]
-      pv_lo, pv_hi = pl.run_scoped(pv_scope, plgpu.ACC((BLOCK_M, half), jnp.float32),
-                                   plgpu.ACC((BLOCK_M, half), jnp.float32))
-      a = lax.broadcast_in_dim(alpha, (BLOCK_M, half), [0])
-      acc_lo = acc_lo * a + pv_lo
-      acc_hi = acc_hi * a + pv_hi
+      vs = plgpu.load(vmeta_smem.at[slot, 0], (), layout=row, optimized=False)
+      vz = plgpu.load(vmeta_smem.at[slot, 1], (), layout=row, optimized=False)
+      vs4 = vs.astype(jnp.float32)
+      vz = vz.astype(jnp.float32) + UPPER_OFFSET * vs4    # the value zero, plane offset folded
+      vs = lax.broadcast_in_dim(vs4 * scale_mult, s.shape, [0])
+      vz = lax.broadcast_in_dim(vz, s.shape, [0])
+      # p is 0 past the length; select so a never-written scale there cannot leak a NaN.
+      zacc = zacc * alpha + jnp.where(valid, p * vz, 0.0).sum(axis=0)
+      p_smem.transpose((1, 0))[...] = jnp.where(valid, p * vs, 0.0).astype(dtype)
+      plgpu.commit_smem()
+      def pv_scope(*o_refs):
+        for mt, o_ref in enumerate(o_refs):
+          a = codes(vc_smem.at[slot, :, pl.ds(mt * KEY_TILE, KEY_TILE)])
+          mma(o_ref, a, p_smem.transpose((1, 0)))
+        return tuple(o_ref[...] for o_ref in o_refs)
+      pv = pl.run_scoped(pv_scope, *[plgpu.ACC((KEY_TILE, n), jnp.float32)] * m_tiles)
+      a = lax.broadcast_in_dim(alpha, (KEY_TILE, n), [1])
+      accs = tuple(acc * a + o for acc, o in zip(accs, pv))
 
       nxt = step + num_stages
       pl.when(nxt < my_tiles)(lambda: fetch(nxt, slot))
-      return acc_lo, acc_hi, m_new, l_i
+      return accs, zacc, m_new, l_i
 
-    acc_lo, acc_hi, m_i, l_i = lax.fori_loop(0, my_tiles, kv_step, (acc0, acc0, m_i, l_i))
+    zacc0 = plgpu.layout_cast(jnp.zeros((n,), jnp.float32), col)
+    accs, zacc, m_i, l_i = lax.fori_loop(0, my_tiles, kv_step,
+                                         ((acc0,) * m_tiles, zacc0, m_i, l_i))
 
-    if score_rows:
+    if with_scores:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last score TMA has read s_smem
-    o_smem[0] = acc_lo
-    o_smem[1] = acc_hi
-    m_smem[...] = m_i
-    l_smem[...] = l_i
+    z = lax.broadcast_in_dim(zacc, (KEY_TILE, n), [1])
+    for mt, acc in enumerate(accs):
+      o_smem[pl.ds(mt * KEY_TILE, KEY_TILE)] = acc + z
+    m_smem[pl.ds(0, n)] = m_i
+    l_smem[pl.ds(0, n)] = l_i
     plgpu.commit_smem()
-    for hf in range(2):        # one TMA per half: a [2, rows, D/2] SMEM slice is not contiguous
-      plgpu.copy_smem_to_gmem(o_smem.at[hf, pl.ds(0, rows_out)],
-                              acc_out_ref.at[b, h, qb, split, hf])
+    plgpu.copy_smem_to_gmem(o_smem, acc_out_ref.at[b, h, qb, split])
     plgpu.copy_smem_to_gmem(m_smem, m_out_ref.at[b, h, qb, split])
     plgpu.copy_smem_to_gmem(l_smem, l_out_ref.at[b, h, qb, split])
     plgpu.wait_smem_to_gmem(0)
 
   itemsize = jnp.dtype(dtype).itemsize
-  half_sw = _swizzled(half * itemsize, itemsize)
-  code_sw = _swizzled(half, 1)
-  kvd = plgpu.SMEM((2, block_kv, half), dtype, **half_sw)
-  p_buf = plgpu.SMEM((BLOCK_M, block_kv), dtype, **_swizzled(128, itemsize))
-  loop_bufs = (kvd, p_buf) if cfg.share_dequant else (kvd, kvd, p_buf)
-  o_buf = plgpu.SMEM((2, BLOCK_M, half), jnp.float32)
-  scratch = [
-      plgpu.SMEM((2, BLOCK_M, half), dtype, **half_sw),
-      plgpu.SMEM((num_stages, planes, block_kv, half), jnp.uint8, **code_sw),
-      plgpu.SMEM((num_stages, planes, block_kv, half), jnp.uint8, **code_sw),
-      # The epilogue's o buffer reuses the loop's dequantization and p buffers (idle by then);
-      # with scores it shares memory with the score tile instead (which the loop uses).
-      plgpu.RefUnion(o_buf, plgpu.SMEM((BLOCK_M, block_kv), jnp.float32)) if score_rows
-      else plgpu.RefUnion(o_buf, loop_bufs),
-      plgpu.SMEM((BLOCK_M,), jnp.float32),
-      plgpu.SMEM((BLOCK_M,), jnp.float32),
-      plgpu.SMEM((num_stages, 2, head_dim), META_DTYPE),
-      plgpu.SMEM((num_stages, 2, block_kv), META_DTYPE),
-      plgpu.Barrier(),
-      # Three TMAs land on each: the codes, the scales, the zeros.
-      plgpu.Barrier(num_arrivals=3, num_barriers=num_stages),
-      plgpu.Barrier(num_arrivals=3, num_barriers=num_stages),
-  ]
-  if score_rows:
-    scratch[3:3] = loop_bufs
+  mma_sw = _swizzled(chunk * itemsize, 8 * itemsize)
+  # TMA SMEM ends must be 128-byte aligned: the small per-row vectors are padded to 32 floats.
+  # Swizzled buffers first (they need 1 KiB-aligned offsets; all are multiples of 1 KiB).
+  scratch = dict(
+      qs_smem=plgpu.SMEM((n_chunks, n, chunk), dtype, **mma_sw),
+      kc_smem=plgpu.SMEM((num_stages, planes, n_chunks, bkv, chunk), jnp.int4,
+                         **_swizzled(chunk // 2, 4)),
+      vc_smem=plgpu.SMEM((num_stages, planes, head_dim, bkv), jnp.int4,
+                         **_swizzled(bkv // 2, 4)),
+      p_smem=plgpu.SMEM((n, bkv), dtype, **_swizzled(bkv * itemsize, 8 * itemsize)),
+  )
+  if interpret is not None:
+    scratch["a_smem"] = plgpu.SMEM((KEY_TILE, chunk), dtype, **mma_sw)
+  scratch.update(
+      qt_smem=plgpu.SMEM((n_chunks, chunk, n), jnp.float32),
+      o_smem=plgpu.SMEM((head_dim, n), jnp.float32),
+      ks_smem=plgpu.SMEM((num_stages, head_dim), META_DTYPE),
+      vmeta_smem=plgpu.SMEM((num_stages, 2, bkv), META_DTYPE),
+      bias_smem=plgpu.SMEM((num_stages, n_pad), jnp.float32),
+      m_smem=plgpu.SMEM((n_pad,), jnp.float32),
+      l_smem=plgpu.SMEM((n_pad,), jnp.float32),
+      q_barrier=plgpu.Barrier(num_arrivals=n_chunks),
+      # TMAs landing on each: K codes (per plane and chunk) + key scales + bias; V codes (per
+      # plane) + value scales + zeros.
+      k_barriers=plgpu.Barrier(num_arrivals=n_chunks * planes + 2, num_barriers=num_stages),
+      v_barriers=plgpu.Barrier(num_arrivals=planes + 2, num_barriers=num_stages),
+  )
+  if with_scores:
+    scratch["s_smem"] = plgpu.SMEM((bkv, n), jnp.float32)
   part = (batch, num_kv_heads, q_blocks, num_splits)
   out_type = [
-      jax.ShapeDtypeStruct((*part, 2, rows_out, half), jnp.float32),
-      jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32),
-      jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32),
+      jax.ShapeDtypeStruct((*part, head_dim, n), jnp.float32),
+      jax.ShapeDtypeStruct((*part, n_pad), jnp.float32),
+      jax.ShapeDtypeStruct((*part, n_pad), jnp.float32),
   ]
-  if score_rows:               # only then: score_rows == 0 builds the plain kernel
-    out_type.append(jax.ShapeDtypeStruct((batch, num_kv_heads, score_rows, qkv.capacity),
-                                         jnp.float32))
+  if with_scores:              # only then: the plain kernel has no score output at all
+    out_type.append(jax.ShapeDtypeStruct((batch, num_kv_heads, qkv.capacity, n), jnp.float32))
+
+  names = tuple(scratch)
 
   def entry(*refs):
-    def scoped(q_smem, kc_smem, vc_smem, *scr):
-      n = len(loop_bufs)
-      if score_rows:
-        bufs, (o_smem, s_smem), rest = scr[:n], scr[n], scr[n + 1:]
-      else:
-        (o_smem, bufs), rest, s_smem = scr[0], scr[1:], None
-      kd_smem, vd_smem, p_smem = bufs if n == 3 else (bufs[0], *bufs)
-      tail = dict(scores_ref=refs[-1], s_smem=s_smem) if score_rows else {}
-      outs = refs[:-1] if score_rows else refs
-      return body(*outs, q_smem, kc_smem, vc_smem, kd_smem, vd_smem, p_smem, o_smem, *rest,
-                  **tail)
-    pl.run_scoped(scoped, *scratch)
+    pl.run_scoped(lambda *scr: body(*refs, **dict(zip(names, scr))), *scratch.values())
 
   return plgpu.kernel(
       entry,
@@ -479,8 +529,7 @@ def _quant_partials(q_halves, qkv: QuantKV, lengths, *, bits, rows_out, num_spli
       grid_names=("split", "head_qblock", "batch"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
-  )(lengths, q_halves, qkv.k_codes, qkv.v_codes, qkv.k_scale, qkv.k_zero, qkv.v_scale,
-    qkv.v_zero)
+  )(lengths, q_t, qkv.k_codes, qkv.v_codes, qkv.k_scale, qkv.v_scale, qkv.v_zero, bias)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -497,11 +546,18 @@ def _check_inputs(q, qkv, bits, lengths_quantized, k_full, v_full, lengths_full,
   if jnp.dtype(q.dtype) not in _SUPPORTED_DTYPES:
     raise ValueError(f"q must be bfloat16 or float16, got {q.dtype}")
   if d not in (64, 128):
-    raise ValueError(f"head dim D={d} must be 64 or 128 (D/2-wide swizzled halves)")
-  kc = qkv.k_codes
-  if kc.ndim != 5 or kc.shape[0] != b or kc.shape[2] != 2 or 2 * kc.shape[4] != d:
-    raise ValueError(f"qkv.k_codes must be [B={b}, Hkv, 2, S, D/2={d // 2}], got {kc.shape}")
-  hkv, capacity = kc.shape[1], kc.shape[3]
+    raise ValueError(f"head dim D={d} must be 64 or 128 (64-channel wgmma chunks)")
+  kc, vc = qkv.k_codes, qkv.v_codes
+  c = CHANNEL_CHUNK
+  if kc.ndim != 6 or kc.shape[0] != b or kc.shape[2:4] != (2, d // c) or kc.shape[5] != c:
+    raise ValueError(f"qkv.k_codes must be [B={b}, Hkv, 2, D/64={d // c}, S, 64], got "
+                     f"{kc.shape}")
+  hkv, capacity = kc.shape[1], kc.shape[4]
+  if vc.shape != (b, hkv, 2, d, capacity):
+    raise ValueError(f"qkv.v_codes must be [B, Hkv, 2, D, S] = {(b, hkv, 2, d, capacity)}, "
+                     f"got {vc.shape}")
+  if jnp.dtype(kc.dtype) != jnp.dtype(jnp.int4) or jnp.dtype(vc.dtype) != jnp.dtype(jnp.int4):
+    raise ValueError(f"qkv codes must be int4, got {kc.dtype} / {vc.dtype}")
   if hq % hkv:
     raise ValueError(f"Hq={hq} query heads is not a multiple of Hkv={hkv} KV heads")
   if qkv.group % cfg.block_kv:
@@ -556,18 +612,24 @@ def quant_attention(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,
   q, mask = permute_queries(order, q, mask)
   n_rows = tq * group
   q_blocks = -(-n_rows // BLOCK_M)
-  rows_out = BLOCK_M if q_blocks > 1 else -(-n_rows // 8) * 8
+  n = BLOCK_M if q_blocks > 1 else -(-n_rows // 8) * 8     # query rows per q block
   num_splits = _num_splits(config, b, hkv, q_blocks, capacity)
 
   q_rows = q.reshape(b, tq, hkv, group, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, n_rows, d)
-  q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, q_blocks * BLOCK_M - n_rows), (0, 0)))
-  q_halves = q_rows.reshape(b, hkv, -1, 2, d // 2).transpose(0, 1, 3, 2, 4)  # [B,Hkv,2,M,D/2]
+  q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, q_blocks * n - n_rows), (0, 0)))
+  q_rows = q_rows.reshape(b, hkv, q_blocks, n, d)                            # [B, Hkv, NQB, N, D]
+  q_t = q_rows.reshape(b, hkv, q_blocks, n, d // CHANNEL_CHUNK, CHANNEL_CHUNK)
+  q_t = q_t.transpose(0, 1, 2, 4, 5, 3).astype(jnp.float32)   # [B, Hkv, NQB, D/64, 64, N]
+  # The key zero points (z + 8 s4: plane 0 stores u - 8) as a per-(group, row) score bias.
+  z_eff = qkv.k_zero.astype(jnp.float32) + UPPER_OFFSET * qkv.k_scale.astype(jnp.float32)
+  bias = jnp.einsum("bhjnd,bhgd->bhjgn", q_rows.astype(jnp.float32), z_eff,
+                    precision=lax.Precision.HIGHEST) * (d ** -0.5 * LOG2E)  # [B,Hkv,NQB,S/G,N]
+  bias = jnp.pad(bias, [(0, 0)] * 4 + [(0, max(n, 32) - n)])   # 128-byte rows for the TMA
   lengths = jnp.clip(lengths_quantized.astype(jnp.int32), 0, capacity)
   acc, m2, l, *scores = _quant_partials(
-      q_halves, qkv, lengths, bits=bits, rows_out=rows_out, num_splits=num_splits, cfg=config,
-      score_rows=score_rows(len(sel), group), interpret=interpret)
-  # acc [B, Hkv, NQB, NS, 2, R, D/2] (two column halves) -> [B, Hkv, NQB, NS, R, D]
-  acc = jnp.moveaxis(acc, 4, 5).reshape(*acc.shape[:4], acc.shape[5], d)
+      q_t, qkv, lengths, bias, bits=bits, num_splits=num_splits, dtype=q.dtype, cfg=config,
+      with_scores=bool(sel), interpret=interpret)
+  acc = acc.swapaxes(4, 5)                                   # O^T -> [B, Hkv, NQB, NS, N, D]
   n_full = jnp.clip(lengths_full.astype(jnp.int32), 0, k_full.shape[2])
   full_mask = jnp.arange(k_full.shape[2])[None, None, :] < n_full[:, None, None]  # [B, 1, Rf]
   exact = [(k_full.transpose(0, 2, 1, 3), v_full.transpose(0, 2, 1, 3), full_mask),
@@ -576,7 +638,9 @@ def quant_attention(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,
   probs = None
   if sel:
     read = (jnp.arange(capacity)[None] < lengths[:, None])[:, None]        # [B, 1, S]
-    probs = scores_to_probs(scores[0], lse[:, :len(sel)], read, group=group)
+    # [B, Hkv, S, N] -> the selected rows [B, Hkv, R, S]
+    rows = scores[0][..., :score_rows(len(sel), group)].swapaxes(2, 3)
+    probs = scores_to_probs(rows, lse[:, :len(sel)], read, group=group)
   return wrapper_outputs(out.astype(q.dtype), lse, probs, order, return_lse=return_lse)
 
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sparsedec
-from pallas_kernels.quant_attention import dequantize, quantize_kv
+from pallas_kernels.quant_attention import code_planes, dequantize, quantize_kv
 from sparsedec import prompts as prompt_sets
 from sparsedec import testing
 from sparsedec.decode.loop import StepContext, finish_step
@@ -81,9 +81,9 @@ def _assert_same_cache(got: qkv.QuantizedCache, want: qkv.QuantizedCache):
     a, b = got.codes[layer], want.codes[layer]
     for row in range(B):
       ql = int(got.quant_len[row])
-      for name in ("k_codes", "v_codes"):
-        np.testing.assert_array_equal(np.asarray(getattr(a, name))[row, :, :, :ql],
-                                      np.asarray(getattr(b, name))[row, :, :, :ql])
+      for got_planes, want_planes in zip(code_planes(a), code_planes(b)):   # [B, Hkv, 2, S, D]
+        np.testing.assert_array_equal(np.asarray(got_planes)[row, :, :, :ql],
+                                      np.asarray(want_planes)[row, :, :, :ql])
       for name in ("v_scale", "v_zero"):
         np.testing.assert_array_equal(np.asarray(getattr(a, name))[row, :, :ql],
                                       np.asarray(getattr(b, name))[row, :, :ql])
@@ -109,9 +109,9 @@ def test_prefill_quantizes_whole_groups_bit_identical_to_quantize_kv():
   direct = quantize_kv(jnp.asarray(k[0]), jnp.asarray(v[0]), group=G)
   for row, n in enumerate(lengths):
     ql = int(cache.quant_len[row])
-    for name in ("k_codes", "v_codes"):
-      np.testing.assert_array_equal(np.asarray(getattr(cache.codes[0], name))[row, :, :, :ql],
-                                    np.asarray(getattr(direct, name))[row, :, :, :ql])
+    for got_planes, want_planes in zip(code_planes(cache.codes[0]), code_planes(direct)):
+      np.testing.assert_array_equal(np.asarray(got_planes)[row, :, :, :ql],
+                                    np.asarray(want_planes)[row, :, :, :ql])
     np.testing.assert_array_equal(np.asarray(cache.buf_k[0])[row, :, : n - ql], k[0, row, :, ql:n])
     assert not np.asarray(cache.buf_k[0])[row, :, n - ql:].any()
 

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from pallas_kernels.quant_attention import QuantKV, quantize_kv
+from sparsedec.model.quant_weights import array_bytes
 from pallas_kernels.quant_attention import bytes_per_token as _quant_bytes
 from sparsedec.errors import InputError
 from sparsedec.kv.dense import InflightKV, KVCache
@@ -71,8 +72,7 @@ class QuantizedCache:
 
   def num_bytes(self) -> int:
     """Bytes held on device (codes, scales/zeros, the full-precision buffer, the counts)."""
-    leaves = jax.tree_util.tree_leaves(self)
-    return sum(x.size * x.dtype.itemsize for x in leaves)
+    return sum(array_bytes(x) for x in jax.tree_util.tree_leaves(self))
 
 
 def bytes_per_token(head_dim: int, num_kv_heads: int, num_layers: int, bits: int,
@@ -125,11 +125,12 @@ def _write_group(qkv: QuantKV, new: QuantKV, start: jax.Array, on: jax.Array) ->
   slots = jnp.where(on[:, None], start[:, None] + jnp.arange(g)[None, :], cap)  # [B, G]
   grp = jnp.where(on, start // g, cap // g)                                  # [B]
   return QuantKV(
-      # [B, Hkv, 2, S, D/2] indexed at (rows, slots) -> [B, G, Hkv, 2, D/2]
-      k_codes=qkv.k_codes.at[rows, :, :, slots].set(
-          new.k_codes.transpose(0, 3, 1, 2, 4), mode="drop"),
-      v_codes=qkv.v_codes.at[rows, :, :, slots].set(
-          new.v_codes.transpose(0, 3, 1, 2, 4), mode="drop"),
+      # k [B, Hkv, 2, D/C, S, C] indexed at (rows, slots) -> [B, G, Hkv, 2, D/C, C]
+      k_codes=qkv.k_codes.at[rows, :, :, :, slots].set(
+          new.k_codes.transpose(0, 4, 1, 2, 3, 5), mode="drop"),
+      # v [B, Hkv, 2, D, S] indexed at (rows, slots) -> [B, G, Hkv, 2, D]
+      v_codes=qkv.v_codes.at[rows, :, :, :, slots].set(
+          new.v_codes.transpose(0, 4, 1, 2, 3), mode="drop"),
       k_scale=qkv.k_scale.at[rows[:, 0], :, grp].set(new.k_scale[:, :, 0], mode="drop"),
       k_zero=qkv.k_zero.at[rows[:, 0], :, grp].set(new.k_zero[:, :, 0], mode="drop"),
       v_scale=qkv.v_scale.at[rows, :, slots].set(new.v_scale.transpose(0, 2, 1), mode="drop"),
