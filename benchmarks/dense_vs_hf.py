@@ -17,14 +17,10 @@ import subprocess
 import sys
 import tempfile
 
-from sparsedec.bench import encode_prompts, run_bench
+from sparsedec.bench import DEFAULT_SMOLLM2_GGUF, encode_prompts, run_bench
 from sparsedec.prompts import mt_bench
 from sparsedec.weights.checkpoint import load_model
 
-DEFAULT_GGUF = os.environ.get(
-    "SPARSEDEC_SMOLLM2_GGUF",
-    os.path.join(os.path.dirname(__file__), "..", ".cache", "models",
-                 "SmolLM2-135M-Instruct.Q4_1.gguf"))
 
 
 def default_hf_python() -> str:
@@ -35,7 +31,7 @@ def default_hf_python() -> str:
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--gguf", default=DEFAULT_GGUF)
+  ap.add_argument("--gguf", default=DEFAULT_SMOLLM2_GGUF)
   ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   ap.add_argument("--num-prompts", type=int, default=10)
   ap.add_argument("--max-new-tokens", type=int, default=256)

@@ -19,11 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import numpy as np
 
-from sparsedec.bench import device_description, encode_prompts
+from sparsedec.bench import DEFAULT_SMOLLM2_GGUF, device_description, encode_prompts, log
 from sparsedec.compress import POLICIES
 from sparsedec.decode.api import generate
 from sparsedec.decode.fafo import Fafo
@@ -31,15 +30,6 @@ from sparsedec.decode.lookahead import Lookahead
 from sparsedec.prompts import humaneval, mt_bench
 from sparsedec.weights.checkpoint import load_model
 
-DEFAULT_GGUF = os.environ.get(
-    "SPARSEDEC_SMOLLM2_GGUF",
-    os.path.join(os.path.dirname(__file__), "..", ".cache", "models",
-                 "SmolLM2-135M-Instruct.Q4_1.gguf"))
-_T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-  print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
 
 
 def prompt_ids(tok, name: str, num: int) -> list[list[int]]:
@@ -67,7 +57,7 @@ def run(cfg, params, ids, method, max_new_tokens):
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--gguf", default=DEFAULT_GGUF)
+  ap.add_argument("--gguf", default=DEFAULT_SMOLLM2_GGUF)
   ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
   ap.add_argument("--prompt-sets", nargs="+", default=["mt_bench", "humaneval"])
   ap.add_argument("--num-prompts", type=int, default=10)

@@ -18,14 +18,13 @@ import argparse
 import functools
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sparsedec.attention import AttentionPlan, QuantView, Segment, causal_plan
-from sparsedec.bench import device_description, encode_prompts
+from sparsedec.bench import DEFAULT_SMOLLM2_GGUF, device_description, encode_prompts, log
 from sparsedec.decode.api import generate
 from sparsedec.decode.quantspec import QuantSpec
 from sparsedec.kv import quantized as qkv
@@ -34,15 +33,6 @@ from sparsedec.model.forward import forward
 from sparsedec.prompts import book, mt_bench
 from sparsedec.weights.checkpoint import load_model
 
-DEFAULT_GGUF = os.environ.get(
-    "SPARSEDEC_SMOLLM2_GGUF",
-    os.path.join(os.path.dirname(__file__), "..", ".cache", "models",
-                 "SmolLM2-135M-Instruct.Q4_1.gguf"))
-_T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-  print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
 
 
 def _nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -94,7 +84,7 @@ def perplexity_quantized(cfg, params, ids: np.ndarray, chunk: int, group: int,
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--gguf", default=DEFAULT_GGUF)
+  ap.add_argument("--gguf", default=DEFAULT_SMOLLM2_GGUF)
   ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   ap.add_argument("--ppl-tokens", type=int, default=2048)
   ap.add_argument("--chunk", type=int, default=64)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparsedec.bench import device_description
+from sparsedec.bench import device_description, log
 from sparsedec.decode.api import CAPACITY_ALIGN
 from sparsedec.decode.dense import Dense
 from sparsedec.decode.loop import StepContext
@@ -37,11 +37,6 @@ LLAMA_31_8B = ModelConfig(
     eos_token_ids=(128001,), dtype="bfloat16")
 
 
-_T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-  print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
 
 
 def time_fn(fn, *args, repeats: int = 5) -> float:

@@ -19,6 +19,18 @@ from sparsedec.model.params import Params, num_bytes
 from sparsedec.prompts import load_prompt_set
 from sparsedec.tokenizer import Tokenizer
 
+# The SmolLM2-135M-Instruct GGUF the benchmarks read by default (fetched by scripts/setup.sh).
+DEFAULT_SMOLLM2_GGUF = os.environ.get(
+    "SPARSEDEC_SMOLLM2_GGUF",
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache",
+                 "models", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+  """A progress line with the seconds since import (benchmark logs)."""
+  print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
+
 
 def device_description() -> dict:
   dev = jax.devices()[0]
