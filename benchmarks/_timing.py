@@ -8,9 +8,12 @@ dispatch sits between calls. `read_bandwidth` measures the device's read bandwid
 
 from __future__ import annotations
 
+import collections
+import glob
 import json
 import os
 import statistics
+import tempfile
 import time
 from typing import Any, Callable, Sequence
 
@@ -23,23 +26,37 @@ _SENTINEL = 12345.0           # an output value that never occurs: the dependenc
 
 
 def time_loop(fn: Callable, x: jax.Array, *rest: Any, num_calls: int, repeats: int = 3,
-              rotate: Sequence[tuple] = (), with_index: bool = False) -> dict:
+              rotate: Sequence[tuple] = (), with_index: bool = False, unroll: int = 1,
+              profile: bool = False) -> dict:
   """Seconds per call of fn(x, *rest), calls chained inside one jit.
 
   rotate: further argument tuples (copies of the large arrays) used in turn with `rest`, so that
     consecutive calls read different buffers and do not hit in L2; the loop body calls fn once per
-    argument tuple (statically unrolled), so num_calls is rounded up to a multiple of
-    1 + len(rotate).
+    argument tuple (statically unrolled).
+  unroll: the loop body repeats that `unroll` times. Each iteration of an XLA:GPU while loop copies
+    its predicate to the host, which drains the GPU's queue; unrolling spreads that stall (the
+    loop's own per-call cost is measured and reported by the callers) over more calls.
+  num_calls is rounded up to a multiple of unroll * (1 + len(rotate)).
   with_index: call fn(x, it, *rest) with `it` the loop iteration (int32 scalar; the same for all
     argument tuples of one iteration), e.g. to pick one of several block tables.
-  Returns {"min_s", "median_s", "runs_s", "num_calls", "repeats"}: per-call seconds, min and
-  median over `repeats` timed runs after one warm-up (compile) run.
+  profile: also run the loop once under the profiler and report `device_s`, the GPU's busy time per
+    call (the summed durations of the kernels on the device's streams; no launch gaps), with
+    `kernels_per_call` and the costliest kernels (`device_time_by_kernel`). GPU only; elsewhere
+    these keys are absent.
+  Returns {"min_s", "median_s", "runs_s", "num_calls", "repeats", "unroll"} (+ the profile keys):
+  per-call seconds, min and median over `repeats` timed runs after one warm-up (compile) run.
   """
+  if unroll < 1:
+    raise ValueError(f"unroll must be >= 1, got {unroll}")
   arg_sets = (tuple(rest), *map(tuple, rotate))
-  iterations = -(-num_calls // len(arg_sets))
+  per_iteration = unroll * len(arg_sets)
+  iterations = -(-num_calls // per_iteration)
+  # One jitted callee: its lowering (a Pallas kernel's compilation included) is reused by every
+  # unrolled call site.
+  callee = jax.jit(fn)
 
   def call(x, it, args):
-    out = fn(x, it, *args) if with_index else fn(x, *args)
+    out = callee(x, it, *args) if with_index else callee(x, *args)
     # The barrier keeps XLA from shrinking the call to the one element the dependency reads.
     out = lax.optimization_barrier(out)
     first = jax.tree.leaves(out)[0]
@@ -48,8 +65,9 @@ def time_loop(fn: Callable, x: jax.Array, *rest: Any, num_calls: int, repeats: i
   @jax.jit
   def loop(x, arg_sets):
     def body(it, x):
-      for args in arg_sets:
-        x = call(x, it, args)
+      for _ in range(unroll):
+        for args in arg_sets:
+          x = call(x, it, args)
       return x
     return lax.fori_loop(0, iterations, body, x)
 
@@ -58,9 +76,44 @@ def time_loop(fn: Callable, x: jax.Array, *rest: Any, num_calls: int, repeats: i
   for _ in range(repeats):
     t0 = time.perf_counter()
     jax.block_until_ready(loop(x, arg_sets))
-    runs.append((time.perf_counter() - t0) / (iterations * len(arg_sets)))
-  return dict(min_s=min(runs), median_s=statistics.median(runs), runs_s=runs,
-              num_calls=iterations * len(arg_sets), repeats=repeats)
+    runs.append((time.perf_counter() - t0) / (iterations * per_iteration))
+  result = dict(min_s=min(runs), median_s=statistics.median(runs), runs_s=runs,
+                num_calls=iterations * per_iteration, repeats=repeats, unroll=unroll)
+  if profile and jax.default_backend() == "gpu":
+    result.update(device_time(lambda: jax.block_until_ready(loop(x, arg_sets)),
+                              iterations * per_iteration))
+  return result
+
+
+def device_time(run: Callable[[], Any], num_calls: int, top: int = 6) -> dict:
+  """GPU busy time per call of `run()` (which makes `num_calls` calls), from a profiler trace:
+  the summed durations of the events on the GPU planes' stream lines (kernels and copies).
+  Returns {"device_s", "kernels_per_call", "device_time_by_kernel": {name: seconds per call}}."""
+  with tempfile.TemporaryDirectory() as trace_dir:
+    jax.profiler.start_trace(trace_dir)
+    try:
+      run()
+    finally:
+      jax.profiler.stop_trace()
+    paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    if not paths:
+      return dict(device_error="the profiler wrote no trace")
+    data = jax.profiler.ProfileData.from_file(paths[0])
+  total_ns, count, by_name = 0.0, 0, collections.Counter()
+  for plane in data.planes:
+    if not plane.name.startswith("/device:GPU:"):
+      continue
+    for line in plane.lines:
+      if not line.name.startswith("Stream"):
+        continue
+      for event in line.events:
+        total_ns += event.duration_ns
+        count += 1
+        by_name[event.name[:80]] += event.duration_ns
+  if not count:
+    return dict(device_error="no GPU stream events in the trace")
+  return dict(device_s=total_ns * 1e-9 / num_calls, kernels_per_call=count / num_calls,
+              device_time_by_kernel={k: v * 1e-9 / num_calls for k, v in by_name.most_common(top)})
 
 
 def read_bandwidth(num_bytes: float = 4 * 2 ** 30, iters: int = 10, repeats: int = 5) -> dict:

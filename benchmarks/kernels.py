@@ -117,6 +117,8 @@ class Settings:
   max_seconds: float | None = None  # stop starting measurements after this much wall time
   partials: bool = True             # also time the kernels without their jnp combine
   refs: tuple[str, ...] = ("jnp", "dpa", "bundled")
+  unroll: int = 8                   # calls per timed-loop iteration (spreads its host sync)
+  profile: bool = True              # also the profiler's GPU busy time per call
   verbose: bool = False
 
 
@@ -210,6 +212,8 @@ class Bench:
 
   def save(self):
     self.results["targets"] = compute_targets(self.results["measurements"])
+    self.results["targets_device_time"] = compute_targets(self.results["measurements"],
+                                                          "device_us_per_call")
     self.results["elapsed_s"] = round(self.elapsed(), 2)
     write_json(self.out_path, self.results)
 
@@ -240,7 +244,8 @@ class Bench:
     q = jnp.zeros((1, 1, self.st.hq, self.st.d), DTYPE)
     n = 1000 if not self.st.interpret else 2
     try:
-      t = time_loop(lambda x: x, q, num_calls=n, repeats=self.st.repeats)
+      t = time_loop(lambda x: x, q, num_calls=n, repeats=self.st.repeats,
+                    unroll=self.st.unroll)
       self.results["loop_overhead"] = dict(us_per_call=t["min_s"] * 1e6,
                                            us_per_call_median=t["median_s"] * 1e6, num_calls=n)
     except Exception as e:                                               # noqa: BLE001
@@ -303,12 +308,22 @@ class Bench:
                         min_calls=self.st.min_calls, max_calls=self.st.max_calls,
                         max_loop_seconds=self.st.max_loop_seconds)
       t = time_loop(fn, args[0], *args[1:], num_calls=n, repeats=self.st.repeats,
-                    rotate=_rotations(args, alts), with_index=with_index)
+                    rotate=_rotations(args, alts), with_index=with_index,
+                    unroll=self.st.unroll, profile=self.st.profile)
       entry.update(num_calls=t["num_calls"], copies=1 + len(alts), repeats=t["repeats"],
-                   us_per_call=t["min_s"] * 1e6, us_per_call_median=t["median_s"] * 1e6,
+                   unroll=t["unroll"], us_per_call=t["min_s"] * 1e6,
+                   us_per_call_median=t["median_s"] * 1e6,
                    gb_per_s=entry["bytes"] / t["min_s"] / 1e9, read_bw_gb_per_s=self.read_bw)
       if self.read_bw:
         entry["fraction_of_read_bw"] = entry["gb_per_s"] / self.read_bw
+      if "device_s" in t:
+        entry.update(device_us_per_call=t["device_s"] * 1e6,
+                     device_gb_per_s=entry["bytes"] / t["device_s"] / 1e9,
+                     kernels_per_call=t["kernels_per_call"],
+                     device_us_by_kernel={k: v * 1e6 for k, v in
+                                          t["device_time_by_kernel"].items()})
+      elif "device_error" in t:
+        entry["device_error"] = t["device_error"]
       if est is not None:
         entry["calibration_call_us"] = est * 1e6
     except Exception as e:                                               # noqa: BLE001
@@ -795,6 +810,10 @@ def parse_args(argv=None):
                  help="cycle through cache copies while a call reads less (0: never)")
   p.add_argument("--max-copies", type=int, default=4)
   p.add_argument("--bw-gib", type=float, default=4.0, help="array size of the read-BW test")
+  p.add_argument("--unroll", type=int, default=8,
+                 help="calls per timed-loop iteration (default 8; 1 = one call per iteration)")
+  p.add_argument("--no-profile", action="store_true",
+                 help="skip the profiler's GPU busy time per call")
   p.add_argument("--verbose", action="store_true", help="print tracebacks")
   args = p.parse_args(argv)
   preset = dict(FULL, **(DRY_RUN if args.dry_run else QUICK if args.quick else {}))
@@ -811,7 +830,7 @@ def settings_from(args) -> Settings:
                 rotate_bytes=args.rotate_mb * 1e6, max_copies=args.max_copies,
                 max_seconds=480.0 if args.max_seconds is None else args.max_seconds,
                 partials=not args.no_partials, refs=tuple(args.refs.split(",")),
-                verbose=args.verbose)
+                unroll=args.unroll, profile=not args.no_profile, verbose=args.verbose)
   if args.dry_run:
     # Interpret mode runs each grid point in Python (~0.5 s): one call per timed run, and two
     # cache copies (always) so the copy-cycling path runs too.
@@ -848,8 +867,10 @@ def main(argv=None) -> int:
                      recent_capacity=RECENT_CAPACITY),
           bundled_gqa=BUNDLED_CONFIG),
       timing=dict(statistic="us_per_call: min over repeats of (timed loop / calls); "
-                  "us_per_call_median: the median", loop="calls chained in one jit "
-                  "(lax.fori_loop), cycling through `copies` copies of the cache"),
+                  "us_per_call_median: the median; device_us_per_call: the profiler's GPU busy "
+                  "time per call (one more run of the loop, traced)",
+                  loop="calls chained in one jit (lax.fori_loop, `unroll` calls per "
+                  "iteration), cycling through `copies` copies of the cache"),
       bytes="must-read bytes per call: K + V of the valid length (sparse: of the listed blocks; "
             "quant: codes + scales/zeros + the bf16 recent segment), plus q",
       targets_spec={k: dict(threshold=t, comparison=c, what=w)
@@ -889,8 +910,10 @@ def print_summary(results: dict):
   for m in mismatches:
     print(f"  MISMATCH {m['kernel']} B={m.get('B')} S={m.get('S')} Tq={m.get('Tq')} "
           f"{m['impl']}: max_err {m['max_err']:.3g}", flush=True)
-  for line in format_targets(results["targets"]):
-    print("  " + line, flush=True)
+  for key in ("targets", "targets_device_time"):
+    print(f"  {key} ({results[key]['statistic']}):", flush=True)
+    for line in format_targets(results[key]):
+      print("    " + line, flush=True)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,8 @@ def load(paths: list[str]) -> dict:
     with open(path) as f:
       results = json.load(f)
     if merged is None:
-      merged = {k: v for k, v in results.items() if k not in ("measurements", "targets")}
+      merged = {k: v for k, v in results.items()
+                if k not in ("measurements", "targets", "targets_device_time")}
       merged["sources"] = []
     merged["sources"].append(dict(path=path, device=results.get("device"),
                                   read_bandwidth=results.get("read_bandwidth"),
@@ -54,6 +55,7 @@ def load(paths: list[str]) -> dict:
       by_key[tuple(m.get(k) for k in KEY_FIELDS)] = m
   merged["measurements"] = list(by_key.values())
   merged["targets"] = compute_targets(merged["measurements"])
+  merged["targets_device_time"] = compute_targets(merged["measurements"], "device_us_per_call")
   return merged
 
 
@@ -232,8 +234,11 @@ def main(argv=None) -> int:
   plot_sparse(ms, device, os.path.join(out_dir, "sparse.png"))
   plot_quant(ms, device, os.path.join(out_dir, "quant.png"))
   plot_fafo(ms, device, os.path.join(out_dir, "fafo.png"))
-  for line in format_targets(results["targets"]):
-    print(line)
+  for key in ("targets", "targets_device_time"):
+    if key in results:
+      print(f"{key} ({results[key].get('statistic', 'us_per_call')}):")
+      for line in format_targets(results[key]):
+        print("  " + line)
   if args.merged:
     with open(args.merged, "w") as f:
       json.dump(results, f, indent=1)

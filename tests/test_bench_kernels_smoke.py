@@ -89,17 +89,40 @@ def test_targets_on_synthetic_measurements():
   assert len(format_targets(targets)) == len(summary) + len(targets["checks"])
 
 
+def test_targets_read_the_chosen_time_key():
+  ms = synthetic_measurements()
+  assert compute_targets(ms, "device_us_per_call")["checks"] == []     # none has a device time
+  for m in ms:
+    m["device_us_per_call"] = m["us_per_call"] / 2                     # no launch gaps: faster
+  wall = {(c["target"], c["B"], c["S"], c["Tq"]): c for c in compute_targets(ms)["checks"]}
+  device = compute_targets(ms, "device_us_per_call")
+  assert device["time_key"] == "device_us_per_call" and len(device["checks"]) == len(wall)
+  for c in device["checks"]:
+    w = wall[(c["target"], c["B"], c["S"], c["Tq"])]
+    if c["target"] == "decode_read_bw":
+      assert c["ratio"] == pytest.approx(2 * w["ratio"])
+    if c["target"] == "sparse_vs_listed_read":
+      assert c["ratio"] == pytest.approx(w["ratio"] / 2)
+    if c["target"] in ("quant4_vs_decode", "sparse_vs_decode"):
+      assert c["ratio"] == pytest.approx(w["ratio"])                     # both halved
+
+
 def test_time_loop_counts_rotations_and_index():
   calls = []
 
   def fn(x, it, a):                      # x [4]; a [4]; it the loop iteration
-    calls.append(1)                      # traced once per argument tuple
+    calls.append(1)                      # traced once: one jitted callee for every call site
     return x * 0 + a + it
 
   x, a, a2 = jnp.zeros(4), jnp.ones(4), 2 * jnp.ones(4)
   t = time_loop(fn, x, a, num_calls=5, repeats=2, rotate=[(a2,)], with_index=True)
   assert t["num_calls"] == 6 and len(t["runs_s"]) == 2 and t["min_s"] <= t["median_s"]
-  assert len(calls) == 2
+  assert t["unroll"] == 1 and "device_s" not in t          # no profile asked (and no GPU here)
+  assert len(calls) == 1
+  t = time_loop(fn, x, a, num_calls=7, repeats=1, rotate=[(a2,)], with_index=True, unroll=3)
+  assert t["num_calls"] == 12 and t["unroll"] == 3       # rounded up to 2 iterations of 3 x 2
+  with pytest.raises(ValueError, match="unroll"):
+    time_loop(fn, x, a, num_calls=1, unroll=0)
 
 
 def test_helpers():

@@ -259,6 +259,10 @@ def test_bad_knobs_are_refused_by_name(stories):
     QuantSpec(draft_sampling="greedy")
   with pytest.raises(InputError, match="weight_layout"):
     QuantSpec(weight_layout="int3")
+  with pytest.raises(InputError, match="multiple of 64"):
+    QuantSpec(weight_layout="int4_t", weight_group=32)
+  assert QuantSpec().resolved_weight_layout() == "packed"          # "auto", off the GPU
+  assert QuantSpec(weight_layout="int4_t").resolved_weight_layout() == "int4_t"
   with pytest.raises(InputError, match="knob 'window'"):
     get_method("quantspec", window=3)
   with pytest.raises(InputError, match="sliding"):

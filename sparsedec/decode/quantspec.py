@@ -90,7 +90,9 @@ class QuantSpec:
   quant_group: int = 128           # G: key group (tokens); the buffer holds 2G tokens
   weight_bits: int | None = 4      # draft weights: 4 (group-wise RTN) or None (unquantized)
   weight_group: int = 128          # input rows per weight group
-  weight_layout: str = "packed"    # how the draft multiplies its 4-bit weights (quant_weights)
+  weight_layout: str = "auto"      # how the draft multiplies its 4-bit weights (quant_weights);
+                                   # "auto": the W4A16 Pallas kernel's "int4_t" on a GPU (groups
+                                   # a multiple of 64), else "packed"
   draft_sampling: str = "sample"   # when sampling: "sample" drafts from q (Leviathan), "argmax"
   name: str = "quantspec"
 
@@ -112,9 +114,19 @@ class QuantSpec:
       raise InputError(f"quantspec weight_bits must be 4 or None, got {self.weight_bits!r}")
     if self.weight_group % 2:
       raise InputError(f"quantspec weight_group must be even, got {self.weight_group}")
-    if self.weight_layout not in LAYOUTS:
-      raise InputError(f"quantspec weight_layout must be one of {LAYOUTS}, "
+    if self.weight_layout not in ("auto",) + LAYOUTS:
+      raise InputError(f"quantspec weight_layout must be 'auto' or one of {LAYOUTS}, "
                        f"got {self.weight_layout!r}")
+    if self.weight_layout == "int4_t" and self.weight_group % 64:
+      raise InputError(f"quantspec weight_layout 'int4_t' needs weight_group a multiple of 64, "
+                       f"got {self.weight_group}")
+
+  def resolved_weight_layout(self) -> str:
+    """The draft's weight layout: weight_layout, with "auto" resolved for this backend."""
+    if self.weight_layout != "auto":
+      return self.weight_layout
+    gpu = jax.default_backend() == "gpu"
+    return "int4_t" if gpu and self.weight_group % 64 == 0 else "packed"
 
   @property
   def tokens_per_forward(self) -> int:
@@ -135,7 +147,7 @@ class QuantSpec:
     if self.verify_precision == "int8":      # the codes replace the dense cache
       empty = tuple(x[:, :, :0] for x in cache.k)
       cache = KVCache(k=empty, v=tuple(x[:, :, :0] for x in cache.v), lengths=cache.lengths)
-    draft = (quantize_params(params, self.weight_group, self.weight_layout)
+    draft = (quantize_params(params, self.weight_group, self.resolved_weight_layout())
              if self.weight_bits == 4 else None)
     # Two arrays, not one shared leaf: a state whose leaves alias cannot be donated.
     return state.replace(cache=cache, extras=QuantSpecExtras(

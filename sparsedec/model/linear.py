@@ -14,7 +14,8 @@ def linear(x: jax.Array, w) -> jax.Array:
   w may be a `quant_weights.QuantWeight` (4-bit, W4A16): multiplied as its layout says ("packed":
   dequantized, then multiplied, the reference; "int4": the dequantization fused into the dot's
   operand; "int4_grouped": per-group dots on the codes, scaled after; "int4_reduce": a fused
-  multiply-and-sum, the GEMV form)."""
+  multiply-and-sum, the GEMV form; "int4_t": transposed codes for the W4A16 Pallas GEMV
+  `pallas_kernels.w4a16_gemv` on a GPU, the "int4_grouped" math elsewhere)."""
   precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
   if isinstance(w, QuantWeight):
     return quant_matmul(x, w, precision)

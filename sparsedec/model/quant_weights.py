@@ -22,6 +22,12 @@ dequantized values are bit-identical, and `to_layout` converts between them exac
   * "int4_reduce": the "int4" storage, multiplied as an elementwise product with x summed over In
     (fp32): for the draft's GEMV (M = batch rows) XLA emits one reduction kernel that reads the
     codes once instead of materialising the bf16 weight (measured: benchmarks/NOTES.md).
+  * "int4_t": jnp.int4 [In_pad / 64, Out, 64] holding c - 8, the codes TRANSPOSED in 64-input
+    chunks (codes[k, o, i] = c[64 k + i, o] - 8; In_pad must be a multiple of 64), the layout of
+    the Mosaic GPU W4A16 GEMV kernel (`pallas_kernels.w4a16_gemv`: each [64 out, 64 in] tile is
+    contiguous and K-major, a wgmma's register operand). On a GPU, x with <= 64 rows (bf16/fp16,
+    Out a multiple of 64, group a multiple of 64) goes through that kernel; anything else through
+    the "int4_grouped" math in jnp on the chunks (both: per-group fp32 products, scaled after).
 
 A params pytree from `quantize_params` is a drop-in for the forward. Quantized: wqkv, wo,
 w_gate_up, w_down of every layer; embeddings, lm_head, norms and biases stay as they are (the paper
@@ -36,17 +42,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+# A module, not names: pallas_kernels.w4a16_gemv imports sparsedec (its errors), which imports
+# this module, so either may be first; the names are looked up at call time.
+import pallas_kernels.w4a16_gemv as w4a16
 from sparsedec.errors import InputError
 
 QUANTIZED_LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
 META_DTYPE = jnp.float16
-LAYOUTS = ("packed", "int4", "int4_grouped", "int4_reduce")
+LAYOUTS = ("packed", "int4", "int4_grouped", "int4_reduce", "int4_t")
+_INT4_KN = ("int4", "int4_grouped", "int4_reduce")   # the same [In_pad, Out] int4 storage
 CODE_OFFSET = 8          # int4 layouts store c - 8 in [-8, 7]
 
 
 @struct.dataclass
 class QuantWeight:
-  codes: jax.Array   # "packed": [In_pad / 2, Out] uint8; "int4*": [In_pad, Out] int4 (c - 8)
+  codes: jax.Array   # "packed": [In_pad / 2, Out] uint8; "int4", "int4_grouped", "int4_reduce":
+                     # [In_pad, Out] int4 (c - 8); "int4_t": [In_pad / 64, Out, 64] int4 (c - 8)
   scale: jax.Array   # [In_pad / G, Out] fp16
   zero: jax.Array    # [In_pad / G, Out] fp16
   in_features: int = struct.field(pytree_node=False)
@@ -55,7 +66,7 @@ class QuantWeight:
 
   @property
   def shape(self) -> tuple[int, int]:
-    return (self.in_features, self.codes.shape[1])
+    return (self.in_features, self.scale.shape[1])
 
   @property
   def in_padded(self) -> int:
@@ -66,7 +77,8 @@ class QuantWeight:
     if self.layout == "packed":
       c = self.codes.astype(jnp.int32)
       return jnp.stack([c & 15, c >> 4], axis=1).reshape(-1, c.shape[1])
-    return self.codes.astype(jnp.int32) + CODE_OFFSET
+    codes = w4a16.from_chunked(self.codes) if self.layout == "int4_t" else self.codes
+    return codes.astype(jnp.int32) + CODE_OFFSET
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """[In, Out] in `dtype` (computed in fp32)."""
@@ -80,7 +92,7 @@ class QuantWeight:
     _check_layout(layout)
     if layout == self.layout:
       return self
-    if "packed" not in (layout, self.layout):      # int4 <-> int4_grouped: the same arrays
+    if layout in _INT4_KN and self.layout in _INT4_KN:   # the same arrays
       return self.replace(layout=layout)
     c = self.unsigned_codes()
     return self.replace(codes=_store_codes(c, layout), layout=layout)
@@ -106,7 +118,13 @@ def _store_codes(c: jax.Array, layout: str) -> jax.Array:
   if layout == "packed":
     c = c.astype(jnp.uint8)
     return c[0::2] | (c[1::2] << 4)
-  return (c.astype(jnp.int8) - CODE_OFFSET).astype(jnp.int4)
+  codes = (c.astype(jnp.int8) - CODE_OFFSET).astype(jnp.int4)
+  if layout == "int4_t":
+    if c.shape[0] % w4a16.CHUNK:
+      raise InputError(f"weight layout 'int4_t' needs the padded input size (a multiple of the "
+                       f"group) to be a multiple of {w4a16.CHUNK}, got {c.shape[0]}")
+    return w4a16.to_chunked(codes)                                     # [In_pad/64, Out, 64]
+  return codes
 
 
 def _to_meta(x: jax.Array, direction: int) -> jax.Array:
@@ -167,11 +185,45 @@ def _int4_grouped_matmul(x: jax.Array, w: QuantWeight, precision) -> jax.Array:
     xg, c = xg.astype(jnp.float32), c.astype(jnp.float32)   # XLA:CPU: no bf16 x bf16 -> fp32
   part = jnp.einsum("mgi,gio->gmo", xg, c, precision=precision,
                     preferred_element_type=jnp.float32)                    # [In/G, M, Out]
+  xsum = xg.astype(jnp.float32).sum(-1)                                    # [M, In/G]
+  return _scale_group_products(part, xsum, w, precision).astype(x.dtype).reshape(*lead, n_out)
+
+
+def _scale_group_products(part: jax.Array, xsum: jax.Array, w: QuantWeight,
+                          precision) -> jax.Array:
+  """part [In/G, M, Out] fp32 (x_g @ (c - 8)_g), xsum [M, In/G] fp32 (sum of x_g) ->
+  sum_g s_g * part_g + (z_g + 8 s_g) * xsum_g, [M, Out] fp32."""
   scale = w.scale.astype(jnp.float32)                                      # [In/G, Out]
   offset = w.zero.astype(jnp.float32) + CODE_OFFSET * scale                # [In/G, Out]
-  xsum = xg.astype(jnp.float32).sum(-1)                                    # [M, In/G]
-  y = jnp.einsum("gmo,go->mo", part, scale) + jnp.dot(xsum, offset, precision=precision)
-  return y.astype(x.dtype).reshape(*lead, n_out)
+  return jnp.einsum("gmo,go->mo", part, scale) + jnp.dot(xsum, offset, precision=precision)
+
+
+def _on_gpu() -> bool:
+  return jax.default_backend() == "gpu"
+
+
+def _int4_t_matmul(x: jax.Array, w: QuantWeight, precision) -> jax.Array:
+  """x [..., In] @ w ("int4_t"): the Mosaic GPU W4A16 kernel on a GPU for <= 64 rows (module
+  docstring), else the "int4_grouped" math in jnp on the chunked codes. fp32 accumulation; the
+  result in x's dtype."""
+  n_groups, n_out = w.scale.shape
+  lead = x.shape[:-1]
+  x2 = x.reshape(-1, x.shape[-1])                                          # [M, In]
+  if _on_gpu() and w4a16.unsupported_reason(x2.shape[0], n_out, w.group, x.dtype) is None:
+    y = w4a16.w4a16_matmul(x2, w.codes, w.scale, w.zero, in_features=w.in_features, group=w.group)
+    return y.reshape(*lead, n_out)
+  chunk = w4a16.CHUNK
+  if w.group % chunk:        # chunks straddle groups: back to [In_pad, Out] (a relayout)
+    return _int4_grouped_matmul(x, w.to_layout("int4_grouped"), precision)
+  cpg = w.group // chunk
+  xg = _pad_inputs(x2, w).reshape(-1, n_groups, cpg, chunk)                # [M, In/G, G/64, 64]
+  c = w.codes.reshape(n_groups, cpg, n_out, chunk).astype(x.dtype)        # [In/G, G/64, Out, 64]
+  if jax.default_backend() == "cpu" and x.dtype != jnp.float32:
+    xg, c = xg.astype(jnp.float32), c.astype(jnp.float32)   # XLA:CPU: no bf16 x bf16 -> fp32
+  part = jnp.einsum("mgki,gkoi->gmo", xg, c, precision=precision,
+                    preferred_element_type=jnp.float32)                    # [In/G, M, Out]
+  xsum = xg.astype(jnp.float32).sum((-2, -1))                              # [M, In/G]
+  return _scale_group_products(part, xsum, w, precision).astype(x.dtype).reshape(*lead, n_out)
 
 
 def _int4_reduce_matmul(x: jax.Array, w: QuantWeight, precision) -> jax.Array:
@@ -198,6 +250,8 @@ def quant_matmul(x: jax.Array, w: QuantWeight, precision=None) -> jax.Array:
     return _int4_dequant_matmul(x, w, precision)
   if w.layout == "int4_reduce":
     return _int4_reduce_matmul(x, w, precision)
+  if w.layout == "int4_t":
+    return _int4_t_matmul(x, w, precision)
   return _int4_grouped_matmul(x, w, precision)
 
 

@@ -1,0 +1,422 @@
+"""W4A16 GEMV on Mosaic GPU: x [M, In] (bf16/fp16, M <= 64 rows) @ a 4-bit group-quantized
+weight [In, Out], reading the 4-bit codes once (QuantSpec's draft matmuls).
+
+Quantization (`sparsedec.model.quant_weights`): groups of G consecutive input rows per output
+column, w ~ zero + c * scale with c in [0, 15] and scale, zero fp16 [In_pad / G, Out].
+
+Code layout ("int4_t" in quant_weights), the codes TRANSPOSED and cut into 64-input chunks:
+
+  codes_t [In_pad / 64, Out, 64] int4, codes_t[k, o, i] = c[64 k + i, o] - 8
+
+so a chunk k and 64 consecutive outputs form one contiguous [64 out, 64 in] int4 tile (2 KiB),
+K-contiguous as the register A operand of a wgmma needs (the layout of quant_attention's key
+codes, k_codes [..., D/64, S, 64]). Scales and zeros stay [In_pad / G, Out] fp16.
+
+Kernel (`w4a16_matmul`), grid (Out / block_out, splits), one warpgroup per block; the output
+columns are the wgmma M dimension and x's rows the N dimension (M padded to N, a multiple of 8):
+
+  per quant group g of the block's input range (G / 64 chunks k), fresh fp32 accumulators:
+    acc  [64, N] = sum_k  C_k [64 out, 64] @ x_k^T [64, N]       (per 64-output tile)
+    xs   [64, N] = sum_k  ones [64, 64]   @ x_k^T [64, N]       (every row: sum of x_g)
+    y    [64, N] += scale_g[out] * acc + (zero_g[out] + 8 scale_g[out]) * xs
+
+A = the code tile, TMA'd into SMEM as int4 (swizzle 32) and loaded to registers in the layout
+Mosaic GPU upcasts cheaply (`WGMMA_UPCAST_4X`; as quant_attention), exact integers c - 8 in bf16;
+B = x^T of the chunk: the wrapper lays x out as chunks xc [In_pad / 64, N, 64] (zero-padded;
+one small XLA fusion), TMA'd with swizzle 128 and used transposed. The scales are per output
+and group, hence the fresh accumulator per group: no weight is ever dequantized element-wise,
+the group's scale multiplies its fp32 product, and the zero points (the -8 storage offset folded
+in) multiply the group's sum of x, which one more wgmma per chunk computes from the same x tile
+(an all-ones register A operand) and leaves in the accumulator layout, so no cross-thread
+reduction is needed. A block of block_out outputs holds block_out / 64 register tiles (all of a
+group's wgmmas are issued before one wait).
+
+The input range is split into pipeline steps of `groups_per_stage` groups; each step arrives by
+four TMAs on one barrier (its codes [G/64 * gps, block_out, 64], x chunks [G/64 * gps, N, 64],
+scales and zeros [gps, block_out]; Mosaic GPU puts a warpgroup barrier before every TMA issue,
+so they are few and large), `num_stages` steps in flight. Split-K: the steps are dealt to
+`splits` blocks per output tile (contiguous ranges), each writing fp32 partials [splits, Out, N]
+that the wrapper sums (XLA, fused with the transpose to [M, Out] and the cast); the number of
+splits is chosen so that there are about `target_blocks` blocks (several per SM of an H100 /
+H200: Llama-8B's Out / 64 tiles alone are 64..448 blocks). A call is thus three launches: the x
+relayout, the kernel, the split sum.
+
+Limits (InputError otherwise): x bf16 or fp16 with 1..64 rows; Out a multiple of 64; G a multiple
+of 64; codes int4 [In_pad / 64, Out, 64] with In_pad = (In_pad / G) * G >= in_features.
+
+Interpret mode (`interpret=plgpu.InterpretGPUParams()`, CPU): its wgmma takes no register A
+operand, so the code tile goes through an SMEM buffer there (as in quant_attention).
+
+`w4a16_reference` = dequantize in fp32, then an fp32 matmul (pure jnp).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from sparsedec.errors import InputError
+
+CHUNK = 64              # inputs per stored code chunk: one 128-byte bf16 wgmma K step
+TILE_OUT = 64           # wgmma M: output columns per register tile
+MAX_ROWS = 64           # x rows per call (the wgmma N dimension)
+MAX_BLOCK_OUT = 256     # a TMA box dimension holds at most 256 elements
+CODE_OFFSET = 8         # the int4 codes store c - 8
+META_DTYPE = jnp.float16
+SMEM_BYTES = 227 * 1024  # an H100 / H200 block's shared memory
+_SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class W4A16Config:
+  """Tiling knobs. block_out and groups_per_stage are upper bounds: the kernel uses the largest
+  multiple of 64 dividing Out (resp. the largest divisor of In_pad / G) not above them."""
+  block_out: int = 64            # output columns per block (a multiple of 64)
+  groups_per_stage: int = 1      # quant groups per pipeline step
+  num_stages: int = 4            # pipeline steps in flight
+  num_splits: int | None = None  # split-K blocks per output tile (None: from target_blocks)
+  target_blocks: int = 528       # 4 blocks per SM of an H100 / H200 (132 SMs)
+  min_steps_per_split: int = 2
+
+  def __post_init__(self):
+    if not isinstance(self.block_out, int) or not TILE_OUT <= self.block_out <= MAX_BLOCK_OUT \
+        or self.block_out % TILE_OUT:
+      raise InputError(f"block_out must be a multiple of {TILE_OUT} in [{TILE_OUT}, "
+                       f"{MAX_BLOCK_OUT}], got {self.block_out!r}")
+    for name in ("groups_per_stage", "num_stages", "target_blocks", "min_steps_per_split"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or v < 1:
+        raise InputError(f"{name} must be a positive integer, got {v!r}")
+    if self.num_splits is not None and (not isinstance(self.num_splits, int)
+                                        or self.num_splits < 1):
+      raise InputError(f"num_splits must be None or a positive integer, got {self.num_splits!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout helpers (shared with quant_weights' "int4_t").
+# ----------------------------------------------------------------------------------------------
+
+def to_chunked(codes: jax.Array) -> jax.Array:
+  """[In_pad, Out] (any dtype) -> [In_pad / 64, Out, 64]: transposed 64-input chunks."""
+  n_in, n_out = codes.shape
+  if n_in % CHUNK:
+    raise InputError(f"the chunked code layout needs In_pad a multiple of {CHUNK}, got {n_in}")
+  return codes.reshape(n_in // CHUNK, CHUNK, n_out).transpose(0, 2, 1)
+
+
+def from_chunked(codes_t: jax.Array) -> jax.Array:
+  """[In_pad / 64, Out, 64] -> [In_pad, Out] (the inverse of to_chunked)."""
+  n_chunks, n_out, c = codes_t.shape
+  return codes_t.transpose(0, 2, 1).reshape(n_chunks * c, n_out)
+
+
+def unsupported_reason(n_rows: int, n_out: int, group: int, dtype) -> str | None:
+  """Why the kernel cannot take this call (None: it can, with any W4A16Config's plan)."""
+  if jnp.dtype(dtype) not in _SUPPORTED_DTYPES:
+    return f"x must be bfloat16 or float16, got {jnp.dtype(dtype)}"
+  if not 1 <= n_rows <= MAX_ROWS:
+    return f"x must have 1..{MAX_ROWS} rows (the wgmma N dimension), got {n_rows}"
+  if n_out % TILE_OUT:
+    return f"Out={n_out} must be a multiple of {TILE_OUT} (the wgmma M tile)"
+  if not isinstance(group, int) or group < CHUNK or group % CHUNK:
+    return f"quant group {group} must be a multiple of {CHUNK} (the code chunk)"
+  smallest = smem_bytes(n_rows, group, block_out=TILE_OUT, groups_per_stage=1, num_stages=1,
+                        itemsize=jnp.dtype(dtype).itemsize)
+  if smallest > SMEM_BYTES:
+    return (f"quant group {group} needs {smallest} bytes of shared memory per block even with "
+            f"one stage (> {SMEM_BYTES})")
+  return None
+
+
+def smem_bytes(n_rows: int, group: int, *, block_out: int, groups_per_stage: int,
+               num_stages: int, itemsize: int = 2) -> int:
+  """Shared memory of one block (interpret mode's A buffer not counted)."""
+  n = -(-n_rows // 8) * 8
+  cps = groups_per_stage * group // CHUNK
+  per_stage = (cps * (block_out * CHUNK // 2 + n * CHUNK * itemsize)     # codes, x chunks
+               + 2 * groups_per_stage * block_out * 2)                   # scales, zeros
+  return num_stages * (per_stage + 8) + block_out * n * 4                # + barriers, o_smem
+
+
+def _largest_divisor(n: int, at_most: int, step: int = 1) -> int:
+  """The largest multiple of `step` dividing n and <= at_most (>= step: n % step == 0)."""
+  best = step
+  for d in range(step, min(n, at_most) + 1, step):
+    if n % d == 0:
+      best = d
+  return best
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The tiling of one call (`plan`): grid (out_tiles, splits)."""
+  block_out: int
+  groups_per_stage: int
+  num_stages: int
+  steps: int              # pipeline steps over In_pad
+  steps_per_split: int    # (the last split may have fewer)
+  splits: int
+  out_tiles: int
+  smem_bytes: int
+
+
+def plan(n_rows: int, n_out: int, n_groups: int, group: int, cfg: W4A16Config,
+         itemsize: int = 2) -> Plan:
+  """The tiling the kernel uses for x [n_rows, In], Out outputs and In_pad / G groups: the
+  config's block_out / groups_per_stage reduced to divisors, no more stages than a split has
+  steps, and stages, then groups per stage, then block_out reduced while the block's shared
+  memory is over SMEM_BYTES (InputError when even the smallest tiling is)."""
+  block_out = _largest_divisor(n_out, cfg.block_out, TILE_OUT)
+  gps = _largest_divisor(n_groups, cfg.groups_per_stage)
+  stages = cfg.num_stages
+  smem = functools.partial(smem_bytes, n_rows, group, itemsize=itemsize)
+  while smem(block_out=block_out, groups_per_stage=gps, num_stages=stages) > SMEM_BYTES:
+    if stages > 1:
+      stages -= 1
+    elif gps > 1:
+      gps = _largest_divisor(n_groups, gps - 1)
+    elif block_out > TILE_OUT:
+      block_out = _largest_divisor(n_out, block_out - TILE_OUT, TILE_OUT)
+    else:
+      raise InputError(f"w4a16_matmul: quant group {group} with {n_rows} rows needs more than "
+                       f"{SMEM_BYTES} bytes of shared memory per block")
+  steps = n_groups // gps
+  out_tiles = n_out // block_out
+  if cfg.num_splits is not None:
+    splits = min(cfg.num_splits, steps)
+  else:
+    splits = min(-(-cfg.target_blocks // out_tiles), steps // cfg.min_steps_per_split)
+  splits = max(1, splits)
+  per_split = -(-steps // splits)
+  splits = -(-steps // per_split)             # no empty split
+  stages = min(stages, per_split)
+  return Plan(block_out, gps, stages, steps, per_split, splits, out_tiles,
+              smem(block_out=block_out, groups_per_stage=gps, num_stages=stages))
+
+
+def _swizzled(minor_bytes, bits):
+  """Tiling + swizzle of an SMEM tile whose rows are `minor_bytes` long (16..128, power of 2)."""
+  return dict(transforms=(plgpu.TilingTransform((8, minor_bytes * 8 // bits)),
+                          plgpu.SwizzleTransform(minor_bytes)))
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel.
+# ----------------------------------------------------------------------------------------------
+
+def _partials(xc, codes_t, scale, zero, *, group: int, p: Plan, interpret: Any = None):
+  """Split-K partial products.
+
+  xc [In_pad / 64, N, 64] bf16/fp16: x zero-padded to [N, In_pad], in 64-input chunks;
+  codes_t [In_pad / 64, Out, 64] int4 (c - 8); scale, zero [In_pad / G, Out] fp16.
+  Returns [splits, Out, N] fp32 whose sum over splits is (x @ w)^T.
+  """
+  _, n, _ = xc.shape
+  n_out = codes_t.shape[1]
+  dtype = xc.dtype
+  block_out, gps, num_stages = p.block_out, p.groups_per_stage, p.num_stages
+  m_tiles = block_out // TILE_OUT
+  cpg = group // CHUNK                        # chunks per group
+  cps = gps * cpg                             # chunks per pipeline step
+  row = plgpu.Layout.WGMMA.reduce(1)          # a vector along a tile's rows (outputs)
+
+  def body(x_ref,        # [In_pad / 64, N, 64] dtype
+           codes_ref,    # [In_pad / 64, Out, 64] int4
+           scale_ref,    # [In_pad / G, Out] fp16
+           zero_ref,     # [In_pad / G, Out] fp16
+           out_ref,      # [splits, Out, N] fp32
+           *,
+           c_smem,       # [stages, cps, block_out, 64] int4 (swizzled): code tiles
+           x_smem,       # [stages, cps, N, 64] dtype (swizzled): x chunks (B^T)
+           meta_smem,    # [stages, 2, gps, block_out] fp16: scales (0) and zeros (1)
+           o_smem,       # [block_out, N] fp32 (epilogue)
+           barriers,     # [stages]: all TMAs of one step
+           a_smem=None):  # [64, 64] dtype (swizzled): interpret mode only
+    tile = lax.axis_index("out")
+    split = lax.axis_index("split")
+    o0 = tile * block_out
+    first = split * p.steps_per_split
+    my_steps = jnp.minimum(jnp.int32(p.steps_per_split), p.steps - first)
+
+    def fetch(step, slot):
+      g0 = (first + step) * gps                 # first group of the step
+      c0 = g0 * cpg                             # its first chunk
+      bar = barriers.at[slot]
+      plgpu.copy_gmem_to_smem(codes_ref.at[pl.ds(c0, cps), pl.ds(o0, block_out)],
+                              c_smem.at[slot], bar)
+      plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(c0, cps)], x_smem.at[slot], bar)
+      plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(g0, gps), pl.ds(o0, block_out)],
+                              meta_smem.at[slot, 0], bar)
+      plgpu.copy_gmem_to_smem(zero_ref.at[pl.ds(g0, gps), pl.ds(o0, block_out)],
+                              meta_smem.at[slot, 1], bar)
+
+    for s in range(num_stages):
+      pl.when(s < my_steps)(functools.partial(fetch, s, s))
+
+    def codes(ref):
+      """A [64, 64] int4 code tile -> registers (WGMMA layout), exact integers in dtype."""
+      x = plgpu.load(ref, layout=plgpu.Layout.WGMMA_UPCAST_4X)
+      return plgpu.layout_cast(x, plgpu.Layout.WGMMA).astype(dtype)
+
+    def mma(acc_ref, a, b_ref):
+      """acc += a @ b with a [64, 64] in registers (through SMEM in interpret mode)."""
+      if a_smem is None:
+        plgpu.wgmma(acc_ref, a, b_ref)
+        return
+      a_smem[...] = a
+      plgpu.commit_smem()
+      plgpu.wgmma(acc_ref, a_smem, b_ref)
+      plgpu.wgmma_wait(0)
+
+    # An all-ones A operand: ones @ x_chunk^T puts the chunk's sum of each x row in every row.
+    ones = plgpu.layout_cast(jnp.ones((TILE_OUT, CHUNK), dtype), plgpu.Layout.WGMMA)
+
+    def step_fn(step, ys):
+      slot = lax.rem(step, jnp.int32(num_stages))
+      plgpu.barrier_wait(barriers.at[slot])
+      ys = list(ys)
+      for g in range(gps):
+        # The group's scales and zeros first (registers), then its products.
+        metas = []
+        for mt in range(m_tiles):
+          cols = pl.ds(mt * TILE_OUT, TILE_OUT)
+          s = plgpu.load(meta_smem.at[slot, 0, g, cols], layout=row, optimized=False)  # [64]
+          z = plgpu.load(meta_smem.at[slot, 1, g, cols], layout=row, optimized=False)
+          s = s.astype(jnp.float32)
+          z = z.astype(jnp.float32) + CODE_OFFSET * s      # the zero, storage offset folded
+          metas.append((s, z))
+
+        def group_scope(xs_ref, *acc_refs, g=g):  # fresh [64, N] fp32 accumulators
+          for c in range(cpg):                    # xs: the group's sums of x, on every row
+            mma(xs_ref, ones, x_smem.at[slot, g * cpg + c].transpose((1, 0)))
+          for mt, acc_ref in enumerate(acc_refs):  # one per 64-output tile
+            for c in range(cpg):
+              cc = g * cpg + c
+              a = codes(c_smem.at[slot, cc, pl.ds(mt * TILE_OUT, TILE_OUT)])
+              mma(acc_ref, a, x_smem.at[slot, cc].transpose((1, 0)))
+          return xs_ref[...], tuple(acc_ref[...] for acc_ref in acc_refs)
+
+        xs, accs = pl.run_scoped(group_scope,
+                                 *[plgpu.ACC((TILE_OUT, n), jnp.float32)] * (1 + m_tiles))
+        for mt, ((s, z), acc) in enumerate(zip(metas, accs)):
+          s = lax.broadcast_in_dim(s, (TILE_OUT, n), [0])
+          z = lax.broadcast_in_dim(z, (TILE_OUT, n), [0])
+          ys[mt] = ys[mt] + s * acc + z * xs
+
+      nxt = step + num_stages
+      pl.when(nxt < my_steps)(lambda: fetch(nxt, slot))
+      return tuple(ys)
+
+    y0 = plgpu.layout_cast(jnp.zeros((TILE_OUT, n), jnp.float32), plgpu.Layout.WGMMA)
+    ys = lax.fori_loop(0, my_steps, step_fn, (y0,) * m_tiles)
+
+    for mt, y in enumerate(ys):
+      o_smem[pl.ds(mt * TILE_OUT, TILE_OUT)] = y
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, out_ref.at[split, pl.ds(o0, block_out)])
+    plgpu.wait_smem_to_gmem(0)
+
+  itemsize = jnp.dtype(dtype).itemsize
+  mma_sw = _swizzled(CHUNK * itemsize, 8 * itemsize)
+  # TMA SMEM ends must be 128-byte aligned, swizzled buffers 1 KiB-aligned: the swizzled
+  # buffers go first (every tile a multiple of 1 KiB), the small ones after (multiples of 128 B).
+  scratch = dict(
+      c_smem=plgpu.SMEM((num_stages, cps, block_out, CHUNK), jnp.int4,
+                        **_swizzled(CHUNK // 2, 4)),
+      x_smem=plgpu.SMEM((num_stages, cps, n, CHUNK), dtype, **mma_sw),
+  )
+  if interpret is not None:
+    scratch["a_smem"] = plgpu.SMEM((TILE_OUT, CHUNK), dtype, **mma_sw)
+  scratch.update(
+      meta_smem=plgpu.SMEM((num_stages, 2, gps, block_out), META_DTYPE),
+      o_smem=plgpu.SMEM((block_out, n), jnp.float32),
+      # TMAs landing on each: the step's codes, x chunks, scales and zeros.
+      barriers=plgpu.Barrier(num_arrivals=4, num_barriers=num_stages),
+  )
+  names = tuple(scratch)
+
+  def entry(*refs):
+    pl.run_scoped(lambda *scr: body(*refs, **dict(zip(names, scr))), *scratch.values())
+
+  return plgpu.kernel(
+      entry,
+      out_type=jax.ShapeDtypeStruct((p.splits, n_out, n), jnp.float32),
+      grid=(p.out_tiles, p.splits),
+      grid_names=("out", "split"),
+      interpret=interpret,
+  )(xc, codes_t, scale, zero)
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrapper.
+# ----------------------------------------------------------------------------------------------
+
+def _check_inputs(x, codes_t, scale, zero, in_features, group):
+  if x.ndim != 2:
+    raise InputError(f"x must be [M, In], got shape {x.shape}")
+  if not isinstance(group, int) or group < 1:
+    raise InputError(f"group must be a positive integer, got {group!r}")
+  if codes_t.ndim != 3 or codes_t.shape[2] != CHUNK:
+    raise InputError(f"codes_t must be [In_pad / {CHUNK}, Out, {CHUNK}], got {codes_t.shape}")
+  if jnp.dtype(codes_t.dtype) != jnp.dtype(jnp.int4):
+    raise InputError(f"codes_t must be int4 (c - 8), got {codes_t.dtype}")
+  n_chunks, n_out, _ = codes_t.shape
+  in_pad = n_chunks * CHUNK
+  reason = unsupported_reason(x.shape[0], n_out, group, x.dtype)
+  if reason:
+    raise InputError(f"w4a16_matmul: {reason}")
+  if in_pad % group:
+    raise InputError(f"In_pad={in_pad} (codes_t) is not a multiple of group={group}")
+  for name, a in (("scale", scale), ("zero", zero)):
+    if a.shape != (in_pad // group, n_out):
+      raise InputError(f"{name} must be [In_pad / G, Out] = {(in_pad // group, n_out)}, "
+                       f"got {a.shape}")
+    if jnp.dtype(a.dtype) != jnp.dtype(META_DTYPE):
+      raise InputError(f"{name} must be float16, got {a.dtype}")
+  if not in_pad - group < in_features <= in_pad:
+    raise InputError(f"in_features={in_features} does not fit In_pad={in_pad} (group {group})")
+  if x.shape[1] != in_features:
+    raise InputError(f"x must be [M, In={in_features}], got shape {x.shape}")
+
+
+@functools.partial(jax.jit, static_argnames=("in_features", "group", "config", "interpret"))
+def w4a16_matmul(x: jax.Array, codes_t: jax.Array, scale: jax.Array, zero: jax.Array, *,
+                 in_features: int, group: int, config: W4A16Config = W4A16Config(),
+                 interpret: Any = None) -> jax.Array:
+  """x [M, In] (bf16/fp16, M <= 64) @ the 4-bit weight -> [M, Out] in x's dtype.
+
+  codes_t [In_pad / 64, Out, 64] int4 (c - 8, the module docstring's layout); scale, zero
+  [In_pad / G, Out] fp16; in_features = In; group = G (a multiple of 64). fp32 accumulation.
+  """
+  _check_inputs(x, codes_t, scale, zero, in_features, group)
+  m = x.shape[0]
+  n_groups, n_out = scale.shape
+  in_pad = n_groups * group
+  p = plan(m, n_out, n_groups, group, config, jnp.dtype(x.dtype).itemsize)
+  n = -(-m // 8) * 8
+  xp = jnp.pad(x, ((0, n - m), (0, in_pad - in_features)))                   # [N, In_pad]
+  xc = xp.reshape(n, in_pad // CHUNK, CHUNK).transpose(1, 0, 2)             # [In_pad/64, N, 64]
+  part = _partials(xc, codes_t, scale, zero, group=group, p=p,
+                   interpret=interpret)                                     # [S, Out, N]
+  return part.sum(0).T[:m].astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference.
+# ----------------------------------------------------------------------------------------------
+
+def w4a16_reference(x: jax.Array, codes_t: jax.Array, scale: jax.Array, zero: jax.Array, *,
+                    in_features: int, group: int) -> jax.Array:
+  """x [M, In] @ dequantize(codes_t, scale, zero) [In, Out], all fp32 (HIGHEST); fp32 result."""
+  c = from_chunked(codes_t).astype(jnp.float32) + CODE_OFFSET               # [In_pad, Out]
+  s = jnp.repeat(scale.astype(jnp.float32), group, axis=0)                  # [In_pad, Out]
+  z = jnp.repeat(zero.astype(jnp.float32), group, axis=0)
+  w = (c * s + z)[:in_features]                                             # [In, Out]
+  return jnp.dot(x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST)

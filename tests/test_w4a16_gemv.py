@@ -1,0 +1,231 @@
+"""The Mosaic GPU W4A16 GEMV kernel (pallas_kernels.w4a16_gemv) in GPU interpret mode (CPU)
+against its fp32 dequantize-then-multiply reference, its cuda lowering at Llama-3.1-8B shapes,
+and the "int4_t" weight layout of sparsedec.model.quant_weights (exact conversions, the same
+products as the other layouts, the kernel dispatch)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import w4a16_gemv as w4
+from pallas_kernels.w4a16_gemv import W4A16Config, plan, w4a16_matmul, w4a16_reference
+from sparsedec.errors import InputError
+from sparsedec.model import quant_weights as qw_mod
+from sparsedec.model.quant_weights import LAYOUTS, quant_matmul, quantize_weight
+
+INTERPRET = plgpu.InterpretGPUParams()
+
+
+def _weight(seed, n_in, n_out, group=128, layout="int4_t"):
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  # Per-output offsets and spreads, so that zeros and scales differ between columns and groups.
+  w = (jax.random.normal(k1, (n_in, n_out)) * jnp.exp(jax.random.normal(k2, (n_out,)))
+       + jax.random.normal(k2, (n_in // 2 + 1, 1)).repeat(2, 0)[:n_in])
+  return quantize_weight(w, group, layout)
+
+
+def _run_kernel(x, q, config=W4A16Config()):
+  return w4a16_matmul(x, q.codes, q.scale, q.zero, in_features=q.in_features, group=q.group,
+                      config=config, interpret=INTERPRET)
+
+
+def _check_close(got, x, q):
+  want = np.asarray(w4a16_reference(x, q.codes, q.scale, q.zero, in_features=q.in_features,
+                                    group=q.group))
+  got = np.asarray(got.astype(jnp.float32))
+  assert got.shape == want.shape
+  # fp32 accumulation, one rounding to x's dtype at the end (bf16: 2**-9 relative).
+  eps = 2.0 ** -8 if x.dtype == jnp.bfloat16 else 2.0 ** -10
+  np.testing.assert_allclose(got, want, rtol=eps, atol=eps * np.abs(want).max() * 1e-2 + 1e-3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel (interpret mode) against the reference.
+# ----------------------------------------------------------------------------------------------
+
+# (M, In, Out): every M in {1, 3, 8}, Out in {64, 192} and In in {128, 256, 200 (padded)}.
+SHAPES = [(1, 128, 64), (3, 256, 192), (8, 200, 64), (1, 200, 192), (3, 128, 64),
+          (8, 256, 64)]
+
+
+@pytest.mark.parametrize("m,n_in,n_out", SHAPES)
+def test_kernel_matches_reference_bf16(m, n_in, n_out):
+  q = _weight(m + n_in + n_out, n_in, n_out)
+  x = jax.random.normal(jax.random.key(m), (m, n_in), jnp.bfloat16)
+  _check_close(_run_kernel(x, q), x, q)
+
+
+@pytest.mark.parametrize("m,n_in,n_out,config", [
+    # Split-K (two splits of one group each), several stages.
+    (3, 256, 64, W4A16Config(num_splits=2, num_stages=2)),
+    # Three register tiles per block, two groups per pipeline step, one stage.
+    (8, 256, 192, W4A16Config(block_out=192, groups_per_stage=2, num_stages=1)),
+    # Ragged split-K (3 steps over 2 splits), 2 stages; 17 rows (N = 24).
+    (17, 384, 64, W4A16Config(num_splits=2, num_stages=2)),
+])
+def test_kernel_tilings(m, n_in, n_out, config):
+  q = _weight(7, n_in, n_out)
+  x = jax.random.normal(jax.random.key(1), (m, n_in), jnp.bfloat16)
+  _check_close(_run_kernel(x, q, config), x, q)
+
+
+def test_kernel_fp16_group_64():
+  q = _weight(3, 192, 128, group=64)
+  x = jax.random.normal(jax.random.key(2), (2, 192), jnp.float16)
+  got = _run_kernel(x, q)
+  assert got.dtype == jnp.float16
+  _check_close(got, x, q)
+
+
+def test_plan():
+  p = plan(1, 4096, 32, 128, W4A16Config())          # wo: 64 tiles, 32 steps
+  assert (p.block_out, p.out_tiles, p.steps) == (64, 64, 32)
+  assert p.splits * p.steps_per_split >= 32 > (p.splits - 1) * p.steps_per_split
+  assert p.out_tiles * p.splits >= W4A16Config().target_blocks // 2
+  p = plan(4, 192, 3, 128, W4A16Config(block_out=128, groups_per_stage=2, num_stages=8))
+  assert (p.block_out, p.groups_per_stage, p.num_stages) == (64, 1, 3)   # divisors; <= steps
+  p = plan(64, 4096, 8, 1024, W4A16Config(block_out=256, groups_per_stage=4, num_stages=8))
+  assert p.smem_bytes <= w4.SMEM_BYTES
+  with pytest.raises(InputError, match="shared memory"):
+    plan(64, 4096, 1, 4096, W4A16Config())
+
+
+def test_refuses_unsupported_shapes():
+  q = _weight(0, 128, 64)
+  x = jnp.zeros((1, 128), jnp.bfloat16)
+  run = lambda x, **kw: w4a16_matmul(x, q.codes, q.scale, q.zero, **{
+      "in_features": 128, "group": 128, "interpret": INTERPRET, **kw})
+  with pytest.raises(InputError, match="1..64 rows"):
+    run(jnp.zeros((65, 128), jnp.bfloat16))
+  with pytest.raises(InputError, match="bfloat16 or float16"):
+    run(x.astype(jnp.float32))
+  with pytest.raises(InputError, match="x must be"):
+    run(jnp.zeros((1, 100), jnp.bfloat16))
+  with pytest.raises(InputError, match="multiple of 64"):
+    run(x, group=32)
+  q96 = quantize_weight(jnp.ones((128, 96)), 128, "int4_t")
+  with pytest.raises(InputError, match="Out=96"):
+    w4a16_matmul(x, q96.codes, q96.scale, q96.zero, in_features=128, group=128)
+  with pytest.raises(InputError, match="block_out"):
+    W4A16Config(block_out=96)
+  with pytest.raises(InputError, match="block_out"):
+    W4A16Config(block_out=512)
+  with pytest.raises(InputError, match="num_stages"):
+    W4A16Config(num_stages=0)
+
+
+@pytest.mark.parametrize("m,n_in,n_out,config,dtype", [
+    (1, 4096, 6144, W4A16Config(), jnp.bfloat16),                                 # wqkv
+    (4, 14336, 4096, W4A16Config(), jnp.bfloat16),                                # w_down
+    (8, 4096, 28672, W4A16Config(block_out=128, groups_per_stage=2), jnp.bfloat16),  # w_gate_up
+    (64, 4096, 4096, W4A16Config(block_out=256, num_stages=2), jnp.bfloat16),    # the most rows
+    (3, 4096, 4096, W4A16Config(), jnp.float16),
+])
+def test_lowers_to_mosaic_gpu_for_cuda(m, n_in, n_out, config, dtype):
+  sds = jax.ShapeDtypeStruct
+  args = (sds((m, n_in), dtype), sds((n_in // 64, n_out, 64), jnp.int4),
+          sds((n_in // 128, n_out), jnp.float16), sds((n_in // 128, n_out), jnp.float16))
+  f = lambda x, c, s, z: w4a16_matmul(x, c, s, z, in_features=n_in, group=128, config=config)
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "stablehlo.custom_call @mosaic_gpu_v2" in text
+
+
+# ----------------------------------------------------------------------------------------------
+# The "int4_t" layout.
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("group", [64, 32])
+def test_int4_t_layout_holds_the_same_quantized_weight(group):
+  w = jax.random.normal(jax.random.key(0), (172, 24), jnp.float32)   # In_pad 192 either way
+  t = quantize_weight(w, group=group, layout="int4_t")
+  assert t.layout == "int4_t" and t.codes.dtype == jnp.int4 and t.codes.shape == (3, 24, 64)
+  assert t.shape == (172, 24) and t.in_padded == 192
+  for layout in LAYOUTS:
+    other = quantize_weight(w, group=group, layout=layout)
+    assert other.num_bytes() == t.num_bytes()
+    np.testing.assert_array_equal(np.asarray(other.unsigned_codes()),
+                                  np.asarray(t.unsigned_codes()))
+    np.testing.assert_array_equal(np.asarray(other.dequantize()), np.asarray(t.dequantize()))
+    np.testing.assert_array_equal(np.asarray(other.to_layout("int4_t").codes),
+                                  np.asarray(t.codes))
+    np.testing.assert_array_equal(np.asarray(t.to_layout(layout).codes),
+                                  np.asarray(other.codes))
+  codes = np.asarray(t.codes.astype(jnp.int32))
+  c = np.asarray(quantize_weight(w, group=group, layout="int4").codes.astype(jnp.int32))
+  np.testing.assert_array_equal(codes[1, 5, 7], c[64 + 7, 5])       # codes[k, o, i] = c[64k+i, o]
+
+
+def test_int4_t_layout_refuses_unchunkable_input_size():
+  with pytest.raises(InputError, match="multiple of 64"):
+    quantize_weight(jnp.ones((30, 8)), group=10, layout="int4_t")
+
+
+@pytest.mark.parametrize("group", [64, 32])
+def test_int4_t_matmul_equals_the_int4_layout(group):
+  w = jax.random.normal(jax.random.key(0), (172, 64), jnp.float32)
+  t = quantize_weight(w, group=group, layout="int4_t")
+  int4 = t.to_layout("int4")
+  x = jax.random.normal(jax.random.key(1), (2, 3, 172))
+  hi = jax.lax.Precision.HIGHEST
+  want = np.asarray(quant_matmul(x, int4, hi))
+  got = np.asarray(jax.jit(quant_matmul, static_argnums=2)(x, t, hi))
+  assert got.shape == (2, 3, 64)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+  grouped = np.asarray(quant_matmul(x, t.to_layout("int4_grouped"), hi))
+  np.testing.assert_allclose(got, grouped, rtol=1e-6, atol=1e-5)
+  xb = x.astype(jnp.bfloat16)
+  want = np.asarray(quant_matmul(xb, int4), np.float32)
+  got = np.asarray(quant_matmul(xb, t), np.float32)
+  np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-2 * np.abs(want).max())
+
+
+def test_quant_matmul_dispatches_int4_t_to_the_kernel_on_gpu(monkeypatch):
+  """With a GPU backend (pretended), quant_matmul on "int4_t" calls the Mosaic GPU kernel for
+  <= 64 bf16 rows and the jnp math otherwise; both lower for cuda."""
+  monkeypatch.setattr(qw_mod, "_on_gpu", lambda: True)
+  t = quantize_weight(jnp.ones((256, 128)), 128, "int4_t")
+  sds = jax.ShapeDtypeStruct
+
+  def lowered(rows, dtype=jnp.bfloat16):
+    return jax.jit(quant_matmul).trace(sds((2, rows, 256), dtype), t).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+  assert "@mosaic_gpu" in lowered(32)                   # 64 rows
+  assert "@mosaic_gpu" not in lowered(33)               # 66 rows: the jnp math
+  assert "@mosaic_gpu" not in lowered(4, jnp.float32)
+
+
+def test_forward_with_int4_t_draft_weights(monkeypatch):
+  """A forward with "int4_t" draft weights: the logits of the "int4" layout on the CPU (jnp
+  math), and with a GPU backend (pretended) all four quantized linears of the layer lower to
+  the Mosaic GPU kernel for cuda."""
+  from sparsedec.kv.dense import init_cache
+  from sparsedec.model.config import ModelConfig
+  from sparsedec.model.forward import forward
+  from sparsedec.model.params import cast_params, init_random
+  from sparsedec.model.quant_weights import params_to_layout, quantize_params
+
+  cfg = ModelConfig(family="llama", vocab_size=61, hidden_size=128, intermediate_size=128,
+                    num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64,
+                    max_position_embeddings=1024, dtype="float32", attention="reference")
+  params = init_random(cfg, jax.random.key(2), scale=0.5)
+  tokens = jnp.asarray([[3, 5, 7]], jnp.int32)
+  positions = jnp.arange(3)[None]
+  run = jax.jit(forward, static_argnums=0)
+  int4 = quantize_params(params, 64, "int4")
+  want, _ = run(cfg, int4, tokens, positions, init_cache(cfg, 1, 128))
+  got, _ = run(cfg, params_to_layout(int4, "int4_t"), tokens, positions,
+               init_cache(cfg, 1, 128))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+  monkeypatch.setattr(qw_mod, "_on_gpu", lambda: True)
+  cfg = cfg.replace(dtype="bfloat16")
+  draft = quantize_params(cast_params(params, cfg.dtype), 64, "int4_t")
+  text = jax.jit(forward, static_argnums=0).trace(
+      cfg, draft, tokens[:, :1], positions[:, :1], init_cache(cfg, 1, 128)).lower(
+          lowering_platforms=("cuda",)).as_text()
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 4      # wqkv, wo, gate_up, down
