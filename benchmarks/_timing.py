@@ -85,6 +85,42 @@ def time_loop(fn: Callable, x: jax.Array, *rest: Any, num_calls: int, repeats: i
   return result
 
 
+def add_loop_args(p, *, target_gb: float, min_calls: int, max_copies: int,
+                  copies_of: str = "the large arrays") -> None:
+  """The timed-loop options shared by the GPU benchmarks (argparse parser `p`)."""
+  p.add_argument("--target-gb", type=float, default=target_gb, help="reads per timed loop (GB)")
+  p.add_argument("--min-calls", type=int, default=min_calls)
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--rotate-mb", type=float, default=200.0,
+                 help=f"cycle through copies of {copies_of} while a call reads less (0: never)")
+  p.add_argument("--max-copies", type=int, default=max_copies)
+  p.add_argument("--unroll", type=int, default=8,
+                 help="calls per timed-loop iteration (default 8; 1 = one call per iteration)")
+  p.add_argument("--no-profile", action="store_true",
+                 help="skip the profiler's GPU busy time per call")
+
+
+def loop_fields(t: dict, nbytes: float, read_bw_gb_per_s: float | None) -> dict:
+  """A measurement's fields from a time_loop result `t` for a call that must read `nbytes`:
+  calls, us per call (min and median), GB/s and its fraction of the read bandwidth, and the
+  profiler's GPU busy time (with the costliest kernels) when `t` has it."""
+  out = dict(num_calls=t["num_calls"], repeats=t["repeats"], unroll=t["unroll"],
+             us_per_call=t["min_s"] * 1e6, us_per_call_median=t["median_s"] * 1e6,
+             gb_per_s=nbytes / t["min_s"] / 1e9, read_bw_gb_per_s=read_bw_gb_per_s)
+  if read_bw_gb_per_s:
+    out["fraction_of_read_bw"] = out["gb_per_s"] / read_bw_gb_per_s
+  if "device_s" in t:
+    out.update(device_us_per_call=t["device_s"] * 1e6,
+               device_gb_per_s=nbytes / t["device_s"] / 1e9,
+               kernels_per_call=t["kernels_per_call"],
+               device_us_by_kernel={k: v * 1e6 for k, v in t["device_time_by_kernel"].items()})
+    if read_bw_gb_per_s:
+      out["device_fraction_of_read_bw"] = out["device_gb_per_s"] / read_bw_gb_per_s
+  elif "device_error" in t:
+    out["device_error"] = t["device_error"]
+  return out
+
+
 def device_time(run: Callable[[], Any], num_calls: int, top: int = 6) -> dict:
   """GPU busy time per call of `run()` (which makes `num_calls` calls), from a profiler trace:
   the summed durations of the events on the GPU planes' stream lines (kernels and copies).

@@ -67,8 +67,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 from benchmarks._targets import TARGETS, compute_targets, format_targets  # noqa: E402
-from benchmarks._timing import (call_seconds, default_out_dir, max_abs_err,  # noqa: E402
-                                num_calls_for, read_bandwidth, time_loop, write_json)
+from benchmarks._timing import (add_loop_args, call_seconds, default_out_dir,  # noqa: E402
+                                loop_fields, max_abs_err, num_calls_for, read_bandwidth,
+                                time_loop, write_json)
 from pallas_kernels.decode_attention import (DecodeConfig, decode_attention,  # noqa: E402
                                              decode_attention_reference)
 from pallas_kernels.decode_attention import (  # noqa: E402
@@ -310,20 +311,7 @@ class Bench:
       t = time_loop(fn, args[0], *args[1:], num_calls=n, repeats=self.st.repeats,
                     rotate=_rotations(args, alts), with_index=with_index,
                     unroll=self.st.unroll, profile=self.st.profile)
-      entry.update(num_calls=t["num_calls"], copies=1 + len(alts), repeats=t["repeats"],
-                   unroll=t["unroll"], us_per_call=t["min_s"] * 1e6,
-                   us_per_call_median=t["median_s"] * 1e6,
-                   gb_per_s=entry["bytes"] / t["min_s"] / 1e9, read_bw_gb_per_s=self.read_bw)
-      if self.read_bw:
-        entry["fraction_of_read_bw"] = entry["gb_per_s"] / self.read_bw
-      if "device_s" in t:
-        entry.update(device_us_per_call=t["device_s"] * 1e6,
-                     device_gb_per_s=entry["bytes"] / t["device_s"] / 1e9,
-                     kernels_per_call=t["kernels_per_call"],
-                     device_us_by_kernel={k: v * 1e6 for k, v in
-                                          t["device_time_by_kernel"].items()})
-      elif "device_error" in t:
-        entry["device_error"] = t["device_error"]
+      entry.update(copies=1 + len(alts), **loop_fields(t, entry["bytes"], self.read_bw))
       if est is not None:
         entry["calibration_call_us"] = est * 1e6
     except Exception as e:                                               # noqa: BLE001
@@ -802,18 +790,9 @@ def parse_args(argv=None):
                  "benchmarks/results/kernels.json; dry run: a temp dir)")
   p.add_argument("--max-seconds", type=float, default=None,
                  help="start no measurement after this many seconds (default 480; dry run none)")
-  p.add_argument("--target-gb", type=float, default=4.0, help="reads per timed loop (GB)")
-  p.add_argument("--min-calls", type=int, default=20)
-  p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--max-working-set-gb", type=float, default=20.0)
-  p.add_argument("--rotate-mb", type=float, default=200.0,
-                 help="cycle through cache copies while a call reads less (0: never)")
-  p.add_argument("--max-copies", type=int, default=4)
+  add_loop_args(p, target_gb=4.0, min_calls=20, max_copies=4, copies_of="the cache")
   p.add_argument("--bw-gib", type=float, default=4.0, help="array size of the read-BW test")
-  p.add_argument("--unroll", type=int, default=8,
-                 help="calls per timed-loop iteration (default 8; 1 = one call per iteration)")
-  p.add_argument("--no-profile", action="store_true",
-                 help="skip the profiler's GPU busy time per call")
   p.add_argument("--verbose", action="store_true", help="print tracebacks")
   args = p.parse_args(argv)
   preset = dict(FULL, **(DRY_RUN if args.dry_run else QUICK if args.quick else {}))

@@ -13,7 +13,7 @@ blocks). The weights are random codes / scales / zeros generated on the device; 
 implementation multiplies the same quantized weight (dense: its bf16 rounding).
 
 Each entry: us per call (min over repeats of a timed loop of calls chained inside one jit,
-`benchmarks._timing.time_loop`; also the median and, where this _timing supports it, the
+`benchmarks._timing.time_loop`; also the median and the
 profiler's GPU busy time per call `device_us_per_call`), the bytes the implementation must read
 per call (int4: codes In_pad * Out / 2 + fp16 scales and zeros + x; dense: the bf16 weight + x),
 achieved GB/s, its fraction of the device's read bandwidth (measured in the same run,
@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import inspect
 import math
 import os
 import sys
@@ -47,8 +46,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-from benchmarks._timing import (default_out_dir, max_abs_err, read_bandwidth,  # noqa: E402
-                                time_loop, write_json)
+from benchmarks._timing import (add_loop_args, default_out_dir, loop_fields,  # noqa: E402
+                                max_abs_err, read_bandwidth, time_loop, write_json)
 from pallas_kernels.w4a16_gemv import (CHUNK, W4A16Config, from_chunked, plan,  # noqa: E402
                                        w4a16_matmul, w4a16_reference)
 from sparsedec.model.quant_weights import QuantWeight, quant_matmul  # noqa: E402
@@ -133,17 +132,6 @@ def _error(e: BaseException) -> str:
   return f"{type(e).__name__}: {e}"[:2000]
 
 
-def _timing_kwargs(unroll: int, profile: bool) -> dict:
-  """The optional time_loop arguments this benchmarks/_timing.py supports."""
-  params = inspect.signature(time_loop).parameters
-  kw = {}
-  if "unroll" in params:
-    kw["unroll"] = unroll
-  if "profile" in params:
-    kw["profile"] = profile
-  return kw
-
-
 @dataclasses.dataclass
 class Bench:
   out_path: str
@@ -199,24 +187,9 @@ class Bench:
       entry["rel_err"] = entry["max_abs_err"] / max(entry["ref_max_abs"], 1e-30)
       n = int(np.clip(self.target_bytes / nbytes, self.min_calls, self.max_calls))
       t = time_loop(fn, x, *weight_sets[0], num_calls=n, repeats=self.repeats,
-                    rotate=[tuple(w) for w in weight_sets[1:]],
-                    **_timing_kwargs(self.unroll, self.profile))
-      entry.update(num_calls=t["num_calls"], copies=len(weight_sets), repeats=t["repeats"],
-                   unroll=t.get("unroll", 1), us_per_call=t["min_s"] * 1e6,
-                   us_per_call_median=t["median_s"] * 1e6, gb_per_s=nbytes / t["min_s"] / 1e9,
-                   read_bw_gb_per_s=self.read_bw)
-      if self.read_bw:
-        entry["fraction_of_read_bw"] = entry["gb_per_s"] / self.read_bw
-      if "device_s" in t:
-        entry.update(device_us_per_call=t["device_s"] * 1e6,
-                     device_gb_per_s=nbytes / t["device_s"] / 1e9,
-                     kernels_per_call=t["kernels_per_call"],
-                     device_us_by_kernel={k: v * 1e6 for k, v in
-                                          t["device_time_by_kernel"].items()})
-        if self.read_bw:
-          entry["device_fraction_of_read_bw"] = entry["device_gb_per_s"] / self.read_bw
-      elif "device_error" in t:
-        entry["device_error"] = t["device_error"]
+                    rotate=[tuple(w) for w in weight_sets[1:]], unroll=self.unroll,
+                    profile=self.profile)
+      entry.update(copies=len(weight_sets), **loop_fields(t, nbytes, self.read_bw))
     except Exception as e:                                               # noqa: BLE001
       if self.verbose:
         traceback.print_exc()
@@ -294,16 +267,8 @@ def parse_args(argv=None):
                  "benchmarks/results/; --interpret: a temp dir)")
   p.add_argument("--max-seconds", type=float, default=540.0,
                  help="start no measurement after this many seconds")
-  p.add_argument("--target-gb", type=float, default=2.0, help="reads per timed loop (GB)")
-  p.add_argument("--min-calls", type=int, default=50)
+  add_loop_args(p, target_gb=2.0, min_calls=50, max_copies=16, copies_of="the weight")
   p.add_argument("--max-calls", type=int, default=5000)
-  p.add_argument("--repeats", type=int, default=3)
-  p.add_argument("--rotate-mb", type=float, default=200.0,
-                 help="cycle through weight copies while a call reads less (0: never)")
-  p.add_argument("--max-copies", type=int, default=16)
-  p.add_argument("--unroll", type=int, default=1,
-                 help="calls per loop iteration per copy (if benchmarks/_timing supports it)")
-  p.add_argument("--no-profile", action="store_true", help="skip the profiler's GPU busy time")
   p.add_argument("--bw-gib", type=float, default=4.0, help="array size of the read-BW test")
   p.add_argument("--verbose", action="store_true", help="print tracebacks")
   return p.parse_args(argv)
@@ -361,7 +326,7 @@ def main(argv=None) -> dict:
   try:
     x0 = jnp.zeros((1, 128), DTYPE)
     t = time_loop(lambda x: x, x0, num_calls=2 if args.interpret else 2000, repeats=bench.repeats,
-                  **_timing_kwargs(args.unroll, False))
+                  unroll=args.unroll)
     bench.results["loop_overhead_us_per_call"] = t["min_s"] * 1e6
   except Exception as e:                                                 # noqa: BLE001
     bench.results["loop_overhead_us_per_call"] = _error(e)

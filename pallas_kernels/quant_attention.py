@@ -91,6 +91,7 @@ from pallas_kernels.combine import (check_score_queries, combine_partials, permu
                                     score_rows, scores_to_probs, selected_first, wrapper_outputs)
 
 from pallas_kernels.decode_attention import BLOCK_M, LOG2E
+from pallas_kernels.register_operand import int4_tile, wgmma_register_a
 
 META_DTYPE = jnp.float16
 UPPER_LEVELS = 15                 # 4-bit upper code u in [0, 15]
@@ -380,26 +381,15 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
     def codes(ref):
       """The code tile of `ref` (upper plane at [0], lower at [1]; each [64, C] int4) as bf16
       integers: u - 8 (4-bit) or 16 (u - 8) + l = c8 - 128 (8-bit), exact."""
-      def plane(p):
-        x = plgpu.load(ref.at[p], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
-        return plgpu.layout_cast(x, plgpu.Layout.WGMMA).astype(dtype)
-      c = plane(0)
+      c = int4_tile(ref.at[0], dtype)
       if bits == 8:
-        c = c * 16.0 + plane(1)
+        c = c * 16.0 + int4_tile(ref.at[1], dtype)
       return c
 
     q_regs = [plgpu.load(qt_smem.at[hf], (), layout=plgpu.Layout.WGMMA, optimized=False)
               for hf in range(n_chunks)]                  # [64, N] fp32 each
 
-    def mma(acc_ref, a, b_ref):
-      """acc += a @ b with a [64, C] in registers (through SMEM in interpret mode)."""
-      if a_smem is None:
-        plgpu.wgmma(acc_ref, a, b_ref)
-        return
-      a_smem[...] = a
-      plgpu.commit_smem()
-      plgpu.wgmma(acc_ref, a_smem, b_ref)
-      plgpu.wgmma_wait(0)
+    mma = functools.partial(wgmma_register_a, a_smem=a_smem)   # acc += a [64, C] @ b
 
     acc0 = plgpu.layout_cast(jnp.zeros((KEY_TILE, n), jnp.float32), plgpu.Layout.WGMMA)
     m_i = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), col)

@@ -62,6 +62,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.register_operand import int4_tile, wgmma_register_a
 from sparsedec.errors import InputError
 
 CHUNK = 64              # inputs per stored code chunk: one 128-byte bf16 wgmma K step
@@ -260,20 +261,8 @@ def _partials(xc, codes_t, scale, zero, *, group: int, p: Plan, interpret: Any =
     for s in range(num_stages):
       pl.when(s < my_steps)(functools.partial(fetch, s, s))
 
-    def codes(ref):
-      """A [64, 64] int4 code tile -> registers (WGMMA layout), exact integers in dtype."""
-      x = plgpu.load(ref, layout=plgpu.Layout.WGMMA_UPCAST_4X)
-      return plgpu.layout_cast(x, plgpu.Layout.WGMMA).astype(dtype)
-
-    def mma(acc_ref, a, b_ref):
-      """acc += a @ b with a [64, 64] in registers (through SMEM in interpret mode)."""
-      if a_smem is None:
-        plgpu.wgmma(acc_ref, a, b_ref)
-        return
-      a_smem[...] = a
-      plgpu.commit_smem()
-      plgpu.wgmma(acc_ref, a_smem, b_ref)
-      plgpu.wgmma_wait(0)
+    codes = functools.partial(int4_tile, dtype=dtype)        # [64, 64] int4 tile -> registers
+    mma = functools.partial(wgmma_register_a, a_smem=a_smem)   # acc += a [64, 64] @ b
 
     # An all-ones A operand: ones @ x_chunk^T puts the chunk's sum of each x row in every row.
     ones = plgpu.layout_cast(jnp.ones((TILE_OUT, CHUNK), dtype), plgpu.Layout.WGMMA)

@@ -138,12 +138,14 @@ def test_lowers_to_mosaic_gpu_for_cuda(m, n_in, n_out, config, dtype):
 # The "int4_t" layout.
 # ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("group", [64, 32])
+@pytest.mark.parametrize("group", [64, 128])
 def test_int4_t_layout_holds_the_same_quantized_weight(group):
-  w = jax.random.normal(jax.random.key(0), (172, 24), jnp.float32)   # In_pad 192 either way
+  w = jax.random.normal(jax.random.key(0), (172, 24), jnp.float32)   # In_pad 192 or 256
   t = quantize_weight(w, group=group, layout="int4_t")
-  assert t.layout == "int4_t" and t.codes.dtype == jnp.int4 and t.codes.shape == (3, 24, 64)
-  assert t.shape == (172, 24) and t.in_padded == 192
+  in_pad = -(-172 // group) * group
+  assert t.layout == "int4_t" and t.codes.dtype == jnp.int4
+  assert t.codes.shape == (in_pad // 64, 24, 64)
+  assert t.shape == (172, 24) and t.in_padded == in_pad
   for layout in LAYOUTS:
     other = quantize_weight(w, group=group, layout=layout)
     assert other.num_bytes() == t.num_bytes()
@@ -159,12 +161,14 @@ def test_int4_t_layout_holds_the_same_quantized_weight(group):
   np.testing.assert_array_equal(codes[1, 5, 7], c[64 + 7, 5])       # codes[k, o, i] = c[64k+i, o]
 
 
-def test_int4_t_layout_refuses_unchunkable_input_size():
+def test_int4_t_layout_refuses_groups_that_are_not_whole_chunks():
   with pytest.raises(InputError, match="multiple of 64"):
     quantize_weight(jnp.ones((30, 8)), group=10, layout="int4_t")
+  with pytest.raises(InputError, match="multiple of 64"):
+    quantize_weight(jnp.ones((128, 8)), group=32, layout="int4").to_layout("int4_t")
 
 
-@pytest.mark.parametrize("group", [64, 32])
+@pytest.mark.parametrize("group", [64, 128])
 def test_int4_t_matmul_equals_the_int4_layout(group):
   w = jax.random.normal(jax.random.key(0), (172, 64), jnp.float32)
   t = quantize_weight(w, group=group, layout="int4_t")
@@ -176,7 +180,7 @@ def test_int4_t_matmul_equals_the_int4_layout(group):
   assert got.shape == (2, 3, 64)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
   grouped = np.asarray(quant_matmul(x, t.to_layout("int4_grouped"), hi))
-  np.testing.assert_allclose(got, grouped, rtol=1e-6, atol=1e-5)
+  np.testing.assert_allclose(got, grouped, rtol=1e-5, atol=1e-4)   # fp32 sums, another order
   xb = x.astype(jnp.bfloat16)
   want = np.asarray(quant_matmul(xb, int4), np.float32)
   got = np.asarray(quant_matmul(xb, t), np.float32)

@@ -23,7 +23,7 @@ dequantized values are bit-identical, and `to_layout` converts between them exac
     (fp32): for the draft's GEMV (M = batch rows) XLA emits one reduction kernel that reads the
     codes once instead of materialising the bf16 weight (measured: benchmarks/NOTES.md).
   * "int4_t": jnp.int4 [In_pad / 64, Out, 64] holding c - 8, the codes TRANSPOSED in 64-input
-    chunks (codes[k, o, i] = c[64 k + i, o] - 8; In_pad must be a multiple of 64), the layout of
+    chunks (codes[k, o, i] = c[64 k + i, o] - 8; the group must be a multiple of 64), the layout of
     the Mosaic GPU W4A16 GEMV kernel (`pallas_kernels.w4a16_gemv`: each [64 out, 64 in] tile is
     contiguous and K-major, a wgmma's register operand). On a GPU, x with <= 64 rows (bf16/fp16,
     Out a multiple of 64, group a multiple of 64) goes through that kernel; anything else through
@@ -89,7 +89,7 @@ class QuantWeight:
 
   def to_layout(self, layout: str) -> "QuantWeight":
     """The same quantized weight stored as `layout` (exact)."""
-    _check_layout(layout)
+    _check_layout(layout, self.group)
     if layout == self.layout:
       return self
     if layout in _INT4_KN and self.layout in _INT4_KN:   # the same arrays
@@ -108,9 +108,12 @@ def array_bytes(x) -> int:
   return -(-int(np.prod(x.shape)) * bits // 8)
 
 
-def _check_layout(layout: str) -> None:
+def _check_layout(layout: str, group: int) -> None:
   if layout not in LAYOUTS:
     raise InputError(f"weight layout must be one of {LAYOUTS}, got {layout!r}")
+  if layout == "int4_t" and group % w4a16.CHUNK:
+    raise InputError(f"weight layout 'int4_t' needs the quant group to be a multiple of "
+                     f"{w4a16.CHUNK} (whole groups per code chunk), got {group}")
 
 
 def _store_codes(c: jax.Array, layout: str) -> jax.Array:
@@ -119,10 +122,7 @@ def _store_codes(c: jax.Array, layout: str) -> jax.Array:
     c = c.astype(jnp.uint8)
     return c[0::2] | (c[1::2] << 4)
   codes = (c.astype(jnp.int8) - CODE_OFFSET).astype(jnp.int4)
-  if layout == "int4_t":
-    if c.shape[0] % w4a16.CHUNK:
-      raise InputError(f"weight layout 'int4_t' needs the padded input size (a multiple of the "
-                       f"group) to be a multiple of {w4a16.CHUNK}, got {c.shape[0]}")
+  if layout == "int4_t":           # In_pad: whole groups, a multiple of 64 (_check_layout)
     return w4a16.to_chunked(codes)                                     # [In_pad/64, Out, 64]
   return codes
 
@@ -141,7 +141,7 @@ def quantize_weight(w: jax.Array, group: int = 128, layout: str = "packed") -> Q
     raise InputError(f"a weight to quantize must be [In, Out], got shape {w.shape}")
   if not isinstance(group, int) or group < 2 or group % 2:
     raise InputError(f"weight quant group must be an even integer >= 2, got {group!r}")
-  _check_layout(layout)
+  _check_layout(layout, group)
   n_in, n_out = w.shape
   pad = -n_in % group
   wf = jnp.pad(w.astype(jnp.float32), ((0, pad), (0, 0)))
@@ -199,6 +199,7 @@ def _scale_group_products(part: jax.Array, xsum: jax.Array, w: QuantWeight,
 
 
 def _on_gpu() -> bool:
+  """Whether the W4A16 kernel's backend is the default one (tests pretend it is)."""
   return jax.default_backend() == "gpu"
 
 
@@ -213,9 +214,7 @@ def _int4_t_matmul(x: jax.Array, w: QuantWeight, precision) -> jax.Array:
     y = w4a16.w4a16_matmul(x2, w.codes, w.scale, w.zero, in_features=w.in_features, group=w.group)
     return y.reshape(*lead, n_out)
   chunk = w4a16.CHUNK
-  if w.group % chunk:        # chunks straddle groups: back to [In_pad, Out] (a relayout)
-    return _int4_grouped_matmul(x, w.to_layout("int4_grouped"), precision)
-  cpg = w.group // chunk
+  cpg = w.group // chunk                                       # whole chunks per group
   xg = _pad_inputs(x2, w).reshape(-1, n_groups, cpg, chunk)                # [M, In/G, G/64, 64]
   c = w.codes.reshape(n_groups, cpg, n_out, chunk).astype(x.dtype)        # [In/G, G/64, Out, 64]
   if jax.default_backend() == "cpu" and x.dtype != jnp.float32:
