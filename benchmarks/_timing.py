@@ -124,7 +124,8 @@ def loop_fields(t: dict, nbytes: float, read_bw_gb_per_s: float | None) -> dict:
 def device_time(run: Callable[[], Any], num_calls: int, top: int = 6) -> dict:
   """GPU busy time per call of `run()` (which makes `num_calls` calls), from a profiler trace:
   the summed durations of the events on the GPU planes' stream lines (kernels and copies).
-  Returns {"device_s", "kernels_per_call", "device_time_by_kernel": {name: seconds per call}}."""
+  Returns {"device_s", "kernels_per_call", "device_time_by_kernel": {name: seconds per call},
+  "launches_by_kernel": {name: launches per call}} (the `top` costliest kernels)."""
   with tempfile.TemporaryDirectory() as trace_dir:
     jax.profiler.start_trace(trace_dir)
     try:
@@ -135,7 +136,7 @@ def device_time(run: Callable[[], Any], num_calls: int, top: int = 6) -> dict:
     if not paths:
       return dict(device_error="the profiler wrote no trace")
     data = jax.profiler.ProfileData.from_file(paths[0])
-  total_ns, count, by_name = 0.0, 0, collections.Counter()
+  total_ns, count, by_name, launches = 0.0, 0, collections.Counter(), collections.Counter()
   for plane in data.planes:
     if not plane.name.startswith("/device:GPU:"):
       continue
@@ -146,10 +147,12 @@ def device_time(run: Callable[[], Any], num_calls: int, top: int = 6) -> dict:
         total_ns += event.duration_ns
         count += 1
         by_name[event.name[:80]] += event.duration_ns
+        launches[event.name[:80]] += 1
   if not count:
     return dict(device_error="no GPU stream events in the trace")
   return dict(device_s=total_ns * 1e-9 / num_calls, kernels_per_call=count / num_calls,
-              device_time_by_kernel={k: v * 1e-9 / num_calls for k, v in by_name.most_common(top)})
+              device_time_by_kernel={k: v * 1e-9 / num_calls for k, v in by_name.most_common(top)},
+              launches_by_kernel={k: launches[k] / num_calls for k, _ in by_name.most_common(top)})
 
 
 def read_bandwidth(num_bytes: float = 4 * 2 ** 30, iters: int = 10, repeats: int = 5) -> dict:

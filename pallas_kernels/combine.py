@@ -1,9 +1,10 @@
 """The log-sum-exp combine shared by the split-KV kernels (plain jnp, small).
 
 A kernel leaves, per (row, KV head, q block, split), an un-normalised partial output `acc`, its
-row max `m2` (log2 units) and row sum `l`. `combine_partials` merges those with key sets that are
-attended exactly here (the step's in-flight tokens; QuantSpec's full-precision recent segment),
-into one softmax over everything.
+row max `m2` (log2 units) and row sum `l`. `combine_partials` merges those (and the in-flight
+kernel's partial, appended by `with_partial`) with key sets that are attended exactly here (the
+step's in-flight tokens on the jnp path; QuantSpec's full-precision recent segment), into one
+softmax over everything.
 
 The selectors' per-slot weights (`score_queries`): the kernels write the selected queries' raw
 scores (log2 units) for the slots they visit; `scores_to_probs` turns them into final softmax
@@ -21,6 +22,9 @@ import numpy as np
 
 LN2 = math.log(2.0)
 LOG2E = math.log2(math.e)
+# From this many in-flight queries on, the in-flight part is its own kernel (`inflight_choice`);
+# below, a few jnp ops inside the combine are cheaper than a launch.
+INFLIGHT_KERNEL_MIN_QUERIES = 2
 MAX_SCORE_ROWS = 64               # the selected rows live in q block 0 (one wgmma M tile)
 
 
@@ -91,6 +95,24 @@ def scores_to_probs(scores: jax.Array, lse: jax.Array, weight: jax.Array, *, gro
   # Unvisited slots hold whatever the output buffer held (NaN, say): select, don't multiply.
   probs = jnp.where(w > 0, w * jnp.exp2(s2 - lse2), 0.0)                   # [B, n, Hkv, G, S]
   return probs.reshape(b, n, hkv * group, capacity)
+
+
+def inflight_choice(mode: str, num_queries: int) -> bool:
+  """Whether a cache kernel's wrapper computes the in-flight part with
+  `pallas_kernels.inflight_attention` ("kernel") or in jnp inside the combine ("jnp"); "auto":
+  the kernel from INFLIGHT_KERNEL_MIN_QUERIES queries on."""
+  if mode not in ("auto", "kernel", "jnp"):
+    raise ValueError(f"inflight must be 'auto', 'kernel' or 'jnp', got {mode!r}")
+  return mode == "kernel" or (mode == "auto" and num_queries >= INFLIGHT_KERNEL_MIN_QUERIES)
+
+
+def with_partial(acc: jax.Array, m2: jax.Array, l: jax.Array, extra: tuple[jax.Array, ...]
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Split partials acc [B, Hkv, NQB, NS, R, D], m2, l [B, Hkv, NQB, NS, 64] with one more
+  partial per q block (acc [B, Hkv, NQB, R, D], m2, l [B, Hkv, NQB, 64]: the in-flight part)
+  appended as split NS."""
+  return tuple(jnp.concatenate([x, y[:, :, :, None]], axis=3)
+               for x, y in zip((acc, m2, l), extra))
 
 
 def combine_partials(acc: jax.Array, m2: jax.Array, l: jax.Array, q: jax.Array,

@@ -48,9 +48,11 @@ Two steps, as `pallas_kernels.decode_attention`:
      K/V tiles go through a `num_stages`-deep TMA ring; QK^T and PV on wgmma; online softmax in
      registers (exp2, log2 units). Time scales with the listed blocks, not S. With
      score_queries, the first q block's work items also store the selected rows' scores.
-  2. A jnp step (`pallas_kernels.combine.combine_partials`) per segment: the in-flight part (Tq x
-     Tq) merged with the split
-     partials by log-sum-exp.
+  2. The in-flight part (Tq x Tq under the mask) of every q block of both segments in one
+     launch of `pallas_kernels.inflight_attention` (from 2 queries on, `SparseConfig.inflight`;
+     else jnp inside the combine), then `pallas_kernels.combine.combine_partials` per segment
+     merges it with the split partials by log-sum-exp. On an H200 a SmolLM2 FAFO step's attention
+     (T = 109) went from 24.5 to 18.8 us per call and 15.6 to 10.9 launches.
 
 The pure-jnp reference `sparse_attention_reference` (gather the listed blocks, mask, two-part
 softmax) sits at the bottom of this file.
@@ -69,8 +71,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import (check_score_queries, combine_partials, permute_queries,
-                                    score_rows, scores_to_probs, selected_first, wrapper_outputs)
+from pallas_kernels.combine import (check_score_queries, combine_partials, inflight_choice,
+                                    permute_queries, score_rows, scores_to_probs, selected_first,
+                                    with_partial, wrapper_outputs)
+from pallas_kernels.inflight_attention import inflight_partials, mask_bias, pack_keys
 
 from pallas_kernels.decode_attention import _SUPPORTED_DTYPES, BLOCK_M, LOG2E
 
@@ -90,8 +94,10 @@ class SparseConfig:
   num_splits_full: int | None = None
   target_blocks: int = 132        # one wave on H100 / H200
   min_tiles_per_split: int = 1    # a 2-block list on 16 thread blocks beats one on 8: latency
+  inflight: str = "auto"          # the in-flight part: "kernel", "jnp" or "auto" (combine.py)
 
   def __post_init__(self):
+    inflight_choice(self.inflight, 1)             # validates
     if self.block_kv is not None and (self.block_kv % 64 or self.block_kv <= 0):
       raise ValueError(f"block_kv must be a positive multiple of 64, got {self.block_kv}")
     if self.num_stages < 1:
@@ -426,6 +432,30 @@ def _check_inputs(q, k_cache, v_cache, block_tables, num_blocks, lengths, k_new,
     raise ValueError(f"sparse_queries must be in [0, Tq={tq}], got {sparse_queries}")
 
 
+def _q_rows(q: jax.Array, segments: tuple[_Segment, ...], num_kv_heads: int) -> jax.Array:
+  """q [B, Tq, Hq, D] -> [B, Hkv, QB * 64, D]: each segment's rows t * G + g per KV head,
+  zero-padded to whole 64-row q blocks."""
+  b, tq, hq, d = q.shape
+  group = hq // num_kv_heads
+  q_rows = q.reshape(b, tq, num_kv_heads, group, d).transpose(0, 2, 1, 3, 4)  # [B,Hkv,Tq,G,D]
+  pieces = []
+  for seg in segments:
+    rows = q_rows[:, :, seg.first_query:seg.first_query + seg.num_queries]
+    rows = rows.reshape(b, num_kv_heads, seg.num_queries * group, d)
+    pieces.append(jnp.pad(rows, ((0, 0), (0, 0),
+                                 (0, seg.q_blocks * BLOCK_M - seg.num_queries * group), (0, 0))))
+  return jnp.concatenate(pieces, axis=2) if len(pieces) > 1 else pieces[0]
+
+
+def _row_queries(segments: tuple[_Segment, ...], group: int) -> np.ndarray:
+  """[QB * 64] int: the query each of `_q_rows`' rows holds, -1 for padding."""
+  rows = []
+  for seg in segments:
+    held = seg.first_query + np.arange(seg.num_queries * group) // group
+    rows.append(np.pad(held, (0, seg.q_blocks * BLOCK_M - held.size), constant_values=-1))
+  return np.concatenate(rows)
+
+
 def split_partials(q, k_cache, v_cache, block_tables, num_blocks, lengths, *, block_size: int,
                    sparse_queries: int, config: SparseConfig = SparseConfig(),
                    num_score_queries: tuple[int, int] = (0, 0), interpret: Any = None):
@@ -451,16 +481,7 @@ def split_partials(q, k_cache, v_cache, block_tables, num_blocks, lengths, *, bl
   if all(seg.q_blocks == 1 for seg in segments):
     rows_out = max(-(-seg.num_queries * group // 8) * 8 for seg in segments)
 
-  # q rows per KV head: each segment's rows t * G + g, zero-padded to whole 64-row q blocks.
-  q_rows = q.reshape(b, tq, hkv, group, d).transpose(0, 2, 1, 3, 4)       # [B, Hkv, Tq, G, D]
-  pieces = []
-  for seg in segments:
-    rows = q_rows[:, :, seg.first_query:seg.first_query + seg.num_queries]
-    rows = rows.reshape(b, hkv, seg.num_queries * group, d)
-    pieces.append(jnp.pad(rows, ((0, 0), (0, 0),
-                                 (0, seg.q_blocks * BLOCK_M - seg.num_queries * group), (0, 0))))
-  q_rows = jnp.concatenate(pieces, axis=2) if len(pieces) > 1 else pieces[0]
-
+  q_rows = _q_rows(q, segments, hkv)
   if table_len == 0:                          # keep one (never used) entry for the loads
     block_tables = jnp.zeros((b, hkv, 1), jnp.int32)
   block_tables = jnp.clip(block_tables.astype(jnp.int32), 0, capacity // block_size - 1)
@@ -524,6 +545,12 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       q, k_cache, v_cache, block_tables, num_blocks, lengths, block_size=block_size,
       sparse_queries=sparse_queries, config=config,
       num_score_queries=(len(sel_list), len(sel_full)), interpret=interpret)
+  use_kernel = inflight_choice(config.inflight, tq)
+  if use_kernel:                   # the in-flight part of every q block, one launch
+    extra = inflight_partials(
+        _q_rows(q, segments, k_cache.shape[1]), pack_keys(k_new).astype(q.dtype),
+        pack_keys(v_new).astype(q.dtype), mask_bias(mask, _row_queries(segments, group)),
+        rows_out=acc.shape[3], interpret=interpret)
   outs, lses, probs = [], [], []
   for seg in segments:
     # This segment's work items [B, Hkv, W_seg, ...] -> [B, Hkv, NQB, NS, ...].
@@ -532,8 +559,13 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
             *x.shape[:2], seg.q_blocks, seg.num_splits, *x.shape[3:])
         for x in (acc, m2, l))
     queries = slice(seg.first_query, seg.first_query + seg.num_queries)
-    out, lse = combine_partials(acc_s, m2_s, l_s, q[:, queries],
-                                [(k_new, v_new, mask[queries][None])], group=group)
+    if use_kernel:
+      blocks = slice(seg.first_qblock, seg.first_qblock + seg.q_blocks)
+      parts = with_partial(acc_s, m2_s, l_s, tuple(x[:, :, blocks] for x in extra))
+      out, lse = combine_partials(*parts, q[:, queries], [], group=group)
+    else:
+      out, lse = combine_partials(acc_s, m2_s, l_s, q[:, queries],
+                                  [(k_new, v_new, mask[queries][None])], group=group)
     outs.append(out)
     lses.append(lse)
     if seg.score_slot >= 0:

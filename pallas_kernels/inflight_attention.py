@@ -1,0 +1,228 @@
+"""The in-flight part of a decode / verification step as split partials (Mosaic GPU / Hopper).
+
+A step's T in-flight queries attend to the committed cache (`decode_attention`,
+`sparse_attention`: one partial per split) AND to the step's own T in-flight keys under an
+arbitrary boolean mask (causal, n-gram columns, FAFO's subsequences, trees). This kernel computes
+the second part in ONE launch, as one more partial in the cache kernels' format, so the wrapper's
+merge is a plain log-sum-exp reduction (no einsum, mask or softmax ops of its own: on a 135M
+model those jnp ops were ~10 launches per layer, more than the kernels they served).
+
+Contract:
+
+  inflight_partials(q_rows [B, Hkv, QB * 64, D], k_rows [B, Hkv, U_pad, D],
+                    v_rows [B, Hkv, U_pad, D], bias [QB * 64, U_pad] fp32, *, rows_out)
+    -> acc [B, Hkv, QB, rows_out, D] fp32 (un-normalised), m [B, Hkv, QB, 64] fp32 (row max of
+       the scaled scores in log2 units, -inf for a row that sees no key), l [B, Hkv, QB, 64] fp32
+
+Rows are the cache kernels' q rows (row r of q block j holds query head g of query t, r = t * G +
+g within its segment, zero padding to whole 64-row blocks); key u is in-flight token u (U_pad: T
+rounded up to a multiple of 64, zero keys). bias[row, u] is 0 where the row's query sees key u and
+-inf elsewhere (`mask_bias` builds it from the [T, T] mask; the padding rows and keys are -inf).
+Grid (QB, Hkv, B): one thread block per q block of one KV head, the 64-key tiles of K, V and bias
+through a `num_stages`-deep TMA ring; QK^T and PV on wgmma, online softmax in registers (exp2).
+
+`pack_keys` and `mask_bias` prepare the inputs; `inflight_partials_reference` (pure jnp) sits at
+the bottom.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import numpy as np
+
+BLOCK_M = 64                      # q rows per thread block (one warpgroup's wgmma M)
+BLOCK_U = 64                      # in-flight keys per tile
+LOG2E = float(np.log2(np.e))
+
+
+def padded_keys(num_keys: int) -> int:
+  """U_pad: the in-flight key count rounded up to whole tiles."""
+  return max(1, -(-num_keys // BLOCK_U)) * BLOCK_U
+
+
+def pack_keys(x: jax.Array) -> jax.Array:
+  """In-flight K or V [B, T, Hkv, D] -> [B, Hkv, U_pad, D] (zero keys past T)."""
+  t = x.shape[1]
+  x = x.transpose(0, 2, 1, 3)
+  return jnp.pad(x, ((0, 0), (0, 0), (0, padded_keys(t) - t), (0, 0)))
+
+
+def mask_bias(mask: jax.Array, row_query: np.ndarray) -> jax.Array:
+  """mask [T, U] bool (query t sees in-flight key u); row_query [R] static ints, the query each
+  kernel row holds (-1: a padding row). Returns bias [R, U_pad] fp32: 0 where seen, else -inf."""
+  row_query = np.asarray(row_query)
+  u = mask.shape[1]
+  rows = jnp.asarray(mask, bool)[np.maximum(row_query, 0)]                  # [R, U]
+  rows = rows & jnp.asarray(row_query >= 0)[:, None]
+  bias = jnp.where(rows, 0.0, -jnp.inf).astype(jnp.float32)
+  return jnp.pad(bias, ((0, 0), (0, padded_keys(u) - u)), constant_values=-jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnames=("rows_out", "num_stages", "interpret"))
+def inflight_partials(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
+                      bias: jax.Array, *, rows_out: int, num_stages: int = 2,
+                      interpret: Any = None):
+  """See the module docstring. q_rows [B, Hkv, QB * 64, D] bf16/fp16; k_rows, v_rows
+  [B, Hkv, U_pad, D] (q's dtype); bias [QB * 64, U_pad] fp32."""
+  batch, num_kv_heads, m_total, head_dim = q_rows.shape
+  u_pad = k_rows.shape[2]
+  if m_total % BLOCK_M or u_pad % BLOCK_U or u_pad == 0:
+    raise ValueError(f"q rows {m_total} and keys {u_pad} must be positive multiples of "
+                     f"{BLOCK_M} / {BLOCK_U}")
+  if k_rows.shape != (batch, num_kv_heads, u_pad, head_dim) or v_rows.shape != k_rows.shape:
+    raise ValueError(f"k_rows / v_rows must be [B, Hkv, U_pad, D] = "
+                     f"{(batch, num_kv_heads, u_pad, head_dim)}, got {k_rows.shape}, "
+                     f"{v_rows.shape}")
+  if bias.shape != (m_total, u_pad):
+    raise ValueError(f"bias must be [QB * 64, U_pad] = {(m_total, u_pad)}, got {bias.shape}")
+  if not 0 < rows_out <= BLOCK_M or rows_out % 8:
+    raise ValueError(f"rows_out must be a multiple of 8 in (0, 64], got {rows_out}")
+  q_blocks = m_total // BLOCK_M
+  num_tiles = u_pad // BLOCK_U
+  stages = max(1, min(num_stages, num_tiles))
+  dtype = q_rows.dtype
+  scale = head_dim ** -0.5 * LOG2E
+
+  def body(q_ref,           # [B, Hkv, QB * 64, D]                      GMEM
+           k_ref,           # [B, Hkv, U_pad, D]                        GMEM
+           v_ref,           # [B, Hkv, U_pad, D]                        GMEM
+           bias_ref,        # [QB * 64, U_pad] fp32                     GMEM
+           acc_out_ref,     # [B, Hkv, QB, rows_out, D] fp32            GMEM
+           m_out_ref,       # [B, Hkv, QB, 64] fp32                     GMEM
+           l_out_ref,       # [B, Hkv, QB, 64] fp32                     GMEM
+           q_smem,          # [64, D]                                   SMEM (tiled, swizzled)
+           k_smem,          # [stages, 64, D]                           SMEM (tiled, swizzled)
+           v_smem,          # [stages, 64, D]                           SMEM (tiled, swizzled)
+           b_smem,          # [stages, 64, 64] fp32                     SMEM
+           p_smem,          # [64, 64]                                  SMEM (tiled, swizzled)
+           o_smem,          # [64, D] fp32                              SMEM
+           m_smem,          # [64] fp32                                 SMEM
+           l_smem,          # [64] fp32                                 SMEM
+           q_barrier, k_barriers, b_barriers, v_barriers):
+    qb = lax.axis_index("qblock")
+    h = lax.axis_index("head")
+    b = lax.axis_index("batch")
+
+    def fetch(step, slot):
+      keys = pl.ds(step * BLOCK_U, BLOCK_U)
+      plgpu.copy_gmem_to_smem(k_ref.at[b, h, keys], k_smem.at[slot], k_barriers.at[slot])
+      plgpu.copy_gmem_to_smem(bias_ref.at[pl.ds(qb * BLOCK_M, BLOCK_M), keys], b_smem.at[slot],
+                              b_barriers.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[b, h, keys], v_smem.at[slot], v_barriers.at[slot])
+
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(qb * BLOCK_M, BLOCK_M)], q_smem, q_barrier)
+    for step in range(stages):                     # prologue: fill the ring (static tile count)
+      fetch(step, step)
+    plgpu.barrier_wait(q_barrier)
+
+    acc = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    m_i = plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32),
+                            plgpu.Layout.WGMMA.reduce(1))
+    l_i = plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+
+    def u_step(step, carry):
+      acc, m_i, l_i = carry
+      slot = lax.rem(step, jnp.int32(stages))
+      plgpu.barrier_wait(k_barriers.at[slot])
+      def qk_scope(s_ref):                         # [64, 64] fp32 accumulator
+        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+        return s_ref[...]
+      s = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_M, BLOCK_U), jnp.float32))
+      plgpu.barrier_wait(b_barriers.at[slot])
+      bias = plgpu.load(b_smem.at[slot], layout=plgpu.Layout.WGMMA, optimized=False)
+      s = s * scale + bias
+
+      # A row may see no key of this tile (or none at all): a finite stand-in for its max keeps
+      # alpha and p at 0 instead of NaN.
+      m_new = jnp.maximum(m_i, s.max(axis=1))
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp2(m_i - m_use)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+      l_i = l_i * alpha + p.sum(axis=1)
+
+      plgpu.barrier_wait(v_barriers.at[slot])
+      p_smem[...] = p.astype(dtype)                # P through SMEM (as decode_attention)
+      plgpu.commit_smem()
+      def pv_scope(pv_ref):                        # [64, D] fp32 accumulator
+        plgpu.wgmma(pv_ref, p_smem, v_smem.at[slot])
+        return pv_ref[...]
+      pv = pl.run_scoped(pv_scope, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+
+      nxt = step + stages
+      pl.when(nxt < num_tiles)(lambda: fetch(nxt, slot))
+      return acc, m_new, l_i
+
+    acc, m_i, l_i = lax.fori_loop(0, num_tiles, u_step, (acc, m_i, l_i))
+
+    o_smem[...] = acc
+    m_smem[...] = m_i
+    l_smem[...] = l_i
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows_out)], acc_out_ref.at[b, h, qb])
+    plgpu.copy_smem_to_gmem(m_smem, m_out_ref.at[b, h, qb])
+    plgpu.copy_smem_to_gmem(l_smem, l_out_ref.at[b, h, qb])
+    plgpu.wait_smem_to_gmem(0)
+
+  swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+  scratch = [
+      plgpu.SMEM((BLOCK_M, head_dim), dtype, **swizzled),
+      plgpu.SMEM((stages, BLOCK_U, head_dim), dtype, **swizzled),
+      plgpu.SMEM((stages, BLOCK_U, head_dim), dtype, **swizzled),
+      plgpu.SMEM((stages, BLOCK_M, BLOCK_U), jnp.float32),
+      plgpu.SMEM((BLOCK_M, BLOCK_U), dtype, **swizzled),
+      plgpu.SMEM((BLOCK_M, head_dim), jnp.float32),
+      plgpu.SMEM((BLOCK_M,), jnp.float32),
+      plgpu.SMEM((BLOCK_M,), jnp.float32),
+      plgpu.Barrier(),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=stages),
+  ]
+  part = (batch, num_kv_heads, q_blocks)
+  out_type = (jax.ShapeDtypeStruct((*part, rows_out, head_dim), jnp.float32),
+              jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32),
+              jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32))
+
+  def entry(q_ref, k_ref, v_ref, bias_ref, acc_ref, m_ref, l_ref):
+    def scoped(*refs):
+      body(q_ref, k_ref, v_ref, bias_ref, acc_ref, m_ref, l_ref, *refs)
+    pl.run_scoped(scoped, *scratch)
+
+  return plgpu.kernel(
+      entry,
+      out_type=out_type,
+      grid=(q_blocks, num_kv_heads, batch),
+      grid_names=("qblock", "head", "batch"),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret,
+  )(q_rows, k_rows, v_rows, bias.astype(jnp.float32))
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference (pure jnp, fp32).
+# ----------------------------------------------------------------------------------------------
+
+def inflight_partials_reference(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
+                                bias: jax.Array, *, rows_out: int):
+  """The kernel's partials in fp32 jnp: same shapes and conventions (P rounded to the input
+  dtype before PV, as the kernel's wgmma operand is)."""
+  b, hkv, m_total, d = q_rows.shape
+  qb = m_total // BLOCK_M
+  s = jnp.einsum("bhrd,bhud->bhru", q_rows.astype(jnp.float32), k_rows.astype(jnp.float32))
+  s = s * (d ** -0.5 * LOG2E) + bias[None, None]                             # [B, Hkv, R, U]
+  m = s.max(-1)                                                              # [B, Hkv, R]
+  m_use = jnp.where(m == -jnp.inf, 0.0, m)
+  p = jnp.exp2(s - m_use[..., None])
+  l = p.sum(-1)
+  acc = jnp.einsum("bhru,bhud->bhrd", p.astype(q_rows.dtype).astype(jnp.float32),
+                   v_rows.astype(jnp.float32))                              # [B, Hkv, R, D]
+  acc = acc.reshape(b, hkv, qb, BLOCK_M, d)[:, :, :, :rows_out]
+  return acc, m.reshape(b, hkv, qb, BLOCK_M), l.reshape(b, hkv, qb, BLOCK_M)

@@ -1,0 +1,144 @@
+"""The in-flight-part Mosaic GPU kernel against its jnp reference (GPU interpret mode, CPU), the
+cache kernels' wrappers with the in-flight part in the kernel and in jnp, and lowering for cuda."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.decode_attention import (DecodeConfig, decode_attention,
+                                             decode_attention_reference)
+from pallas_kernels.inflight_attention import (BLOCK_M, inflight_partials,
+                                               inflight_partials_reference, mask_bias, pack_keys)
+from pallas_kernels.sparse_attention import (SparseConfig, sparse_attention,
+                                             sparse_attention_reference)
+
+INTERPRET = plgpu.InterpretGPUParams()
+
+
+def _rows(q, num_kv_heads):
+  """q [B, T, Hq, D] -> q rows [B, Hkv, QB * 64, D] (r = t * G + g) and each row's query."""
+  b, t, hq, d = q.shape
+  g = hq // num_kv_heads
+  n = t * g
+  qb = -(-n // BLOCK_M)
+  rows = q.reshape(b, t, num_kv_heads, g, d).transpose(0, 2, 1, 3, 4).reshape(b, num_kv_heads, n, d)
+  rows = jnp.pad(rows, ((0, 0), (0, 0), (0, qb * BLOCK_M - n), (0, 0)))
+  row_query = np.full(qb * BLOCK_M, -1)
+  row_query[:n] = np.arange(n) // g
+  return rows, row_query
+
+
+def _case(seed, batch, num_kv_heads, group, tokens, head_dim, density, dtype):
+  keys = jax.random.split(jax.random.key(seed), 4)
+  normal = lambda k, shape: jax.random.normal(k, shape, jnp.float32).astype(dtype)
+  q = normal(keys[0], (batch, tokens, num_kv_heads * group, head_dim))     # [B, T, Hq, D]
+  k_new = normal(keys[1], (batch, tokens, num_kv_heads, head_dim))         # [B, T, Hkv, D]
+  v_new = normal(keys[2], (batch, tokens, num_kv_heads, head_dim))         # [B, T, Hkv, D]
+  mask = np.asarray(jax.random.bernoulli(keys[3], density, (tokens, tokens)))  # [T, T]
+  return q, k_new, v_new, mask
+
+
+def _compare(got, ref, atol):
+  for name, g, r in zip(("acc", "m", "l"), got, ref):
+    g, r = np.asarray(g), np.asarray(r)
+    assert g.shape == r.shape, name
+    assert np.array_equal(np.isneginf(g), np.isneginf(r)), name
+    np.testing.assert_allclose(np.where(np.isneginf(g), 0, g), np.where(np.isneginf(r), 0, r),
+                               atol=atol, rtol=atol, err_msg=name)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2 ** 16), batch=st.integers(1, 2), num_kv_heads=st.integers(1, 2),
+       group=st.sampled_from([1, 3, 4]), tokens=st.integers(1, 90),
+       head_dim=st.sampled_from([64, 128]), density=st.sampled_from([0.0, 0.3, 1.0]),
+       dtype=st.sampled_from([jnp.bfloat16, jnp.float16]))
+def test_kernel_matches_reference(seed, batch, num_kv_heads, group, tokens, head_dim, density,
+                                  dtype):
+  q, k_new, v_new, mask = _case(seed, batch, num_kv_heads, group, tokens, head_dim, density, dtype)
+  q_rows, row_query = _rows(q, num_kv_heads)
+  args = (q_rows, pack_keys(k_new), pack_keys(v_new), mask_bias(jnp.asarray(mask), row_query))
+  rows_out = BLOCK_M if q_rows.shape[2] > BLOCK_M else -(-tokens * group // 8) * 8
+  got = inflight_partials(*args, rows_out=rows_out, interpret=INTERPRET)
+  ref = inflight_partials_reference(*args, rows_out=rows_out)
+  _compare(got, ref, 2e-2 if dtype == jnp.bfloat16 else 4e-3)
+
+
+def test_rows_that_see_nothing_give_empty_partials():
+  q, k_new, v_new, _ = _case(1, 1, 1, 4, 10, 64, 0.0, jnp.bfloat16)
+  mask = np.tril(np.ones((10, 10), bool))
+  mask[3] = False                                              # query 3 sees no in-flight key
+  q_rows, row_query = _rows(q, 1)
+  acc, m, l = inflight_partials(q_rows, pack_keys(k_new), pack_keys(v_new),
+                                mask_bias(jnp.asarray(mask), row_query), rows_out=40,
+                                interpret=INTERPRET)
+  rows = np.arange(12, 16)                                     # query 3's four heads
+  assert np.all(np.isneginf(np.asarray(m)[0, 0, 0, rows]))
+  assert np.all(np.asarray(l)[0, 0, 0, rows] == 0) and np.all(np.asarray(acc)[0, 0, 0, rows] == 0)
+  assert np.all(np.asarray(l)[0, 0, 0, :12] > 0) and np.all(np.isneginf(np.asarray(m)[0, 0, 0, 40:]))
+
+
+@pytest.mark.parametrize("num_queries", [1, 7])
+@pytest.mark.parametrize("inflight", ["kernel", "jnp"])
+def test_wrappers_match_reference_with_either_inflight_path(num_queries, inflight):
+  """decode_attention and sparse_attention (a listed segment, then a full one) give the
+  reference's output with the in-flight part in the kernel or in jnp, at Tq = 1 and Tq > 1."""
+  b, hkv, g, d, s = 1, 2, 2, 64, 256
+  q, k_new, v_new, _ = _case(2, b, hkv, g, num_queries, d, 0.0, jnp.bfloat16)
+  keys = jax.random.split(jax.random.key(3), 2)
+  k_cache = jax.random.normal(keys[0], (b, hkv, s, d), jnp.float32).astype(jnp.bfloat16)
+  v_cache = jax.random.normal(keys[1], (b, hkv, s, d), jnp.float32).astype(jnp.bfloat16)
+  lengths = jnp.array([200])
+  mask = jnp.asarray(np.tril(np.ones((num_queries, num_queries), bool)))
+  out = decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, mask,
+                         config=DecodeConfig(block_kv=64, inflight=inflight), interpret=INTERPRET)
+  ref = decode_attention_reference(q, k_cache, v_cache, lengths, k_new, v_new, mask)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=3e-2)
+
+  tables = jnp.array([[[0, 3], [1, 2]]], jnp.int32)                 # [B, Hkv, NB]
+  counts = jnp.array([[2, 1]], jnp.int32)
+  sparse = max(1, num_queries // 2)
+  out = sparse_attention(q, k_cache, v_cache, tables, counts, lengths, k_new, v_new, mask,
+                         block_size=64, sparse_queries=sparse,
+                         config=SparseConfig(inflight=inflight), interpret=INTERPRET)
+  ref = sparse_attention_reference(q, k_cache, v_cache, tables, counts, lengths, k_new, v_new,
+                                   mask, block_size=64, sparse_queries=sparse)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=3e-2)
+
+
+def test_bad_inputs_are_rejected_in_plain_words():
+  q, k_new, v_new, mask = _case(0, 1, 1, 2, 5, 64, 1.0, jnp.bfloat16)
+  q_rows, row_query = _rows(q, 1)
+  bias = mask_bias(jnp.asarray(mask), row_query)
+  with pytest.raises(ValueError, match="rows_out"):
+    inflight_partials(q_rows, pack_keys(k_new), pack_keys(v_new), bias, rows_out=12)
+  with pytest.raises(ValueError, match="bias must be"):
+    inflight_partials(q_rows, pack_keys(k_new), pack_keys(v_new), bias[:, :32], rows_out=16)
+  with pytest.raises(ValueError, match="k_rows / v_rows"):
+    inflight_partials(q_rows, pack_keys(k_new)[:, :, :, :32], pack_keys(v_new), bias, rows_out=16)
+  with pytest.raises(ValueError, match="inflight must be"):
+    DecodeConfig(inflight="sometimes")
+  with pytest.raises(ValueError, match="inflight must be"):
+    SparseConfig(inflight="never")
+
+
+@pytest.mark.parametrize("tokens,num_kv_heads,group,head_dim", [
+    (109, 3, 3, 64),      # a SmolLM2 FAFO step (20 subsequences, k = 4, 7 candidates)
+    (283, 8, 4, 128),     # a Llama-3.1-8B FAFO step (40 subsequences, k = 6, 7 candidates)
+])
+def test_lowers_to_mosaic_gpu_custom_call_for_cuda(tokens, num_kv_heads, group, head_dim):
+  q_rows_n = -(-tokens * group // BLOCK_M) * BLOCK_M
+  u_pad = -(-tokens // 64) * 64
+  sds = jax.ShapeDtypeStruct
+  args = (sds((1, num_kv_heads, q_rows_n, head_dim), jnp.bfloat16),
+          sds((1, num_kv_heads, u_pad, head_dim), jnp.bfloat16),
+          sds((1, num_kv_heads, u_pad, head_dim), jnp.bfloat16),
+          sds((q_rows_n, u_pad), jnp.float32))
+  lowered = jax.jit(lambda *a: inflight_partials(*a, rows_out=BLOCK_M)).trace(*args).lower(
+      lowering_platforms=("cuda",))
+  assert "stablehlo.custom_call @mosaic_gpu_v2" in lowered.as_text()
