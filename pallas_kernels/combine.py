@@ -97,12 +97,20 @@ def scores_to_probs(scores: jax.Array, lse: jax.Array, weight: jax.Array, *, gro
   return probs.reshape(b, n, hkv * group, capacity)
 
 
+INFLIGHT_MODES = ("auto", "kernel", "jnp")
+
+
+def check_inflight_mode(mode: str) -> None:
+  """A kernel config's `inflight` field: one of INFLIGHT_MODES."""
+  if mode not in INFLIGHT_MODES:
+    raise ValueError(f"inflight must be one of {INFLIGHT_MODES}, got {mode!r}")
+
+
 def inflight_choice(mode: str, num_queries: int) -> bool:
   """Whether a cache kernel's wrapper computes the in-flight part with
   `pallas_kernels.inflight_attention` ("kernel") or in jnp inside the combine ("jnp"); "auto":
   the kernel from INFLIGHT_KERNEL_MIN_QUERIES queries on."""
-  if mode not in ("auto", "kernel", "jnp"):
-    raise ValueError(f"inflight must be 'auto', 'kernel' or 'jnp', got {mode!r}")
+  check_inflight_mode(mode)
   return mode == "kernel" or (mode == "auto" and num_queries >= INFLIGHT_KERNEL_MIN_QUERIES)
 
 

@@ -61,9 +61,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import (check_score_queries, combine_partials, inflight_choice,
-                                    permute_queries, score_rows, scores_to_probs, selected_first,
-                                    with_partial, wrapper_outputs)
+from pallas_kernels.combine import (check_inflight_mode, check_score_queries, combine_partials,
+                                    inflight_choice, permute_queries, score_rows, scores_to_probs,
+                                    selected_first, with_partial, wrapper_outputs)
 from pallas_kernels.inflight_attention import inflight_partials, mask_bias, pack_keys
 
 LOG2E = math.log2(math.e)
@@ -85,7 +85,7 @@ class DecodeConfig:
   inflight: str = "auto"          # the in-flight part: "kernel", "jnp" or "auto" (combine.py)
 
   def __post_init__(self):
-    inflight_choice(self.inflight, 1)             # validates
+    check_inflight_mode(self.inflight)
     if self.block_kv % 64 or self.block_kv <= 0:
       raise ValueError(f"block_kv must be a positive multiple of 64, got {self.block_kv}")
     if self.num_stages < 1:
@@ -342,16 +342,23 @@ def split_partials(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths
   (acc, m, l) described in `_cache_partials`; with num_score_queries = n > 0, also the scores
   [B, Hkv, R, S] of queries [0, n) (rows r = t * G + g < n * G; R = n * G rounded up to 8).
   """
-  b, tq, hq, d = q.shape
-  hkv, capacity = k_cache.shape[1], k_cache.shape[2]
-  group = hq // hkv
-  n_rows = tq * group
-  q_blocks = -(-n_rows // BLOCK_M)
-  rows_out = BLOCK_M if q_blocks > 1 else -(-n_rows // 8) * 8
-  num_splits = _pick_num_splits(config, b, hkv, q_blocks, capacity)
+  tq, hq = q.shape[1:3]
+  return _rows_partials(_q_rows(q, k_cache.shape[1]), k_cache, v_cache, lengths,
+                        num_queries=tq, group=hq // k_cache.shape[1], config=config,
+                        num_score_queries=num_score_queries, interpret=interpret)
 
+
+def _rows_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                   lengths: jax.Array, *, num_queries: int, group: int, config: DecodeConfig,
+                   num_score_queries: int, interpret: Any):
+  """`split_partials` from q rows already packed by `_q_rows` (Tq = num_queries queries)."""
+  b, hkv, m_total, _ = q_rows.shape
+  capacity = k_cache.shape[2]
+  q_blocks = m_total // BLOCK_M
+  rows_out = BLOCK_M if q_blocks > 1 else -(-num_queries * group // 8) * 8
+  num_splits = _pick_num_splits(config, b, hkv, q_blocks, capacity)
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
-  return _cache_partials(_q_rows(q, hkv), k_cache, v_cache, lengths, rows_out=rows_out,
+  return _cache_partials(q_rows, k_cache, v_cache, lengths, rows_out=rows_out,
                          num_splits=num_splits, cfg=config,
                          score_rows=score_rows(num_score_queries, group), interpret=interpret)
 
@@ -380,11 +387,11 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
   # follows the same order: q and the in-flight mask's rows here, out and lse back below.
   order = selected_first(sel, range(tq))
   q, mask = permute_queries(order, q, mask)
-  parts = split_partials(q, k_cache, v_cache, lengths, config=config,
-                         num_score_queries=len(sel), interpret=interpret)
+  q_rows = _q_rows(q, k_cache.shape[1])
+  parts = _rows_partials(q_rows, k_cache, v_cache, lengths, num_queries=tq, group=group,
+                         config=config, num_score_queries=len(sel), interpret=interpret)
   acc, m2, l = parts[:3]
   if inflight_choice(config.inflight, tq):
-    q_rows = _q_rows(q, k_cache.shape[1])
     row_query = np.full(q_rows.shape[2], -1)
     row_query[:tq * group] = np.arange(tq * group) // group
     extra = inflight_partials(q_rows, pack_keys(k_new).astype(q.dtype),

@@ -71,9 +71,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import (check_score_queries, combine_partials, inflight_choice,
-                                    permute_queries, score_rows, scores_to_probs, selected_first,
-                                    with_partial, wrapper_outputs)
+from pallas_kernels.combine import (check_inflight_mode, check_score_queries, combine_partials,
+                                    inflight_choice, permute_queries, score_rows, scores_to_probs,
+                                    selected_first, with_partial, wrapper_outputs)
 from pallas_kernels.inflight_attention import inflight_partials, mask_bias, pack_keys
 
 from pallas_kernels.decode_attention import _SUPPORTED_DTYPES, BLOCK_M, LOG2E
@@ -97,7 +97,7 @@ class SparseConfig:
   inflight: str = "auto"          # the in-flight part: "kernel", "jnp" or "auto" (combine.py)
 
   def __post_init__(self):
-    inflight_choice(self.inflight, 1)             # validates
+    check_inflight_mode(self.inflight)
     if self.block_kv is not None and (self.block_kv % 64 or self.block_kv <= 0):
       raise ValueError(f"block_kv must be a positive multiple of 64, got {self.block_kv}")
     if self.num_stages < 1:
@@ -463,11 +463,22 @@ def split_partials(q, k_cache, v_cache, block_tables, num_blocks, lengths, *, bl
   and the partials of `_cache_partials`. With num_score_queries = (n_list, n_full) != (0, 0),
   also the scores [B, Hkv, NSS, R, S] of the first n queries of each segment (slot
   segments[i].score_slot; rows r = t * G + g < n * G; R the larger n * G rounded up to 8)."""
-  b, tq, hq, d = q.shape
-  hkv, capacity = k_cache.shape[1], k_cache.shape[2]
+  layout = _layout(q.shape, k_cache.shape, block_tables.shape[2], block_size=block_size,
+                   sparse_queries=sparse_queries, config=config,
+                   num_score_queries=num_score_queries)
+  return (layout[0],) + _rows_partials(
+      _q_rows(q, layout[0], k_cache.shape[1]), k_cache, v_cache, block_tables, num_blocks,
+      lengths, layout, block_size=block_size, config=config, interpret=interpret)
+
+
+def _layout(q_shape, cache_shape, table_len: int, *, block_size: int, sparse_queries: int,
+            config: SparseConfig, num_score_queries: tuple[int, int]
+            ) -> tuple[tuple[_Segment, ...], int, int]:
+  """The static layout of a call: (segments with their score slots, rows_out, score rows)."""
+  b, tq, hq, _ = q_shape
+  hkv, capacity = cache_shape[1], cache_shape[2]
   group = hq // hkv
   block_kv = config.tile_rows(block_size)
-  table_len = block_tables.shape[2]
   segments = _plan_segments(
       config, batch=b, num_kv_heads=hkv, group=group, num_queries=tq,
       sparse_queries=sparse_queries, list_tiles=table_len * (block_size // block_kv),
@@ -476,18 +487,24 @@ def split_partials(q, k_cache, v_cache, block_tables, num_blocks, lengths, *, bl
   slot_ids = iter(range(len(segments)))
   segments = tuple(dataclasses.replace(seg, score_slot=next(slot_ids)) if selected[seg.full]
                    else seg for seg in segments)
-  rows_score = score_rows(max(num_score_queries), group)
   rows_out = BLOCK_M
   if all(seg.q_blocks == 1 for seg in segments):
     rows_out = max(-(-seg.num_queries * group // 8) * 8 for seg in segments)
+  return segments, rows_out, score_rows(max(num_score_queries), group)
 
-  q_rows = _q_rows(q, segments, hkv)
+
+def _rows_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths, layout, *,
+                   block_size: int, config: SparseConfig, interpret: Any) -> tuple:
+  """The kernel's outputs (acc, m, l, *scores) from q rows packed by `_q_rows` for `layout`."""
+  segments, rows_out, rows_score = layout
+  b, hkv, capacity = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+  table_len = block_tables.shape[2]
   if table_len == 0:                          # keep one (never used) entry for the loads
     block_tables = jnp.zeros((b, hkv, 1), jnp.int32)
   block_tables = jnp.clip(block_tables.astype(jnp.int32), 0, capacity // block_size - 1)
   num_blocks = jnp.clip(num_blocks.astype(jnp.int32), 0, table_len)
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
-  return (segments,) + tuple(_cache_partials(
+  return tuple(_cache_partials(
       q_rows, k_cache, v_cache, block_tables, num_blocks, lengths, segments=segments,
       rows_out=rows_out, block_size=block_size, cfg=config, score_rows=rows_score,
       interpret=interpret))
@@ -541,14 +558,18 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   order = (selected_first(sel_list, range(sparse_queries))
            + selected_first(sel_full, range(sparse_queries, tq)))
   q, mask = permute_queries(order, q, mask)
-  segments, acc, m2, l, *scores = split_partials(
-      q, k_cache, v_cache, block_tables, num_blocks, lengths, block_size=block_size,
-      sparse_queries=sparse_queries, config=config,
-      num_score_queries=(len(sel_list), len(sel_full)), interpret=interpret)
+  layout = _layout(q.shape, k_cache.shape, block_tables.shape[2], block_size=block_size,
+                   sparse_queries=sparse_queries, config=config,
+                   num_score_queries=(len(sel_list), len(sel_full)))
+  segments = layout[0]
+  q_rows = _q_rows(q, segments, k_cache.shape[1])
+  acc, m2, l, *scores = _rows_partials(q_rows, k_cache, v_cache, block_tables, num_blocks,
+                                       lengths, layout, block_size=block_size, config=config,
+                                       interpret=interpret)
   use_kernel = inflight_choice(config.inflight, tq)
   if use_kernel:                   # the in-flight part of every q block, one launch
     extra = inflight_partials(
-        _q_rows(q, segments, k_cache.shape[1]), pack_keys(k_new).astype(q.dtype),
+        q_rows, pack_keys(k_new).astype(q.dtype),
         pack_keys(v_new).astype(q.dtype), mask_bias(mask, _row_queries(segments, group)),
         rows_out=acc.shape[3], interpret=interpret)
   outs, lses, probs = [], [], []

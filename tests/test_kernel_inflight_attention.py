@@ -121,9 +121,9 @@ def test_bad_inputs_are_rejected_in_plain_words():
     inflight_partials(q_rows, pack_keys(k_new), pack_keys(v_new), bias[:, :32], rows_out=16)
   with pytest.raises(ValueError, match="k_rows / v_rows"):
     inflight_partials(q_rows, pack_keys(k_new)[:, :, :, :32], pack_keys(v_new), bias, rows_out=16)
-  with pytest.raises(ValueError, match="inflight must be"):
+  with pytest.raises(ValueError, match="inflight must be one of"):
     DecodeConfig(inflight="sometimes")
-  with pytest.raises(ValueError, match="inflight must be"):
+  with pytest.raises(ValueError, match="inflight must be one of"):
     SparseConfig(inflight="never")
 
 
