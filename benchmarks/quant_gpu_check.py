@@ -1,6 +1,7 @@
 """quant_attention on the GPU (not interpret mode) against the fp32 dequantize-then-attend
 reference, over a few shapes: D 64 / 128, Tq 1 / 3 / 16, 4 and 8 bits, ragged lengths, score
-output. Records the max |error| of out, lse and probs and any NaN, per case, to
+output, explicit stage sizes (block_kv 64 / 128 / 256). Records the max |error| of out, lse
+and probs and any NaN, per case, to
 $OUT/quant_gpu_check.json (the tests run the same kernel in interpret mode on the CPU; this is
 the compiled kernel).
 
@@ -66,6 +67,10 @@ CASES = [  # seed, B, Tq, Hq, Hkv, D, S, Rf, bits, lengths_quantized, lengths_fu
     (5, 1, 1, 8, 2, 64, 1024, 128, 8, [900], [50]),
     (6, 1, 3, 32, 8, 128, 1024, 128, 8, [1000], [9], (2, 0)),
     (7, 1, 1, 32, 8, 128, 4096, 256, 4, [4000], [100], (0,)),
+    # Explicit stage sizes (the defaults above pick 256 keys per stage at Tq = 1, 64 at Tq = 16).
+    (8, 2, 1, 32, 8, 128, 4096, 256, 8, [3000, 4096], [7, 0], (), QuantAttentionConfig(block_kv=64)),
+    (9, 1, 5, 32, 8, 128, 4096, 256, 8, [4033], [20], (), QuantAttentionConfig(block_kv=128)),
+    (10, 1, 3, 32, 8, 128, 4096, 256, 4, [1111], [20], (1,), QuantAttentionConfig(block_kv=256)),
 ]
 
 if __name__ == "__main__":

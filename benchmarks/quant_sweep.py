@@ -1,8 +1,8 @@
 """Tiling sweep of `quant_attention` against `decode_attention`, one run, one device (GPU).
 
-The issue-3 shape (Hq = 32, Hkv = 8, D = 128, bf16, B = 1, Tq = 1) at one context S: the bf16
+The issue-3 shape (Hq = 32, Hkv = 8, D = 128, bf16, B = 1, Tq = 1 or --tq) at one context S: the bf16
 decode_attention call, then quant_attention at 4 and 8 bits for each tiling in the grid
-(num_stages x target_blocks), each timed whole (kernel + jnp combine) and as the
+(block_kv x num_stages x target_blocks), each timed whole (kernel + jnp combine) and as the
 kernel alone (`_quant_partials`), next to the device read bandwidth measured in the same run.
 `--module` names an alternative implementation (e.g. the previous kernel saved to a file) to
 time beside the current one. Writes JSON incrementally.
@@ -37,12 +37,12 @@ def _normal(key, shape):
   return jax.random.normal(jax.random.key(key), shape, jnp.float32).astype(jnp.bfloat16)
 
 
-def _inputs(b: int, s: int):
+def _inputs(b: int, s: int, tq: int):
   k = _normal(1, (b, HKV, s, D))                                     # [B, Hkv, S, D]
   v = _normal(2, (b, HKV, s, D))
   qkv = qa.quantize_kv(k, v, group=GROUP)
-  x = dict(q=_normal(3, (b, 1, HQ, D)), k_new=_normal(4, (b, 1, HKV, D)),
-           v_new=_normal(5, (b, 1, HKV, D)), mask=jnp.ones((1, 1), bool),
+  x = dict(q=_normal(3, (b, tq, HQ, D)), k_new=_normal(4, (b, tq, HKV, D)),
+           v_new=_normal(5, (b, tq, HKV, D)), mask=jnp.tril(jnp.ones((tq, tq), bool)),
            k_full=_normal(6, (b, HKV, RECENT_CAPACITY, D)),
            v_full=_normal(7, (b, HKV, RECENT_CAPACITY, D)))
   return k, v, qkv, x
@@ -60,6 +60,8 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--seq", type=int, default=65536)
   p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--tq", type=int, default=1, help="queries per call (in-flight mask causal)")
+  p.add_argument("--block-kv", default="64,128,256", help="keys per pipeline stage")
   p.add_argument("--stages", default="2,4")
   p.add_argument("--target-blocks", default="264,528,1056")
   p.add_argument("--bits", default="4,8")
@@ -68,9 +70,9 @@ def main(argv=None):
   p.add_argument("--interpret", action="store_true", help="CPU dry run (Mosaic interpreter)")
   p.add_argument("--out", required=True)
   a = p.parse_args(argv)
-  b, s = a.batch, a.seq
+  b, s, tq = a.batch, a.seq, a.tq
   t0 = time.time()
-  res = dict(device=str(jax.devices()[0].device_kind), B=b, S=s, Tq=1, Hq=HQ, Hkv=HKV, D=D,
+  res = dict(device=str(jax.devices()[0].device_kind), B=b, S=s, Tq=tq, Hq=HQ, Hkv=HKV, D=D,
              group=GROUP, recent=RECENT, rows=[])
 
   def save():
@@ -80,7 +82,7 @@ def main(argv=None):
   res["read_bandwidth"] = read_bandwidth(2e7 if a.interpret else 4 * 2 ** 30)
   bw = res["read_bandwidth"]["gb_per_s"] * 1e9
   save()
-  k, v, qkv, x = _inputs(b, s)
+  k, v, qkv, x = _inputs(b, s, tq)
   lengths = jnp.full((b,), s, jnp.int32)
   lq = jnp.full((b,), s - RECENT, jnp.int32)
   lf = jnp.full((b,), RECENT, jnp.int32)
@@ -119,12 +121,12 @@ def main(argv=None):
         except Exception as e:  # noqa: BLE001 - record and go on
           res["rows"].append(dict(impl=name, bits=bits, error=repr(e)[:500]))
       continue
-    grid = itertools.product([int(x) for x in a.stages.split(",")],
+    grid = itertools.product([int(x) for x in a.block_kv.split(",")],
+                             [int(x) for x in a.stages.split(",")],
                              [int(x) for x in a.target_blocks.split(",")], bits_list)
-    for stages, tb, bits in grid:
-      cfg = qa.QuantAttentionConfig(num_stages=stages, target_blocks=tb)
-      base = dict(impl=name, bits=bits, block_kv=cfg.block_kv, num_stages=stages,
-                  target_blocks=tb)
+    for bkv, stages, tb, bits in grid:
+      cfg = qa.QuantAttentionConfig(block_kv=bkv, num_stages=stages, target_blocks=tb)
+      base = dict(impl=name, bits=bits, block_kv=bkv, num_stages=stages, target_blocks=tb)
       f = jax.jit(functools.partial(qa.quant_attention, bits=bits, config=cfg,
                                       interpret=ip))
       args = (qkv, lq, x["k_full"], x["v_full"], lf, x["k_new"], x["v_new"], x["mask"])
@@ -138,11 +140,15 @@ def main(argv=None):
         record(dict(base, part="call", max_abs_err=err,
                     speedup_vs_decode=round(decode_us / (t["min_s"] * 1e6), 3)),
                t, quant_bytes(bits))
-        q_t = jnp.zeros((b, HKV, 1, D // 64, 64, 8), jnp.float32)     # [B,Hkv,NQB,D/64,64,N]
-        bias = jnp.zeros((b, HKV, 1, s // GROUP, 32), jnp.float32)
-        ns = qa._num_splits(cfg, b, HKV, 1, s)
+        rows = tq * HQ // HKV
+        nqb = -(-rows // 64)
+        n = 64 if nqb > 1 else -(-rows // 8) * 8
+        q_t = jnp.zeros((b, HKV, nqb, D // 64, 64, n), jnp.float32)   # [B,Hkv,NQB,D/64,64,N]
+        bias = jnp.zeros((b, HKV, nqb, s // GROUP, max(n, 32)), jnp.float32)
+        ns = qa._num_splits(cfg, bkv, b, HKV, nqb, s)
         kern = jax.jit(functools.partial(qa._quant_partials, bits=bits, num_splits=ns,
-                                         dtype=jnp.bfloat16, cfg=cfg, interpret=ip))
+                                         dtype=jnp.bfloat16, cfg=cfg, block_kv=bkv,
+                                         interpret=ip))
         t = time_loop(lambda qt, qkv, lq, bias: kern(qt, qkv, lq, bias)[1], q_t, qkv, lq, bias,
                       num_calls=a.calls)
         record(dict(base, part="kernel_only", num_splits=ns), t,

@@ -114,7 +114,8 @@ def random_quantized_cache(cfg: ModelConfig, context: int, capacity: int, group:
     k_meta, v_meta = (1, hkv, capacity // group, d), (1, hkv, capacity)
     c = 64 if d % 64 == 0 else d                     # channels per stored K chunk
     codes_kv = QuantKV(randint4(ks[0], (1, hkv, 2, d // c, capacity, c)),
-                       randint4(ks[1], (1, hkv, 2, d, capacity)), scale(ks[2], k_meta), zero(ks[2], k_meta),
+                       randint4(ks[1], (1, hkv, 2, capacity // 64, d, 64)), scale(ks[2], k_meta),
+                       zero(ks[2], k_meta),
                        scale(ks[3], v_meta), zero(ks[3], v_meta), group=group)
     buf = lambda k: jax.random.normal(k, (1, hkv, 2 * group, d), dtype)
     return codes_kv, buf(ks[4]), buf(ks[5])

@@ -22,8 +22,9 @@ lower with upper = plane0 + 8. A 4-bit read touches plane 0 only; an 8-bit read 
   k_codes [B, Hkv, 2, D/C, S, C]: (plane, channel chunk, token, channel), C = 64 channels
           per chunk (C = D when D is not a multiple of 64), each chunk a wgmma-ready
           [tokens, 64] tile;
-  v_codes [B, Hkv, 2, D, S]: (plane, channel, token) - channel-major, so a V tile is the
-          transposed [D, tokens] operand the kernel multiplies from registers.
+  v_codes [B, Hkv, 2, S/T, D, T]: (plane, token tile, channel, token) with T = 64 tokens per
+          tile (T = S when S is not a multiple of 64): each tile the transposed [D, T] operand
+          the kernel multiplies from registers, stored contiguously (D * T / 2 bytes).
 Scales and zeros are fp16 (finite K/V required: |x| < 65504).
 
 Kernel (`quant_attention`), grid (num_splits, Hkv * q_blocks, B), one warpgroup per block, split-KV
@@ -37,18 +38,23 @@ The codes come into SMEM by TMA as int4 and go to registers in the layout Mosaic
 cheaply (`WGMMA_UPCAST_4X`: 8 codes per 32-bit load, two shuffles to the wgmma layout, then the
 CUTLASS lop3 + sub.bf16x2 int4 -> bf16 conversion); they are exact integers in bf16 (the 8-bit
 view is 16 * plane0 + plane1 = c8 - 128, |.| <= 136). Nothing is dequantized element-wise: the
-per-channel key scale is folded into q once per tile (q^T * s_K, one bf16 rounding, stored
-transposed as the B operand), the key zero points (z + 8 s4, the plane offset folded in) enter
+per-channel key scale is folded into q once per key group of a stage (q^T * s_K, one bf16
+rounding, stored transposed as the B operand), the key zero points (z + 8 s4, the plane offset folded in) enter
 as a per-(key group, query row) score bias q . (z + 8 s4) computed by the wrapper, the
 per-token value scale multiplies p and the value zeros add zsum. No dequantized tile is ever
-written to SMEM. The full-precision recent segment and the in-flight tokens are merged with the
-split partials in jnp (`pallas_kernels.combine.combine_partials`), by log-sum-exp.
+written to SMEM. A pipeline stage holds `block_kv` keys (1, 2 or 4 key tiles of 64, one TMA per
+plane and channel chunk for K and one per plane for V, whose tiles are stored contiguously): the
+stage's tiles get one online-softmax update, their statistics combined element-wise before the
+cross-warp reductions. The full-precision recent segment and the in-flight tokens are merged with
+the split partials in jnp (`pallas_kernels.combine.combine_partials`), by log-sum-exp.
 
-Measured (H200, S = 64K, Tq = 1, B = 1, `benchmarks/quant_sweep.py`, one run): 4-bit 76 us per
-call (51 us the kernel alone), 8-bit 102 us (79 us), decode_attention on the bf16 cache 77 us;
-the session-3 kernel (dequantize into SMEM, keys as wgmma N) 111 / 128 us in the same run. Wide
-steps are slower than that kernel (Tq = 16, N = 64: 296 us against 197 us at 64K, 4 bits): the
-softmax statistics become cross-warp reductions over a [64, 64] tile. See benchmarks/NOTES.md.
+Measured (H200, S = 64K, B = 1, `benchmarks/quant_sweep.py`, one run, session 7): Tq = 1, 4-bit
+69.2 us per call (47.0 us the kernel alone), 8-bit ~98-102 us (75-79 us), decode_attention on the
+bf16 cache 75.9 us; Tq = 5 (QuantSpec's verify), 8-bit 138.9 us (102.5). The kernel reads 32-41%
+of bandwidth: a TMA-only stream of the same 32-byte-row boxes reaches only ~2.1 TB/s (4 bits) /
+2.5 TB/s (8 bits) on its own, and the per-tile compute of a few resident warpgroups does not hide
+behind it. Wide steps are slower (Tq = 16, N = 64: ~284 us at 64K, 4 bits): the softmax
+statistics become cross-warp reductions over a [64, 64] tile. See benchmarks/NOTES.md.
 
 Contract:
 
@@ -112,7 +118,7 @@ _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 class QuantKV:
   """Hierarchical INT4/INT8 K/V (see the module docstring)."""
   k_codes: jax.Array   # [B, Hkv, 2, D/C, S, C] int4 (plane 0: u - 8, plane 1: l; C channels)
-  v_codes: jax.Array   # [B, Hkv, 2, D, S] int4 (plane; channel-major)
+  v_codes: jax.Array   # [B, Hkv, 2, S/T, D, T] int4 (plane; T-token tiles, channel-major)
   k_scale: jax.Array   # [B, Hkv, S/G, D] fp16, 4-bit step s4 per channel and token group
   k_zero: jax.Array    # [B, Hkv, S/G, D] fp16
   v_scale: jax.Array   # [B, Hkv, S] fp16, 4-bit step s4 per token
@@ -186,9 +192,22 @@ def _k_planes(k_codes):
   return x.reshape(*x.shape[:4], -1)
 
 
+def _v_tile(capacity):
+  """Tokens per stored V tile: the kernel's 64-key tile, or all of a capacity it does not divide."""
+  return KEY_TILE if capacity % KEY_TILE == 0 else capacity
+
+
+def _v_layout(planes):
+  """[..., 2, S, D] -> [..., 2, S/T, D, T] (token tiles, each channel-major)."""
+  *lead, s, d = planes.shape
+  t = _v_tile(s)
+  return jnp.swapaxes(planes.reshape(*lead, s // t, t, d), -1, -2)
+
+
 def _v_planes(v_codes):
-  """[B, Hkv, 2, D, S] -> [B, Hkv, 2, S, D]."""
-  return jnp.swapaxes(v_codes, -1, -2)
+  """[B, Hkv, 2, S/T, D, T] -> [B, Hkv, 2, S, D]."""
+  x = jnp.swapaxes(v_codes, -1, -2)                         # [B, Hkv, 2, S/T, T, D]
+  return x.reshape(*x.shape[:3], -1, x.shape[-1])
 
 
 @functools.partial(jax.jit, static_argnames=("group",))
@@ -207,7 +226,7 @@ def quantize_kv(k: jax.Array, v: jax.Array, group: int = 128) -> QuantKV:
   vf = v.astype(jnp.float32)
   v_zero, v_scale = _grid(vf.min(3), vf.max(3))                       # [B, Hkv, S]
   v_c8 = _codes8(vf, v_zero[..., None], v_scale[..., None])
-  return QuantKV(_k_layout(_planes(k_c8)), _v_planes(_planes(v_c8)), k_scale, k_zero, v_scale,
+  return QuantKV(_k_layout(_planes(k_c8)), _v_layout(_planes(v_c8)), k_scale, k_zero, v_scale,
                  v_zero, group=group)
 
 
@@ -256,34 +275,59 @@ def bytes_per_token(head_dim: int, bits: int, group: int = 128) -> float:
 # ----------------------------------------------------------------------------------------------
 
 KEY_TILE = 64                     # wgmma M: keys per tile (and A rows from registers)
+BLOCK_KV_CHOICES = (64, 128, 256)  # keys per pipeline stage: 1, 2 or 4 key tiles
+# Keys per stage when the config leaves it open, by query rows per q block (N): two key tiles per
+# stage halve the per-stage chain (TMA wait, q * s_K, fences, the cross-warp softmax reductions)
+# per key. H200, S = 64K (benchmarks/NOTES.md, session 7): kernel 47.0 us with 128 keys against
+# 50.8 with 64 at Tq = 1 (4 bits), 72.9 against 95.2 at Tq = 5 (N = 24); 256 keys is slower (52.8).
+# Wide steps (N = 64) keep one tile: their [64, N] score tiles are already 32 registers a thread.
+AUTO_BLOCK_KV_NARROW = 128         # N <= AUTO_NARROW_ROWS
+AUTO_BLOCK_KV_WIDE = 64            # N > AUTO_NARROW_ROWS
+AUTO_NARROW_ROWS = 32
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantAttentionConfig:
-  """Tiling. A tile is 64 keys (the wgmma M of the key-side product); it must divide the key
-  group (a tile uses one row of key scales)."""
-  # Defaults: the best of `benchmarks/quant_sweep.py` on an H200 (S = 64K, Tq = 1).
-  block_kv: int = KEY_TILE
+  """Tiling. A key tile is 64 keys (the wgmma M of the key-side product); a pipeline stage holds
+  block_kv keys (1, 2 or 4 tiles), fetched together and put through one online-softmax update.
+  block_kv must divide the key group or be a multiple of it, and divide the quantized capacity;
+  None picks per call (`_block_kv`)."""
+  # Defaults: the best of `benchmarks/quant_sweep.py` on an H200 (S = 64K, Tq = 1 and 5).
+  block_kv: int | None = None
   num_stages: int = 2
   num_splits: int | None = None
   target_blocks: int = 1056      # 8 thread blocks per SM of an H100/H200 (several waves)
   min_tiles_per_split: int = 2
 
   def __post_init__(self):
-    if self.block_kv != KEY_TILE:
-      raise ValueError(f"block_kv must be {KEY_TILE} (the wgmma M of the key tile), "
-                       f"got {self.block_kv}")
+    if self.block_kv is not None and self.block_kv not in BLOCK_KV_CHOICES:
+      raise ValueError(f"block_kv must be one of {BLOCK_KV_CHOICES} (whole 64-key wgmma "
+                       f"tiles) or None, got {self.block_kv}")
     if self.num_stages < 1:
       raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
     if self.num_splits is not None and self.num_splits < 1:
       raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
 
 
-def _num_splits(cfg, batch, num_kv_heads, q_blocks, capacity):
+def _fits(block_kv, group, capacity):
+  return capacity % block_kv == 0 and (group % block_kv == 0 or block_kv % group == 0)
+
+
+def _block_kv(cfg, rows, group, capacity):
+  """Keys per stage: the config's, or the largest choice up to the N-dependent default that
+  divides the capacity and nests with the key group (64 always does, given the checks)."""
+  if cfg.block_kv is not None:
+    return cfg.block_kv
+  preferred = AUTO_BLOCK_KV_NARROW if rows <= AUTO_NARROW_ROWS else AUTO_BLOCK_KV_WIDE
+  return max(c for c in BLOCK_KV_CHOICES if c <= preferred and (c == KEY_TILE or
+                                                                 _fits(c, group, capacity)))
+
+
+def _num_splits(cfg, block_kv, batch, num_kv_heads, q_blocks, capacity):
   if cfg.num_splits is not None:
     return cfg.num_splits
   per_head = max(1, cfg.target_blocks // (batch * num_kv_heads * q_blocks))
-  return max(1, min(per_head, (capacity // cfg.block_kv) // cfg.min_tiles_per_split))
+  return max(1, min(per_head, (capacity // block_kv) // cfg.min_tiles_per_split))
 
 
 def _swizzled(minor_bytes, bits):
@@ -293,7 +337,7 @@ def _swizzled(minor_bytes, bits):
 
 
 def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype,
-                    cfg: QuantAttentionConfig, with_scores: bool = False,
+                    cfg: QuantAttentionConfig, block_kv: int, with_scores: bool = False,
                     interpret: Any = None):
   """Split partials of the quantized region.
 
@@ -308,7 +352,9 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
   -inf for the rest of their last tile; the other slots are never written (undefined).
   """
   batch, num_kv_heads, q_blocks, n_chunks, chunk, n = q_t.shape
-  bkv, num_stages, group = cfg.block_kv, cfg.num_stages, qkv.group
+  bkv, num_stages, group = block_kv, cfg.num_stages, qkv.group
+  tiles = bkv // KEY_TILE                       # key tiles per stage
+  groups = max(1, bkv // group)                 # key groups per stage (one if bkv <= group)
 
   head_dim = n_chunks * chunk
   m_tiles = head_dim // KEY_TILE                # 64-channel row tiles of V^T
@@ -321,16 +367,16 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
 
   def body(lengths_ref, q_ref, kc_ref, vc_ref, ks_ref, vs_ref, vz_ref, bias_ref,
            acc_out_ref, m_out_ref, l_out_ref, scores_ref=None, *,
-           qs_smem,       # [D/64, N, 64] dtype (swizzled): q * s_K of the tile's key group, B of QK
-           kc_smem,       # [stages, planes, D/64, bkv, 64] int4    (swizzled)
-           vc_smem,       # [stages, planes, D, bkv] int4           (swizzled)
-           p_smem,        # [N, bkv] dtype (swizzled): (p * s_V) of the tile, the B operand of PV
+           qs_smem,       # [groups, D/64, N, 64] dtype (swizzled): q * s_K per key group, B of QK
+           kc_smem,       # [stages, planes, D/64, bkv, 64] int4          (swizzled)
+           vc_smem,       # [stages, planes, tiles, D, 64] int4           (swizzled)
+           p_smem,        # [tiles, N, 64] dtype (swizzled): (p * s_V) per key tile, B of PV
            qt_smem,       # [D/64, 64, N] fp32: q^T
            o_smem,        # [D, N] fp32 (epilogue)
-           ks_smem,       # [stages, D] fp16: the tile's key scale row
-           vmeta_smem,    # [stages, 2, bkv] fp16: the tile's value scales (0) and zeros (1)
-           bias_smem,     # [stages, N] fp32: the tile's key-zero bias per query row
-           m_smem, l_smem,  # [N] fp32
+           ks_smem,       # [stages, groups, D] fp16: the stage's key scale rows
+           vmeta_smem,    # [stages, 2, bkv] fp16: the stage's value scales (0) and zeros (1)
+           bias_smem,     # [stages, groups, NP] fp32: the key-zero bias per group and query row
+           m_smem, l_smem,  # [NP] fp32
            q_barrier, k_barriers, v_barriers,
            s_smem=None,   # [bkv, N] fp32 (with_scores)
            a_smem=None):  # [64, 64] dtype: interpret mode only (its wgmma reads A from SMEM)
@@ -341,7 +387,7 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
     qb = lax.rem(head_qblock, jnp.int32(q_blocks))
 
     length = lengths_ref[b]
-    num_tiles = lax.div(length + (bkv - 1), jnp.int32(bkv))
+    num_tiles = lax.div(length + (bkv - 1), jnp.int32(bkv))   # stages of bkv keys
     tiles_per_split = lax.div(num_tiles + (num_splits - 1), jnp.int32(num_splits))
     first_tile = split * tiles_per_split
     my_tiles = jnp.maximum(jnp.minimum(tiles_per_split, num_tiles - first_tile), 0)
@@ -353,22 +399,26 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
       for pn, hf in itertools.product(range(planes), range(n_chunks)):
         plgpu.copy_gmem_to_smem(kc_ref.at[b, h, pn, hf, pl.ds(start, bkv)],
                                 kc_smem.at[slot, pn, hf], k_barriers.at[slot])
-      plgpu.copy_gmem_to_smem(ks_ref.at[b, h, grp], ks_smem.at[slot], k_barriers.at[slot])
-      plgpu.copy_gmem_to_smem(bias_ref.at[b, h, qb, grp], bias_smem.at[slot],
+      plgpu.copy_gmem_to_smem(ks_ref.at[b, h, pl.ds(grp, groups)], ks_smem.at[slot],
                               k_barriers.at[slot])
+      plgpu.copy_gmem_to_smem(bias_ref.at[b, h, qb, pl.ds(grp, groups)], bias_smem.at[slot],
+                              k_barriers.at[slot])
+      # V: the stage's key tiles are contiguous per plane, one TMA each.
+      tile0 = lax.div(start, jnp.int32(KEY_TILE))
       for pn in range(planes):
-        plgpu.copy_gmem_to_smem(vc_ref.at[b, h, pn, :, pl.ds(start, bkv)],
-                                vc_smem.at[slot, pn], v_barriers.at[slot])
+        plgpu.copy_gmem_to_smem(vc_ref.at[b, h, pn, pl.ds(tile0, tiles)], vc_smem.at[slot, pn],
+                                v_barriers.at[slot])
       plgpu.copy_gmem_to_smem(vs_ref.at[b, h, pl.ds(start, bkv)], vmeta_smem.at[slot, 0],
                               v_barriers.at[slot])
       plgpu.copy_gmem_to_smem(vz_ref.at[b, h, pl.ds(start, bkv)], vmeta_smem.at[slot, 1],
                               v_barriers.at[slot])
 
-    def store_scores(s, start):
-      """The score tile s [bkv, N] (registers) to scores[b, h, start:start + bkv], through
-      s_smem and a TMA."""
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous tile's TMA has read it
-      s_smem[...] = s
+    def store_scores(ss, start):
+      """The stage's score tiles ss (each [64, N], registers) to
+      scores[b, h, start:start + bkv], through s_smem and a TMA."""
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous stage's TMA has read it
+      for t, s in enumerate(ss):
+        s_smem[pl.ds(t * KEY_TILE, KEY_TILE)] = s
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(s_smem, scores_ref.at[b, h, pl.ds(start, bkv)])
 
@@ -398,50 +448,72 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
     def kv_step(step, carry):
       accs, zacc, m_i, l_i = carry
       slot = lax.rem(step, jnp.int32(num_stages))
-      tile = first_tile + step
+      start = (first_tile + step) * bkv
 
       plgpu.barrier_wait(k_barriers.at[slot])
       # The key scales folded into q (one bf16 rounding of q * s, as a dequantized K would
-      # have): qs = (q^T * s_K)^T per 64-channel chunk, stored transposed as the B operand.
-      for hf, qt in enumerate(q_regs):
-        sc = plgpu.load(ks_smem.at[slot, pl.ds(hf * chunk, chunk)], (), layout=row,
+      # have): qs = (q^T * s_K)^T per key group and 64-channel chunk, stored transposed as the
+      # B operand.
+      for g, (hf, qt) in itertools.product(range(groups), enumerate(q_regs)):
+        sc = plgpu.load(ks_smem.at[slot, g, pl.ds(hf * chunk, chunk)], (), layout=row,
                         optimized=False)
         sc = lax.broadcast_in_dim(sc.astype(jnp.float32) * scale_mult, (chunk, n), [0])
-        qs_smem.at[hf].transpose((1, 0))[...] = (qt * sc).astype(dtype)
+        qs_smem.at[g, hf].transpose((1, 0))[...] = (qt * sc).astype(dtype)
       plgpu.commit_smem()
-      def qk_scope(s_ref):                      # [bkv, N] fp32: one wgmma per 64 channels
-        for hf in range(n_chunks):
-          mma(s_ref, codes(kc_smem.at[slot, :, hf]), qs_smem.at[hf].transpose((1, 0)))
-        return s_ref[...]
-      s = pl.run_scoped(qk_scope, plgpu.ACC((bkv, n), jnp.float32))
-      bias = plgpu.load(bias_smem.at[slot, pl.ds(0, n)], (), layout=col, optimized=False)
-      s = s * score_scale + lax.broadcast_in_dim(bias, (bkv, n), [1])
-      key_ids = plgpu.broadcasted_iota(jnp.int32, (bkv, n), 0, layout=plgpu.Layout.WGMMA)
-      valid = key_ids + tile * bkv < length
-      s = jnp.where(valid, s, -jnp.inf)
-      if with_scores:
-        pl.when(qb == 0)(lambda: store_scores(s, tile * bkv))
 
-      m_new = jnp.maximum(m_i, s.max(axis=0))
+      def qk_scope(*s_refs):                    # [64, N] fp32 per key tile
+        for t, s_ref in enumerate(s_refs):
+          g = t * KEY_TILE // group if groups > 1 else 0
+          for hf in range(n_chunks):            # one wgmma per 64 channels
+            keys = kc_smem.at[slot, :, hf, pl.ds(t * KEY_TILE, KEY_TILE)]
+            mma(s_ref, codes(keys), qs_smem.at[g, hf].transpose((1, 0)))
+          if t:   # the previous tile's wgmmas are done: its A registers can be reused
+            plgpu.wgmma_wait(n_chunks)
+        return tuple(s_ref[...] for s_ref in s_refs)
+      ss = pl.run_scoped(qk_scope, *[plgpu.ACC((KEY_TILE, n), jnp.float32)] * tiles)
+
+      key_ids = plgpu.broadcasted_iota(jnp.int32, (KEY_TILE, n), 0, layout=plgpu.Layout.WGMMA)
+      valids, scores = [], []
+      for t, s in enumerate(ss):
+        g = t * KEY_TILE // group if groups > 1 else 0
+        bias = plgpu.load(bias_smem.at[slot, g, pl.ds(0, n)], (), layout=col, optimized=False)
+        s = s * score_scale + lax.broadcast_in_dim(bias, (KEY_TILE, n), [1])
+        valids.append(key_ids + (start + t * KEY_TILE) < length)
+        scores.append(jnp.where(valids[-1], s, -jnp.inf))
+      if with_scores:
+        pl.when(qb == 0)(lambda: store_scores(scores, start))
+
+      # One cross-warp reduction per statistic and stage: the tiles are combined element-wise
+      # first (same layout), then reduced over the keys.
+      m_new = jnp.maximum(m_i, functools.reduce(jnp.maximum, scores).max(axis=0))
       alpha = jnp.exp2(m_i - m_new)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
-      l_i = l_i * alpha + p.sum(axis=0)
+      ps = [jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1])) for s in scores]
+      l_i = l_i * alpha + functools.reduce(jnp.add, ps).sum(axis=0)
 
       plgpu.barrier_wait(v_barriers.at[slot])
-      vs = plgpu.load(vmeta_smem.at[slot, 0], (), layout=row, optimized=False)
-      vz = plgpu.load(vmeta_smem.at[slot, 1], (), layout=row, optimized=False)
-      vs4 = vs.astype(jnp.float32)
-      vz = vz.astype(jnp.float32) + UPPER_OFFSET * vs4    # the value zero, plane offset folded
-      vs = lax.broadcast_in_dim(vs4 * scale_mult, s.shape, [0])
-      vz = lax.broadcast_in_dim(vz, s.shape, [0])
-      # p is 0 past the length; select so a never-written scale there cannot leak a NaN.
-      zacc = zacc * alpha + jnp.where(valid, p * vz, 0.0).sum(axis=0)
-      p_smem.transpose((1, 0))[...] = jnp.where(valid, p * vs, 0.0).astype(dtype)
+      zsum = None
+      for t, (p, valid) in enumerate(zip(ps, valids)):
+        keys = pl.ds(t * KEY_TILE, KEY_TILE)
+        vs = plgpu.load(vmeta_smem.at[slot, 0, keys], (), layout=row, optimized=False)
+        vz = plgpu.load(vmeta_smem.at[slot, 1, keys], (), layout=row, optimized=False)
+        vs4 = vs.astype(jnp.float32)
+        vz = vz.astype(jnp.float32) + UPPER_OFFSET * vs4    # the value zero, plane offset folded
+        vs = lax.broadcast_in_dim(vs4 * scale_mult, p.shape, [0])
+        vz = lax.broadcast_in_dim(vz, p.shape, [0])
+        # p is 0 past the length; select so a never-written scale there cannot leak a NaN.
+        z = jnp.where(valid, p * vz, 0.0)
+        zsum = z if zsum is None else zsum + z
+        p_smem.at[t].transpose((1, 0))[...] = jnp.where(valid, p * vs, 0.0).astype(dtype)
+      zacc = zacc * alpha + zsum.sum(axis=0)
       plgpu.commit_smem()
-      def pv_scope(*o_refs):
-        for mt, o_ref in enumerate(o_refs):
-          a = codes(vc_smem.at[slot, :, pl.ds(mt * KEY_TILE, KEY_TILE)])
-          mma(o_ref, a, p_smem.transpose((1, 0)))
+
+      def pv_scope(*o_refs):                    # O^T [64 channels, N] per channel tile
+        for t in range(tiles):
+          for mt, o_ref in enumerate(o_refs):
+            a = codes(vc_smem.at[slot, :, t, pl.ds(mt * KEY_TILE, KEY_TILE)])
+            mma(o_ref, a, p_smem.at[t].transpose((1, 0)))
+          if t:
+            plgpu.wgmma_wait(m_tiles)
         return tuple(o_ref[...] for o_ref in o_refs)
       pv = pl.run_scoped(pv_scope, *[plgpu.ACC((KEY_TILE, n), jnp.float32)] * m_tiles)
       a = lax.broadcast_in_dim(alpha, (KEY_TILE, n), [1])
@@ -473,21 +545,22 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
   # TMA SMEM ends must be 128-byte aligned: the small per-row vectors are padded to 32 floats.
   # Swizzled buffers first (they need 1 KiB-aligned offsets; all are multiples of 1 KiB).
   scratch = dict(
-      qs_smem=plgpu.SMEM((n_chunks, n, chunk), dtype, **mma_sw),
+      qs_smem=plgpu.SMEM((groups, n_chunks, n, chunk), dtype, **mma_sw),
       kc_smem=plgpu.SMEM((num_stages, planes, n_chunks, bkv, chunk), jnp.int4,
                          **_swizzled(chunk // 2, 4)),
-      vc_smem=plgpu.SMEM((num_stages, planes, head_dim, bkv), jnp.int4,
-                         **_swizzled(bkv // 2, 4)),
-      p_smem=plgpu.SMEM((n, bkv), dtype, **_swizzled(bkv * itemsize, 8 * itemsize)),
+      vc_smem=plgpu.SMEM((num_stages, planes, tiles, head_dim, KEY_TILE), jnp.int4,
+                         **_swizzled(KEY_TILE // 2, 4)),
+      p_smem=plgpu.SMEM((tiles, n, KEY_TILE), dtype,
+                        **_swizzled(KEY_TILE * itemsize, 8 * itemsize)),
   )
   if interpret is not None:
     scratch["a_smem"] = plgpu.SMEM((KEY_TILE, chunk), dtype, **mma_sw)
   scratch.update(
       qt_smem=plgpu.SMEM((n_chunks, chunk, n), jnp.float32),
       o_smem=plgpu.SMEM((head_dim, n), jnp.float32),
-      ks_smem=plgpu.SMEM((num_stages, head_dim), META_DTYPE),
+      ks_smem=plgpu.SMEM((num_stages, groups, head_dim), META_DTYPE),
       vmeta_smem=plgpu.SMEM((num_stages, 2, bkv), META_DTYPE),
-      bias_smem=plgpu.SMEM((num_stages, n_pad), jnp.float32),
+      bias_smem=plgpu.SMEM((num_stages, groups, n_pad), jnp.float32),
       m_smem=plgpu.SMEM((n_pad,), jnp.float32),
       l_smem=plgpu.SMEM((n_pad,), jnp.float32),
       q_barrier=plgpu.Barrier(num_arrivals=n_chunks),
@@ -543,18 +616,22 @@ def _check_inputs(q, qkv, bits, lengths_quantized, k_full, v_full, lengths_full,
     raise ValueError(f"qkv.k_codes must be [B={b}, Hkv, 2, D/64={d // c}, S, 64], got "
                      f"{kc.shape}")
   hkv, capacity = kc.shape[1], kc.shape[4]
-  if vc.shape != (b, hkv, 2, d, capacity):
-    raise ValueError(f"qkv.v_codes must be [B, Hkv, 2, D, S] = {(b, hkv, 2, d, capacity)}, "
+  if capacity % KEY_TILE:
+    raise ValueError(f"quantized capacity S={capacity} must be a multiple of the {KEY_TILE}-key "
+                     f"tile")
+  if vc.shape != (b, hkv, 2, capacity // KEY_TILE, d, KEY_TILE):
+    raise ValueError(f"qkv.v_codes must be [B, Hkv, 2, S/64, D, 64] = "
+                     f"{(b, hkv, 2, capacity // KEY_TILE, d, KEY_TILE)}, "
                      f"got {vc.shape}")
   if jnp.dtype(kc.dtype) != jnp.dtype(jnp.int4) or jnp.dtype(vc.dtype) != jnp.dtype(jnp.int4):
     raise ValueError(f"qkv codes must be int4, got {kc.dtype} / {vc.dtype}")
   if hq % hkv:
     raise ValueError(f"Hq={hq} query heads is not a multiple of Hkv={hkv} KV heads")
-  if qkv.group % cfg.block_kv:
-    raise ValueError(f"key group {qkv.group} must be a multiple of block_kv={cfg.block_kv}")
-  if capacity % cfg.block_kv:
-    raise ValueError(f"quantized capacity S={capacity} must be a multiple of block_kv="
-                     f"{cfg.block_kv}")
+  if qkv.group % KEY_TILE:
+    raise ValueError(f"key group {qkv.group} must be a multiple of the {KEY_TILE}-key tile")
+  if cfg.block_kv is not None and not _fits(cfg.block_kv, qkv.group, capacity):
+    raise ValueError(f"block_kv={cfg.block_kv} must divide the quantized capacity S={capacity} "
+                     f"and divide or be a multiple of the key group {qkv.group}")
   for name, x in (("lengths_quantized", lengths_quantized), ("lengths_full", lengths_full)):
     if x.shape != (b,):
       raise ValueError(f"{name} must be [B={b}], got shape {x.shape}")
@@ -603,7 +680,8 @@ def quant_attention(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,
   n_rows = tq * group
   q_blocks = -(-n_rows // BLOCK_M)
   n = BLOCK_M if q_blocks > 1 else -(-n_rows // 8) * 8     # query rows per q block
-  num_splits = _num_splits(config, b, hkv, q_blocks, capacity)
+  block_kv = _block_kv(config, n, qkv.group, capacity)
+  num_splits = _num_splits(config, block_kv, b, hkv, q_blocks, capacity)
 
   q_rows = q.reshape(b, tq, hkv, group, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, n_rows, d)
   q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, q_blocks * n - n_rows), (0, 0)))
@@ -620,7 +698,7 @@ def quant_attention(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,
   lengths = jnp.clip(lengths_quantized.astype(jnp.int32), 0, capacity)
   acc, m2, l, *scores = _quant_partials(
       q_t, qkv, lengths, bias, bits=bits, num_splits=num_splits, dtype=q.dtype, cfg=config,
-      with_scores=bool(sel), interpret=interpret)
+      block_kv=block_kv, with_scores=bool(sel), interpret=interpret)
   acc = acc.swapaxes(4, 5)                                   # O^T -> [B, Hkv, NQB, NS, N, D]
   n_full = jnp.clip(lengths_full.astype(jnp.int32), 0, k_full.shape[2])
   full_mask = jnp.arange(k_full.shape[2])[None, None, :] < n_full[:, None, None]  # [B, 1, Rf]

@@ -251,10 +251,10 @@ def _merge_softmaxes(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array,
 
 
 def _quant_block_kv() -> int:
-  """The quant_attention tile: the kernel's default (64 slots, the fastest on an H200 in
-  benchmarks/NOTES.md); it must divide the key group."""
-  from pallas_kernels.quant_attention import QuantAttentionConfig
-  return QuantAttentionConfig().block_kv
+  """The quant_attention key tile (64 slots): the key group and the quantized capacity must be
+  multiples of it (the kernel then picks its stage size per call)."""
+  from pallas_kernels.quant_attention import KEY_TILE
+  return KEY_TILE
 
 
 def _quant_kernel_attention(q: jax.Array, view: QuantView, k_new: jax.Array, v_new: jax.Array,

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.quant_attention import (QuantAttentionConfig, QuantKV, bytes_per_token,
-                                            codes8, dequantize, quant_attention,
+from pallas_kernels.quant_attention import (QuantAttentionConfig, QuantKV, _block_kv,
+                                            bytes_per_token, codes8, dequantize, quant_attention,
                                             quant_attention_reference, quantize_kv)
 
 INTERPRET = plgpu.InterpretGPUParams()
@@ -71,12 +71,13 @@ def test_int8_code_is_16_upper_plus_lower_bit_for_bit(seed, s_groups, d, group, 
   np.testing.assert_array_equal(np.asarray(qkv.v_zero), ref_vz[..., 0])
   np.testing.assert_array_equal(np.asarray(qkv.v_scale), ref_vs[..., 0])
   # The planes (signed int4): plane 0 = upper - 8, plane 1 = lower; K as [.., plane, D/C, S, C]
-  # (64-channel chunks), V channel-major [.., plane, D, S]. upper = nearest multiple of 16 of c8 (ties up).
+  # (64-channel chunks), V in channel-major token tiles [.., plane, S/T, D, T]. upper = nearest
+  # multiple of 16 of c8 (ties up).
   kc = np.asarray(qkv.k_codes.astype(jnp.int32))
   vc = np.asarray(qkv.v_codes.astype(jnp.int32))
   assert qkv.k_codes.dtype == jnp.int4 and qkv.v_codes.dtype == jnp.int4
   k_planes = np.moveaxis(kc, 3, 4).reshape(b, hkv, 2, s, d)                 # [B, Hkv, 2, S, D]
-  v_planes = np.swapaxes(vc, -1, -2)                                       # [B, Hkv, 2, S, D]
+  v_planes = np.swapaxes(vc, -1, -2).reshape(b, hkv, 2, s, d)             # [B, Hkv, 2, S, D]
   for planes, c8 in ((k_planes, ref_k.reshape(b, hkv, s, d)), (v_planes, ref_v)):
     upper, lower = planes[:, :, 0] + 8, planes[:, :, 1]
     np.testing.assert_array_equal(upper, (c8 + 8) // 16)
@@ -267,6 +268,36 @@ def test_score_queries_probs(bits):
          QuantAttentionConfig(block_kv=64, num_splits=2), score_queries=(3, 1))
 
 
+@pytest.mark.parametrize("block_kv,group,capacity,num_queries,bits", [
+    (128, 128, 256, 1, 4),    # 2 key tiles per stage, one key group
+    (256, 128, 512, 1, 8),    # 4 tiles, 2 key groups per stage
+    (256, 64, 512, 3, 4),     # 4 tiles, 4 key groups per stage, score output
+    (128, 256, 512, 1, 8),    # 2 tiles, half a key group per stage
+])
+def test_stage_sizes(block_kv, group, capacity, num_queries, bits):
+  """Several 64-key tiles per pipeline stage (one online-softmax update per stage), nested with
+  the key group either way; ragged rows (empty, mid-tile, mid-stage, full)."""
+  d = 128 if group == 128 else 64
+  q, qkv, k_full, v_full, k_new, v_new = _inputs(
+      17, batch=3, num_queries=num_queries, num_q_heads=4, num_kv_heads=1, head_dim=d,
+      capacity=capacity, full_capacity=16, group=group, dtype=jnp.bfloat16)
+  lq = jnp.array([capacity - 1, 77, 0] if num_queries == 1 else [capacity, 129, 1], jnp.int32)
+  _check(q, qkv, bits, lq, k_full, v_full, jnp.array([3, 16, 0], jnp.int32), k_new, v_new,
+         jnp.tril(jnp.ones((num_queries, num_queries), bool)),
+         QuantAttentionConfig(block_kv=block_kv, num_splits=2),
+         score_queries=(0,) if num_queries > 1 else ())
+
+
+def test_auto_stage_size():
+  """block_kv=None: 128 keys for narrow steps where the capacity and key group allow, else 64."""
+  auto = QuantAttentionConfig()
+  assert _block_kv(auto, rows=8, group=128, capacity=4096) == 128
+  assert _block_kv(auto, rows=24, group=64, capacity=4096) == 128
+  assert _block_kv(auto, rows=8, group=128, capacity=192) == 64      # 128 does not divide S
+  assert _block_kv(auto, rows=64, group=128, capacity=4096) == 64    # wide step
+  assert _block_kv(QuantAttentionConfig(block_kv=256), rows=64, group=128, capacity=4096) == 256
+
+
 def test_4bit_read_ignores_the_lower_plane():
   """Scrambling the whole lower plane leaves the 4-bit read unchanged (it is never loaded)."""
   q, qkv, k_full, v_full, k_new, v_new = _inputs(
@@ -290,7 +321,9 @@ def test_kernel_rejects_bad_inputs_in_plain_words():
           jnp.ones((1, 1), bool))
   with pytest.raises(ValueError, match="bits must be 4 or 8"):
     quant_attention(*args, bits=3)
-  with pytest.raises(ValueError, match="block_kv must be 64"):
+  with pytest.raises(ValueError, match="block_kv must be one of"):
+    QuantAttentionConfig(block_kv=96)
+  with pytest.raises(ValueError, match="must divide the quantized capacity S=64"):
     quant_attention(*args, bits=4, config=QuantAttentionConfig(block_kv=128))
   bad = QuantKV(qkv.k_codes.astype(jnp.int8), qkv.v_codes, qkv.k_scale, qkv.k_zero,
                 qkv.v_scale, qkv.v_zero, group=qkv.group)
@@ -298,21 +331,24 @@ def test_kernel_rejects_bad_inputs_in_plain_words():
     quant_attention(q, bad, *args[2:], bits=4)
 
 
-@pytest.mark.parametrize("bits,num_queries,score_queries",
-                         [(4, 1, ()), (8, 1, ()), (4, 16, ()), (8, 16, ()), (4, 1, (0,)),
-                          (8, 16, (9, 2))])
-def test_lowers_to_mosaic_gpu_custom_call_for_cuda(bits, num_queries, score_queries):
+@pytest.mark.parametrize("bits,num_queries,score_queries,block_kv",
+                         [(4, 1, (), None), (8, 1, (), None), (4, 16, (), None),
+                          (8, 16, (), None), (4, 1, (0,), None), (8, 16, (9, 2), None),
+                          (8, 5, (), None), (4, 1, (0,), 256), (8, 5, (1,), 256)])
+def test_lowers_to_mosaic_gpu_custom_call_for_cuda(bits, num_queries, score_queries, block_kv):
   """The benchmark shape (Hq 32, Hkv 8, D 128, G 128) lowers to the Mosaic GPU custom call, also
-  with the score output."""
+  with the score output and at every stage size (SMEM fits)."""
   b, hq, hkv, d, s, r = 1, 32, 8, 128, 4096, 128
   sds = jax.ShapeDtypeStruct
-  qkv = QuantKV(sds((b, hkv, 2, d // 64, s, 64), jnp.int4), sds((b, hkv, 2, d, s), jnp.int4), sds((b, hkv, s // 128, d), jnp.float16),
+  qkv = QuantKV(sds((b, hkv, 2, d // 64, s, 64), jnp.int4),
+                sds((b, hkv, 2, s // 64, d, 64), jnp.int4), sds((b, hkv, s // 128, d), jnp.float16),
                 sds((b, hkv, s // 128, d), jnp.float16), sds((b, hkv, s), jnp.float16),
                 sds((b, hkv, s), jnp.float16), group=128)
   tok = sds((b, num_queries, hkv, d), jnp.bfloat16)
   full = sds((b, hkv, r, d), jnp.bfloat16)
   args = (sds((b, num_queries, hq, d), jnp.bfloat16), qkv, sds((b,), jnp.int32), full, full,
           sds((b,), jnp.int32), tok, tok, sds((num_queries, num_queries), jnp.bool_))
-  f = functools.partial(quant_attention, bits=bits, score_queries=score_queries)
+  f = functools.partial(quant_attention, bits=bits, score_queries=score_queries,
+                        config=QuantAttentionConfig(block_kv=block_kv))
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "stablehlo.custom_call @mosaic_gpu_v2" in text

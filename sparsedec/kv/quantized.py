@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from pallas_kernels.quant_attention import QuantKV, quantize_kv
+from pallas_kernels.quant_attention import QuantKV, code_planes, quantize_kv
 from sparsedec.model.quant_weights import array_bytes
 from pallas_kernels.quant_attention import bytes_per_token as _quant_bytes
 from sparsedec.errors import InputError
@@ -121,6 +121,7 @@ def _write_group(qkv: QuantKV, new: QuantKV, start: jax.Array, on: jax.Array) ->
   g = qkv.group
   b = start.shape[0]
   cap = qkv.capacity
+  vt = qkv.v_codes.shape[-1]                                                 # V tile tokens
   rows = jnp.arange(b)[:, None]                                              # [B, 1]
   slots = jnp.where(on[:, None], start[:, None] + jnp.arange(g)[None, :], cap)  # [B, G]
   grp = jnp.where(on, start // g, cap // g)                                  # [B]
@@ -128,9 +129,9 @@ def _write_group(qkv: QuantKV, new: QuantKV, start: jax.Array, on: jax.Array) ->
       # k [B, Hkv, 2, D/C, S, C] indexed at (rows, slots) -> [B, G, Hkv, 2, D/C, C]
       k_codes=qkv.k_codes.at[rows, :, :, :, slots].set(
           new.k_codes.transpose(0, 4, 1, 2, 3, 5), mode="drop"),
-      # v [B, Hkv, 2, D, S] indexed at (rows, slots) -> [B, G, Hkv, 2, D]
-      v_codes=qkv.v_codes.at[rows, :, :, :, slots].set(
-          new.v_codes.transpose(0, 4, 1, 2, 3), mode="drop"),
+      # v [B, Hkv, 2, S/T, D, T] indexed at (rows, slot tile, slot offset) -> [B, G, Hkv, 2, D]
+      v_codes=qkv.v_codes.at[rows, :, :, slots // vt, :, slots % vt].set(
+          code_planes(new)[1].transpose(0, 3, 1, 2, 4), mode="drop"),
       k_scale=qkv.k_scale.at[rows[:, 0], :, grp].set(new.k_scale[:, :, 0], mode="drop"),
       k_zero=qkv.k_zero.at[rows[:, 0], :, grp].set(new.k_zero[:, :, 0], mode="drop"),
       v_scale=qkv.v_scale.at[rows, :, slots].set(new.v_scale.transpose(0, 2, 1), mode="drop"),
