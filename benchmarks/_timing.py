@@ -121,6 +121,19 @@ def loop_fields(t: dict, nbytes: float, read_bw_gb_per_s: float | None) -> dict:
   return out
 
 
+def loop_summary(entry: dict) -> str:
+  """One progress-line piece for a benchmark entry with `loop_fields`: "skipped (...)",
+  "ERROR ..." (first line), or "<us> us, <GB/s> GB/s (<%> of read BW)"."""
+  if "skipped" in entry:
+    return f"skipped ({entry['skipped']})"
+  if "error" in entry:
+    return "ERROR " + entry["error"].splitlines()[0][:300]
+  line = f"{entry['us_per_call']:.2f} us, {entry['gb_per_s']:.0f} GB/s"
+  if entry.get("fraction_of_read_bw") is not None:
+    line += f" ({100 * entry['fraction_of_read_bw']:.1f}% of read BW)"
+  return line
+
+
 def device_time(run: Callable[[], Any], num_calls: int, top: int = 6) -> dict:
   """GPU busy time per call of `run()` (which makes `num_calls` calls), from a profiler trace:
   the summed durations of the events on the GPU planes' stream lines (kernels and copies).

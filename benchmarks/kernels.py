@@ -68,7 +68,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from benchmarks._targets import TARGETS, compute_targets, format_targets  # noqa: E402
 from benchmarks._timing import (add_loop_args, call_seconds, default_out_dir,  # noqa: E402
-                                loop_fields, max_abs_err, num_calls_for, read_bandwidth,
+                                loop_fields, loop_summary, max_abs_err, num_calls_for,
+                                read_bandwidth,
                                 time_loop, write_json)
 from pallas_kernels.decode_attention import (DecodeConfig, decode_attention,  # noqa: E402
                                              decode_attention_reference)
@@ -178,14 +179,10 @@ def _copy(tree):
 def _progress(entry: dict) -> str:
   keys = ("B", "S", "Tq", "listed_blocks", "bits", "sparse_queries")
   where = " ".join(f"{k}={entry[k]}" for k in keys if k in entry)
-  line = f"[{entry.get('t_s', 0):7.1f}s] {entry['kernel']} {where} | {entry['impl']}: "
-  if "skipped" in entry:
-    return line + f"skipped ({entry['skipped']})"
-  if "error" in entry:
-    return line + "ERROR " + entry["error"].splitlines()[0][:300]
-  line += f"{entry['us_per_call']:.2f} us, {entry['gb_per_s']:.0f} GB/s"
-  if entry.get("fraction_of_read_bw") is not None:
-    line += f" ({100 * entry['fraction_of_read_bw']:.1f}% of read BW)"
+  line = (f"[{entry.get('t_s', 0):7.1f}s] {entry['kernel']} {where} | {entry['impl']}: "
+          + loop_summary(entry))
+  if "skipped" in entry or "error" in entry:
+    return line
   line += f", n={entry['num_calls']} x{entry['copies']}"
   if "max_err" in entry:
     line += f", err={entry['max_err']:.2e} {'ok' if entry['ok'] else 'MISMATCH'}"

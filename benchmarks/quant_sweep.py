@@ -140,9 +140,7 @@ def main(argv=None):
         record(dict(base, part="call", max_abs_err=err,
                     speedup_vs_decode=round(decode_us / (t["min_s"] * 1e6), 3)),
                t, quant_bytes(bits))
-        rows = tq * HQ // HKV
-        nqb = -(-rows // 64)
-        n = 64 if nqb > 1 else -(-rows // 8) * 8
+        nqb, n = qa._q_blocks(tq * HQ // HKV)
         q_t = jnp.zeros((b, HKV, nqb, D // 64, 64, n), jnp.float32)   # [B,Hkv,NQB,D/64,64,N]
         bias = jnp.zeros((b, HKV, nqb, s // GROUP, max(n, 32)), jnp.float32)
         ns = qa._num_splits(cfg, bkv, b, HKV, nqb, s)

@@ -13,7 +13,6 @@ on the loop carry (the `dep` input) and two cache copies alternate (no L2 reuse)
   python benchmarks/tma_stream.py --lower    # CPU: check the kernels lower for cuda
 """
 import itertools
-import json
 import os
 import sys
 
@@ -22,13 +21,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._timing import read_bandwidth, time_loop  # noqa: E402
+from benchmarks._timing import read_bandwidth, time_loop, write_json  # noqa: E402
 
 B, HKV, D, S = 1, 8, 128, 65536
 T = 64
 
 def sw(minor_bytes, bits):
-  return dict(transforms=(plgpu.TilingTransform((8, minor_bytes * 8 // bits)), plgpu.SwizzleTransform(minor_bytes)))
+  return dict(transforms=(plgpu.TilingTransform((8, minor_bytes * 8 // bits)),
+                          plgpu.SwizzleTransform(minor_bytes)))
 
 def make(layout, planes, splits, stages, tiles_per_stage, touch):
   bkv = T * tiles_per_stage
@@ -45,9 +45,11 @@ def make(layout, planes, splits, stages, tiles_per_stage, touch):
       start = (first + step) * bkv
       for pn, hf in itertools.product(range(planes), range(D // 64)):
         if wide:
-          plgpu.copy_gmem_to_smem(kc_ref.at[b, h, pn, hf, pl.ds(lax.div(start, 4), bkv // 4)], kc_smem.at[slot, pn, hf], kb.at[slot])
+          plgpu.copy_gmem_to_smem(kc_ref.at[b, h, pn, hf, pl.ds(lax.div(start, 4), bkv // 4)],
+                                  kc_smem.at[slot, pn, hf], kb.at[slot])
         else:
-          plgpu.copy_gmem_to_smem(kc_ref.at[b, h, pn, hf, pl.ds(start, bkv)], kc_smem.at[slot, pn, hf], kb.at[slot])
+          plgpu.copy_gmem_to_smem(kc_ref.at[b, h, pn, hf, pl.ds(start, bkv)],
+                                  kc_smem.at[slot, pn, hf], kb.at[slot])
       for t, pn in itertools.product(range(tiles_per_stage), range(planes)):
         if wide:
           src = vc_ref.at[b, h, pn, lax.div(start, jnp.int32(T)) + t]
@@ -76,7 +78,8 @@ def make(layout, planes, splits, stages, tiles_per_stage, touch):
     plgpu.wait_smem_to_gmem(0)
   if wide:
     kscr = plgpu.RefUnion(plgpu.SMEM((stages, planes, D // 64, bkv // 4, 256), jnp.int4),
-                          plgpu.SMEM((stages, planes, D // 64, bkv, 64), jnp.int4, transforms=(plgpu.TilingTransform((8, 64)),)))
+                          plgpu.SMEM((stages, planes, D // 64, bkv, 64), jnp.int4,
+                                     transforms=(plgpu.TilingTransform((8, 64)),)))
     vscr = plgpu.SMEM((stages, tiles_per_stage, planes, D // 4, 256), jnp.int4)
   else:
     kscr = plgpu.SMEM((stages, planes, D // 64, bkv, 64), jnp.int4, **sw(32, 4))
@@ -95,7 +98,9 @@ if "--lower" in sys.argv:
     for args in ((1, 128, 2, 1, False), (2, 128, 2, 2, True)):
       f = make(layout, *args)
       v = jax.ShapeDtypeStruct((B, HKV, 2, S // T, D // 4, 256), jnp.int4)
-      jax.jit(f).trace(jax.ShapeDtypeStruct((1,), jnp.float32), jax.ShapeDtypeStruct((B, HKV, 2, D // 64, S // 4, 256), jnp.int4), v).lower(lowering_platforms=("cuda",))
+      kc = jax.ShapeDtypeStruct((B, HKV, 2, D // 64, S // 4, 256), jnp.int4)
+      jax.jit(f).trace(jax.ShapeDtypeStruct((1,), jnp.float32), kc, v).lower(
+          lowering_platforms=("cuda",))
       print("lowered", layout, args)
   sys.exit()
 res = dict(rows=[], read_bandwidth=read_bandwidth(4 * 2 ** 30))
@@ -111,18 +116,20 @@ for layout, planes, splits, stages, tps, touch in [
     ("wide", 1, 128, 2, 1, True), ("wide", 2, 128, 2, 1, False), ("wide", 2, 64, 2, 2, False),
     ("cm", 1, 128, 2, 1, False), ("cm", 2, 128, 2, 1, False),
     ("tc", 1, 128, 2, 1, False), ("tc", 2, 128, 2, 1, False)]:
-  row = dict(layout=layout, planes=planes, splits=splits, stages=stages, tiles_per_stage=tps, touch=touch)
+  row = dict(layout=layout, planes=planes, splits=splits, stages=stages, tiles_per_stage=tps,
+             touch=touch)
   try:
     f = make(layout, planes, splits, stages, tps, touch)
     v = {"cm": v_cm, "tc": v_tc, "wide": v_w}[layout]
     kk = kc_w if layout == "wide" else kc
     kc2 = jax.random.randint(jax.random.key(5), kk.shape, -8, 8).astype(jnp.int4)
     v2 = jax.random.randint(jax.random.key(6), v.shape, -8, 8).astype(jnp.int4)
-    t = time_loop(lambda x, kc, v: f(x.reshape(1), kc, v), jnp.zeros((), jnp.float32), kk, v, rotate=[(kc2, v2)], num_calls=400, unroll=8)
+    t = time_loop(lambda x, kc, v: f(x.reshape(1), kc, v), jnp.zeros((), jnp.float32), kk, v,
+                  rotate=[(kc2, v2)], num_calls=400, unroll=8)
     nbytes = B * HKV * S * D * planes   # K + V at 4 bits/plane: 2 * S*D/2 per plane
     row.update(us=round(t["min_s"] * 1e6, 2), gb_per_s=round(nbytes / t["min_s"] / 1e9, 1))
   except Exception as e:
     row["error"] = repr(e)[:400]
   print(row, flush=True)
   res["rows"].append(row)
-  json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), "tma_stream_h200.json"), "w"), indent=1)
+  write_json(os.path.join(os.environ.get("OUT", "/tmp"), "tma_stream_h200.json"), res)

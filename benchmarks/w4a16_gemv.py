@@ -47,7 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 from benchmarks._timing import (add_loop_args, default_out_dir, loop_fields,  # noqa: E402
-                                max_abs_err, read_bandwidth, time_loop, write_json)
+                                loop_summary, max_abs_err, read_bandwidth, time_loop, write_json)
 from pallas_kernels.w4a16_gemv import (CHUNK, W4A16Config, from_chunked, plan,  # noqa: E402
                                        w4a16_matmul, w4a16_reference)
 from sparsedec.model.quant_weights import QuantWeight, quant_matmul  # noqa: E402
@@ -204,13 +204,9 @@ def _progress(e: dict) -> str:
     c = e["plan"]
     line += (f" [bo={c['block_out']} gps={c['groups_per_stage']} st={c['num_stages']} "
              f"splits={c['splits']} blocks={e['blocks']}]")
-  if "skipped" in e:
-    return line + f": skipped ({e['skipped']})"
-  if "error" in e:
-    return line + ": ERROR " + e["error"].splitlines()[0][:300]
-  line += f": {e['us_per_call']:.2f} us, {e['gb_per_s']:.0f} GB/s"
-  if e.get("fraction_of_read_bw") is not None:
-    line += f" ({100 * e['fraction_of_read_bw']:.1f}% of read BW)"
+  line += ": " + loop_summary(e)
+  if "skipped" in e or "error" in e:
+    return line
   if "device_us_per_call" in e:
     line += f"; device {e['device_us_per_call']:.2f} us"
     if e.get("device_fraction_of_read_bw") is not None:

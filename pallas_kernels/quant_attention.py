@@ -39,14 +39,15 @@ cheaply (`WGMMA_UPCAST_4X`: 8 codes per 32-bit load, two shuffles to the wgmma l
 CUTLASS lop3 + sub.bf16x2 int4 -> bf16 conversion); they are exact integers in bf16 (the 8-bit
 view is 16 * plane0 + plane1 = c8 - 128, |.| <= 136). Nothing is dequantized element-wise: the
 per-channel key scale is folded into q once per key group of a stage (q^T * s_K, one bf16
-rounding, stored transposed as the B operand), the key zero points (z + 8 s4, the plane offset folded in) enter
-as a per-(key group, query row) score bias q . (z + 8 s4) computed by the wrapper, the
-per-token value scale multiplies p and the value zeros add zsum. No dequantized tile is ever
-written to SMEM. A pipeline stage holds `block_kv` keys (1, 2 or 4 key tiles of 64, one TMA per
-plane and channel chunk for K and one per plane for V, whose tiles are stored contiguously): the
-stage's tiles get one online-softmax update, their statistics combined element-wise before the
-cross-warp reductions. The full-precision recent segment and the in-flight tokens are merged with
-the split partials in jnp (`pallas_kernels.combine.combine_partials`), by log-sum-exp.
+rounding, stored transposed as the B operand), the key zero points (z + 8 s4, the plane offset
+folded in) enter as a per-(key group, query row) score bias q . (z + 8 s4) computed by the
+wrapper, the per-token value scale multiplies p and the value zeros add zsum. No dequantized
+tile is ever written to SMEM. A pipeline stage holds `block_kv` keys (1, 2 or 4 key tiles of 64;
+one TMA per plane and channel chunk for K, one per plane for V, whose tiles are stored
+contiguously): the stage's tiles get one online-softmax update, their statistics combined
+element-wise before the cross-warp reductions. The full-precision recent segment and the
+in-flight tokens are merged with the split partials in jnp
+(`pallas_kernels.combine.combine_partials`), by log-sum-exp.
 
 Measured (H200, S = 64K, B = 1, `benchmarks/quant_sweep.py`, one run, session 7): Tq = 1, 4-bit
 69.2 us per call (47.0 us the kernel alone), 8-bit ~98-102 us (75-79 us), decode_attention on the
@@ -323,6 +324,13 @@ def _block_kv(cfg, rows, group, capacity):
                                                                  _fits(c, group, capacity)))
 
 
+def _q_blocks(n_rows):
+  """Query rows (Tq * Hq / Hkv) -> (q blocks, rows per q block N): one block of the rows padded
+  to a multiple of 8, or blocks of BLOCK_M = 64."""
+  q_blocks = -(-n_rows // BLOCK_M)
+  return q_blocks, BLOCK_M if q_blocks > 1 else -(-n_rows // 8) * 8
+
+
 def _num_splits(cfg, block_kv, batch, num_kv_heads, q_blocks, capacity):
   if cfg.num_splits is not None:
     return cfg.num_splits
@@ -355,6 +363,7 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
   bkv, num_stages, group = block_kv, cfg.num_stages, qkv.group
   tiles = bkv // KEY_TILE                       # key tiles per stage
   groups = max(1, bkv // group)                 # key groups per stage (one if bkv <= group)
+  tile_group = [t * KEY_TILE // group if groups > 1 else 0 for t in range(tiles)]
 
   head_dim = n_chunks * chunk
   m_tiles = head_dim // KEY_TILE                # 64-channel row tiles of V^T
@@ -463,7 +472,7 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
 
       def qk_scope(*s_refs):                    # [64, N] fp32 per key tile
         for t, s_ref in enumerate(s_refs):
-          g = t * KEY_TILE // group if groups > 1 else 0
+          g = tile_group[t]
           for hf in range(n_chunks):            # one wgmma per 64 channels
             keys = kc_smem.at[slot, :, hf, pl.ds(t * KEY_TILE, KEY_TILE)]
             mma(s_ref, codes(keys), qs_smem.at[g, hf].transpose((1, 0)))
@@ -475,8 +484,8 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
       key_ids = plgpu.broadcasted_iota(jnp.int32, (KEY_TILE, n), 0, layout=plgpu.Layout.WGMMA)
       valids, scores = [], []
       for t, s in enumerate(ss):
-        g = t * KEY_TILE // group if groups > 1 else 0
-        bias = plgpu.load(bias_smem.at[slot, g, pl.ds(0, n)], (), layout=col, optimized=False)
+        bias = plgpu.load(bias_smem.at[slot, tile_group[t], pl.ds(0, n)], (), layout=col,
+                          optimized=False)
         s = s * score_scale + lax.broadcast_in_dim(bias, (KEY_TILE, n), [1])
         valids.append(key_ids + (start + t * KEY_TILE) < length)
         scores.append(jnp.where(valids[-1], s, -jnp.inf))
@@ -678,8 +687,7 @@ def quant_attention(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,
   order = selected_first(sel, range(tq))
   q, mask = permute_queries(order, q, mask)
   n_rows = tq * group
-  q_blocks = -(-n_rows // BLOCK_M)
-  n = BLOCK_M if q_blocks > 1 else -(-n_rows // 8) * 8     # query rows per q block
+  q_blocks, n = _q_blocks(n_rows)
   block_kv = _block_kv(config, n, qkv.group, capacity)
   num_splits = _num_splits(config, block_kv, b, hkv, q_blocks, capacity)
 

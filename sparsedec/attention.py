@@ -250,13 +250,6 @@ def _merge_softmaxes(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array,
   return w_a * out_a.astype(jnp.float32) + w_b * out_b.astype(jnp.float32)
 
 
-def _quant_block_kv() -> int:
-  """The quant_attention key tile (64 slots): the key group and the quantized capacity must be
-  multiples of it (the kernel then picks its stage size per call)."""
-  from pallas_kernels.quant_attention import KEY_TILE
-  return KEY_TILE
-
-
 def _quant_kernel_attention(q: jax.Array, view: QuantView, k_new: jax.Array, v_new: jax.Array,
                             q_pos: jax.Array, inflight: jax.Array, interpret) -> jax.Array:
   """One QuantView segment with `pallas_kernels.quant_attention`; equals _quant_view_attention.
@@ -302,9 +295,9 @@ def _quant_kernel_choice(q: jax.Array, plan: AttentionPlan,
     return None, f"dtype {q.dtype} (quant_attention takes bfloat16 or float16)"
   if q.shape[-1] not in (64, 128):
     return None, f"head_dim {q.shape[-1]} (quant_attention takes 64 or 128)"
+  from pallas_kernels.quant_attention import KEY_TILE as tile   # the kernel picks its stage
   for view in views:
     group = view.cache.group
-    tile = _quant_block_kv()
     if group % tile:
       return None, f"quant group {group} is not a multiple of the kernel's {tile}-slot tile"
     capacity = view.cache.quant_capacity
