@@ -26,7 +26,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._timing import read_bandwidth, time_loop, write_json  # noqa: E402
+from benchmarks._timing import loop_fields, read_bandwidth, time_loop, write_json  # noqa: E402
 from pallas_kernels import quant_attention as qa  # noqa: E402
 from pallas_kernels.decode_attention import decode_attention  # noqa: E402
 
@@ -63,11 +63,13 @@ def main(argv=None):
   p.add_argument("--tq", type=int, default=1, help="queries per call (in-flight mask causal)")
   p.add_argument("--block-kv", default="64,128,256", help="keys per pipeline stage")
   p.add_argument("--stages", default="2,4")
-  p.add_argument("--target-blocks", default="264,528,1056")
+  p.add_argument("--target-blocks", default="0,528,1056", help="0: the default (one wave)")
   p.add_argument("--bits", default="4,8")
   p.add_argument("--calls", type=int, default=200)
   p.add_argument("--module", help="another quant_attention.py to time with its default config")
   p.add_argument("--interpret", action="store_true", help="CPU dry run (Mosaic interpreter)")
+  p.add_argument("--profile", action="store_true",
+                 help="also record each call's GPU busy time by kernel (profiler)")
   p.add_argument("--out", required=True)
   a = p.parse_args(argv)
   b, s, tq = a.batch, a.seq, a.tq
@@ -125,7 +127,7 @@ def main(argv=None):
                              [int(x) for x in a.stages.split(",")],
                              [int(x) for x in a.target_blocks.split(",")], bits_list)
     for bkv, stages, tb, bits in grid:
-      cfg = qa.QuantAttentionConfig(block_kv=bkv, num_stages=stages, target_blocks=tb)
+      cfg = qa.QuantAttentionConfig(block_kv=bkv, num_stages=stages, target_blocks=tb or None)
       base = dict(impl=name, bits=bits, block_kv=bkv, num_stages=stages, target_blocks=tb)
       f = jax.jit(functools.partial(qa.quant_attention, bits=bits, config=cfg,
                                       interpret=ip))
@@ -136,14 +138,16 @@ def main(argv=None):
                                            x["k_full"], x["v_full"], lf, x["k_new"],
                                            x["v_new"], x["mask"])
         err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
-        t = time_loop(f, x["q"], *args, num_calls=a.calls)
-        record(dict(base, part="call", max_abs_err=err,
+        t = time_loop(f, x["q"], *args, num_calls=a.calls, profile=a.profile)
+        prof = {k: v for k, v in loop_fields(t, quant_bytes(bits), None).items()
+                if k.startswith(("device_", "kernels_"))}
+        record(dict(base, part="call", max_abs_err=err, **prof,
                     speedup_vs_decode=round(decode_us / (t["min_s"] * 1e6), 3)),
                t, quant_bytes(bits))
         nqb, n = qa._q_blocks(tq * HQ // HKV)
         q_t = jnp.zeros((b, HKV, nqb, D // 64, 64, n), jnp.float32)   # [B,Hkv,NQB,D/64,64,N]
         bias = jnp.zeros((b, HKV, nqb, s // GROUP, max(n, 32)), jnp.float32)
-        ns = qa._num_splits(cfg, bkv, b, HKV, nqb, s)
+        ns = qa._num_splits(cfg, bkv, b, HKV, nqb, s, bits=bits, rows=n)
         kern = jax.jit(functools.partial(qa._quant_partials, bits=bits, num_splits=ns,
                                          dtype=jnp.bfloat16, cfg=cfg, block_kv=bkv,
                                          interpret=ip))

@@ -49,13 +49,18 @@ element-wise before the cross-warp reductions. The full-precision recent segment
 in-flight tokens are merged with the split partials in jnp
 (`pallas_kernels.combine.combine_partials`), by log-sum-exp.
 
-Measured (H200, S = 64K, B = 1, `benchmarks/quant_sweep.py`, one run, session 7): Tq = 1, 4-bit
-69.2 us per call (47.0 us the kernel alone), 8-bit ~98-102 us (75-79 us), decode_attention on the
-bf16 cache 75.9 us; Tq = 5 (QuantSpec's verify), 8-bit 138.9 us (102.5). The kernel reads 32-41%
-of bandwidth: a TMA-only stream of the same 32-byte-row boxes reaches only ~2.1 TB/s (4 bits) /
-2.5 TB/s (8 bits) on its own, and the per-tile compute of a few resident warpgroups does not hide
-behind it. Wide steps are slower (Tq = 16, N = 64: ~284 us at 64K, 4 bits): the softmax
-statistics become cross-warp reductions over a [64, 64] tile. See benchmarks/NOTES.md.
+Measured (H200, S = 64K, B = 1, `benchmarks/quant_sweep.py`, one run, session 8): Tq = 1, 4-bit
+67.8 us per call (45.7 us the kernel alone), 8-bit 94.3 us (75.3), decode_attention on the bf16
+cache 76.2 us; Tq = 5 (QuantSpec's verify) 98.6 us at 4 bits, 127.7 us at 8 (decode 83.4). The
+kernel reads 36-42% of bandwidth. Nsight Compute (session 8, 4 bits): 19.4 M warp instructions
+issued at 2.17 per cycle per SM (50% of issue slots), about half of them the int4 -> bf16 chain
+(PRMT, LOP3, HADD2, SHFL); 3 blocks of 4 warps resident per SM (163 registers a thread, 52 KiB
+of SMEM), so half the cycles no warp is eligible (short-scoreboard and fixed-latency waits, the
+TMA barrier): the kernel is bound by instruction issue at low occupancy, not by the copy engine.
+Of the 4-bit call's ~28 us outside the kernel, ~16 launches of the jnp combine / bias / recent
+segment make most. Wide steps are slow (Tq = 16, N = 64: ~245 us at 64K, 4 bits, against 94 us
+for decode_attention): the softmax statistics become cross-warp reductions over a [64, 64]
+tile. See benchmarks/NOTES.md.
 
 Contract:
 
@@ -297,7 +302,7 @@ class QuantAttentionConfig:
   block_kv: int | None = None
   num_stages: int = 2
   num_splits: int | None = None
-  target_blocks: int = 1056      # 8 thread blocks per SM of an H100/H200 (several waves)
+  target_blocks: int | None = None   # thread blocks to fill; None: one wave (`_one_wave`)
   min_tiles_per_split: int = 2
 
   def __post_init__(self):
@@ -308,6 +313,28 @@ class QuantAttentionConfig:
       raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
     if self.num_splits is not None and self.num_splits < 1:
       raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
+    if self.target_blocks is not None and self.target_blocks < 1:
+      raise ValueError(f"target_blocks must be >= 1 or None, got {self.target_blocks}")
+
+
+NUM_SMS = 132                     # H100 SXM and H200
+
+
+def _one_wave(bits, block_kv, rows):
+  """Thread blocks an H100 / H200 runs at once: SMs x blocks resident per SM, as registers and
+  SMEM bound them (ptxas / ncu, session 8: 163-167 registers a thread and 52 KiB of SMEM at
+  4 bits, 128 keys, N = 8 -> 3 blocks; ~210 registers at 8 bits or wider steps -> 2; 128 at
+  64 keys -> 4). More blocks leave a partial last wave (ncu: 1056 blocks were 2.67 waves of
+  396). H200, S = 64K, kernel alone: 8-bit Tq = 1 73.4 -> 68.3 us with 264 blocks (one wave)
+  instead of 1056, 4-bit 45.5 -> 44.6 with 396; Tq = 5 calls 139.6 -> 130.7 (8-bit) and
+  107.5 -> 97.4 us (4-bit) with 264."""
+  if rows > 8 or block_kv > 128:
+    per_sm = 2
+  elif block_kv == KEY_TILE:
+    per_sm = 4 if bits == 4 else 3
+  else:
+    per_sm = 3 if bits == 4 else 2
+  return NUM_SMS * per_sm
 
 
 def _fits(block_kv, group, capacity):
@@ -331,10 +358,11 @@ def _q_blocks(n_rows):
   return q_blocks, BLOCK_M if q_blocks > 1 else -(-n_rows // 8) * 8
 
 
-def _num_splits(cfg, block_kv, batch, num_kv_heads, q_blocks, capacity):
+def _num_splits(cfg, block_kv, batch, num_kv_heads, q_blocks, capacity, *, bits, rows):
   if cfg.num_splits is not None:
     return cfg.num_splits
-  per_head = max(1, cfg.target_blocks // (batch * num_kv_heads * q_blocks))
+  target = cfg.target_blocks or _one_wave(bits, block_kv, rows)
+  per_head = max(1, target // (batch * num_kv_heads * q_blocks))
   return max(1, min(per_head, (capacity // block_kv) // cfg.min_tiles_per_split))
 
 
@@ -689,7 +717,7 @@ def quant_attention(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,
   n_rows = tq * group
   q_blocks, n = _q_blocks(n_rows)
   block_kv = _block_kv(config, n, qkv.group, capacity)
-  num_splits = _num_splits(config, block_kv, b, hkv, q_blocks, capacity)
+  num_splits = _num_splits(config, block_kv, b, hkv, q_blocks, capacity, bits=bits, rows=n)
 
   q_rows = q.reshape(b, tq, hkv, group, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, n_rows, d)
   q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, q_blocks * n - n_rows), (0, 0)))

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.quant_attention import (QuantAttentionConfig, QuantKV, _block_kv,
-                                            bytes_per_token, codes8, dequantize, quant_attention,
-                                            quant_attention_reference, quantize_kv)
+                                            _num_splits, bytes_per_token, codes8, dequantize,
+                                            quant_attention, quant_attention_reference,
+                                            quantize_kv)
 
 INTERPRET = plgpu.InterpretGPUParams()
 TOLERANCE = {jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
@@ -296,6 +297,23 @@ def test_auto_stage_size():
   assert _block_kv(auto, rows=8, group=128, capacity=192) == 64      # 128 does not divide S
   assert _block_kv(auto, rows=64, group=128, capacity=4096) == 64    # wide step
   assert _block_kv(QuantAttentionConfig(block_kv=256), rows=64, group=128, capacity=4096) == 256
+
+
+def test_auto_splits_fill_one_wave():
+  """target_blocks=None: one wave of resident blocks (3 per SM at 4 bits / 128 keys / N = 8,
+  2 at 8 bits or wider steps), split over the (row, KV head, q block) work items."""
+  auto = QuantAttentionConfig()
+  one_row = dict(batch=1, num_kv_heads=8, q_blocks=1, capacity=65536)
+  assert _num_splits(auto, 128, **one_row, bits=4, rows=8) == 3 * 132 // 8
+  assert _num_splits(auto, 128, **one_row, bits=8, rows=8) == 2 * 132 // 8
+  assert _num_splits(auto, 128, **one_row, bits=4, rows=24) == 2 * 132 // 8
+  # Never fewer than min_tiles_per_split stages a split, never below one split.
+  assert _num_splits(auto, 128, 1, 8, 1, 512, bits=4, rows=8) == 2
+  assert _num_splits(auto, 128, 64, 8, 1, 65536, bits=4, rows=8) == 1
+  assert _num_splits(QuantAttentionConfig(target_blocks=1056), 128, **one_row, bits=4,
+                     rows=8) == 132
+  with pytest.raises(ValueError, match="target_blocks must be >= 1"):
+    QuantAttentionConfig(target_blocks=0)
 
 
 def test_4bit_read_ignores_the_lower_plane():

@@ -1,0 +1,64 @@
+"""A small program for Nsight Compute: a few calls of one attention kernel at the issue-3 shape
+(Hq 32, Hkv 8, D 128, bf16, B 1, Tq 1), so `ncu` can profile one launch of it.
+
+  ncu --clock-control none -k regex:mosaic --launch-skip 2 --launch-count 1 --set full \\
+      python benchmarks/ncu_target.py --kernel quant --bits 4 --seq 65536
+
+--kernel quant: quant_attention's split kernel alone (`_quant_partials`, default stage size);
+--kernel decode: decode_attention's split kernel alone. Each runs --calls times (compile first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pallas_kernels import quant_attention as qa  # noqa: E402
+from pallas_kernels.decode_attention import split_partials  # noqa: E402
+
+HQ, HKV, D, GROUP = 32, 8, 128, 128
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--kernel", choices=("quant", "decode"), default="quant")
+  p.add_argument("--bits", type=int, default=4)
+  p.add_argument("--seq", type=int, default=65536)
+  p.add_argument("--calls", type=int, default=4)
+  a = p.parse_args(argv)
+  s = a.seq
+  key = jax.random.split(jax.random.key(0), 3)
+  k = jax.random.normal(key[0], (1, HKV, s, D), jnp.float32).astype(jnp.bfloat16)
+  v = jax.random.normal(key[1], (1, HKV, s, D), jnp.float32).astype(jnp.bfloat16)
+  lengths = jnp.full((1,), s, jnp.int32)
+  if a.kernel == "quant":
+    qkv = qa.quantize_kv(k, v, group=GROUP)
+    del k, v
+    nqb, n = qa._q_blocks(HQ // HKV)
+    cfg = qa.QuantAttentionConfig()
+    bkv = qa._block_kv(cfg, n, GROUP, s)
+    q_t = jax.random.normal(key[2], (1, HKV, nqb, D // 64, 64, n), jnp.float32)
+    bias = jnp.zeros((1, HKV, nqb, s // GROUP, max(n, 32)), jnp.float32)
+    f = jax.jit(functools.partial(qa._quant_partials, bits=a.bits, dtype=jnp.bfloat16, cfg=cfg,
+                                  block_kv=bkv,
+                                  num_splits=qa._num_splits(cfg, bkv, 1, HKV, nqb, s,
+                                                            bits=a.bits, rows=n)))
+    args = (q_t, qkv, lengths, bias)
+  else:
+    q = jax.random.normal(key[2], (1, 1, HQ, D), jnp.float32).astype(jnp.bfloat16)
+    f = jax.jit(split_partials)
+    args = (q, k, v, lengths)
+  for _ in range(a.calls):
+    jax.block_until_ready(f(*args))
+  print(f"ran {a.calls} calls of {a.kernel} (bits {a.bits}, S {s})")
+
+
+if __name__ == "__main__":
+  main()
