@@ -67,8 +67,9 @@ CASES = [  # seed, B, Tq, Hq, Hkv, D, S, Rf, bits, lengths_quantized, lengths_fu
     (5, 1, 1, 8, 2, 64, 1024, 128, 8, [900], [50]),
     (6, 1, 3, 32, 8, 128, 1024, 128, 8, [1000], [9], (2, 0)),
     (7, 1, 1, 32, 8, 128, 4096, 256, 4, [4000], [100], (0,)),
-    # Explicit stage sizes (the defaults above pick 256 keys per stage at Tq = 1, 64 at Tq = 16).
-    (8, 2, 1, 32, 8, 128, 4096, 256, 8, [3000, 4096], [7, 0], (), QuantAttentionConfig(block_kv=64)),
+    # Explicit stage sizes (the defaults above pick 128 keys per stage up to N = 32 rows, else 64).
+    (8, 2, 1, 32, 8, 128, 4096, 256, 8, [3000, 4096], [7, 0], (),
+     QuantAttentionConfig(block_kv=64)),
     (9, 1, 5, 32, 8, 128, 4096, 256, 8, [4033], [20], (), QuantAttentionConfig(block_kv=128)),
     (10, 1, 3, 32, 8, 128, 4096, 256, 4, [1111], [20], (1,), QuantAttentionConfig(block_kv=256)),
 ]
