@@ -1,11 +1,14 @@
-"""A small program for Nsight Compute: a few calls of one attention kernel at the issue-3 shape
-(Hq 32, Hkv 8, D 128, bf16, B 1, Tq 1), so `ncu` can profile one launch of it.
+"""A small program for Nsight Compute: a few calls of one kernel, so `ncu` can profile one launch
+of it: an attention kernel at the issue-3 shape (Hq 32, Hkv 8, D 128, bf16, B 1, Tq 1), or the
+W4A16 GEMV at a Llama-3.1-8B draft shape.
 
   ncu --clock-control none -k regex:mosaic --launch-skip 2 --launch-count 1 --set full \\
       python benchmarks/ncu_target.py --kernel quant --bits 4 --seq 65536
 
 --kernel quant: quant_attention's split kernel alone (`_quant_partials`, default stage size);
---kernel decode: decode_attention's split kernel alone. Each runs --calls times (compile first).
+--kernel decode: decode_attention's split kernel alone;
+--kernel w4a16: `w4a16_matmul` (x relayout, the kernel, the split sum) at --shape, M = 1.
+Each runs --calls times (compile first).
 """
 
 from __future__ import annotations
@@ -22,17 +25,39 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pallas_kernels import quant_attention as qa  # noqa: E402
 from pallas_kernels.decode_attention import split_partials  # noqa: E402
+from pallas_kernels.w4a16_gemv import CHUNK, w4a16_matmul  # noqa: E402
 
 HQ, HKV, D, GROUP = 32, 8, 128, 128
+LLAMA_8B = {"wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 28672),
+            "w_down": (14336, 4096)}
+
+
+def _w4a16_call(shape):
+  """w4a16_matmul at a Llama-8B linear, M = 1, random codes / scales / zeros."""
+  n_in, n_out = LLAMA_8B[shape]
+  key = jax.random.split(jax.random.key(1), 4)
+  codes = jax.random.randint(key[0], (n_in // CHUNK, n_out, CHUNK), -8, 8, jnp.int32)
+  scale = (jax.random.uniform(key[1], (n_in // GROUP, n_out)) * 0.01).astype(jnp.float16)
+  zero = (jax.random.normal(key[2], (n_in // GROUP, n_out)) * 0.05).astype(jnp.float16)
+  x = jax.random.normal(key[3], (1, n_in), jnp.float32).astype(jnp.bfloat16)
+  f = jax.jit(functools.partial(w4a16_matmul, in_features=n_in, group=GROUP))
+  return f, (x, codes.astype(jnp.int4), scale, zero)
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("--kernel", choices=("quant", "decode"), default="quant")
+  p.add_argument("--kernel", choices=("quant", "decode", "w4a16"), default="quant")
+  p.add_argument("--shape", choices=tuple(LLAMA_8B), default="w_gate_up", help="--kernel w4a16")
   p.add_argument("--bits", type=int, default=4)
   p.add_argument("--seq", type=int, default=65536)
   p.add_argument("--calls", type=int, default=4)
   a = p.parse_args(argv)
+  if a.kernel == "w4a16":
+    f, args = _w4a16_call(a.shape)
+    for _ in range(a.calls):
+      jax.block_until_ready(f(*args))
+    print(f"ran {a.calls} calls of w4a16 ({a.shape}, M 1)")
+    return
   s = a.seq
   key = jax.random.split(jax.random.key(0), 3)
   k = jax.random.normal(key[0], (1, HKV, s, D), jnp.float32).astype(jnp.bfloat16)

@@ -54,6 +54,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks._timing import device_time  # noqa: E402
 from benchmarks.step_roofline import (LLAMA_31_8B, log, random_params, random_state,  # noqa: E402
                                       read_bandwidth, step_time)
 from sparsedec.attention import (AttentionPlan, QuantView, Segment, causal_plan,  # noqa: E402
@@ -140,11 +141,14 @@ def draft_params_for(params: dict, group: int, layout: str) -> dict:
 # Timing.
 # ------------------------------------------------------------------------------------------------
 
-def timed_loop(body, carry, args, steps: int, repeats: int, donate: bool = False) -> dict:
+def timed_loop(body, carry, args, steps: int, repeats: int, donate: bool = False,
+               profile: bool = False) -> dict:
   """Seconds per iteration of carry = body(i, carry, *args), `steps` iterations in one jitted
   fori_loop (args are jit arguments): compile, one warm-up run, median of `repeats` runs.
   donate: the carry is donated and each run continues from the previous one's (a large carry,
-  e.g. a decode state, is then updated in place instead of copied per run)."""
+  e.g. a decode state, is then updated in place instead of copied per run).
+  profile (GPU, not with donate): one more run under the profiler, for the GPU busy time per
+  iteration and the costliest kernels (`_timing.device_time`)."""
   def loop(carry, args):
     return jax.lax.fori_loop(0, steps, lambda i, c: body(i, c, *args), carry)
 
@@ -165,6 +169,9 @@ def timed_loop(body, carry, args, steps: int, repeats: int, donate: bool = False
             "compile_seconds": compile_s, "xla_memory": xla_memory(compiled)}
   if donate:
     result["final_carry"] = out               # what the donated carry became
+  elif profile and jax.default_backend() == "gpu":
+    result.update(device_time(lambda: jax.block_until_ready(compiled(carry, args)), steps,
+                              top=16))
   return result
 
 
@@ -209,16 +216,18 @@ def verify_body(cfg: ModelConfig, gamma: int):
   return body
 
 
-def time_draft(cfg, draft_params, qcache, width, steps, repeats) -> dict:
+def time_draft(cfg, draft_params, qcache, width, steps, repeats, profile=False) -> dict:
   shape = (1, width, cfg.num_kv_heads, cfg.head_dim)
   scratch = tuple(jnp.zeros(shape, jnp.dtype(cfg.dtype)) for _ in range(cfg.num_layers))
   carry = (jnp.ones((1, 1), jnp.int32), scratch, scratch)
-  return timed_loop(draft_body(cfg, width), carry, (draft_params, qcache), steps, repeats)
+  return timed_loop(draft_body(cfg, width), carry, (draft_params, qcache), steps, repeats,
+                    profile=profile)
 
 
-def time_verify(cfg, params, qcache, gamma, steps, repeats) -> dict:
+def time_verify(cfg, params, qcache, gamma, steps, repeats, profile=False) -> dict:
   tokens = jnp.ones((1, gamma + 1), jnp.int32)
-  return timed_loop(verify_body(cfg, gamma), tokens, (params, qcache), steps, repeats)
+  return timed_loop(verify_body(cfg, gamma), tokens, (params, qcache), steps, repeats,
+                    profile=profile)
 
 
 def time_full_step(cfg, params, draft_params, qcache, gamma, steps, repeats
@@ -489,7 +498,7 @@ def run_quantspec(args, cfg: ModelConfig, rec: Recorder, bw: float) -> None:
       b = quantspec_bytes(cfg, params, quantized_linear_bytes(draft_l), qcache)
 
       def measure_draft():
-        t = time_draft(cfg, draft_l, qcache, width, args.steps, args.repeats)
+        t = time_draft(cfg, draft_l, qcache, width, args.steps, args.repeats, args.profile)
         read = b["draft_weight_bytes_read"] + b["draft_cache_bytes_read"]
         return {**t, "roofline_seconds": read / bw, "bytes": b}
 
@@ -501,7 +510,7 @@ def run_quantspec(args, cfg: ModelConfig, rec: Recorder, bw: float) -> None:
             f"(compile {row['compile_seconds']:.1f} s)")
     for gamma in args.gammas:
       def measure_verify():
-        t = time_verify(cfg, params, qcache, gamma, args.steps, args.repeats)
+        t = time_verify(cfg, params, qcache, gamma, args.steps, args.repeats, args.profile)
         read = b["verify_weight_bytes_read"] + b["verify_cache_bytes_read"]
         return {**t, "roofline_seconds": read / bw, "bytes": b}
 
@@ -568,6 +577,9 @@ def parse_args(argv=None):
   ap.add_argument("--full-step", action="store_true",
                   help="also time QuantSpec.step itself (draft + verify + commit) per gamma")
   ap.add_argument("--layers", type=int, default=None, help="fewer layers")
+  ap.add_argument("--profile", action="store_true",
+                  help="GPU: also the profiler's busy time per draft / verify forward and its "
+                       "costliest kernels")
   ap.add_argument("--no-isolate", action="store_true",
                   help="run both kinds in this process (peak memory then cumulative)")
   ap.add_argument("--smoke", action="store_true",

@@ -473,7 +473,7 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
         c = c * 16.0 + int4_tile(ref.at[1], dtype)
       return c
 
-    q_regs = [plgpu.load(qt_smem.at[hf], (), layout=plgpu.Layout.WGMMA, optimized=False)
+    q_regs = [plgpu.load(qt_smem.at[hf], layout=plgpu.Layout.WGMMA, optimized=False)
               for hf in range(n_chunks)]                  # [64, N] fp32 each
 
     mma = functools.partial(wgmma_register_a, a_smem=a_smem)   # acc += a [64, C] @ b
@@ -492,7 +492,7 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
       # have): qs = (q^T * s_K)^T per key group and 64-channel chunk, stored transposed as the
       # B operand.
       for g, (hf, qt) in itertools.product(range(groups), enumerate(q_regs)):
-        sc = plgpu.load(ks_smem.at[slot, g, pl.ds(hf * chunk, chunk)], (), layout=row,
+        sc = plgpu.load(ks_smem.at[slot, g, pl.ds(hf * chunk, chunk)], layout=row,
                         optimized=False)
         sc = lax.broadcast_in_dim(sc.astype(jnp.float32) * scale_mult, (chunk, n), [0])
         qs_smem.at[g, hf].transpose((1, 0))[...] = (qt * sc).astype(dtype)
@@ -512,7 +512,7 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
       key_ids = plgpu.broadcasted_iota(jnp.int32, (KEY_TILE, n), 0, layout=plgpu.Layout.WGMMA)
       valids, scores = [], []
       for t, s in enumerate(ss):
-        bias = plgpu.load(bias_smem.at[slot, tile_group[t], pl.ds(0, n)], (), layout=col,
+        bias = plgpu.load(bias_smem.at[slot, tile_group[t], pl.ds(0, n)], layout=col,
                           optimized=False)
         s = s * score_scale + lax.broadcast_in_dim(bias, (KEY_TILE, n), [1])
         valids.append(key_ids + (start + t * KEY_TILE) < length)
@@ -531,8 +531,8 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
       zsum = None
       for t, (p, valid) in enumerate(zip(ps, valids)):
         keys = pl.ds(t * KEY_TILE, KEY_TILE)
-        vs = plgpu.load(vmeta_smem.at[slot, 0, keys], (), layout=row, optimized=False)
-        vz = plgpu.load(vmeta_smem.at[slot, 1, keys], (), layout=row, optimized=False)
+        vs = plgpu.load(vmeta_smem.at[slot, 0, keys], layout=row, optimized=False)
+        vz = plgpu.load(vmeta_smem.at[slot, 1, keys], layout=row, optimized=False)
         vs4 = vs.astype(jnp.float32)
         vz = vz.astype(jnp.float32) + UPPER_OFFSET * vs4    # the value zero, plane offset folded
         vs = lax.broadcast_in_dim(vs4 * scale_mult, p.shape, [0])

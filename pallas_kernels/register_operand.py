@@ -18,7 +18,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 def int4_tile(ref, dtype) -> jax.Array:
   """ref: [64, K] int4 SMEM tile -> [64, K] `dtype` registers (WGMMA layout), exact integers."""
-  x = plgpu.load(ref, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+  x = plgpu.load(ref, layout=plgpu.Layout.WGMMA_UPCAST_4X)
   return plgpu.layout_cast(x, plgpu.Layout.WGMMA).astype(dtype)
 
 

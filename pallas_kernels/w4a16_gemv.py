@@ -15,21 +15,28 @@ codes, k_codes [..., D/64, S, 64]). Scales and zeros stay [In_pad / G, Out] fp16
 Kernel (`w4a16_matmul`), grid (Out / block_out, splits), one warpgroup per block; the output
 columns are the wgmma M dimension and x's rows the N dimension (M padded to N, a multiple of 8):
 
-  per quant group g of the block's input range (G / 64 chunks k), fresh fp32 accumulators:
-    acc  [64, N] = sum_k  C_k [64 out, 64] @ x_k^T [64, N]       (per 64-output tile)
-    xs   [64, N] = sum_k  ones [64, 64]   @ x_k^T [64, N]       (every row: sum of x_g)
-    y    [64, N] += scale_g[out] * acc + (zero_g[out] + 8 scale_g[out]) * xs
+  per 64-input chunk k of the block's input range (quant group g = k * 64 / G):
+    W_k  [64 out, 64] = (C_k - 8) * scale_g[out] + (zero_g[out] + 8 scale_g[out])   (x's dtype)
+    acc  [64, N]     += W_k @ x_k^T [64, N]                 (fp32, one accumulator per 64 outputs)
 
-A = the code tile, TMA'd into SMEM as int4 (swizzle 32) and loaded to registers in the layout
-Mosaic GPU upcasts cheaply (`WGMMA_UPCAST_4X`; as quant_attention), exact integers c - 8 in bf16;
-B = x^T of the chunk: the wrapper lays x out as chunks xc [In_pad / 64, N, 64] (zero-padded;
-one small XLA fusion), TMA'd with swizzle 128 and used transposed. The scales are per output
-and group, hence the fresh accumulator per group: no weight is ever dequantized element-wise,
-the group's scale multiplies its fp32 product, and the zero points (the -8 storage offset folded
-in) multiply the group's sum of x, which one more wgmma per chunk computes from the same x tile
-(an all-ones register A operand) and leaves in the accumulator layout, so no cross-thread
-reduction is needed. A block of block_out outputs holds block_out / 64 register tiles (all of a
-group's wgmmas are issued before one wait).
+A = the code tile, TMA'd into SMEM as int4 (swizzle 32), loaded to registers in the layout Mosaic
+GPU upcasts cheaply (`WGMMA_UPCAST_4X`; as quant_attention) as exact integers c - 8, then
+dequantized in registers in x's dtype (one multiply-add per element, the group's scale and zero
+broadcast along the row); B = x^T of the chunk: the wrapper lays x out as chunks
+xc [In_pad / 64, N, 64] (zero-padded; one small XLA fusion), TMA'd with swizzle 128 and used
+transposed. The accumulators live across the whole input range: one chunk's wgmmas stay in flight
+while the next chunk is dequantized (a wait leaving m_tiles groups pending), and the previous
+pipeline step's SMEM slot is refilled as soon as the first chunk of a step has been issued.
+Rounding: the dequantized weight is rounded to x's dtype (bf16: 2**-9 relative, like a bf16
+weight), as Marlin-style kernels do; products and sums are fp32.
+
+Session 9 replaced a per-group design (fresh fp32 accumulators per quant group, scale applied to
+the fp32 product, an all-ones wgmma for the zero points, then a wait per group): the H200 A/B
+(`benchmarks/results/w4a16_s9_{old,new}_h200.json`) has this kernel 3-17% faster (w_down, M = 1:
+21.7 -> 17.9 us), calls 20% faster to 3% slower (wo, whose call is wrapper-bound). Nsight
+Compute (`results/ncu_s9/`, w_gate_up, M = 1): the kernel is instruction-issue bound (66% of issue
+slots, 63 registers, 8 blocks per SM possible), about 5 warp instructions per weight: the int4
+upcast and its shuffles about half, the dequantizing HFMA2 10%, wgmma descriptor setup ~20%.
 
 The input range is split into pipeline steps of `groups_per_stage` groups; each step arrives by
 four TMAs on one barrier (its codes [G/64 * gps, block_out, 64], x chunks [G/64 * gps, N, 64],
@@ -264,47 +271,48 @@ def _partials(xc, codes_t, scale, zero, *, group: int, p: Plan, interpret: Any =
     codes = functools.partial(int4_tile, dtype=dtype)        # [64, 64] int4 tile -> registers
     mma = functools.partial(wgmma_register_a, a_smem=a_smem)   # acc += a [64, 64] @ b
 
-    # An all-ones A operand: ones @ x_chunk^T puts the chunk's sum of each x row in every row.
-    ones = plgpu.layout_cast(jnp.ones((TILE_OUT, CHUNK), dtype), plgpu.Layout.WGMMA)
+    def group_meta(slot, g):
+      """The group's scales and zeros as [64, 64] `dtype` operands, one per output tile:
+      w = (c - 8) * s + (zero + 8 s), the storage offset folded into the zero."""
+      metas = []
+      for mt in range(m_tiles):
+        cols = pl.ds(mt * TILE_OUT, TILE_OUT)
+        s = plgpu.load(meta_smem.at[slot, 0, g, cols], layout=row, optimized=False)  # [64]
+        z = plgpu.load(meta_smem.at[slot, 1, g, cols], layout=row, optimized=False)
+        s = s.astype(jnp.float32)
+        z = z.astype(jnp.float32) + CODE_OFFSET * s
+        metas.append(tuple(lax.broadcast_in_dim(v.astype(dtype), (TILE_OUT, CHUNK), [0])
+                           for v in (s, z)))
+      return metas
 
-    def step_fn(step, ys):
-      slot = lax.rem(step, jnp.int32(num_stages))
-      plgpu.barrier_wait(barriers.at[slot])
-      ys = list(ys)
-      for g in range(gps):
-        # The group's scales and zeros first (registers), then its products.
-        metas = []
-        for mt in range(m_tiles):
-          cols = pl.ds(mt * TILE_OUT, TILE_OUT)
-          s = plgpu.load(meta_smem.at[slot, 0, g, cols], layout=row, optimized=False)  # [64]
-          z = plgpu.load(meta_smem.at[slot, 1, g, cols], layout=row, optimized=False)
-          s = s.astype(jnp.float32)
-          z = z.astype(jnp.float32) + CODE_OFFSET * s      # the zero, storage offset folded
-          metas.append((s, z))
-
-        def group_scope(xs_ref, *acc_refs, g=g):  # fresh [64, N] fp32 accumulators
-          for c in range(cpg):                    # xs: the group's sums of x, on every row
-            mma(xs_ref, ones, x_smem.at[slot, g * cpg + c].transpose((1, 0)))
-          for mt, acc_ref in enumerate(acc_refs):  # one per 64-output tile
-            for c in range(cpg):
-              cc = g * cpg + c
-              a = codes(c_smem.at[slot, cc, pl.ds(mt * TILE_OUT, TILE_OUT)])
+    def main_scope(*acc_refs):                  # [64, N] fp32 per output tile, all steps
+      def step_fn(step, carry):
+        slot = lax.rem(step, jnp.int32(num_stages))
+        plgpu.barrier_wait(barriers.at[slot])
+        for g in range(gps):
+          metas = group_meta(slot, g)
+          for c in range(cpg):
+            cc = g * cpg + c
+            for mt, acc_ref in enumerate(acc_refs):
+              s, z = metas[mt]
+              a = codes(c_smem.at[slot, cc, pl.ds(mt * TILE_OUT, TILE_OUT)]) * s + z
               mma(acc_ref, a, x_smem.at[slot, cc].transpose((1, 0)))
-          return xs_ref[...], tuple(acc_ref[...] for acc_ref in acc_refs)
+            # One chunk's wgmmas stay in flight while the next chunk is dequantized; all
+            # earlier ones (their A registers, and the previous step's SMEM) are done.
+            plgpu.wgmma_wait(m_tiles)
+            if g == 0 and c == 0 and num_stages > 1:   # the previous step's slot is free
+              prev, nxt = step - 1, step - 1 + num_stages
+              pl.when((step > 0) & (nxt < my_steps))(
+                  lambda: fetch(nxt, lax.rem(prev, jnp.int32(num_stages))))
+        if num_stages == 1:                     # one slot: refill it once it is read
+          plgpu.wgmma_wait(0)
+          pl.when(step + 1 < my_steps)(lambda: fetch(step + 1, slot))
+        return carry
 
-        xs, accs = pl.run_scoped(group_scope,
-                                 *[plgpu.ACC((TILE_OUT, n), jnp.float32)] * (1 + m_tiles))
-        for mt, ((s, z), acc) in enumerate(zip(metas, accs)):
-          s = lax.broadcast_in_dim(s, (TILE_OUT, n), [0])
-          z = lax.broadcast_in_dim(z, (TILE_OUT, n), [0])
-          ys[mt] = ys[mt] + s * acc + z * xs
+      lax.fori_loop(0, my_steps, step_fn, jnp.int32(0))
+      return tuple(acc_ref[...] for acc_ref in acc_refs)
 
-      nxt = step + num_stages
-      pl.when(nxt < my_steps)(lambda: fetch(nxt, slot))
-      return tuple(ys)
-
-    y0 = plgpu.layout_cast(jnp.zeros((TILE_OUT, n), jnp.float32), plgpu.Layout.WGMMA)
-    ys = lax.fori_loop(0, my_steps, step_fn, (y0,) * m_tiles)
+    ys = pl.run_scoped(main_scope, *[plgpu.ACC((TILE_OUT, n), jnp.float32)] * m_tiles)
 
     for mt, y in enumerate(ys):
       o_smem[pl.ds(mt * TILE_OUT, TILE_OUT)] = y
@@ -401,11 +409,17 @@ def w4a16_matmul(x: jax.Array, codes_t: jax.Array, scale: jax.Array, zero: jax.A
 # Reference.
 # ----------------------------------------------------------------------------------------------
 
-def w4a16_reference(x: jax.Array, codes_t: jax.Array, scale: jax.Array, zero: jax.Array, *,
-                    in_features: int, group: int) -> jax.Array:
-  """x [M, In] @ dequantize(codes_t, scale, zero) [In, Out], all fp32 (HIGHEST); fp32 result."""
+def dequantize(codes_t: jax.Array, scale: jax.Array, zero: jax.Array, *, in_features: int,
+               group: int) -> jax.Array:
+  """The weight [In, Out] in fp32: c * scale + zero per group of G input rows."""
   c = from_chunked(codes_t).astype(jnp.float32) + CODE_OFFSET               # [In_pad, Out]
   s = jnp.repeat(scale.astype(jnp.float32), group, axis=0)                  # [In_pad, Out]
   z = jnp.repeat(zero.astype(jnp.float32), group, axis=0)
-  w = (c * s + z)[:in_features]                                             # [In, Out]
+  return (c * s + z)[:in_features]
+
+
+def w4a16_reference(x: jax.Array, codes_t: jax.Array, scale: jax.Array, zero: jax.Array, *,
+                    in_features: int, group: int) -> jax.Array:
+  """x [M, In] @ dequantize(codes_t, scale, zero) [In, Out], all fp32 (HIGHEST); fp32 result."""
+  w = dequantize(codes_t, scale, zero, in_features=in_features, group=group)  # [In, Out]
   return jnp.dot(x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST)

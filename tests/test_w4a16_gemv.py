@@ -12,7 +12,8 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import w4a16_gemv as w4
-from pallas_kernels.w4a16_gemv import W4A16Config, plan, w4a16_matmul, w4a16_reference
+from pallas_kernels.w4a16_gemv import (CODE_OFFSET, W4A16Config, dequantize, plan, w4a16_matmul,
+                                       w4a16_reference)
 from sparsedec.errors import InputError
 from sparsedec.model import quant_weights as qw_mod
 from sparsedec.model.quant_weights import LAYOUTS, quant_matmul, quantize_weight
@@ -38,9 +39,18 @@ def _check_close(got, x, q):
                                     group=q.group))
   got = np.asarray(got.astype(jnp.float32))
   assert got.shape == want.shape
-  # fp32 accumulation, one rounding to x's dtype at the end (bf16: 2**-9 relative).
+  # The kernel dequantizes in x's dtype, w = (c - 8) * s + (z + 8 s): s and z + 8 s rounded
+  # once, the product and the sum once each, so |dw| <= eps * (|w| + |z + 8 s| + 16 |s|)
+  # (eps = 2**-9 for bf16, 2**-11 for fp16, doubled for slack); fp32 accumulation; one rounding
+  # of y to x's dtype at the end.
   eps = 2.0 ** -8 if x.dtype == jnp.bfloat16 else 2.0 ** -10
-  np.testing.assert_allclose(got, want, rtol=eps, atol=eps * np.abs(want).max() * 1e-2 + 1e-3)
+  s = np.asarray(q.scale, np.float32)                                       # [In_pad / G, Out]
+  z = np.asarray(q.zero, np.float32) + CODE_OFFSET * s
+  w = np.asarray(dequantize(q.codes, q.scale, q.zero, in_features=q.in_features, group=q.group))
+  w_abs = np.abs(w) + np.repeat(np.abs(z) + 16 * np.abs(s), q.group, 0)[:q.in_features]
+  x_abs = np.abs(np.asarray(x, np.float32))
+  bound = eps * (x_abs @ w_abs + np.abs(want)) + 1e-6
+  assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
 
 
 # ----------------------------------------------------------------------------------------------
