@@ -25,23 +25,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pallas_kernels import quant_attention as qa  # noqa: E402
 from pallas_kernels.decode_attention import split_partials  # noqa: E402
-from pallas_kernels.w4a16_gemv import CHUNK, w4a16_matmul  # noqa: E402
+from benchmarks.w4a16_gemv import LLAMA_8B, random_weight  # noqa: E402
+from pallas_kernels.w4a16_gemv import w4a16_matmul  # noqa: E402
 
 HQ, HKV, D, GROUP = 32, 8, 128, 128
-LLAMA_8B = {"wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 28672),
-            "w_down": (14336, 4096)}
 
 
 def _w4a16_call(shape):
-  """w4a16_matmul at a Llama-8B linear, M = 1, random codes / scales / zeros."""
+  """w4a16_matmul at a Llama-8B linear, M = 1, the w4a16_gemv benchmark's random weight."""
   n_in, n_out = LLAMA_8B[shape]
-  key = jax.random.split(jax.random.key(1), 4)
-  codes = jax.random.randint(key[0], (n_in // CHUNK, n_out, CHUNK), -8, 8, jnp.int32)
-  scale = (jax.random.uniform(key[1], (n_in // GROUP, n_out)) * 0.01).astype(jnp.float16)
-  zero = (jax.random.normal(key[2], (n_in // GROUP, n_out)) * 0.05).astype(jnp.float16)
-  x = jax.random.normal(key[3], (1, n_in), jnp.float32).astype(jnp.bfloat16)
+  kw, kx = jax.random.split(jax.random.key(1))
+  x = jax.random.normal(kx, (1, n_in), jnp.float32).astype(jnp.bfloat16)
   f = jax.jit(functools.partial(w4a16_matmul, in_features=n_in, group=GROUP))
-  return f, (x, codes.astype(jnp.int4), scale, zero)
+  return f, (x, *random_weight(kw, n_in, n_out))
 
 
 def main(argv=None):

@@ -48,8 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from benchmarks._timing import (add_loop_args, default_out_dir, loop_fields,  # noqa: E402
                                 loop_summary, max_abs_err, read_bandwidth, time_loop, write_json)
-from pallas_kernels.w4a16_gemv import (CHUNK, W4A16Config, from_chunked, plan,  # noqa: E402
-                                       w4a16_matmul, w4a16_reference)
+from pallas_kernels.w4a16_gemv import (CHUNK, W4A16Config, dequantize,  # noqa: E402
+                                       from_chunked, plan, w4a16_matmul, w4a16_reference)
 from sparsedec.model.quant_weights import QuantWeight, quant_matmul  # noqa: E402
 
 GROUP = 128
@@ -82,10 +82,7 @@ def random_weight(key, n_in, n_out):
 
 def _dense(codes_t, scale, zero, n_in):
   """The dequantized weight [In, Out] in bf16 (the dense_bf16 operand)."""
-  c = from_chunked(codes_t).astype(jnp.float32) + 8
-  w = (c * jnp.repeat(scale.astype(jnp.float32), GROUP, 0)
-       + jnp.repeat(zero.astype(jnp.float32), GROUP, 0))
-  return w[:n_in].astype(DTYPE)
+  return dequantize(codes_t, scale, zero, in_features=n_in, group=GROUP).astype(DTYPE)
 
 
 _dense_jit = jax.jit(_dense, static_argnums=3)
