@@ -33,7 +33,7 @@ HQ, HKV, D = 32, 8, 128
 CAPACITIES = (16384, 65536)
 NUM_QUERIES = (1, 16)
 KERNEL_CONFIGS = {
-    "default": DecodeConfig(),                                   # block_kv=128, 2 stages, 132
+    "default": DecodeConfig(),                  # resolved per call (DecodeConfig.resolve)
     "bkv128_st2_132_min1": DecodeConfig(block_kv=128, num_stages=2, min_tiles_per_split=1),
     "bkv128_st2_264_min1": DecodeConfig(block_kv=128, num_stages=2, target_blocks=264,
                                         min_tiles_per_split=1),

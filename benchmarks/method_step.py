@@ -6,9 +6,9 @@ tokens, verification, commit, pool insert) runs `--steps` times inside one jitte
 time per step is divided by the dense step's time from the same run.
 
 Defaults are the issue's setting: FAFO with 40 subsequences, k = 6, m = 7 candidates and a
-StreamingLLM budget of 1K entries (16 blocks of 64); Lookahead at the same guess count (W = 40,
-N = 7, G = 7). Pools start empty (no prompt n-grams: seeding from a 32K random context is not
-what is being timed).
+StreamingLLM budget of 1K entries (16 blocks of 64; `--block-size`); Lookahead at the same
+guess count (W = 40, N = 7, G = 7). Pools start empty (no prompt n-grams: seeding from a 32K
+random context is not what is being timed).
 
   python benchmarks/method_step.py --contexts 4096 32768 --out $OUT/method_step.json
 """
@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks._timing import device_time
 from benchmarks.step_roofline import LLAMA_31_8B, log, random_params, random_state, read_bandwidth
 from sparsedec.bench import device_description
 from sparsedec.compress import StreamingLLM
@@ -40,13 +41,16 @@ def methods(args) -> dict:
       "dense": Dense(),
       "fafo": Fafo(subsequences=args.subsequences, length=args.length,
                    candidates=args.candidates, prompt_ngrams=False,
-                   policy=StreamingLLM(budget_blocks=args.budget // 64, block_size=64)),
+                   policy=StreamingLLM(budget_blocks=args.budget // args.block_size,
+                                       block_size=args.block_size)),
       "lookahead": Lookahead(window=args.subsequences, ngram=args.length + 1,
                              guesses=args.candidates, prompt_ngrams=False),
   }
 
 
-def method_step_time(cfg, params, state, method, steps: int) -> float:
+def method_step_time(cfg, params, state, method, steps: int, profile: bool = False) -> dict:
+  """Seconds per step (median of 3 timed runs of `steps` steps after a warm-up run); with
+  `profile` (GPU) also the profiler's busy time per step and its costliest kernels."""
   ctx = StepContext(SamplingConfig(), ())
   state = jax.jit(lambda p, s: method.init(cfg, p, s))(params, state)
   lengths0 = np.asarray(state.cache.lengths)
@@ -58,15 +62,28 @@ def method_step_time(cfg, params, state, method, steps: int) -> float:
 
   compiled = loop.lower(params, state).compile()
   log(f"{method.name}: compiled")
+
+  def rewound(state):
+    return state.replace(cache=state.cache.replace(lengths=jnp.asarray(lengths0)),
+                         num_tokens=jnp.asarray(num0), done=jnp.zeros_like(state.done))
+
   times = []
   for _ in range(4):
-    state = state.replace(cache=state.cache.replace(lengths=jnp.asarray(lengths0)),
-                          num_tokens=jnp.asarray(num0), done=jnp.zeros_like(state.done))
+    state = rewound(state)
     t = time.perf_counter()
     state = compiled(params, state)
     jax.block_until_ready(state)
     times.append(time.perf_counter() - t)
-  return float(np.median(times[1:])) / steps
+  out = {"step_seconds": float(np.median(times[1:])) / steps}
+  if profile and jax.default_backend() == "gpu":
+    box = [rewound(state)]
+
+    def run():
+      box[0] = compiled(params, box[0])
+      jax.block_until_ready(box[0])
+
+    out.update(device_time(run, steps, top=24))
+  return out
 
 
 def main():
@@ -77,7 +94,10 @@ def main():
   ap.add_argument("--subsequences", type=int, default=40)
   ap.add_argument("--length", type=int, default=6)
   ap.add_argument("--candidates", type=int, default=7)
-  ap.add_argument("--budget", type=int, default=1024, help="StreamingLLM entries (x64 blocks)")
+  ap.add_argument("--budget", type=int, default=1024, help="StreamingLLM entries")
+  ap.add_argument("--block-size", type=int, default=64, help="FAFO's cache block (C(kv) unit)")
+  ap.add_argument("--profile", action="store_true",
+                  help="GPU: also the profiler's busy time per step and its costliest kernels")
   ap.add_argument("--layers", type=int, default=None, help="fewer layers (CPU smoke test)")
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "method_step.json"))
@@ -99,7 +119,8 @@ def main():
       room = args.steps * (args.length + 2) * 5
       state = random_state(cfg, context, room, jax.random.key(context))
       try:
-        times[name] = method_step_time(cfg, params, state, method, args.steps)
+        timed = method_step_time(cfg, params, state, method, args.steps, args.profile)
+        times[name] = timed.pop("step_seconds")
       except Exception as e:  # noqa: BLE001 - record and go on
         rows.append({"context": context, "method": name, "error": repr(e)[:2000]})
         log(f"{name} at {context}: {e!r}"[:500])
@@ -107,12 +128,14 @@ def main():
       del state
       t_fwd = getattr(method, "tokens_per_forward", 1)
       row = {"context": context, "method": name, "step_seconds": times[name],
-             "tokens_per_forward": t_fwd}
+             "tokens_per_forward": t_fwd, **timed}
       if "dense" in times:
         row["ratio_to_dense"] = times[name] / times["dense"]
       rows.append(row)
       log(f"context {context} {name}: {times[name] * 1e3:.3f} ms/step (T={t_fwd})"
-          + (f", {row['ratio_to_dense']:.3f}x dense" if "ratio_to_dense" in row else ""))
+          + (f", {row['ratio_to_dense']:.3f}x dense" if "ratio_to_dense" in row else "")
+          + (f", GPU busy {row['device_s'] * 1e3:.3f} ms in {row['kernels_per_call']:.0f} kernels"
+             if "device_s" in row else ""))
       os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
       with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -1,12 +1,12 @@
 """A small program for Nsight Compute: a few calls of one kernel, so `ncu` can profile one launch
-of it: an attention kernel at the issue-3 shape (Hq 32, Hkv 8, D 128, bf16, B 1, Tq 1), or the
+of it: an attention kernel at the issue-3 shape (Hq 32, Hkv 8, D 128, bf16, B 1), or the
 W4A16 GEMV at a Llama-3.1-8B draft shape.
 
   ncu --clock-control none -k regex:mosaic --launch-skip 2 --launch-count 1 --set full \\
       python benchmarks/ncu_target.py --kernel quant --bits 4 --seq 65536
 
 --kernel quant: quant_attention's split kernel alone (`_quant_partials`, default stage size);
---kernel decode: decode_attention's split kernel alone;
+--kernel decode: decode_attention's split kernel alone (--tq queries per row);
 --kernel w4a16: `w4a16_matmul` (x relayout, the kernel, the split sum) at --shape, M = 1.
 Each runs --calls times (compile first).
 """
@@ -46,6 +46,7 @@ def main(argv=None):
   p.add_argument("--shape", choices=tuple(LLAMA_8B), default="w_gate_up", help="--kernel w4a16")
   p.add_argument("--bits", type=int, default=4)
   p.add_argument("--seq", type=int, default=65536)
+  p.add_argument("--tq", type=int, default=1, help="--kernel decode: queries per row")
   p.add_argument("--calls", type=int, default=4)
   a = p.parse_args(argv)
   if a.kernel == "w4a16":
@@ -73,12 +74,12 @@ def main(argv=None):
                                                             bits=a.bits, rows=n)))
     args = (q_t, qkv, lengths, bias)
   else:
-    q = jax.random.normal(key[2], (1, 1, HQ, D), jnp.float32).astype(jnp.bfloat16)
+    q = jax.random.normal(key[2], (1, a.tq, HQ, D), jnp.float32).astype(jnp.bfloat16)
     f = jax.jit(split_partials)
     args = (q, k, v, lengths)
   for _ in range(a.calls):
     jax.block_until_ready(f(*args))
-  print(f"ran {a.calls} calls of {a.kernel} (bits {a.bits}, S {s})")
+  print(f"ran {a.calls} calls of {a.kernel} (bits {a.bits}, S {s}, Tq {a.tq})")
 
 
 if __name__ == "__main__":

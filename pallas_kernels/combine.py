@@ -2,7 +2,7 @@
 
 A kernel leaves, per (row, KV head, q block, split), an un-normalised partial output `acc`, its
 row max `m2` (log2 units) and row sum `l`. `combine_partials` merges those (and the in-flight
-kernel's partial, appended by `with_partial`) with key sets that are attended exactly here (the
+kernel's partial, passed as `extra`) with key sets that are attended exactly here (the
 step's in-flight tokens on the jnp path; QuantSpec's full-precision recent segment), into one
 softmax over everything.
 
@@ -13,6 +13,7 @@ weights with the combined lse and zeroes the slots a query does not read.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -114,54 +115,53 @@ def inflight_choice(mode: str, num_queries: int) -> bool:
   return mode == "kernel" or (mode == "auto" and num_queries >= INFLIGHT_KERNEL_MIN_QUERIES)
 
 
-def with_partial(acc: jax.Array, m2: jax.Array, l: jax.Array, extra: tuple[jax.Array, ...]
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Split partials acc [B, Hkv, NQB, NS, R, D], m2, l [B, Hkv, NQB, NS, 64] with one more
-  partial per q block (acc [B, Hkv, NQB, R, D], m2, l [B, Hkv, NQB, 64]: the in-flight part)
-  appended as split NS."""
-  return tuple(jnp.concatenate([x, y[:, :, :, None]], axis=3)
-               for x, y in zip((acc, m2, l), extra))
-
-
 def combine_partials(acc: jax.Array, m2: jax.Array, l: jax.Array, q: jax.Array,
-                     exact: Sequence[tuple[jax.Array, jax.Array, jax.Array]], *, group: int
+                     exact: Sequence[tuple[jax.Array, jax.Array, jax.Array]], *, group: int,
+                     extra: tuple[jax.Array, jax.Array, jax.Array] | None = None
                      ) -> tuple[jax.Array, jax.Array]:
   """acc [B, Hkv, NQB, NS, R, D] fp32; m2, l [B, Hkv, NQB, NS, 64] (m2 in log2 units; rows
   r = t * G + g of q block j are j * 64 + r); q [B, T, Hq, D];
-  exact: (k [B, U, Hkv, D], v [B, U, Hkv, D], mask [B or 1, T, U] bool) key sets.
-  Returns out [B, T, Hq, D] fp32 and lse [B, T, Hq] fp32."""
+  exact: (k [B, U, Hkv, D], v [B, U, Hkv, D], mask [B or 1, T, U] bool) key sets;
+  extra: one more partial per q block (acc [B, Hkv, NQB, R, D], m2, l [B, Hkv, NQB, 64]: the
+  in-flight kernel's), or None.
+  Returns out [B, T, Hq, D] fp32 and lse [B, T, Hq] fp32.
+
+  Everything stays in the kernels' [B, Hkv, NQB, (NS,) R] layout (multiply-and-sum over NS, no
+  transpose or concatenation of the partials: XLA reads each partial once)."""
   b, hkv, nqb, ns, rows_out, d = acc.shape
   tq = q.shape[1]
   n_rows = tq * group                                                      # real rows
-  # [B, Hkv, NQB, NS, R, ...] -> [B, Hkv, NS, NQB * R, ...]; for NQB > 1, R == 64.
-  to_rows = lambda x: jnp.moveaxis(x, 3, 2).reshape(*x.shape[:2], ns, nqb * rows_out,
-                                                     *x.shape[5:])[:, :, :, :n_rows]
-  acc_r = to_rows(acc)                                                     # [B, Hkv, NS, N, D]
-  m_r = to_rows((m2 * LN2)[..., :rows_out])                                # [B, Hkv, NS, N]
-  l_r = to_rows(l[..., :rows_out])                                         # [B, Hkv, NS, N]
-
+  rows = nqb * rows_out                                                    # >= n_rows
+  parts = [(acc, m2[..., :rows_out] * LN2, l[..., :rows_out])]             # [B, Hkv, NQB, NS, R]
+  if extra is not None:
+    acc_e, m2_e, l_e = extra
+    parts.append((acc_e[:, :, :, None], (m2_e[..., :rows_out] * LN2)[:, :, :, None],
+                  l_e[..., :rows_out][:, :, :, None]))
   qg = q.reshape(b, tq, hkv, group, d)                                     # [B, T, Hkv, G, D]
   scores = []
   for k, _, mask in exact:
     s = jnp.einsum("bthgd,buhd->bhtgu", qg, k,
                    preferred_element_type=jnp.float32) * d ** -0.5        # [B, Hkv, T, G, U]
-    s = jnp.where(mask[:, None, :, None, :], s, -jnp.inf)
-    scores.append(s.reshape(b, hkv, n_rows, -1))                           # [B, Hkv, N, U]
-
-  m_tot = m_r.max(2)                                                       # [B, Hkv, N]
-  for s in scores:
-    m_tot = jnp.maximum(m_tot, s.max(-1))
+    s = jnp.where(mask[:, None, :, None, :], s, -jnp.inf).reshape(b, hkv, n_rows, -1)
+    s = jnp.pad(s, [(0, 0), (0, 0), (0, rows - n_rows), (0, 0)], constant_values=-jnp.inf)
+    scores.append(s.reshape(b, hkv, nqb, rows_out, -1))                    # [B, Hkv, NQB, R, U]
+  m_tot = functools.reduce(jnp.maximum, [m.max(3) for _, m, _ in parts]
+                           + [s.max(-1) for s in scores])                  # [B, Hkv, NQB, R]
   m_tot = jnp.where(jnp.isfinite(m_tot), m_tot, 0.0)
-  w_c = jnp.exp(m_r - m_tot[:, :, None])                                   # [B, Hkv, NS, N]
-  denom = (w_c * l_r).sum(2)                                               # [B, Hkv, N]
-  o = jnp.einsum("bhsn,bhsnd->bhnd", w_c, acc_r)                           # [B, Hkv, N, D]
+  denom, o = 0.0, 0.0
+  for a, m, s in parts:
+    w = jnp.exp(m - m_tot[:, :, :, None])                                  # [B, Hkv, NQB, NS, R]
+    denom = denom + (w * s).sum(3)                                         # [B, Hkv, NQB, R]
+    o = o + (w[..., None] * a).sum(3)                                      # [B, Hkv, NQB, R, D]
   for (_, v, _), s in zip(exact, scores):
-    p = jnp.exp(s - m_tot[..., None])                                      # [B, Hkv, N, U]
+    p = jnp.exp(s - m_tot[..., None])                                      # [B, Hkv, NQB, R, U]
     denom = denom + p.sum(-1)
-    o = o + jnp.einsum("bhnu,buhd->bhnd", p.astype(v.dtype), v,
+    o = o + jnp.einsum("bhjru,buhd->bhjrd", p.astype(v.dtype), v,
                        preferred_element_type=jnp.float32)
   o = o * jnp.where(denom > 0, 1.0 / denom, 0.0)[..., None]
-  lse = m_tot + jnp.log(denom)                                             # [B, Hkv, N]
+  lse = m_tot + jnp.log(denom)                                             # [B, Hkv, NQB, R]
+  o = o.reshape(b, hkv, rows, d)[:, :, :n_rows]                            # [B, Hkv, N, D]
+  lse = lse.reshape(b, hkv, rows)[:, :, :n_rows]                           # [B, Hkv, N]
   out = o.reshape(b, hkv, tq, group, d).transpose(0, 2, 1, 3, 4).reshape(b, tq, hkv * group, d)
   lse = lse.reshape(b, hkv, tq, group).transpose(0, 2, 1, 3).reshape(b, tq, hkv * group)
   return out, lse

@@ -63,44 +63,75 @@ import numpy as np
 
 from pallas_kernels.combine import (check_inflight_mode, check_score_queries, combine_partials,
                                     inflight_choice, permute_queries, score_rows, scores_to_probs,
-                                    selected_first, with_partial, wrapper_outputs)
+                                    selected_first, wrapper_outputs)
 from pallas_kernels.inflight_attention import inflight_partials, mask_bias, pack_keys
+from pallas_kernels.split_plan import split_counts
 
 LOG2E = math.log2(math.e)
 BLOCK_M = 64                      # wgmma M of one warpgroup
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+SM_COUNT = 132                    # H100 SXM / H200
+
+
+def resident_blocks(block_kv: int, num_stages: int) -> int:
+  """Thread blocks of the attention kernels that fit in one SM at D = 128 (bf16): two with
+  64-key tiles and at most 2 stages (Q 16 KiB + K/V rings 64 KiB, which the fp32 output tile
+  shares, + P 8 KiB: 88 KiB each of 227 KiB), else one (128-key tiles, 2 stages: 160 KiB)."""
+  return 2 if block_kv == 64 and num_stages <= 2 else 1
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-  """Tiling of the kernel. `num_splits=None` picks a split count that fills the GPU."""
-  # Defaults: the best of a small sweep on an H100 (Hq=32, Hkv=8, D=128, B=1, S 4K..64K,
-  # Tq 1 and 16); see benchmarks/kernels_decode_smoke.py. SMEM: Q 16 KiB + 2 x 2 x 32 KiB K/V +
-  # P 16 KiB + fp32 out 32 KiB = 192 KiB, one block per SM.
-  block_kv: int = 128             # KV rows per tile (a multiple of 64: wgmma K of PV)
+  """Tiling of the kernel; `resolve` fills the fields left None for one call.
+
+  block_kv: KV rows per tile, a multiple of 64. None: 128 while the query rows (Tq * G) fit in
+    two 64-row q blocks, else 64. H200, S = 16K..64K (`decode_sweep_s10_h200.json`): at Tq * G
+    <= 64 the 128-key tiles are 3-7% faster; from Tq * G = 172 on, 64-key tiles with two thread
+    blocks per SM are 14-20% faster (one 195-register warpgroup per SM leaves the tensor cores
+    waiting on its own softmax; a second block fills those gaps).
+  target_blocks: resident thread blocks `num_splits=None` plans for (`pallas_kernels.split_plan`,
+    the shortest simulated launch). None: SM_COUNT * `resident_blocks`.
+  """
+  block_kv: int | None = None
   num_stages: int = 2             # SMEM ring depth for K/V tiles
   num_splits: int | None = None   # thread blocks along S per (row, KV head, q block)
-  target_blocks: int = 132        # what `num_splits=None` aims at (one wave on H100 / H200)
+  target_blocks: int | None = None
   min_tiles_per_split: int = 2
   inflight: str = "auto"          # the in-flight part: "kernel", "jnp" or "auto" (combine.py)
 
   def __post_init__(self):
     check_inflight_mode(self.inflight)
-    if self.block_kv % 64 or self.block_kv <= 0:
+    if self.block_kv is not None and (self.block_kv % 64 or self.block_kv <= 0):
       raise ValueError(f"block_kv must be a positive multiple of 64, got {self.block_kv}")
     if self.num_stages < 1:
       raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
     if self.num_splits is not None and self.num_splits < 1:
       raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
+    if self.target_blocks is not None and self.target_blocks < 1:
+      raise ValueError(f"target_blocks must be >= 1, got {self.target_blocks}")
+
+  def resolve(self, q_blocks: int, capacity: int) -> "DecodeConfig":
+    """This config with block_kv and target_blocks filled in for a call with `q_blocks` 64-row
+    q blocks per KV head over a cache of `capacity` slots (a multiple of 64)."""
+    block_kv = self.block_kv
+    if block_kv is None:
+      block_kv = 128 if q_blocks <= 2 and capacity % 128 == 0 else 64
+    target = self.target_blocks
+    if target is None:
+      target = SM_COUNT * resident_blocks(block_kv, self.num_stages)
+    return dataclasses.replace(self, block_kv=block_kv, target_blocks=target)
 
 
 def _pick_num_splits(cfg: DecodeConfig, batch: int, num_kv_heads: int, q_blocks: int,
                      capacity: int) -> int:
+  """Splits per (row, KV head, q block); cfg resolved."""
   if cfg.num_splits is not None:
     return cfg.num_splits
-  tiles = capacity // cfg.block_kv
-  per_head = max(1, cfg.target_blocks // (batch * num_kv_heads * q_blocks))
-  return max(1, min(per_head, tiles // cfg.min_tiles_per_split))
+  tiles = max(1, capacity // cfg.block_kv)
+  return split_counts(((q_blocks, tiles, None),), copies=batch * num_kv_heads,
+                      slots=cfg.target_blocks, min_tiles=cfg.min_tiles_per_split)[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,14 +170,14 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
            k_smem,          # [num_stages, block_kv, D]                 SMEM (tiled, swizzled)
            v_smem,          # [num_stages, block_kv, D]                 SMEM (tiled, swizzled)
            p_smem,          # [64, block_kv]                            SMEM (tiled, swizzled)
-           o_smem,          # [64, D] fp32                              SMEM
+           o_smem,          # [64, D] fp32, shares the rings' memory     SMEM
            m_smem,          # [64] fp32                                 SMEM
            l_smem,          # [64] fp32                                 SMEM
            q_barrier,       # 1 barrier
            k_barriers,      # [num_stages] barriers
            v_barriers,      # [num_stages] barriers
            scores_ref=None,  # [B, Hkv, score_rows, S] fp32               GMEM (score_rows > 0)
-           s_smem=None):    # [64, block_kv] fp32, aliases o_smem       SMEM (score_rows > 0)
+           s_smem=None):    # [64, block_kv] fp32 (score_rows > 0)      SMEM
     split = lax.axis_index("split")
     head_qblock = lax.axis_index("head_qblock")
     b = lax.axis_index("batch")
@@ -243,12 +274,16 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     plgpu.wait_smem_to_gmem(0)
 
   swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+  ring = lambda: plgpu.SMEM((num_stages, block_kv, head_dim), dtype, **swizzled)
+  loop_refs = (ring(), ring())                     # the K and V rings, live in the loop
+  if score_rows:                                   # and the score tile's staging buffer
+    loop_refs += (plgpu.SMEM((BLOCK_M, block_kv), jnp.float32),)
   scratch = [
       plgpu.SMEM((BLOCK_M, head_dim), dtype, **swizzled),
-      plgpu.SMEM((num_stages, block_kv, head_dim), dtype, **swizzled),
-      plgpu.SMEM((num_stages, block_kv, head_dim), dtype, **swizzled),
+      # The fp32 output tile is written after the loop, when the rings are dead: it shares their
+      # memory (32 KiB less SMEM; at block_kv = 64, 2 stages, two blocks fit in an SM).
+      plgpu.RefUnion(loop_refs, plgpu.SMEM((BLOCK_M, head_dim), jnp.float32)),
       plgpu.SMEM((BLOCK_M, block_kv), dtype, **swizzled),
-      plgpu.SMEM((BLOCK_M, head_dim), jnp.float32),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.Barrier(),
@@ -262,18 +297,13 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32),
   ]
   if score_rows:               # only then: score_rows == 0 builds the plain kernel
-    # The score tile buffer shares o_smem's memory: with the defaults (D = 128, block_kv = 128,
-    # 2 stages, bf16) a separate 32 KiB buffer would exceed the 227 KiB of SMEM.
-    scratch[4] = plgpu.RefUnion(scratch[4], plgpu.SMEM((BLOCK_M, block_kv), jnp.float32))
     out_type.append(jax.ShapeDtypeStruct((batch, num_kv_heads, score_rows, capacity),
                                          jnp.float32))
 
   def entry(lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *scores_ref):
-    def scoped(q_smem, k_smem, v_smem, p_smem, o_smem, m_smem, l_smem, q_bar, k_bars, v_bars):
-      extra = ()
-      if score_rows:
-        o_smem, s_smem = o_smem                    # the union's two views
-        extra = (scores_ref[0], s_smem)
+    def scoped(q_smem, union, p_smem, m_smem, l_smem, q_bar, k_bars, v_bars):
+      (k_smem, v_smem, *s_smem), o_smem = union    # the union's two views
+      extra = (scores_ref[0], s_smem[0]) if score_rows else ()
       body(lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
            q_smem, k_smem, v_smem, p_smem, o_smem, m_smem, l_smem, q_bar, k_bars, v_bars, *extra)
     pl.run_scoped(scoped, *scratch)
@@ -318,9 +348,9 @@ def _check_inputs(q, k_cache, v_cache, lengths, k_new, v_new, inflight_mask, cfg
                      f"{v_cache.dtype}")
   if d % 64:
     raise ValueError(f"head dim D={d} must be a multiple of 64 (128-byte swizzle)")
-  if capacity % cfg.block_kv:
-    raise ValueError(f"cache capacity S={capacity} must be a multiple of block_kv="
-                     f"{cfg.block_kv}")
+  block_kv = cfg.block_kv or 64
+  if capacity % block_kv:
+    raise ValueError(f"cache capacity S={capacity} must be a multiple of block_kv={block_kv}")
 
 
 def _q_rows(q: jax.Array, num_kv_heads: int) -> jax.Array:
@@ -355,6 +385,7 @@ def _rows_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   b, hkv, m_total, _ = q_rows.shape
   capacity = k_cache.shape[2]
   q_blocks = m_total // BLOCK_M
+  config = config.resolve(q_blocks, capacity)
   rows_out = BLOCK_M if q_blocks > 1 else -(-num_queries * group // 8) * 8
   num_splits = _pick_num_splits(config, b, hkv, q_blocks, capacity)
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
@@ -397,7 +428,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
     extra = inflight_partials(q_rows, pack_keys(k_new).astype(q.dtype),
                               pack_keys(v_new).astype(q.dtype), mask_bias(mask, row_query),
                               rows_out=acc.shape[4], interpret=interpret)
-    out, lse = combine_partials(*with_partial(acc, m2, l, extra), q, [], group=group)
+    out, lse = combine_partials(acc, m2, l, q, [], group=group, extra=extra)
   else:
     out, lse = combine_partials(acc, m2, l, q, [(k_new, v_new, mask[None])], group=group)
   probs = None

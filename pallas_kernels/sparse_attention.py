@@ -39,9 +39,10 @@ Two steps, as `pallas_kernels.decode_attention`:
   1. The Mosaic GPU kernel (`_cache_partials`), grid (work, Hkv, B). The G query heads of a KV
      head times a segment's queries form the M rows of 64-row q blocks (r = t * G + g, zero
      padded), so each K/V tile is loaded once for all of them. A "work item" is one (q block,
-     split) pair; each segment has its own static split count, chosen from its own tile bound
-     (NB * block_size / block_kv for the list, S / block_kv for the full segment), so a short list
-     uses only a few thread blocks and the full segment does not inherit them. At run time, the
+     split) pair; each segment has its own static split count, chosen for all segments together
+     from their tile bounds (NB * block_size / block_kv for the list, S / block_kv for the full
+     segment) by `pallas_kernels.split_plan` (the shortest simulated launch), so a short list
+     gets few thread blocks and a long full segment many. At run time, the
      segment's tiles (num_blocks[b, h] * tiles_per_block, or cdiv(lengths[b], block_kv)) are
      shared out among its splits; tile i of the list is rows
      block_tables[b, h, i // tiles_per_block] * block_size + (i % tiles_per_block) * block_kv.
@@ -73,10 +74,12 @@ import numpy as np
 
 from pallas_kernels.combine import (check_inflight_mode, check_score_queries, combine_partials,
                                     inflight_choice, permute_queries, score_rows, scores_to_probs,
-                                    selected_first, with_partial, wrapper_outputs)
+                                    selected_first, wrapper_outputs)
 from pallas_kernels.inflight_attention import inflight_partials, mask_bias, pack_keys
+from pallas_kernels.split_plan import split_counts
 
-from pallas_kernels.decode_attention import _SUPPORTED_DTYPES, BLOCK_M, LOG2E
+from pallas_kernels.decode_attention import (_SUPPORTED_DTYPES, BLOCK_M, LOG2E, SM_COUNT,
+                                            resident_blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,14 +88,16 @@ class SparseConfig:
 
   block_kv: KV rows per tile, a multiple of 64 dividing block_size (None: 128 when it divides
     block_size, else 64). num_splits / num_splits_full: thread blocks per q block for the listed
-    segment / the full segment (None: fill `target_blocks` thread blocks, at least
-    `min_tiles_per_split` tiles each).
+    segment / the full segment (None: the counts with the shortest simulated launch on
+    `target_blocks` resident thread blocks, `pallas_kernels.split_plan`, at least
+    `min_tiles_per_split` tiles each). target_blocks None: SM_COUNT * `resident_blocks` (two
+    per SM with 64-key tiles and at most 2 stages, as in decode_attention).
   """
   block_kv: int | None = None
   num_stages: int = 2
   num_splits: int | None = None
   num_splits_full: int | None = None
-  target_blocks: int = 132        # one wave on H100 / H200
+  target_blocks: int | None = None
   min_tiles_per_split: int = 1    # a 2-block list on 16 thread blocks beats one on 8: latency
   inflight: str = "auto"          # the in-flight part: "kernel", "jnp" or "auto" (combine.py)
 
@@ -106,6 +111,8 @@ class SparseConfig:
       value = getattr(self, name)
       if value is not None and value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
+    if self.target_blocks is not None and self.target_blocks < 1:
+      raise ValueError(f"target_blocks must be >= 1, got {self.target_blocks}")
     if self.min_tiles_per_split < 1:
       raise ValueError(f"min_tiles_per_split must be >= 1, got {self.min_tiles_per_split}")
 
@@ -113,6 +120,12 @@ class SparseConfig:
     if self.block_kv is not None:
       return self.block_kv
     return 128 if block_size % 128 == 0 else 64
+
+  def slots(self, block_size: int) -> int:
+    """Resident thread blocks the split plan fills."""
+    if self.target_blocks is not None:
+      return self.target_blocks
+    return SM_COUNT * resident_blocks(self.tile_rows(block_size), self.num_stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,27 +146,21 @@ class _Segment:
 
 
 def _plan_segments(cfg: SparseConfig, *, batch, num_kv_heads, group, num_queries, sparse_queries,
-                   list_tiles, full_tiles) -> tuple[_Segment, ...]:
+                   list_tiles, full_tiles, slots) -> tuple[_Segment, ...]:
   """Segments in query order, with q blocks and split counts (static)."""
   parts = [(False, 0, sparse_queries), (True, sparse_queries, num_queries - sparse_queries)]
   parts = [p for p in parts if p[2] > 0]
   q_blocks = [-(-n * group // BLOCK_M) for _, _, n in parts]
-  per_head = max(1, cfg.target_blocks // (batch * num_kv_heads))
+  plan = tuple((qb, max(1, full_tiles if full else list_tiles),
+                cfg.num_splits_full if full else cfg.num_splits)
+               for (full, _, _), qb in zip(parts, q_blocks))
+  splits = split_counts(plan, copies=batch * num_kv_heads, slots=slots,
+                        min_tiles=cfg.min_tiles_per_split)
   segments, qblock, work = [], 0, 0
-  for (full, first, n), qb in zip(parts, q_blocks):
-    fixed = cfg.num_splits_full if full else cfg.num_splits
-    tiles = full_tiles if full else list_tiles
-    if fixed is not None:
-      splits = fixed
-    else:
-      # Budget left per q block; the list goes first, so a short list leaves the rest to the full
-      # segment.
-      left = max(1, per_head - work)
-      splits = max(1, min(left // max(1, sum(q_blocks[len(segments):])),
-                          tiles // cfg.min_tiles_per_split))
-    segments.append(_Segment(full, first, n, qblock, qb, splits, work))
+  for (full, first, n), qb, s in zip(parts, q_blocks, splits):
+    segments.append(_Segment(full, first, n, qblock, qb, s, work))
     qblock += qb
-    work += qb * splits
+    work += qb * s
   return tuple(segments)
 
 
@@ -224,12 +231,12 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
            k_smem,          # [num_stages, block_kv, D]                 SMEM (tiled, swizzled)
            v_smem,          # [num_stages, block_kv, D]                 SMEM (tiled, swizzled)
            p_smem,          # [64, block_kv]                            SMEM (tiled, swizzled)
-           o_smem,          # [64, D] fp32                              SMEM
+           o_smem,          # [64, D] fp32, shares the rings' memory     SMEM
            m_smem,          # [64] fp32                                 SMEM
            l_smem,          # [64] fp32                                 SMEM
            q_barrier, k_barriers, v_barriers,
            scores_ref=None,  # [B, Hkv, NSS, score_rows, S] fp32          GMEM (score_rows > 0)
-           s_smem=None):    # [64, block_kv] fp32, aliases o_smem       SMEM (score_rows > 0)
+           s_smem=None):    # [64, block_kv] fp32 (score_rows > 0)      SMEM
     work = lax.axis_index("work")
     h = lax.axis_index("head")
     b = lax.axis_index("batch")
@@ -336,12 +343,16 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
     plgpu.wait_smem_to_gmem(0)
 
   swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+  ring = lambda: plgpu.SMEM((num_stages, block_kv, head_dim), dtype, **swizzled)
+  loop_refs = (ring(), ring())                     # the K and V rings, live in the loop
+  if score_rows:                                   # and the score tile's staging buffer
+    loop_refs += (plgpu.SMEM((BLOCK_M, block_kv), jnp.float32),)
   scratch = [
       plgpu.SMEM((BLOCK_M, head_dim), dtype, **swizzled),
-      plgpu.SMEM((num_stages, block_kv, head_dim), dtype, **swizzled),
-      plgpu.SMEM((num_stages, block_kv, head_dim), dtype, **swizzled),
+      # The fp32 output tile is written after the loop, when the rings are dead: it shares their
+      # memory (with 64-key tiles and 2 stages, two blocks fit in an SM).
+      plgpu.RefUnion(loop_refs, plgpu.SMEM((BLOCK_M, head_dim), jnp.float32)),
       plgpu.SMEM((BLOCK_M, block_kv), dtype, **swizzled),
-      plgpu.SMEM((BLOCK_M, head_dim), jnp.float32),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.Barrier(),
@@ -355,19 +366,14 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
       jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32),
   ]
   if score_rows:               # only then: score_rows == 0 builds the plain kernel
-    # The score tile buffer shares o_smem's memory (idle until the epilogue): with the default
-    # tiling a separate 32 KiB buffer would exceed the 227 KiB of SMEM.
-    scratch[4] = plgpu.RefUnion(scratch[4], plgpu.SMEM((BLOCK_M, block_kv), jnp.float32))
     out_type.append(jax.ShapeDtypeStruct(
         (batch, num_kv_heads, score_slots, score_rows, k_cache.shape[2]), jnp.float32))
 
   def entry(tables_ref, counts_ref, lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
             *scores_ref):
-    def scoped(q_smem, k_smem, v_smem, p_smem, o_smem, *rest):
-      extra = ()
-      if score_rows:
-        o_smem, s_smem = o_smem                    # the union's two views
-        extra = (scores_ref[0], s_smem)
+    def scoped(q_smem, union, p_smem, *rest):
+      (k_smem, v_smem, *s_smem), o_smem = union    # the union's two views
+      extra = (scores_ref[0], s_smem[0]) if score_rows else ()
       body(tables_ref, counts_ref, lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
            q_smem, k_smem, v_smem, p_smem, o_smem, *rest, *extra)
     pl.run_scoped(scoped, *scratch)
@@ -482,7 +488,7 @@ def _layout(q_shape, cache_shape, table_len: int, *, block_size: int, sparse_que
   segments = _plan_segments(
       config, batch=b, num_kv_heads=hkv, group=group, num_queries=tq,
       sparse_queries=sparse_queries, list_tiles=table_len * (block_size // block_kv),
-      full_tiles=capacity // block_kv)
+      full_tiles=capacity // block_kv, slots=config.slots(block_size))
   selected = dict(zip((False, True), num_score_queries))       # full? -> selected queries
   slot_ids = iter(range(len(segments)))
   segments = tuple(dataclasses.replace(seg, score_slot=next(slot_ids)) if selected[seg.full]
@@ -582,8 +588,8 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     queries = slice(seg.first_query, seg.first_query + seg.num_queries)
     if use_kernel:
       blocks = slice(seg.first_qblock, seg.first_qblock + seg.q_blocks)
-      parts = with_partial(acc_s, m2_s, l_s, tuple(x[:, :, blocks] for x in extra))
-      out, lse = combine_partials(*parts, q[:, queries], [], group=group)
+      out, lse = combine_partials(acc_s, m2_s, l_s, q[:, queries], [], group=group,
+                                  extra=tuple(x[:, :, blocks] for x in extra))
     else:
       out, lse = combine_partials(acc_s, m2_s, l_s, q[:, queries],
                                   [(k_new, v_new, mask[queries][None])], group=group)

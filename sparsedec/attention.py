@@ -313,7 +313,6 @@ def _kernel_choice(q: jax.Array, k_cache: jax.Array, plan: AttentionPlan,
   decode_attention: every segment reads FullView. sparse_attention: a BlockListView segment
   first, then optionally one FullView segment (FAFO's plan). quant_attention: every segment is
   a QuantView (one kernel call per segment)."""
-  from pallas_kernels.decode_attention import DecodeConfig
   if any(isinstance(seg.view, QuantView) for seg in plan.segments):
     return _quant_kernel_choice(q, plan, window)
   if window is not None and window < k_cache.shape[2] + q.shape[1]:
@@ -324,9 +323,8 @@ def _kernel_choice(q: jax.Array, k_cache: jax.Array, plan: AttentionPlan,
     return None, f"head_dim {q.shape[-1]} is not a multiple of 64"
   views = [seg.view for seg in plan.segments]
   if all(isinstance(v, FullView) for v in views):
-    if k_cache.shape[2] % DecodeConfig().block_kv:
-      return None, (f"cache capacity {k_cache.shape[2]} is not a multiple of "
-                    f"{DecodeConfig().block_kv}")
+    if k_cache.shape[2] % 64:      # decode_attention's smallest tile (DecodeConfig.resolve)
+      return None, f"cache capacity {k_cache.shape[2]} is not a multiple of 64"
     return "decode", ""
   if (isinstance(views[0], BlockListView) and all(isinstance(v, FullView) for v in views[1:])
       and plan.segments[0].start == 0):

@@ -186,13 +186,16 @@ def test_empty_cache_and_empty_mask_row_gives_zero_output():
   assert np.all(np.isneginf(np.asarray(lse[:, 0])))
 
 
-def test_more_than_64_query_rows_uses_several_q_blocks():
-  """G * Tq = 8 * 9 = 72 rows: two 64-row q blocks per KV head; default 128-row KV tiles."""
+@pytest.mark.parametrize("num_queries", [9, 17])
+def test_more_than_64_query_rows_uses_several_q_blocks(num_queries):
+  """G * Tq = 8 * 9 = 72 rows: two 64-row q blocks per KV head, default 128-row KV tiles;
+  8 * 17 = 136 rows: three q blocks, default 64-row tiles (two per 128-slot cache)."""
   q, k_cache, v_cache, k_new, v_new = _inputs(
-      3, batch=1, num_queries=9, num_q_heads=8, num_kv_heads=1, head_dim=64, capacity=128,
-      dtype=jnp.bfloat16)
-  _check(q, k_cache, v_cache, jnp.array([100], jnp.int32), k_new, v_new,
-         jnp.tril(jnp.ones((9, 9), bool)), DecodeConfig(num_splits=1))
+      3, batch=1, num_queries=num_queries, num_q_heads=8, num_kv_heads=1, head_dim=64,
+      capacity=128, dtype=jnp.bfloat16)
+  mask = jnp.tril(jnp.ones((num_queries, num_queries), bool))
+  _check(q, k_cache, v_cache, jnp.array([100], jnp.int32), k_new, v_new, mask,
+         DecodeConfig(num_splits=1))
 
 
 def test_bad_inputs_are_rejected_in_plain_words():
@@ -204,11 +207,33 @@ def test_bad_inputs_are_rejected_in_plain_words():
   q, k_cache, v_cache, k_new, v_new = _inputs(
       0, batch=1, num_queries=1, num_q_heads=2, num_kv_heads=2, head_dim=64, capacity=192,
       dtype=jnp.bfloat16)
-  with pytest.raises(ValueError, match="multiple of block_kv"):
+  with pytest.raises(ValueError, match="multiple of block_kv=128"):
+    decode_attention(q, k_cache, v_cache, jnp.array([1]), k_new, v_new, jnp.ones((1, 1), bool),
+                     config=DecodeConfig(block_kv=128))
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      0, batch=1, num_queries=1, num_q_heads=2, num_kv_heads=2, head_dim=64, capacity=96,
+      dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="multiple of block_kv=64"):
     decode_attention(q, k_cache, v_cache, jnp.array([1]), k_new, v_new, jnp.ones((1, 1), bool))
+  with pytest.raises(ValueError, match="target_blocks must be >= 1"):
+    DecodeConfig(target_blocks=0)
 
 
-@pytest.mark.parametrize("num_queries,score_queries", [(1, ()), (16, ()), (1, (0,)), (16, (9, 2))])
+def test_default_tiling_follows_the_query_rows():
+  """128-key tiles, one block per SM, while the rows fit two q blocks; 64-key tiles and two
+  blocks per SM from three on, or when the capacity is not a multiple of 128."""
+  narrow = DecodeConfig().resolve(q_blocks=2, capacity=4096)
+  assert (narrow.block_kv, narrow.target_blocks) == (128, 132)
+  wide = DecodeConfig().resolve(q_blocks=3, capacity=4096)
+  assert (wide.block_kv, wide.target_blocks) == (64, 264)
+  assert DecodeConfig().resolve(q_blocks=1, capacity=192).block_kv == 64
+  assert DecodeConfig(num_stages=3).resolve(q_blocks=3, capacity=4096).target_blocks == 132
+  fixed = DecodeConfig(block_kv=128, target_blocks=7).resolve(q_blocks=4, capacity=4096)
+  assert (fixed.block_kv, fixed.target_blocks) == (128, 7)
+
+
+@pytest.mark.parametrize("num_queries,score_queries",
+                         [(1, ()), (16, ()), (1, (0,)), (16, (9, 2)), (43, ()), (43, (0, 5))])
 def test_lowers_to_mosaic_gpu_custom_call_for_cuda(num_queries, score_queries):
   """The H100 benchmark shape lowers (Pallas -> Mosaic GPU MLIR -> stablehlo custom call) on a
   CPU-only machine, also with the score output (its SMEM, with the default tiling, must fit:

@@ -1,0 +1,85 @@
+"""How many splits (thread blocks) each query block's KV range is cut into (flash-decoding).
+
+Shared by `decode_attention` and `sparse_attention`. A kernel launch is a list of work items:
+per copy (one (row, KV head) pair; `copies` of them, all alike) and per segment, `q_blocks` query
+blocks times `splits` contiguous runs of that segment's `tiles` KV tiles. The GPU hands thread
+blocks to its `slots` resident places (SMs x blocks per SM) in launch order, each as soon as one
+is free, so the time of a launch is the makespan of that list schedule. Each item costs its tiles
+plus a fixed `overhead` (in tiles: the prologue's loads before the first tile arrives, writing the
+partial and reading it back in the combine).
+
+`split_counts` picks, per segment, the split count whose simulated makespan is the smallest
+(ties: fewer items). One rule covers the cases a fixed "fill one wave" rule got wrong: a short
+list segment beside a long full-cache one (FAFO's step: 15 q blocks on a 1K list and 3 on a 32K
+cache got one split each, so 24 blocks streamed the whole cache while the rest of the GPU idled),
+and more q blocks than slots (Lookahead's 18 q blocks x 8 heads: one split each left a second,
+nearly empty wave of full-length items).
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+
+OVERHEAD_TILES = 2.0     # per work item, in KV tiles (prologue latency + partial write/read)
+MAX_WAVES = 16           # candidates with more items than this many waves are not simulated
+
+
+def split_tiles(tiles: int, splits: int) -> list[int]:
+  """Tiles of each split when `tiles` are shared out as the kernels do (cdiv per split)."""
+  per = -(-tiles // splits)
+  return [max(0, min(per, tiles - i * per)) for i in range(splits)]
+
+
+def makespan(items: tuple[int, ...], *, copies: int, slots: int, overhead: float) -> float:
+  """Finish time of `copies` repeats of `items` (tiles per item, launch order) list-scheduled on
+  `slots` places, each item taking its tiles + `overhead`."""
+  if copies * len(items) <= slots:
+    return max(items, default=0) + overhead
+  free = [0.0] * slots                # a min-heap of the places' next free times
+  for _ in range(copies):
+    for tiles in items:
+      heapq.heapreplace(free, free[0] + tiles + overhead)
+  return max(free)
+
+
+@functools.lru_cache(maxsize=512)
+def split_counts(segments: tuple[tuple[int, int, int | None], ...], *, copies: int, slots: int,
+                 min_tiles: int, overhead: float = OVERHEAD_TILES) -> tuple[int, ...]:
+  """Split count per segment.
+
+  segments: (q_blocks, tiles, fixed) per segment in launch order, `tiles` the static bound on
+  the segment's KV tiles, `fixed` a split count to keep (None: choose). copies: (row, KV head)
+  pairs; slots: thread blocks resident at once; min_tiles: the fewest tiles a split may get
+  (never below one split). Items run segment by segment, q block by q block, split by split.
+  """
+  if slots < 1 or copies < 1 or min_tiles < 1:
+    raise ValueError(f"slots, copies and min_tiles must be >= 1, got {slots}, {copies}, "
+                     f"{min_tiles}")
+
+  def cap(tiles, fixed):
+    return fixed if fixed is not None else max(1, tiles // min_tiles)
+
+  # One item length L for the whole launch: every free segment is cut into items of at most L
+  # tiles. Candidate L: each free segment's achievable item lengths.
+  lengths = {1 << 62}
+  for _, tiles, fixed in segments:
+    if fixed is None:
+      lengths.update(-(-tiles // s) for s in range(1, cap(tiles, None) + 1))
+
+  def splits_for(length):
+    return tuple(fixed if fixed is not None else min(cap(tiles, None), max(1, -(-tiles // length)))
+                 for _, tiles, fixed in segments)
+
+  best, best_key = None, None
+  for length in sorted(lengths, reverse=True):
+    splits = splits_for(length)
+    num_items = copies * sum(qb * s for (qb, _, _), s in zip(segments, splits))
+    if best is not None and num_items > MAX_WAVES * slots:
+      break
+    items = tuple(t for (qb, tiles, _), s in zip(segments, splits)
+                  for _ in range(qb) for t in split_tiles(tiles, s))
+    key = (makespan(items, copies=copies, slots=slots, overhead=overhead), num_items)
+    if best_key is None or key < best_key:
+      best, best_key = splits, key
+  return best

@@ -1,0 +1,71 @@
+"""The split planner shared by decode_attention and sparse_attention (pure Python, no kernel)."""
+
+import itertools
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from pallas_kernels.split_plan import makespan, split_counts, split_tiles
+
+
+def test_split_tiles_shares_out_like_the_kernels():
+  assert split_tiles(10, 3) == [4, 4, 2]
+  assert split_tiles(4, 3) == [2, 2, 0]          # cdiv per split: the last split gets nothing
+  assert split_tiles(7, 1) == [7]
+
+
+def test_makespan_is_a_list_schedule():
+  # 3 items on 2 places: 5 and 1 start at once; 1 finishes first and takes 4 -> max(5, 1 + 4).
+  assert makespan((5, 1, 4), copies=1, slots=2, overhead=0) == 5
+  assert makespan((5, 1, 4), copies=1, slots=2, overhead=1) == 7        # (1+1) + (4+1) > 5+1
+  assert makespan((2,), copies=4, slots=2, overhead=0) == 4             # two waves of two
+  assert makespan((3, 3), copies=1, slots=8, overhead=0.5) == 3.5       # fewer items than places
+
+
+def _items(segments, splits):
+  return tuple(t for (qb, tiles, _), s in zip(segments, splits)
+               for _ in range(qb) for t in split_tiles(tiles, s))
+
+
+def test_one_query_block_fills_one_wave():
+  # decode at Tq = 1, B = 1, 8 KV heads, 64K / 128-key tiles: 16 splits = 128 blocks <= 132.
+  assert split_counts(((1, 512, None),), copies=8, slots=132, min_tiles=2) == (16,)
+  # B = 8: two splits per (row, head) already fill the GPU.
+  assert split_counts(((1, 512, None),), copies=64, slots=132, min_tiles=2) == (2,)
+  # Never fewer than min_tiles tiles per split.
+  assert split_counts(((1, 6, None),), copies=1, slots=132, min_tiles=2) == (3,)
+
+
+def test_long_full_segment_beside_short_list_gets_the_splits():
+  # FAFO's step at 32K: 15 q blocks read a 16-tile list, 3 q blocks the 528-tile cache.
+  segments = ((15, 16, None), (3, 528, None))
+  splits = split_counts(segments, copies=8, slots=132, min_tiles=1)
+  assert splits[0] == 1 and splits[1] > 8
+  one_wave_rule = (1, 1)       # what "fill 132 blocks, list first" gave before
+  assert (makespan(_items(segments, splits), copies=8, slots=132, overhead=2)
+          < 0.3 * makespan(_items(segments, one_wave_rule), copies=8, slots=132, overhead=2))
+
+
+def test_fixed_split_counts_are_kept():
+  assert split_counts(((15, 16, 4), (3, 528, None)), copies=8, slots=132, min_tiles=1)[0] == 4
+  assert split_counts(((15, 16, None), (3, 528, 2)), copies=8, slots=132, min_tiles=1)[1] == 2
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match="slots"):
+    split_counts(((1, 8, None),), copies=1, slots=0, min_tiles=1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(qbs=st.lists(st.integers(1, 6), min_size=1, max_size=2),
+       tiles=st.lists(st.integers(1, 40), min_size=2, max_size=2),
+       copies=st.integers(1, 8), slots=st.integers(1, 24))
+def test_choice_is_close_to_the_best_split_counts(qbs, tiles, copies, slots):
+  """The planner searches one common item length, not every split vector; against the best of
+  all vectors its simulated launch is at most 1.25x longer (1.2x worst in 3000 random cases)."""
+  segments = tuple((qb, t, None) for qb, t in zip(qbs, tiles))
+  chosen = split_counts(segments, copies=copies, slots=slots, min_tiles=1)
+  assert all(1 <= s <= t for s, (_, t, _) in zip(chosen, segments))
+  best = min(makespan(_items(segments, splits), copies=copies, slots=slots, overhead=2)
+             for splits in itertools.product(*[range(1, t + 1) for _, t, _ in segments]))
+  assert makespan(_items(segments, chosen), copies=copies, slots=slots, overhead=2) <= 1.25 * best
