@@ -5,7 +5,7 @@ named config in one run (profiler device time per call, calls chained inside one
 
 Configs: "default" (what the kernels pick: DecodeConfig.resolve, SparseConfig.slots) and
 "one_per_sm" (128-key tiles where the block size allows, one thread block per SM: the tiling
-before two blocks per SM). Shapes: Llama-3.1-8B attention (Hq 32, Hkv 8, D 128, bf16), B = 1 and
+before two blocks per SM); for decode with Tq * G <= 64 also deeper K/V rings. Shapes: Llama-3.1-8B attention (Hq 32, Hkv 8, D 128, bf16), B = 1 and
 8. The sparse cases are FAFO's step (a 1K-slot StreamingLLM region of 64-slot blocks for the
 fumble queries, then the verification queries on the full cache) and a Quest-like Tq = 1 read of
 1.6% of the blocks.
@@ -34,6 +34,11 @@ SPARSE_CASES = ((1, 4096, 283, 240, 16), (1, 32768, 283, 240, 16), (1, 32768, 10
 BLOCK_SIZE = 64
 DECODE_CONFIGS = {"default": DecodeConfig(),
                   "one_per_sm": DecodeConfig(block_kv=128, target_blocks=132)}
+# Deeper K/V rings, tried on the narrow (Tq * G <= 64) decode cases only: more bytes in flight
+# during the ramp (128-key tiles with 3 stages exceed the SMEM by 1 KiB; 64-key tiles with 6
+# stages take 216 KiB).
+NARROW_CONFIGS = {"bk64_4_stages": DecodeConfig(block_kv=64, num_stages=4, target_blocks=132),
+                  "bk64_6_stages": DecodeConfig(block_kv=64, num_stages=6, target_blocks=132)}
 SPARSE_CONFIGS = {"default": SparseConfig(), "one_per_sm": SparseConfig(target_blocks=132)}
 
 
@@ -51,7 +56,9 @@ def _time(fn, q, k, v, nbytes: float, bw: float) -> dict:
   t = time_loop(fn, q, k, v, num_calls=max(20, int(2e9 / max(nbytes, 1e6))), profile=True,
                 unroll=4)
   dev = t.get("device_s")
+  mosaic = t.get("device_time_by_kernel", {}).get("entry_mosaic_gpu_kernel")
   return dict(call_us=t["min_s"] * 1e6, device_us=dev * 1e6 if dev else None,
+              mosaic_us=mosaic * 1e6 if mosaic else None,
               kernels_per_call=t.get("kernels_per_call"),
               frac_read_bw=nbytes / dev / bw if dev else None)
 
@@ -62,14 +69,18 @@ def _rows(bw: float):
     lengths = jnp.full((b,), s, jnp.int32)
     mask = jnp.tril(jnp.ones((tq, tq), bool))
     ref = None
-    for name, cfg in DECODE_CONFIGS.items():
+    configs = dict(DECODE_CONFIGS, **(NARROW_CONFIGS if tq * HQ // HKV <= 64 else {}))
+    for name, cfg in configs.items():
       f = functools.partial(decode_attention, config=cfg)
-      out = jax.jit(f)(q, k, v, lengths, kn, vn, mask).astype(jnp.float32)
-      ref = out if ref is None else ref
-      row = dict(kernel="decode", B=b, S=s, Tq=tq, config=name,
-                 max_abs_diff_vs_first=float(jnp.abs(out - ref).max()),
-                 **_time(lambda q_, k_, v_: f(q_, k_, v_, lengths, kn, vn, mask), q, k, v,
-                         2 * k.nbytes, bw))
+      row = dict(kernel="decode", B=b, S=s, Tq=tq, config=name)
+      try:
+        out = jax.jit(f)(q, k, v, lengths, kn, vn, mask).astype(jnp.float32)
+        ref = out if ref is None else ref
+        row.update(max_abs_diff_vs_first=float(jnp.abs(out - ref).max()),
+                   **_time(lambda q_, k_, v_: f(q_, k_, v_, lengths, kn, vn, mask), q, k, v,
+                           2 * k.nbytes, bw))
+      except Exception as e:  # noqa: BLE001  (a config that does not compile is a result too)
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
       print(row, flush=True)
       yield row
     del k, v

@@ -43,6 +43,7 @@ SMOLLM2_135M = ModelConfig(
 ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ap.add_argument("--gguf", default=DEFAULT_SMOLLM2_GGUF)
 ap.add_argument("--random-weights", action="store_true")
+ap.add_argument("--out", default=None, help="JSON path (default: $OUT/ngram_step_profile.json)")
 ap.add_argument("--guesses", type=int, default=20)
 ap.add_argument("--length", type=int, default=4, help="FAFO k = Lookahead N - 1")
 ap.add_argument("--top", type=int, default=25, help="kernels listed per method")
@@ -78,5 +79,5 @@ for name in ["dense", "fafo", "lookahead"]:
                    top_us={k: v * 1e6 for k, v in dt.get("device_time_by_kernel", {}).items()},
                    top_launches=dt.get("launches_by_kernel", {}))
   print(name, json.dumps(out[name], indent=1), flush=True)
-  with open(os.path.join(default_out_dir(), "ngram_step_profile.json"), "w") as f:
+  with open(args.out or os.path.join(default_out_dir(), "ngram_step_profile.json"), "w") as f:
     json.dump(out, f, indent=1)

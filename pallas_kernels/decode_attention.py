@@ -144,7 +144,7 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   """Split partials of the cache part.
 
   q_rows [B, Hkv, NQB * 64, D] (row r of q block j is query row j * 64 + r, r = t * G + g);
-  k_cache, v_cache [B, Hkv, S, D]; lengths [B] int32 (already clipped to [0, S]).
+  k_cache, v_cache [B, Hkv, S, D]; lengths [B] int32 (the kernel clips them to [0, S]).
   Returns acc [B, Hkv, NQB, NS, rows_out, D] fp32 (un-normalised), m [B, Hkv, NQB, NS, 64] fp32
   (row max of the scaled scores, in log2 units, -inf for an empty split) and
   l [B, Hkv, NQB, NS, 64] fp32 (sum of exp2(score - m)); with score_rows > 0 (a multiple of 8,
@@ -185,7 +185,7 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     qb = lax.rem(head_qblock, jnp.int32(q_blocks))
 
     # The valid tiles of this row are shared out among the splits at run time.
-    length = lengths_ref[b]
+    length = jnp.minimum(jnp.maximum(lengths_ref[b], 0), capacity)     # clipped to [0, S]
     num_tiles = lax.div(length + (block_kv - 1), jnp.int32(block_kv))
     tiles_per_split = lax.div(num_tiles + (num_splits - 1), jnp.int32(num_splits))
     first_tile = split * tiles_per_split
@@ -388,8 +388,7 @@ def _rows_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   config = config.resolve(q_blocks, capacity)
   rows_out = BLOCK_M if q_blocks > 1 else -(-num_queries * group // 8) * 8
   num_splits = _pick_num_splits(config, b, hkv, q_blocks, capacity)
-  lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
-  return _cache_partials(q_rows, k_cache, v_cache, lengths, rows_out=rows_out,
+  return _cache_partials(q_rows, k_cache, v_cache, lengths.astype(jnp.int32), rows_out=rows_out,
                          num_splits=num_splits, cfg=config,
                          score_rows=score_rows(num_score_queries, group), interpret=interpret)
 

@@ -593,7 +593,7 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     else:
       out, lse = combine_partials(acc_s, m2_s, l_s, q[:, queries],
                                   [(k_new, v_new, mask[queries][None])], group=group)
-    outs.append(out)
+    outs.append(out.astype(q.dtype))               # concatenated in q's dtype: half the bytes
     lses.append(lse)
     if seg.score_slot >= 0:
       lengths_c = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
@@ -611,7 +611,7 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   computed = sel_list + sel_full                   # the segments' order -> score_queries order
   if probs is not None and computed != sel:
     probs = probs[:, np.array([computed.index(t) for t in sel])]
-  return wrapper_outputs(out.astype(q.dtype), lse, probs, order, return_lse=return_lse)
+  return wrapper_outputs(out, lse, probs, order, return_lse=return_lse)
 
 
 # ----------------------------------------------------------------------------------------------

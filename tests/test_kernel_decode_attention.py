@@ -174,6 +174,15 @@ def test_single_query_decode_ragged_lengths_including_zero():
          jnp.ones((1, 1), bool), DecodeConfig(block_kv=64, num_splits=2, num_stages=2))
 
 
+def test_lengths_outside_the_capacity_are_clipped_in_the_kernel():
+  """A negative length reads no slot and one past S reads all S (the reference's semantics)."""
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      4, batch=2, num_queries=1, num_q_heads=4, num_kv_heads=1, head_dim=64, capacity=128,
+      dtype=jnp.bfloat16)
+  _check(q, k_cache, v_cache, jnp.array([-5, 1000], jnp.int32), k_new, v_new,
+         jnp.ones((1, 1), bool), DecodeConfig(num_splits=2))
+
+
 def test_empty_cache_and_empty_mask_row_gives_zero_output():
   """lengths = 0 and a query that sees no in-flight key: out 0 and lse -inf, as the reference."""
   q, k_cache, v_cache, k_new, v_new = _inputs(
