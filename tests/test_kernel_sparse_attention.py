@@ -355,16 +355,30 @@ def test_bad_inputs_are_rejected_in_plain_words():
     sparse_attention(*args(good), block_size=64, sparse_queries=3)
   with pytest.raises(ValueError, match="must divide block_size"):
     sparse_attention(*args(good), block_size=64, config=SparseConfig(block_kv=128))
+  with pytest.raises(ValueError, match="target_blocks must be >= 1"):
+    SparseConfig(target_blocks=0)
+
+
+def test_split_plan_fills_two_blocks_per_sm_with_64_key_tiles():
+  """64-key tiles with <= 2 stages: two thread blocks per SM (88 KiB of SMEM each); 128-key
+  tiles or deeper rings: one; an explicit target_blocks wins."""
+  assert SparseConfig().slots(block_size=64) == 264
+  assert SparseConfig().slots(block_size=128) == 132
+  assert SparseConfig(num_stages=3).slots(block_size=64) == 132
+  assert SparseConfig(block_kv=64).slots(block_size=128) == 264
+  assert SparseConfig(target_blocks=5).slots(block_size=64) == 5
 
 
 @pytest.mark.parametrize("num_queries,sparse_queries,block_size,table_len,score_queries",
                          [(1, None, 128, 2, ()), (16, 8, 64, 4, ()), (16, 16, 256, 4, ()),
-                          (1, None, 128, 2, (0,)), (16, 8, 64, 4, (12, 3))])
+                          (1, None, 128, 2, (0,)), (16, 8, 64, 4, (12, 3)),
+                          (283, 240, 64, 16, ()), (283, 240, 64, 16, (0, 250))])
 def test_lowers_to_mosaic_gpu_custom_call_for_cuda(num_queries, sparse_queries, block_size,
                                                    table_len, score_queries):
-  """The H100 benchmark shapes (S = 16K, 1.6% of the blocks listed) lower to the Mosaic GPU
-  custom call on a CPU-only machine, also with the score output (both segments; its SMEM must
-  fit); PTX generation happens later, in XLA:GPU."""
+  """The H100 benchmark shapes (S = 16K, 1.6% of the blocks listed) and FAFO's 8B step (240
+  fumble queries on 16 blocks, 43 on the full cache) lower to the Mosaic GPU custom call on a
+  CPU-only machine, also with the score output (both segments; its SMEM must fit); PTX
+  generation happens later, in XLA:GPU."""
   b, hq, hkv, d, s, tq = 1, 32, 8, 128, 16384, num_queries
   sds = jax.ShapeDtypeStruct
   args = (sds((b, tq, hq, d), jnp.bfloat16), sds((b, hkv, s, d), jnp.bfloat16),
