@@ -73,13 +73,39 @@ _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 SM_COUNT = 132                    # H100 SXM / H200
+# The SMEM layout of every wgmma operand tile: (8, 64) tiles, 128-byte swizzle.
+SWIZZLED = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+SMEM_PER_SM = 227 * 1024          # shared memory one SM gives its resident blocks
 
 
-def resident_blocks(block_kv: int, num_stages: int) -> int:
-  """Thread blocks of the attention kernels that fit in one SM at D = 128 (bf16): two with
-  64-key tiles and at most 2 stages (Q 16 KiB + K/V rings 64 KiB, which the fp32 output tile
-  shares, + P 8 KiB: 88 KiB each of 227 KiB), else one (128-key tiles, 2 stages: 160 KiB)."""
-  return 2 if block_kv == 64 and num_stages <= 2 else 1
+def smem_bytes(block_kv: int, num_stages: int, head_dim: int, itemsize: int = 2) -> int:
+  """SMEM of one thread block of decode / sparse attention, a slight overestimate
+  (`loop_scratch` plus q, P, m, l and 4 KiB for barriers and alignment; Mosaic reported 2.6 KiB
+  more than the buffers for 128-key tiles, 3 stages): D = 128, bf16, 2 stages: 92 KiB with
+  64-key tiles, 164 KiB with 128-key tiles."""
+  rings = 2 * num_stages * block_kv * head_dim * itemsize
+  out = BLOCK_M * head_dim * 4                     # the fp32 output tile shares the rings
+  return (BLOCK_M * head_dim * itemsize + max(rings, out) + BLOCK_M * block_kv * itemsize
+          + 2 * BLOCK_M * 4 + 4096)
+
+
+def resident_blocks(block_kv: int, num_stages: int, head_dim: int) -> int:
+  """Thread blocks the split plan counts per SM: two with 64-key tiles when two fit in its SMEM
+  (measured on an H200 at D = 128: 12-20% faster on the wide path), else one (128-key tiles
+  keep one: two of them were not measured)."""
+  two_fit = 2 * smem_bytes(block_kv, num_stages, head_dim) <= SMEM_PER_SM
+  return 2 if block_kv == 64 and two_fit else 1
+
+
+def loop_scratch(num_stages: int, block_kv: int, head_dim: int, dtype, score_rows: int):
+  """The K and V rings [num_stages, block_kv, D] (and, with score_rows, the fp32 [64, block_kv]
+  score staging tile), live in the tile loop, in one union with the fp32 [64, D] output tile,
+  written after the loop when the rings are dead."""
+  ring = lambda: plgpu.SMEM((num_stages, block_kv, head_dim), dtype, **SWIZZLED)
+  loop_refs = (ring(), ring())
+  if score_rows:
+    loop_refs += (plgpu.SMEM((BLOCK_M, block_kv), jnp.float32),)
+  return plgpu.RefUnion(loop_refs, plgpu.SMEM((BLOCK_M, head_dim), jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +113,7 @@ class DecodeConfig:
   """Tiling of the kernel; `resolve` fills the fields left None for one call.
 
   block_kv: KV rows per tile, a multiple of 64. None: 128 while the query rows (Tq * G) fit in
-    two 64-row q blocks, else 64. H200, S = 16K..64K (`decode_sweep_s10_h200.json`): at Tq * G
+    two 64-row q blocks, else 64. H200, S = 16K..64K (`attention_tiling_s11_h200.json`): at Tq * G
     <= 64 the 128-key tiles are 3-7% faster; from Tq * G = 172 on, 64-key tiles with two thread
     blocks per SM are 14-20% faster (one 195-register warpgroup per SM leaves the tensor cores
     waiting on its own softmax; a second block fills those gaps).
@@ -112,7 +138,7 @@ class DecodeConfig:
     if self.target_blocks is not None and self.target_blocks < 1:
       raise ValueError(f"target_blocks must be >= 1, got {self.target_blocks}")
 
-  def resolve(self, q_blocks: int, capacity: int) -> "DecodeConfig":
+  def resolve(self, q_blocks: int, capacity: int, head_dim: int = 128) -> "DecodeConfig":
     """This config with block_kv and target_blocks filled in for a call with `q_blocks` 64-row
     q blocks per KV head over a cache of `capacity` slots (a multiple of 64)."""
     block_kv = self.block_kv
@@ -120,7 +146,7 @@ class DecodeConfig:
       block_kv = 128 if q_blocks <= 2 and capacity % 128 == 0 else 64
     target = self.target_blocks
     if target is None:
-      target = SM_COUNT * resident_blocks(block_kv, self.num_stages)
+      target = SM_COUNT * resident_blocks(block_kv, self.num_stages, head_dim)
     return dataclasses.replace(self, block_kv=block_kv, target_blocks=target)
 
 
@@ -273,17 +299,10 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     plgpu.copy_smem_to_gmem(l_smem, l_out_ref.at[b, h, qb, split])
     plgpu.wait_smem_to_gmem(0)
 
-  swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
-  ring = lambda: plgpu.SMEM((num_stages, block_kv, head_dim), dtype, **swizzled)
-  loop_refs = (ring(), ring())                     # the K and V rings, live in the loop
-  if score_rows:                                   # and the score tile's staging buffer
-    loop_refs += (plgpu.SMEM((BLOCK_M, block_kv), jnp.float32),)
   scratch = [
-      plgpu.SMEM((BLOCK_M, head_dim), dtype, **swizzled),
-      # The fp32 output tile is written after the loop, when the rings are dead: it shares their
-      # memory (32 KiB less SMEM; at block_kv = 64, 2 stages, two blocks fit in an SM).
-      plgpu.RefUnion(loop_refs, plgpu.SMEM((BLOCK_M, head_dim), jnp.float32)),
-      plgpu.SMEM((BLOCK_M, block_kv), dtype, **swizzled),
+      plgpu.SMEM((BLOCK_M, head_dim), dtype, **SWIZZLED),
+      loop_scratch(num_stages, block_kv, head_dim, dtype, score_rows),
+      plgpu.SMEM((BLOCK_M, block_kv), dtype, **SWIZZLED),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.Barrier(),
@@ -385,7 +404,7 @@ def _rows_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   b, hkv, m_total, _ = q_rows.shape
   capacity = k_cache.shape[2]
   q_blocks = m_total // BLOCK_M
-  config = config.resolve(q_blocks, capacity)
+  config = config.resolve(q_blocks, capacity, q_rows.shape[3])
   rows_out = BLOCK_M if q_blocks > 1 else -(-num_queries * group // 8) * 8
   num_splits = _pick_num_splits(config, b, hkv, q_blocks, capacity)
   return _cache_partials(q_rows, k_cache, v_cache, lengths.astype(jnp.int32), rows_out=rows_out,

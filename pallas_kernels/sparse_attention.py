@@ -79,7 +79,7 @@ from pallas_kernels.inflight_attention import inflight_partials, mask_bias, pack
 from pallas_kernels.split_plan import split_counts
 
 from pallas_kernels.decode_attention import (_SUPPORTED_DTYPES, BLOCK_M, LOG2E, SM_COUNT,
-                                            resident_blocks)
+                                            SWIZZLED, loop_scratch, resident_blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,11 +121,11 @@ class SparseConfig:
       return self.block_kv
     return 128 if block_size % 128 == 0 else 64
 
-  def slots(self, block_size: int) -> int:
+  def slots(self, block_size: int, head_dim: int = 128) -> int:
     """Resident thread blocks the split plan fills."""
     if self.target_blocks is not None:
       return self.target_blocks
-    return SM_COUNT * resident_blocks(self.tile_rows(block_size), self.num_stages)
+    return SM_COUNT * resident_blocks(self.tile_rows(block_size), self.num_stages, head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,17 +342,10 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
     plgpu.copy_smem_to_gmem(l_smem, l_out_ref.at[b, h, work])
     plgpu.wait_smem_to_gmem(0)
 
-  swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
-  ring = lambda: plgpu.SMEM((num_stages, block_kv, head_dim), dtype, **swizzled)
-  loop_refs = (ring(), ring())                     # the K and V rings, live in the loop
-  if score_rows:                                   # and the score tile's staging buffer
-    loop_refs += (plgpu.SMEM((BLOCK_M, block_kv), jnp.float32),)
   scratch = [
-      plgpu.SMEM((BLOCK_M, head_dim), dtype, **swizzled),
-      # The fp32 output tile is written after the loop, when the rings are dead: it shares their
-      # memory (with 64-key tiles and 2 stages, two blocks fit in an SM).
-      plgpu.RefUnion(loop_refs, plgpu.SMEM((BLOCK_M, head_dim), jnp.float32)),
-      plgpu.SMEM((BLOCK_M, block_kv), dtype, **swizzled),
+      plgpu.SMEM((BLOCK_M, head_dim), dtype, **SWIZZLED),
+      loop_scratch(num_stages, block_kv, head_dim, dtype, score_rows),
+      plgpu.SMEM((BLOCK_M, block_kv), dtype, **SWIZZLED),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.Barrier(),
@@ -488,7 +481,7 @@ def _layout(q_shape, cache_shape, table_len: int, *, block_size: int, sparse_que
   segments = _plan_segments(
       config, batch=b, num_kv_heads=hkv, group=group, num_queries=tq,
       sparse_queries=sparse_queries, list_tiles=table_len * (block_size // block_kv),
-      full_tiles=capacity // block_kv, slots=config.slots(block_size))
+      full_tiles=capacity // block_kv, slots=config.slots(block_size, q_shape[3]))
   selected = dict(zip((False, True), num_score_queries))       # full? -> selected queries
   slot_ids = iter(range(len(segments)))
   segments = tuple(dataclasses.replace(seg, score_slot=next(slot_ids)) if selected[seg.full]

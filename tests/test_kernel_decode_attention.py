@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.decode_attention import (DecodeConfig, decode_attention,
+from pallas_kernels.decode_attention import (DecodeConfig, decode_attention, resident_blocks,
                                              decode_attention_reference)
 
 INTERPRET = plgpu.InterpretGPUParams()
@@ -226,6 +226,15 @@ def test_bad_inputs_are_rejected_in_plain_words():
     decode_attention(q, k_cache, v_cache, jnp.array([1]), k_new, v_new, jnp.ones((1, 1), bool))
   with pytest.raises(ValueError, match="target_blocks must be >= 1"):
     DecodeConfig(target_blocks=0)
+
+
+def test_two_blocks_per_sm_only_where_two_fit():
+  """64-key tiles, 2 stages, D <= 128: two blocks; a third stage, D = 256 or 128-key tiles: one."""
+  assert resident_blocks(64, 2, 128) == 2 and resident_blocks(64, 2, 64) == 2
+  assert resident_blocks(64, 3, 128) == 1
+  assert resident_blocks(64, 2, 256) == 1
+  assert resident_blocks(128, 2, 64) == 1
+  assert DecodeConfig().resolve(q_blocks=3, capacity=4096, head_dim=256).target_blocks == 132
 
 
 def test_default_tiling_follows_the_query_rows():
