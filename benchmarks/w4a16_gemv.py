@@ -5,12 +5,10 @@ w_down 14336->4096, x with M in {1, 4} bf16 rows, quant group 128.
 Per shape and M, three implementations:
   pallas       `w4a16_matmul` on the "int4_t" codes [In/64, Out, 64] (the kernel + its wrapper's
                x padding / xsum and split-K sum: what `quant_matmul` runs for "int4_t")
-  triton       `w4a16_words_matmul` (`pallas_kernels.w4a16_gemv_triton`, the Triton-lowered
-               CUDA-core GEMV) on the "int4_words" codes [In/8, Out] uint32, M <= 4
   int4_reduce  `quant_matmul` on the "int4_reduce" layout (XLA: one fused multiply-and-reduce
                over the int4 codes [In, Out]; the draft's current best path)
   dense_bf16   jnp.dot(x, w) with the dequantized weight in bf16 (what the draft replaces)
---sweep adds the kernels under further tilings (block_out, groups_per_stage, stages, target
+--sweep adds the kernel under further tilings (block_out, groups_per_stage, stages, target
 blocks). The weights are random codes / scales / zeros generated on the device; every
 implementation multiplies the same quantized weight (dense: its bf16 rounding).
 
@@ -52,8 +50,6 @@ from benchmarks._timing import (add_loop_args, default_out_dir, loop_fields,  # 
                                 loop_summary, max_abs_err, read_bandwidth, time_loop, write_json)
 from pallas_kernels.w4a16_gemv import (CHUNK, W4A16Config, dequantize,  # noqa: E402
                                        from_chunked, plan, w4a16_matmul, w4a16_reference)
-from pallas_kernels.w4a16_gemv_triton import (TritonW4A16Config, to_words,  # noqa: E402
-                                              w4a16_words_matmul)
 from sparsedec.model.quant_weights import QuantWeight, quant_matmul  # noqa: E402
 
 GROUP = 128
@@ -61,14 +57,11 @@ DTYPE = jnp.bfloat16
 LLAMA_8B = {"wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 28672),
             "w_down": (14336, 4096)}
 TINY = {"tiny_a": (256, 128), "tiny_b": (200, 192)}          # --interpret (CPU)
-IMPLS = ("pallas", "triton", "int4_reduce", "dense_bf16")
+IMPLS = ("pallas", "int4_reduce", "dense_bf16")
 # --sweep: (block_out, groups_per_stage, num_stages, target_blocks) beside the default.
 SWEEP = ((64, 1, 2, 528), (64, 1, 8, 528), (64, 2, 4, 528), (64, 4, 4, 528), (128, 1, 4, 528),
          (128, 2, 3, 528), (128, 2, 4, 264), (256, 1, 4, 528), (256, 2, 3, 132), (64, 1, 4, 264),
          (64, 1, 4, 1056), (64, 1, 4, 132))
-# --sweep, the Triton kernel: (block_out, target_blocks, num_warps, num_stages).
-TRITON_SWEEP = ((64, 264, 4, 4), (256, 264, 4, 4), (128, 132, 4, 4), (128, 528, 4, 4),
-                (128, 264, 8, 4), (128, 264, 4, 2), (128, 264, 4, 6), (256, 528, 8, 4))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,7 +87,6 @@ def _dense(codes_t, scale, zero, n_in):
 
 _dense_jit = jax.jit(_dense, static_argnums=3)
 _kn_jit = jax.jit(from_chunked)
-_words_jit = jax.jit(lambda codes_t: to_words(from_chunked(codes_t).astype(jnp.int32) + 8))
 
 
 def w4_bytes(m: int, n_in: int, n_out: int) -> int:
@@ -115,13 +107,6 @@ def pallas_fn(n_in: int, config: W4A16Config, interpret):
   def fn(x, codes_t, scale, zero):
     return w4a16_matmul(x, codes_t, scale, zero, in_features=n_in, group=GROUP, config=config,
                         interpret=interpret)
-  return fn
-
-
-def triton_fn(n_in: int, config: TritonW4A16Config, interpret: bool):
-  def fn(x, words, scale, zero):
-    return w4a16_words_matmul(x, words, scale, zero, in_features=n_in, group=GROUP, config=config,
-                              interpret=interpret)
   return fn
 
 
@@ -213,8 +198,6 @@ class Bench:
 
 def _progress(e: dict) -> str:
   line = f"{e['shape']} M={e['M']} {e['impl']}"
-  if "triton_config" in e:
-    line += f" {e['triton_config']}"
   if "config" in e:
     c = e["plan"]
     line += (f" [bo={c['block_out']} gps={c['groups_per_stage']} st={c['num_stages']} "
@@ -230,8 +213,7 @@ def _progress(e: dict) -> str:
       f"(|ref| {e['ref_max_abs']:.2e})"
 
 
-def run_shape(bench: Bench, name: str, n_in: int, n_out: int, ms, impls, configs,
-              triton_configs=(TritonW4A16Config(),)):
+def run_shape(bench: Bench, name: str, n_in: int, n_out: int, ms, impls, configs):
   """All implementations and M for one weight shape (its copies generated once)."""
   w4 = w4_bytes(1, n_in, n_out)
   copies = bench.copies_for(w4)
@@ -240,7 +222,6 @@ def run_shape(bench: Bench, name: str, n_in: int, n_out: int, ms, impls, configs
   jax.block_until_ready(t4)
   bench.log(f"{name}: In={n_in} Out={n_out}, {w4 / 1e6:.1f} MB of W4 per call, {copies} copies")
   kn = [(_kn_jit(c), s, z) for c, s, z in t4] if "int4_reduce" in impls else None
-  words = [(_words_jit(c), s, z) for c, s, z in t4] if "triton" in impls else None
   dense = None
   if "dense_bf16" in impls:
     n_dense = bench.copies_for(dense_bytes(1, n_in, n_out))
@@ -259,11 +240,6 @@ def run_shape(bench: Bench, name: str, n_in: int, n_out: int, ms, impls, configs
                      blocks=p.out_tiles * p.splits)
         bench.measure(base, "pallas", pallas_fn(n_in, cfg, bench.interpret), x, t4,
                       nbytes=base["w4_bytes"], ref=ref, extra=extra)
-    if words is not None and m <= 4:
-      for cfg in triton_configs:
-        bench.measure(base, "triton", triton_fn(n_in, cfg, bench.interpret is not None), x,
-                      words, nbytes=base["w4_bytes"], ref=ref,
-                      extra=dict(triton_config=dataclasses.asdict(cfg)))
     if kn is not None:
       bench.measure(base, "int4_reduce", int4_reduce_fn(n_in), x, kn, nbytes=base["w4_bytes"],
                     ref=ref)
@@ -300,10 +276,7 @@ def main(argv=None) -> dict:
   ms = [int(t) for t in (args.rows or ("1" if args.quick else "1,4")).split(",")]
   impls = tuple(args.impls.split(","))
   configs = [W4A16Config()]
-  triton_configs = [TritonW4A16Config()]
   if args.sweep:
-    triton_configs += [TritonW4A16Config(block_out=b, target_blocks=t, num_warps=w, num_stages=s)
-                       for b, t, w, s in TRITON_SWEEP]
     configs += [W4A16Config(block_out=b, groups_per_stage=g, num_stages=s, target_blocks=t)
                 for b, g, s, t in SWEEP]
   if args.out:
@@ -356,7 +329,7 @@ def main(argv=None) -> dict:
 
   for name, (n_in, n_out) in shapes.items():
     try:
-      run_shape(bench, name, n_in, n_out, ms, impls, configs, triton_configs)
+      run_shape(bench, name, n_in, n_out, ms, impls, configs)
     except Exception as e:                                               # noqa: BLE001
       if args.verbose:
         traceback.print_exc()
@@ -389,9 +362,6 @@ def summary(measurements) -> list[str]:
     k, r = best.get((shape, m, "pallas")), best.get((shape, m, "int4_reduce"))
     if k and r:
       parts.append(f"pallas vs int4_reduce x{r['us_per_call'] / k['us_per_call']:.2f}")
-    t = best.get((shape, m, "triton"))
-    if k and t:
-      parts.append(f"triton vs pallas x{k['us_per_call'] / t['us_per_call']:.2f}")
     lines.append(f"{shape} M={m}: " + ", ".join(parts))
   return lines
 
