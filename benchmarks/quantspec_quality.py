@@ -7,7 +7,9 @@
    exactly as a one-token-per-step QuantSpec verifier would (`QuantView`'s per-query rule), then is
    committed to it. Target (issue): INT8 perplexity within +0.5% of full precision.
 2. Draft acceptance rate versus gamma, greedy, continuing a long book prompt (`--prompt-tokens`)
-   and MT-Bench turn-1 prompts. Target (issue): >= 90% at the best gamma.
+   and MT-Bench turn-1 prompts. Target (issue): >= 90% at the best gamma. The draft's weights are
+   `--weight-bits` 4 (group-wise, `--weight-group` input rows per group; the defaults, 4 and 128,
+   are QuantSpec's) or "none" (a KV-only draft: 4-bit KV view, full weights), for ablations.
 
   .venv/bin/python benchmarks/quantspec_quality.py --out benchmarks/results/quantspec_quality_cpu.json
 """
@@ -93,10 +95,15 @@ def main():
   ap.add_argument("--prompt-tokens", type=int, default=4096)
   ap.add_argument("--new-tokens", type=int, default=96)
   ap.add_argument("--mt-bench-prompts", type=int, default=4)
+  ap.add_argument("--weight-bits", default="4", choices=("4", "none"),
+                  help='draft weight bits: "4" (group-wise) or "none" (full-precision weights)')
+  ap.add_argument("--weight-group", type=int, default=128,
+                  help="input rows per 4-bit draft weight group")
   ap.add_argument("--skip-ppl", action="store_true")
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "quantspec_quality.json"))
   args = ap.parse_args()
+  weight_bits = None if args.weight_bits == "none" else int(args.weight_bits)
   cfg, params, tok = load_model(args.gguf, dtype=args.dtype)
   text_ids = np.asarray(tok.encode(book()), np.int32)
   result = {"benchmark": "QuantSpec quality and acceptance, SmolLM2-135M-Instruct",
@@ -125,10 +132,12 @@ def main():
                                         chat_template=True)}
   for name, ids in prompts.items():
     for gamma in args.gammas:
-      method = QuantSpec(gamma=gamma, quant_group=args.group, verify_precision="int8")
+      method = QuantSpec(gamma=gamma, quant_group=args.group, verify_precision="int8",
+                         weight_bits=weight_bits, weight_group=args.weight_group)
       res = generate(cfg, params, ids, method=method, max_new_tokens=args.new_tokens,
                      stop_tokens=())
-      row = {"prompts": name, "gamma": gamma, "tau": res.tau, **res.method_stats}
+      row = {"prompts": name, "gamma": gamma, "tau": res.tau, "weight_bits": weight_bits,
+             "weight_group": args.weight_group, **res.method_stats}
       result["acceptance"].append(row)
       log(f"{name} gamma={gamma}: acceptance {row.get('acceptance_rate')}, tau {res.tau:.3f}")
       save()

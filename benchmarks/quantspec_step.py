@@ -7,7 +7,8 @@ arguments, never closure constants. B = 1. Per context (ascending):
         timed by `step_roofline.step_time` (a fori_loop of --steps steps in one jit).
   (ii)  draft: one-token forwards with the 4-bit draft weights (`quantize_params`, per --layouts:
         "packed" = dequantize then matmul, the current path; "int4" = XLA-fusable int4 codes;
-        "int4_grouped" = per-group dots on the codes) reading `QuantView(bits=4)` of a random
+        "int4_grouped" = per-group dots on the codes; "none" = the full bf16 weights, a KV-only
+        draft, QuantSpec's `weight_bits=None`) reading `QuantView(bits=4)` of a random
         hierarchical cache (quant_attention on a GPU) plus the in-flight draft scratch
         (extra_len cycling 0 .. gamma_max - 1), argmax fed back; --steps forwards in one jit.
   (iii) verify: (gamma + 1)-token forwards with the full weights reading `QuantView(bits=8)`,
@@ -69,6 +70,7 @@ from sparsedec.model.quant_weights import (LAYOUTS, QUANTIZED_LINEARS, QuantWeig
 from pallas_kernels.quant_attention import QuantKV  # noqa: E402
 
 KINDS = ("dense", "quantspec")
+KV_ONLY = "none"          # --layouts entry: the draft keeps the full weights (weight_bits=None)
 DEFAULT_ACCEPTANCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                   "quantspec_quality_cpu.json")
 # --smoke: Llama-shaped but tiny (head_dim 64 so the kernels' shape rules are the same).
@@ -313,17 +315,20 @@ def dense_bytes(cfg: ModelConfig, params: dict, context: int, capacity: int) -> 
           "weight_bytes_read": weights - embed, "cache_bytes_read": per_token * context}
 
 
-def quantspec_bytes(cfg: ModelConfig, params: dict, draft_layer_bytes: int,
+def quantspec_bytes(cfg: ModelConfig, params: dict, draft_layer_bytes: int | None,
                     qcache: qkv.QuantizedCache) -> dict:
   """Storage and per-forward reads of QuantSpec: full weights + the draft's 4-bit linears; the
   hierarchical cache (codes, scales/zeros, buffer); the draft reads the draft linears + the rest
   of the full params but the embedding (lm_head, norms) and the 4-bit view + buffer, the verifier
-  the full weights and the 8-bit view + buffer."""
+  the full weights and the 8-bit view + buffer. draft_layer_bytes None: a KV-only draft (the
+  full linears, no 4-bit copy)."""
   embed = num_bytes({"e": params["embed"]})
   weights = num_bytes(params)
   linear_full = sum(num_bytes({n: lp[n]}) for lp in params["layers"] for n in QUANTIZED_LINEARS)
   quant_len = int(qcache.quant_len[0])
   buffer = sum(int(x.size) * x.dtype.itemsize for x in qcache.buf_k + qcache.buf_v)
+  if draft_layer_bytes is None:                       # KV-only: the draft reads the full linears
+    draft_layer_bytes, linear_full = 0, 0
   read = lambda bits: int(qkv.bytes_per_token(cfg.head_dim, cfg.num_kv_heads, cfg.num_layers,
                                               bits, qcache.group) * quant_len) + buffer
   return {"weight_bytes": weights + draft_layer_bytes, "full_weight_bytes": weights,
@@ -488,14 +493,16 @@ def run_quantspec(args, cfg: ModelConfig, rec: Recorder, bw: float) -> None:
     draft = None
     stored = None
     for layout in args.layouts:
-      storage = "packed" if layout == "packed" else "int4"
+      storage = {"packed": "packed", KV_ONLY: KV_ONLY}.get(layout, "int4")
       if stored != storage:                  # one 4-bit copy alive at a time
         draft = None
-        draft = draft_params_for(params, args.weight_group, storage)
+        draft = (params if storage == KV_ONLY
+                 else draft_params_for(params, args.weight_group, storage))
         jax.block_until_ready(draft)
         stored = storage
-      draft_l = params_to_layout(draft, layout)
-      b = quantspec_bytes(cfg, params, quantized_linear_bytes(draft_l), qcache)
+      draft_l = draft if layout == KV_ONLY else params_to_layout(draft, layout)
+      b = quantspec_bytes(cfg, params, None if layout == KV_ONLY
+                          else quantized_linear_bytes(draft_l), qcache)
 
       def measure_draft():
         t = time_draft(cfg, draft_l, qcache, width, args.steps, args.repeats, args.profile)
@@ -564,7 +571,9 @@ def parse_args(argv=None):
   ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
   ap.add_argument("--gammas", type=int, nargs="+", default=[2, 4, 6])
   ap.add_argument("--layouts", nargs="+", default=["packed", "int4", "int4_grouped", "int4_reduce"],
-                  choices=LAYOUTS, help="draft weight layouts to time (quant_weights.LAYOUTS)")
+                  choices=LAYOUTS + (KV_ONLY,),
+                  help=f"draft weight layouts to time (quant_weights.LAYOUTS; {KV_ONLY!r}: the "
+                       "full weights, a KV-only draft)")
   ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
   ap.add_argument("--steps", type=int, default=16, help="forwards / steps per timed loop")
   ap.add_argument("--repeats", type=int, default=3)

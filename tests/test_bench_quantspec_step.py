@@ -46,3 +46,18 @@ def test_acceptance_model():
       assert bench.expected_tokens(a, gamma) == pytest.approx(1 + rate * gamma, rel=1e-6)
   assert bench.expected_tokens(1.0, 4) == 5.0
   assert bench.quant_capacity(8192, 100, 128) == 8320
+
+
+def test_kv_only_draft_reads_the_full_weights(tmp_path):
+  """--layouts none: a KV-only draft (QuantSpec's weight_bits=None) keeps the full linears, so
+  it reads the verifier's weight bytes and stores no 4-bit copy, and gets a projection."""
+  out = tmp_path / "quantspec_step.json"
+  result = bench.main(["--smoke", "--no-isolate", "--kinds", "quantspec", "--layouts", "none",
+                       "int4", "--out", str(out)])
+  rows = {r.get("layout"): r for r in result["rows"] if r["kind"] == "draft"}
+  assert set(rows) == {"none", "int4"} and not [r for r in result["rows"] if "error" in r]
+  kv_only, four_bit = rows["none"]["bytes"], rows["int4"]["bytes"]
+  assert kv_only["draft_weight_bytes_read"] == kv_only["verify_weight_bytes_read"]
+  assert kv_only["draft_linear_bytes"] == 0
+  assert four_bit["draft_weight_bytes_read"] < four_bit["verify_weight_bytes_read"]
+  assert kv_only["draft_cache_bytes_read"] == four_bit["draft_cache_bytes_read"]

@@ -75,7 +75,8 @@ DRAFT_SAMPLINGS = ("sample", "argmax")
 class QuantSpecExtras:
   qcache: qkv.QuantizedCache   # the hierarchical codes + full-precision double buffer
   draft_params: Any            # the 4-bit params pytree, or None (the draft uses params)
-  drafted: jax.Array           # [B] int32: draft tokens proposed, summed over steps
+  drafted: jax.Array           # [B] int32: draft tokens proposed, summed over steps (a step cut
+                               # short by the budget or a stop token: its appended drafts only)
   accepted_drafts: jax.Array   # [B] int32: draft tokens accepted (and appended)
 
 
@@ -230,8 +231,13 @@ class QuantSpec:
     state = finish_step(state.replace(keys=keys))
     state, appended = append_tokens(state, verdict.tokens, verdict.num_tokens, ctx.stop_ids)
     accepted = jnp.maximum(jnp.minimum(verdict.accepted, appended - 1), 0)
+    # A step the token budget or a stop token cut short appended fewer tokens than the verdict
+    # holds: only its appended drafts count as proposed (all of them accepted), so the last step
+    # does not count drafts that were never used as rejections.
+    cut = appended < verdict.num_tokens
+    proposed = jnp.where(cut, accepted, g) * active
     extras = x.replace(qcache=qkv.commit(x.qcache, kv, appended),
-                       drafted=x.drafted + g * active,
+                       drafted=x.drafted + proposed,
                        accepted_drafts=x.accepted_drafts + accepted)
     return state.replace(cache=commit(state.cache, kv, appended), extras=extras)
 
