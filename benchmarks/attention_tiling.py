@@ -42,7 +42,8 @@ NARROW_CONFIGS = {"bk64_4_stages": DecodeConfig(block_kv=64, num_stages=4, targe
 SPARSE_CONFIGS = {"default": SparseConfig(), "one_per_sm": SparseConfig(target_blocks=132)}
 
 
-def _inputs(b: int, s: int, tq: int, seed: int):
+def inputs(b: int, s: int, tq: int, seed: int):
+  """Random bf16 q [B, Tq, Hq, D], k, v [B, Hkv, S, D], k_new, v_new [B, Tq, Hkv, D]."""
   ks = jax.random.split(jax.random.key(seed), 5)
   k = jax.random.normal(ks[0], (b, HKV, s, D), jnp.bfloat16)
   v = jax.random.normal(ks[1], (b, HKV, s, D), jnp.bfloat16)
@@ -50,6 +51,14 @@ def _inputs(b: int, s: int, tq: int, seed: int):
   kn = jax.random.normal(ks[3], (b, tq, HKV, D), jnp.bfloat16)
   vn = jax.random.normal(ks[4], (b, tq, HKV, D), jnp.bfloat16)
   return q, k, v, kn, vn
+
+
+def streaming_tables(b: int, s: int, n_blocks: int):
+  """A StreamingLLM-like list of 64-slot blocks, the first and the last n_blocks - 1, for every
+  (row, KV head): tables [B, Hkv, n_blocks] int32, counts [B, Hkv] int32."""
+  ids = np.r_[0, np.arange(s // BLOCK_SIZE - n_blocks + 1, s // BLOCK_SIZE)]
+  tables = jnp.broadcast_to(jnp.asarray(ids, jnp.int32), (b, HKV, n_blocks))
+  return tables, jnp.full((b, HKV), n_blocks, jnp.int32)
 
 
 def _time(fn, q, k, v, nbytes: float, bw: float) -> dict:
@@ -65,7 +74,7 @@ def _time(fn, q, k, v, nbytes: float, bw: float) -> dict:
 
 def _rows(bw: float):
   for b, s, tq in DECODE_CASES:
-    q, k, v, kn, vn = _inputs(b, s, tq, s + tq)
+    q, k, v, kn, vn = inputs(b, s, tq, s + tq)
     lengths = jnp.full((b,), s, jnp.int32)
     mask = jnp.tril(jnp.ones((tq, tq), bool))
     ref = None
@@ -85,12 +94,9 @@ def _rows(bw: float):
       yield row
     del k, v
   for b, s, tq, n_list, n_blocks in SPARSE_CASES:
-    q, k, v, kn, vn = _inputs(b, s, tq, s + tq + 1)
+    q, k, v, kn, vn = inputs(b, s, tq, s + tq + 1)
     lengths = jnp.full((b,), s, jnp.int32)
-    # StreamingLLM-like: the first block and the last n_blocks - 1.
-    ids = np.r_[0, np.arange(s // BLOCK_SIZE - n_blocks + 1, s // BLOCK_SIZE)]
-    tables = jnp.broadcast_to(jnp.asarray(ids, jnp.int32), (b, HKV, n_blocks))
-    counts = jnp.full((b, HKV), n_blocks, jnp.int32)
+    tables, counts = streaming_tables(b, s, n_blocks)
     mask = jnp.tril(jnp.ones((tq, tq), bool))
     listed = 2 * k.nbytes * n_blocks * BLOCK_SIZE / s
     nbytes = listed if n_list == tq else 2 * k.nbytes + listed

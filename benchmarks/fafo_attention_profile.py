@@ -18,14 +18,13 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from benchmarks._timing import default_out_dir, time_loop, write_json
+from benchmarks.attention_tiling import BLOCK_SIZE, inputs, streaming_tables
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.sparse_attention import SparseConfig, sparse_attention
 
-HQ, HKV, D = 32, 8, 128
-BLOCK_SIZE, N_LIST, N_BLOCKS, TQ = 64, 240, 16, 283
+N_LIST, N_BLOCKS, TQ = 240, 16, 283
 CONFIGS = {"default": SparseConfig(), "list_splits_2": SparseConfig(num_splits=2),
            "list_splits_4": SparseConfig(num_splits=4),
            "list_1_full_13": SparseConfig(num_splits=1, num_splits_full=13),
@@ -42,16 +41,9 @@ def _profile(fn, q, k, v) -> dict:
 
 def _rows(contexts):
   for s in contexts:
-    ks = jax.random.split(jax.random.key(s), 5)
-    k = jax.random.normal(ks[0], (1, HKV, s, D), jnp.bfloat16)
-    v = jax.random.normal(ks[1], (1, HKV, s, D), jnp.bfloat16)
-    q = jax.random.normal(ks[2], (1, TQ, HQ, D), jnp.bfloat16)
-    kn = jax.random.normal(ks[3], (1, TQ, HKV, D), jnp.bfloat16)
-    vn = jax.random.normal(ks[4], (1, TQ, HKV, D), jnp.bfloat16)
+    q, k, v, kn, vn = inputs(1, s, TQ, s)
     lengths = jnp.full((1,), s, jnp.int32)
-    ids = np.r_[0, np.arange(s // BLOCK_SIZE - N_BLOCKS + 1, s // BLOCK_SIZE)]
-    tables = jnp.broadcast_to(jnp.asarray(ids, jnp.int32), (1, HKV, N_BLOCKS))
-    counts = jnp.full((1, HKV), N_BLOCKS, jnp.int32)
+    tables, counts = streaming_tables(1, s, N_BLOCKS)
     mask = jnp.tril(jnp.ones((TQ, TQ), bool))
     n_full = TQ - N_LIST
     fkn, fvn = kn[:, N_LIST:], vn[:, N_LIST:]

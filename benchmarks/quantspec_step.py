@@ -493,16 +493,18 @@ def run_quantspec(args, cfg: ModelConfig, rec: Recorder, bw: float) -> None:
     draft = None
     stored = None
     for layout in args.layouts:
-      storage = {"packed": "packed", KV_ONLY: KV_ONLY}.get(layout, "int4")
-      if stored != storage:                  # one 4-bit copy alive at a time
-        draft = None
-        draft = (params if storage == KV_ONLY
-                 else draft_params_for(params, args.weight_group, storage))
-        jax.block_until_ready(draft)
-        stored = storage
-      draft_l = draft if layout == KV_ONLY else params_to_layout(draft, layout)
-      b = quantspec_bytes(cfg, params, None if layout == KV_ONLY
-                          else quantized_linear_bytes(draft_l), qcache)
+      if layout == KV_ONLY:                  # the draft reads the full weights
+        draft_l, linear_bytes = params, None
+      else:
+        storage = "packed" if layout == "packed" else "int4"
+        if stored != storage:                # one 4-bit copy alive at a time
+          draft = None
+          draft = draft_params_for(params, args.weight_group, storage)
+          jax.block_until_ready(draft)
+          stored = storage
+        draft_l = params_to_layout(draft, layout)
+        linear_bytes = quantized_linear_bytes(draft_l)
+      b = quantspec_bytes(cfg, params, linear_bytes, qcache)
 
       def measure_draft():
         t = time_draft(cfg, draft_l, qcache, width, args.steps, args.repeats, args.profile)
