@@ -18,6 +18,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from pallas_kernels.quant_attention import (QuantAttentionConfig, quant_attention,  # noqa: E402
                                             quant_attention_reference, quantize_kv)
+from pallas_kernels.register_operand import (pack_words, word_offset,  # noqa: E402
+                                             word_tile_kernel)
 OUT_PATH = os.path.join(os.environ.get("OUT", "."), "quant_gpu_check.json")
 HQ_GROUP = 128                        # key group G
 rows = []
@@ -74,7 +76,29 @@ CASES = [  # seed, B, Tq, Hq, Hkv, D, S, Rf, bits, lengths_quantized, lengths_fu
     (10, 1, 3, 32, 8, 128, 4096, 256, 4, [1111], [20], (1,), QuantAttentionConfig(block_kv=256)),
 ]
 
+def word_tile_case(planes, dtype):
+  """The compiled word_tile (inline Mosaic GPU) against its jnp definition, exactly."""
+  codes = jax.random.randint(jax.random.key(planes), (planes, 64, 64), -8, 8)
+  words = pack_words(codes).reshape(planes, 16, 32)
+  got = np.asarray(word_tile_kernel(planes, dtype)(words))
+  value = (codes[0] if planes == 1 else 16 * codes[0] + codes[1]) + word_offset(dtype)
+  want = np.asarray(value, np.float32)
+  row = dict(device=jax.devices()[0].device_kind, word_tile_planes=planes,
+             dtype=jnp.dtype(dtype).name, mismatches=int((got != want).sum()))
+  print(row, flush=True)
+  rows.append(row)
+  save()
+
+
 if __name__ == "__main__":
+  for planes in (1, 2):
+    for dtype in (jnp.bfloat16, jnp.float16):
+      try:
+        word_tile_case(planes, dtype)
+      except Exception as e:  # noqa: BLE001 - record and go on
+        traceback.print_exc()
+        rows.append(dict(word_tile_planes=planes, error=repr(e)[:800]))
+        save()
   for args in CASES:
     try:
       case(*args)

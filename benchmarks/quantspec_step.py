@@ -110,14 +110,14 @@ def random_quantized_cache(cfg: ModelConfig, context: int, capacity: int, group:
   @jax.jit
   def layer(key):
     ks = jax.random.split(key, 8)
-    randint4 = lambda k, shape: jax.random.randint(k, shape, -8, 8, jnp.int32).astype(jnp.int4)
+    words = lambda k, shape: jax.random.bits(k, shape, jnp.uint32)   # 8 random 4-bit codes each
     scale = lambda k, shape: jax.random.uniform(k, shape, jnp.float32, 0.05, 0.3).astype(
         jnp.float16)
     zero = lambda k, shape: (-8 * scale(k, shape).astype(jnp.float32)).astype(jnp.float16)
     k_meta, v_meta = (1, hkv, capacity // group, d), (1, hkv, capacity)
     c = 64 if d % 64 == 0 else d                     # channels per stored K chunk
-    codes_kv = QuantKV(randint4(ks[0], (1, hkv, 2, d // c, capacity, c)),
-                       randint4(ks[1], (1, hkv, 2, capacity // 64, d, 64)), scale(ks[2], k_meta),
+    codes_kv = QuantKV(words(ks[0], (1, hkv, 2, d // c, capacity, c // 8)),
+                       words(ks[1], (1, hkv, 2, capacity // 64, d, 8)), scale(ks[2], k_meta),
                        zero(ks[2], k_meta),
                        scale(ks[3], v_meta), zero(ks[3], v_meta), group=group)
     buf = lambda k: jax.random.normal(k, (1, hkv, 2 * group, d), dtype)

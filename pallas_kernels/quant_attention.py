@@ -16,16 +16,17 @@ residual x - z - u s4 at step s4 / 16; no clipping ever happens), so 16 u + l ==
 Groups: KEYS per channel over G = `group` consecutive tokens (scale, zero [B, Hkv, S/G, D]);
 VALUES per token over the D channels (scale, zero [B, Hkv, S]).
 
-Storage (`QuantKV`), signed int4 (two codes per byte, jnp.int4), two planes per tensor:
-plane 0 holds u - 8, plane 1 holds l, both two's complement in [-8, 7], so INT8 = 16 * upper +
-lower with upper = plane0 + 8. A 4-bit read touches plane 0 only; an 8-bit read both.
-  k_codes [B, Hkv, 2, D/C, S, C]: (plane, channel chunk, token, channel), C = 64 channels
-          per chunk (C = D when D is not a multiple of 64), each chunk a wgmma-ready
-          [tokens, 64] tile;
-  v_codes [B, Hkv, 2, S/T, D, T]: (plane, token tile, channel, token) with T = 64 tokens per
-          tile (T = S when S is not a multiple of 64): each tile the transposed [D, T] operand
-          the kernel multiplies from registers, stored contiguously (D * T / 2 bytes).
-Scales and zeros are fp16 (finite K/V required: |x| < 65504).
+Storage (`QuantKV`), 4-bit two's complement codes, eight to a uint32 word, two planes per tensor:
+plane 0 holds u - 8, plane 1 holds l, both in [-8, 7], so INT8 = 16 * upper + lower with
+upper = plane0 + 8. A 4-bit read touches plane 0 only; an 8-bit read both.
+  k_codes [B, Hkv, 2, D/C, S, C/8]: (plane, channel chunk, token, words of the chunk's channels),
+          C = 64 channels per chunk (C = D when D is not a multiple of 64);
+  v_codes [B, Hkv, 2, S/T, D, T/8]: (plane, token tile, channel, words of the tile's tokens) with
+          T = 64 tokens per tile (T = S when S is not a multiple of 64).
+Each row of 64 codes (a key's chunk, a channel's tile) is stored in *wgmma fragment order*
+(`register_operand.pack_words`): the 8 bytes a thread loads are the 16 codes of its register
+fragment, nibbles where the bf16 pairs want them. A 64-row code tile is 2 KiB contiguous and
+travels as 16 rows of 128 bytes. Scales and zeros are fp16 (finite K/V required: |x| < 65504).
 
 Kernel (`quant_attention`), grid (num_splits, Hkv * q_blocks, B), one warpgroup per block, split-KV
 as decode_attention.py. The KEYS are the wgmma M dimension and the N = Tq * Hq / Hkv query rows
@@ -34,33 +35,34 @@ step computes a [64, 8] score tile, not a [64, 64] one:
   S^T [64, N] = codes_K @ (q * s_K)^T + bias          A = the key codes, from registers
   O^T [D, N] += codes_V^T @ (p * s_V)^T                A = the value codes, from registers
   zsum  [N]  += sum_t p_t (z_t + 8 s4_t)               (added to every channel at the end)
-The codes come into SMEM by TMA as int4 and go to registers in the layout Mosaic GPU upcasts
-cheaply (`WGMMA_UPCAST_4X`: 8 codes per 32-bit load, two shuffles to the wgmma layout, then the
-CUTLASS lop3 + sub.bf16x2 int4 -> bf16 conversion); they are exact integers in bf16 (the 8-bit
-view is 16 * plane0 + plane1 = c8 - 128, |.| <= 136). Nothing is dequantized element-wise: the
-per-channel key scale is folded into q once per key group of a stage (q^T * s_K, one bf16
+The code words come into SMEM by TMA (128-byte rows, no swizzle) and go to registers with one
+8-byte shared load per thread and row half, already in the wgmma fragment layout
+(`register_operand.word_tile`): per pair of codes one lop3 puts the nibbles under a bf16 (fp16)
+magic exponent, per word three shifts, and the 8-bit view adds one fma and one add; no shuffle,
+no permute. The tile values are exact integers offset by a constant (136 in bf16, 1032 in fp16):
+the 4-bit view u - 8 + 136, the 8-bit view c8 - 128 + 136. Nothing is dequantized element-wise:
+the per-channel key scale is folded into q once per key group of a stage (q^T * s_K, one bf16
 rounding, stored transposed as the B operand), the key zero points (z + 8 s4, the plane offset
 folded in) enter as a per-(key group, query row) score bias q . (z + 8 s4) computed by the
-wrapper, the per-token value scale multiplies p and the value zeros add zsum. No dequantized
-tile is ever written to SMEM. A pipeline stage holds `block_kv` keys (1, 2 or 4 key tiles of 64;
-one TMA per plane and channel chunk for K, one per plane for V, whose tiles are stored
-contiguously): the stage's tiles get one online-softmax update, their statistics combined
-element-wise before the cross-warp reductions. The full-precision recent segment and the
-in-flight tokens are merged with the split partials in jnp
+wrapper, less the code offset times sum_d (q * s_K)_d (the rounded B operand, replayed there);
+the per-token value scale multiplies p, and the value zeros less the code offset times the
+rounded p * s_V add zsum. No dequantized tile is ever written to SMEM. A pipeline stage holds
+`block_kv` keys (1, 2 or 4 key tiles of 64; one TMA per plane and channel chunk for K, one per
+plane for V, whose tiles are stored contiguously): the stage's tiles get one online-softmax
+update, their statistics combined element-wise before the cross-warp reductions. The
+full-precision recent segment and the in-flight tokens are merged with the split partials in jnp
 (`pallas_kernels.combine.combine_partials`), by log-sum-exp.
 
-Measured (H200, S = 64K, B = 1, `benchmarks/quant_sweep.py`, one run, session 8): Tq = 1, 4-bit
-67.8 us per call (45.7 us the kernel alone), 8-bit 94.3 us (75.3), decode_attention on the bf16
-cache 76.2 us; Tq = 5 (QuantSpec's verify) 98.6 us at 4 bits, 127.7 us at 8 (decode 83.4). The
-kernel reads 36-42% of bandwidth. Nsight Compute (session 8, 4 bits): 19.4 M warp instructions
-issued at 2.17 per cycle per SM (50% of issue slots), about half of them the int4 -> bf16 chain
-(PRMT, LOP3, HADD2, SHFL); 3 blocks of 4 warps resident per SM (163 registers a thread, 52 KiB
-of SMEM), so half the cycles no warp is eligible (short-scoreboard and fixed-latency waits, the
-TMA barrier): the kernel is bound by instruction issue at low occupancy, not by the copy engine.
-Of the 4-bit call's ~28 us outside the kernel, ~16 launches of the jnp combine / bias / recent
-segment make most. Wide steps are slow (Tq = 16, N = 64: ~245 us at 64K, 4 bits, against 94 us
-for decode_attention): the softmax statistics become cross-warp reductions over a [64, 64]
-tile. See benchmarks/NOTES.md.
+Measured (H200, S = 64K, B = 1, `benchmarks/quant_sweep.py`, session 13, this storage against
+the previous int4 one through Mosaic's WGMMA_UPCAST_4X path, same run): Tq = 1, 4-bit 61.6 us
+per call (kernel alone 36.7 us; was 69.0), 8-bit 86.5 us (62.0; was 97.4), decode_attention on
+the bf16 cache 77.0 us; Tq = 5: 100.3 us at 4 bits (was 103.4), 125.6 at 8 (was 132.3). ptxas:
+160 / 167 registers a thread at 4 / 8 bits (N = 8, 128 keys a stage; the 8-bit kernel was ~210).
+Session 8's Nsight Compute profile of the previous kernel (4 bits): half of the 19.4 M warp
+instructions were the int4 -> bf16 chain and its shuffles (PRMT, LOP3, HADD2, SHFL), at 3
+blocks of 4 warps per SM. Wide steps are slow (Tq = 16, N = 64: ~245 us at 64K, 4 bits, against
+94 us for decode_attention; 255 registers and spills): the softmax statistics become cross-warp
+reductions over a [64, 64] tile. See benchmarks/NOTES.md.
 
 Contract:
 
@@ -103,7 +105,9 @@ from pallas_kernels.combine import (check_score_queries, combine_partials, permu
                                     score_rows, scores_to_probs, selected_first, wrapper_outputs)
 
 from pallas_kernels.decode_attention import BLOCK_M, LOG2E
-from pallas_kernels.register_operand import int4_tile, wgmma_register_a
+from pallas_kernels.register_operand import (CODES_PER_WORD, SMEM_ROW_WORDS, pack_words,
+                                             unpack_words, wgmma_register_a, word_offset,
+                                             word_tile)
 
 META_DTYPE = jnp.float16
 UPPER_LEVELS = 15                 # 4-bit upper code u in [0, 15]
@@ -123,8 +127,8 @@ _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 @dataclasses.dataclass(frozen=True)
 class QuantKV:
   """Hierarchical INT4/INT8 K/V (see the module docstring)."""
-  k_codes: jax.Array   # [B, Hkv, 2, D/C, S, C] int4 (plane 0: u - 8, plane 1: l; C channels)
-  v_codes: jax.Array   # [B, Hkv, 2, S/T, D, T] int4 (plane; T-token tiles, channel-major)
+  k_codes: jax.Array   # [B, Hkv, 2, D/C, S, C/8] uint32 (plane 0: u - 8, plane 1: l; C channels)
+  v_codes: jax.Array   # [B, Hkv, 2, S/T, D, T/8] uint32 (plane; T-token tiles, channel-major)
   k_scale: jax.Array   # [B, Hkv, S/G, D] fp16, 4-bit step s4 per channel and token group
   k_zero: jax.Array    # [B, Hkv, S/G, D] fp16
   v_scale: jax.Array   # [B, Hkv, S] fp16, 4-bit step s4 per token
@@ -137,7 +141,7 @@ class QuantKV:
 
   @property
   def head_dim(self) -> int:
-    return self.k_codes.shape[3] * self.k_codes.shape[5]
+    return self.k_codes.shape[3] * self.k_codes.shape[5] * CODES_PER_WORD
 
 
 def _round_to_meta(x, direction):
@@ -167,10 +171,10 @@ def _codes8(x, zero, step4):
 
 
 def _planes(c8):
-  """c8 [..., S, D] int32 -> [..., 2, S, D] int4: (u - 8, l), both in [-8, 7]."""
+  """c8 [..., S, D] int32 -> [..., 2, S, D] int32: (u - 8, l), both in [-8, 7]."""
   upper = (c8 + 8) >> 4                                     # u in [0, 15]
   lower = c8 - 16 * upper                                   # l in [-8, 7]
-  return jnp.stack([upper - UPPER_OFFSET, lower], axis=-3).astype(jnp.int4)
+  return jnp.stack([upper - UPPER_OFFSET, lower], axis=-3)
 
 
 def _chunk(head_dim):
@@ -178,66 +182,87 @@ def _chunk(head_dim):
   return CHANNEL_CHUNK if head_dim % CHANNEL_CHUNK == 0 else head_dim
 
 
-def _k_layout(planes):
-  """[..., 2, S, D] -> [..., 2, D/C, S, C] (the channel chunks split off)."""
+def k_layout(planes):
+  """[..., 2, S, D] codes -> [..., 2, D/C, S, C/8] words (the channel chunks split off, each
+  token's chunk one row of words, fragment order: `pack_words`)."""
   d = planes.shape[-1]
   c = _chunk(d)
   x = planes.reshape(*planes.shape[:-1], d // c, c)         # [..., 2, S, D/C, C]
-  return jnp.moveaxis(x, -2, -3)
+  return pack_words(jnp.moveaxis(x, -2, -3))
 
 
 def _upper_lower(planes):
-  """[..., 2, S, D] int4 -> (upper [..., S, D] in [0, 15], lower [..., S, D] in [-8, 7]) int32."""
-  p = planes.astype(jnp.int32)
-  return p[..., 0, :, :] + UPPER_OFFSET, p[..., 1, :, :]
+  """[..., 2, S, D] codes -> (upper [..., S, D] in [0, 15], lower [..., S, D] in [-8, 7])."""
+  return planes[..., 0, :, :] + UPPER_OFFSET, planes[..., 1, :, :]
 
 
 def _k_planes(k_codes):
-  """[B, Hkv, 2, D/C, S, C] -> [B, Hkv, 2, S, D]."""
-  x = jnp.moveaxis(k_codes, 3, 4)                           # [B, Hkv, 2, S, D/C, C]
+  """[B, Hkv, 2, D/C, S, C/8] words -> [B, Hkv, 2, S, D] int32 codes."""
+  x = jnp.moveaxis(unpack_words(k_codes), 3, 4)             # [B, Hkv, 2, S, D/C, C]
   return x.reshape(*x.shape[:4], -1)
 
 
-def _v_tile(capacity):
+def v_tile_tokens(capacity):
   """Tokens per stored V tile: the kernel's 64-key tile, or all of a capacity it does not divide."""
   return KEY_TILE if capacity % KEY_TILE == 0 else capacity
 
 
-def _v_layout(planes):
-  """[..., 2, S, D] -> [..., 2, S/T, D, T] (token tiles, each channel-major)."""
+def v_layout(planes):
+  """[..., 2, S, D] codes -> [..., 2, S/T, D, T/8] words (token tiles, each channel-major: a
+  channel's T tokens one row of words, fragment order: `pack_words`)."""
   *lead, s, d = planes.shape
-  t = _v_tile(s)
-  return jnp.swapaxes(planes.reshape(*lead, s // t, t, d), -1, -2)
+  t = v_tile_tokens(s)
+  return pack_words(jnp.swapaxes(planes.reshape(*lead, s // t, t, d), -1, -2))
 
 
 def _v_planes(v_codes):
-  """[B, Hkv, 2, S/T, D, T] -> [B, Hkv, 2, S, D]."""
-  x = jnp.swapaxes(v_codes, -1, -2)                         # [B, Hkv, 2, S/T, T, D]
-  return x.reshape(*x.shape[:3], -1, x.shape[-1])
+  """[..., 2, S/T, D, T/8] words -> [..., 2, S, D] int32 codes."""
+  x = jnp.swapaxes(unpack_words(v_codes), -1, -2)           # [..., 2, S/T, T, D]
+  return x.reshape(*x.shape[:-3], -1, x.shape[-1])
 
 
-@functools.partial(jax.jit, static_argnames=("group",))
-def quantize_kv(k: jax.Array, v: jax.Array, group: int = 128) -> QuantKV:
-  """k, v [B, Hkv, S, D] (any float dtype; S a multiple of `group`, D even) -> QuantKV."""
+@dataclasses.dataclass(frozen=True)
+class QuantPlanes:
+  """Quantized K/V before storage: the code planes token-major, scales and zeros as `QuantKV`."""
+  k_planes: jax.Array   # [B, Hkv, 2, S, D] int32: (u - 8, l), both in [-8, 7]
+  v_planes: jax.Array   # [B, Hkv, 2, S, D] int32
+  k_scale: jax.Array    # [B, Hkv, S/G, D] fp16
+  k_zero: jax.Array     # [B, Hkv, S/G, D] fp16
+  v_scale: jax.Array    # [B, Hkv, S] fp16
+  v_zero: jax.Array     # [B, Hkv, S] fp16
+
+
+def quantize_planes(k: jax.Array, v: jax.Array, group: int) -> QuantPlanes:
+  """k, v [B, Hkv, S, D] (any float dtype; S a multiple of `group`) -> QuantPlanes."""
   if k.ndim != 4 or v.shape != k.shape:
     raise ValueError(f"k and v must both be [B, Hkv, S, D], got {k.shape} and {v.shape}")
   b, hkv, s, d = k.shape
   if group <= 0 or s % group:
     raise ValueError(f"capacity S={s} must be a positive multiple of group={group}")
-  if d % 2:
-    raise ValueError(f"head dim D={d} must be even (two 4-bit codes per byte)")
   kf = k.astype(jnp.float32).reshape(b, hkv, s // group, group, d)   # [B, Hkv, S/G, G, D]
   k_zero, k_scale = _grid(kf.min(3), kf.max(3))                       # [B, Hkv, S/G, D]
   k_c8 = _codes8(kf, k_zero[:, :, :, None], k_scale[:, :, :, None]).reshape(b, hkv, s, d)
   vf = v.astype(jnp.float32)
   v_zero, v_scale = _grid(vf.min(3), vf.max(3))                       # [B, Hkv, S]
   v_c8 = _codes8(vf, v_zero[..., None], v_scale[..., None])
-  return QuantKV(_k_layout(_planes(k_c8)), _v_layout(_planes(v_c8)), k_scale, k_zero, v_scale,
-                 v_zero, group=group)
+  return QuantPlanes(_planes(k_c8), _planes(v_c8), k_scale, k_zero, v_scale, v_zero)
+
+
+@functools.partial(jax.jit, static_argnames=("group",))
+def quantize_kv(k: jax.Array, v: jax.Array, group: int = 128) -> QuantKV:
+  """k, v [B, Hkv, S, D] (any float dtype; S a multiple of `group`, S and D multiples of 8)
+  -> QuantKV."""
+  x = quantize_planes(k, v, group)
+  s, d = k.shape[2:]
+  if s % CODES_PER_WORD or d % CODES_PER_WORD:
+    raise ValueError(f"head dim D={d} and capacity S={s} must be multiples of 8 (8 4-bit codes "
+                     f"per stored word)")
+  return QuantKV(k_layout(x.k_planes), v_layout(x.v_planes), x.k_scale, x.k_zero, x.v_scale,
+                 x.v_zero, group=group)
 
 
 def code_planes(qkv: QuantKV):
-  """The stored planes token-major, (K, V) each [B, Hkv, 2, S, D] int4 (u - 8, l)."""
+  """The stored planes token-major, (K, V) each [B, Hkv, 2, S, D] int32 (u - 8, l)."""
   return _k_planes(qkv.k_codes), _v_planes(qkv.v_codes)
 
 
@@ -281,6 +306,7 @@ def bytes_per_token(head_dim: int, bits: int, group: int = 128) -> float:
 # ----------------------------------------------------------------------------------------------
 
 KEY_TILE = 64                     # wgmma M: keys per tile (and A rows from registers)
+TILE_ROWS = KEY_TILE // 4         # a 64-row code tile in SMEM: 16 rows of 32 words
 BLOCK_KV_CHOICES = (64, 128, 256)  # keys per pipeline stage: 1, 2 or 4 key tiles
 # Keys per stage when the config leaves it open, by query rows per q block (N): two key tiles per
 # stage halve the per-stage chain (TMA wait, q * s_K, fences, the cross-warp softmax reductions)
@@ -327,7 +353,8 @@ def _one_wave(bits, block_kv, rows):
   64 keys -> 4). More blocks leave a partial last wave (ncu: 1056 blocks were 2.67 waves of
   396). H200, S = 64K, kernel alone: 8-bit Tq = 1 73.4 -> 68.3 us with 264 blocks (one wave)
   instead of 1056, 4-bit 45.5 -> 44.6 with 396; Tq = 5 calls 139.6 -> 130.7 (8-bit) and
-  107.5 -> 97.4 us (4-bit) with 264."""
+  107.5 -> 97.4 us (4-bit) with 264. Session 13's word-tile kernel needs 160 / 167 registers at
+  4 / 8 bits, but 3 blocks per SM at 8 bits measured slower (75.5 against 62.0 us at 64K)."""
   if rows > 8 or block_kv > 128:
     per_sm = 2
   elif block_kv == KEY_TILE:
@@ -399,14 +426,15 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
   planes = 1 if bits == 4 else 2                # the 4-bit read never touches plane 1
   n_pad = bias.shape[-1]                        # N padded to >= 32 (128-byte TMA rows)
   scale_mult = 1.0 if bits == 4 else 1.0 / 16.0
+  offset = float(word_offset(dtype))            # added to every code by `word_tile`
   col = plgpu.Layout.WGMMA.reduce(0)            # a vector along a tile's columns (N)
   row = plgpu.Layout.WGMMA.reduce(1)            # a vector along a tile's rows (keys)
 
   def body(lengths_ref, q_ref, kc_ref, vc_ref, ks_ref, vs_ref, vz_ref, bias_ref,
            acc_out_ref, m_out_ref, l_out_ref, scores_ref=None, *,
            qs_smem,       # [groups, D/64, N, 64] dtype (swizzled): q * s_K per key group, B of QK
-           kc_smem,       # [stages, planes, D/64, bkv, 64] int4          (swizzled)
-           vc_smem,       # [stages, planes, tiles, D, 64] int4           (swizzled)
+           kc_smem,       # [stages, planes, D/64, bkv/4, 32] uint32: per key 8 words
+           vc_smem,       # [stages, planes, tiles, D/4, 32] uint32: per channel 8 words
            p_smem,        # [tiles, N, 64] dtype (swizzled): (p * s_V) per key tile, B of PV
            qt_smem,       # [D/64, 64, N] fp32: q^T
            o_smem,        # [D, N] fp32 (epilogue)
@@ -434,7 +462,7 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
       grp = lax.div(start, jnp.int32(group))
       # One TMA per plane and channel chunk: a TMA box has at most 5 (tiled) dims.
       for pn, hf in itertools.product(range(planes), range(n_chunks)):
-        plgpu.copy_gmem_to_smem(kc_ref.at[b, h, pn, hf, pl.ds(start, bkv)],
+        plgpu.copy_gmem_to_smem(kc_ref.at[b, h, pn, hf, pl.ds(lax.div(start, 4), bkv // 4)],
                                 kc_smem.at[slot, pn, hf], k_barriers.at[slot])
       plgpu.copy_gmem_to_smem(ks_ref.at[b, h, pl.ds(grp, groups)], ks_smem.at[slot],
                               k_barriers.at[slot])
@@ -465,13 +493,10 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
       pl.when(step < my_tiles)(functools.partial(fetch, step, step))
     plgpu.barrier_wait(q_barrier)
 
-    def codes(ref):
-      """The code tile of `ref` (upper plane at [0], lower at [1]; each [64, C] int4) as bf16
-      integers: u - 8 (4-bit) or 16 (u - 8) + l = c8 - 128 (8-bit), exact."""
-      c = int4_tile(ref.at[0], dtype)
-      if bits == 8:
-        c = c * 16.0 + int4_tile(ref.at[1], dtype)
-      return c
+    def codes(tile_refs):
+      """A [64, 64] code tile (one [16, 32] word ref per plane read) as exact integers in
+      `dtype`: u - 8 (4-bit) or 16 (u - 8) + l = c8 - 128 (8-bit), plus `offset`."""
+      return word_tile(tile_refs, dtype, interpret=interpret is not None)
 
     q_regs = [plgpu.load(qt_smem.at[hf], layout=plgpu.Layout.WGMMA, optimized=False)
               for hf in range(n_chunks)]                  # [64, N] fp32 each
@@ -502,7 +527,8 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
         for t, s_ref in enumerate(s_refs):
           g = tile_group[t]
           for hf in range(n_chunks):            # one wgmma per 64 channels
-            keys = kc_smem.at[slot, :, hf, pl.ds(t * KEY_TILE, KEY_TILE)]
+            keys = [kc_smem.at[slot, pn, hf, pl.ds(t * TILE_ROWS, TILE_ROWS)]
+                    for pn in range(planes)]
             mma(s_ref, codes(keys), qs_smem.at[g, hf].transpose((1, 0)))
           if t:   # the previous tile's wgmmas are done: its A registers can be reused
             plgpu.wgmma_wait(n_chunks)
@@ -538,16 +564,19 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
         vs = lax.broadcast_in_dim(vs4 * scale_mult, p.shape, [0])
         vz = lax.broadcast_in_dim(vz, p.shape, [0])
         # p is 0 past the length; select so a never-written scale there cannot leak a NaN.
-        z = jnp.where(valid, p * vz, 0.0)
+        pv = jnp.where(valid, p * vs, 0.0).astype(dtype)   # B of PV, one rounding
+        # The value codes come offset by `offset`: take offset * sum_t pv_t back out.
+        z = jnp.where(valid, p * vz, 0.0) - offset * pv.astype(jnp.float32)
         zsum = z if zsum is None else zsum + z
-        p_smem.at[t].transpose((1, 0))[...] = jnp.where(valid, p * vs, 0.0).astype(dtype)
+        p_smem.at[t].transpose((1, 0))[...] = pv
       zacc = zacc * alpha + zsum.sum(axis=0)
       plgpu.commit_smem()
 
       def pv_scope(*o_refs):                    # O^T [64 channels, N] per channel tile
         for t in range(tiles):
           for mt, o_ref in enumerate(o_refs):
-            a = codes(vc_smem.at[slot, :, t, pl.ds(mt * KEY_TILE, KEY_TILE)])
+            a = codes([vc_smem.at[slot, pn, t, pl.ds(mt * TILE_ROWS, TILE_ROWS)]
+                       for pn in range(planes)])
             mma(o_ref, a, p_smem.at[t].transpose((1, 0)))
           if t:
             plgpu.wgmma_wait(m_tiles)
@@ -583,10 +612,9 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
   # Swizzled buffers first (they need 1 KiB-aligned offsets; all are multiples of 1 KiB).
   scratch = dict(
       qs_smem=plgpu.SMEM((groups, n_chunks, n, chunk), dtype, **mma_sw),
-      kc_smem=plgpu.SMEM((num_stages, planes, n_chunks, bkv, chunk), jnp.int4,
-                         **_swizzled(chunk // 2, 4)),
-      vc_smem=plgpu.SMEM((num_stages, planes, tiles, head_dim, KEY_TILE), jnp.int4,
-                         **_swizzled(KEY_TILE // 2, 4)),
+      kc_smem=plgpu.SMEM((num_stages, planes, n_chunks, bkv // 4, SMEM_ROW_WORDS), jnp.uint32),
+      vc_smem=plgpu.SMEM((num_stages, planes, tiles, head_dim // 4, SMEM_ROW_WORDS),
+                         jnp.uint32),
       p_smem=plgpu.SMEM((tiles, n, KEY_TILE), dtype,
                         **_swizzled(KEY_TILE * itemsize, 8 * itemsize)),
   )
@@ -618,6 +646,12 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
     out_type.append(jax.ShapeDtypeStruct((batch, num_kv_heads, qkv.capacity, n), jnp.float32))
 
   names = tuple(scratch)
+  # The codes as rows of 32 words (128 bytes) for the TMA: four keys (K) or four channels (V)
+  # a row; a 64-row code tile is 16 of them.
+  capacity = qkv.capacity
+  kc_rows = qkv.k_codes.reshape(batch, num_kv_heads, 2, n_chunks, capacity // 4, SMEM_ROW_WORDS)
+  vc_rows = qkv.v_codes.reshape(batch, num_kv_heads, 2, capacity // KEY_TILE, head_dim // 4,
+                                SMEM_ROW_WORDS)
 
   def entry(*refs):
     pl.run_scoped(lambda *scr: body(*refs, **dict(zip(names, scr))), *scratch.values())
@@ -629,7 +663,7 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
       grid_names=("split", "head_qblock", "batch"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
-  )(lengths, q_t, qkv.k_codes, qkv.v_codes, qkv.k_scale, qkv.v_scale, qkv.v_zero, bias)
+  )(lengths, q_t, kc_rows, vc_rows, qkv.k_scale, qkv.v_scale, qkv.v_zero, bias)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -649,19 +683,21 @@ def _check_inputs(q, qkv, bits, lengths_quantized, k_full, v_full, lengths_full,
     raise ValueError(f"head dim D={d} must be 64 or 128 (64-channel wgmma chunks)")
   kc, vc = qkv.k_codes, qkv.v_codes
   c = CHANNEL_CHUNK
-  if kc.ndim != 6 or kc.shape[0] != b or kc.shape[2:4] != (2, d // c) or kc.shape[5] != c:
-    raise ValueError(f"qkv.k_codes must be [B={b}, Hkv, 2, D/64={d // c}, S, 64], got "
+  w = c // CODES_PER_WORD
+  if kc.ndim != 6 or kc.shape[0] != b or kc.shape[2:4] != (2, d // c) or kc.shape[5] != w:
+    raise ValueError(f"qkv.k_codes must be [B={b}, Hkv, 2, D/64={d // c}, S, {w}], got "
                      f"{kc.shape}")
   hkv, capacity = kc.shape[1], kc.shape[4]
   if capacity % KEY_TILE:
     raise ValueError(f"quantized capacity S={capacity} must be a multiple of the {KEY_TILE}-key "
                      f"tile")
-  if vc.shape != (b, hkv, 2, capacity // KEY_TILE, d, KEY_TILE):
-    raise ValueError(f"qkv.v_codes must be [B, Hkv, 2, S/64, D, 64] = "
-                     f"{(b, hkv, 2, capacity // KEY_TILE, d, KEY_TILE)}, "
+  if vc.shape != (b, hkv, 2, capacity // KEY_TILE, d, w):
+    raise ValueError(f"qkv.v_codes must be [B, Hkv, 2, S/64, D, {w}] = "
+                     f"{(b, hkv, 2, capacity // KEY_TILE, d, w)}, "
                      f"got {vc.shape}")
-  if jnp.dtype(kc.dtype) != jnp.dtype(jnp.int4) or jnp.dtype(vc.dtype) != jnp.dtype(jnp.int4):
-    raise ValueError(f"qkv codes must be int4, got {kc.dtype} / {vc.dtype}")
+  if jnp.dtype(kc.dtype) != jnp.dtype(jnp.uint32) or jnp.dtype(vc.dtype) != jnp.dtype(jnp.uint32):
+    raise ValueError(f"qkv codes must be uint32 words of 8 4-bit codes, got {kc.dtype} / "
+                     f"{vc.dtype}")
   if hq % hkv:
     raise ValueError(f"Hq={hq} query heads is not a multiple of Hkv={hkv} KV heads")
   if qkv.group % KEY_TILE:
@@ -724,12 +760,22 @@ def quant_attention(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,
   q_rows = q_rows.reshape(b, hkv, q_blocks, n, d)                            # [B, Hkv, NQB, N, D]
   q_t = q_rows.reshape(b, hkv, q_blocks, n, d // CHANNEL_CHUNK, CHANNEL_CHUNK)
   q_t = q_t.transpose(0, 1, 2, 4, 5, 3).astype(jnp.float32)   # [B, Hkv, NQB, D/64, 64, N]
-  # The key zero points (z + 8 s4: plane 0 stores u - 8) as a per-(group, row) score bias.
+  # Per (key group, query row) score bias: the key zero points (z + 8 s4: plane 0 stores u - 8)
+  # less the code offset the kernel's tiles carry (`word_tile`) times the sum of the kernel's
+  # B operand q * s_K, rounded to q's dtype exactly as the kernel rounds it. (Summing that
+  # operand inside the kernel instead cost a cross-warp reduction per stage: H200, 64K, the
+  # kernel +2 us at Tq = 1 and +6 us at Tq = 5, against +1.3 us for this reduction.)
+  ks = qkv.k_scale.astype(jnp.float32) * (1.0 if bits == 4 else 1.0 / 16.0)
   z_eff = qkv.k_zero.astype(jnp.float32) + UPPER_OFFSET * qkv.k_scale.astype(jnp.float32)
+  qf = q_rows.astype(jnp.float32)[:, :, :, None, :, :]                     # [B,Hkv,NQB,1,N,D]
+  # reduce_precision, not a convert round trip: XLA may drop the latter (excess precision).
+  info = jnp.finfo(q.dtype)
+  qs = lax.reduce_precision(qf * ks[:, :, None, :, None, :], exponent_bits=info.nexp,
+                            mantissa_bits=info.nmant)
   # A multiply-and-sum rather than a dot: XLA:GPU emits one reduction reading the zeros once (an
   # fp32 HIGHEST-precision GEMM of these skinny shapes cost 6.7 us at S = 64K on an H200).
-  bias = (q_rows.astype(jnp.float32)[:, :, :, None, :, :]                  # [B,Hkv,NQB,1,N,D]
-          * z_eff[:, :, None, :, None, :]).sum(-1) * (d ** -0.5 * LOG2E)    # [B,Hkv,NQB,S/G,N]
+  bias = (qf * z_eff[:, :, None, :, None, :] - word_offset(q.dtype) * qs).sum(-1)
+  bias = bias * (d ** -0.5 * LOG2E)                                        # [B,Hkv,NQB,S/G,N]
   bias = jnp.pad(bias, [(0, 0)] * 4 + [(0, max(n, 32) - n)])   # 128-byte rows for the TMA
   lengths = jnp.clip(lengths_quantized.astype(jnp.int32), 0, capacity)
   acc, m2, l, *scores = _quant_partials(

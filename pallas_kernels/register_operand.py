@@ -5,6 +5,14 @@ float dtype, through Mosaic's cheap 4-bit upcast (`WGMMA_UPCAST_4X`: 8 codes per
 shuffles to the wgmma layout, then the lop3 / sub.bf16x2 conversion). The tile's minor dimension
 must be the wgmma K dimension (contiguous).
 
+`word_tile`: a [64, 64] code tile stored as 32-bit words in *fragment order* (`pack_words`):
+each thread's 16 codes of a row are the two words it loads with one 8-byte shared load, their
+nibbles already where the wgmma register fragment wants them. So no shuffle and no permute:
+per pair of codes one lop3 (nibble -> bf16 with a magic exponent, the sign flip folded in), per
+word three shifts, and for an 8-bit tile (two planes) one fma and one add. The values are the
+stored codes plus a constant (`word_offset`: 136 in bf16, 1032 in fp16), which the caller
+folds into its sums (an offset on every code adds offset * sum(b) to each product).
+
 `wgmma_register_a`: acc += a @ b with `a` in registers. The Mosaic GPU interpreter's wgmma takes
 no register A operand, so with an SMEM staging buffer (`a_smem`, given in interpret mode only) `a`
 goes through it, then the wgmma is awaited.
@@ -13,7 +21,19 @@ goes through it, then the wgmma is awaited.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm, vector
+from jaxlib.mlir.dialects import math as mlir_math
+import numpy as np
+
+TILE = 64                    # rows and codes per row of a word tile (wgmma M and K)
+CODES_PER_WORD = 8
+WORDS_PER_ROW = TILE // CODES_PER_WORD
+SMEM_ROW_WORDS = 32          # a tile's words as [16, 32] in SMEM (128-byte rows: TMA-friendly)
 
 
 def int4_tile(ref, dtype) -> jax.Array:
@@ -31,3 +51,151 @@ def wgmma_register_a(acc_ref, a: jax.Array, b_ref, a_smem=None) -> None:
   plgpu.commit_smem()
   plgpu.wgmma(acc_ref, a_smem, b_ref)
   plgpu.wgmma_wait(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Codes as words in fragment order.
+# ----------------------------------------------------------------------------------------------
+#
+# The WGMMA register layout of a [64, 64] 16-bit A tile: thread (warp w, lane l) holds rows
+# r = 16 w + l // 4 and r + 8, and of each row the pairs of columns 8 g + 2 (l % 4) + {0, 1},
+# g = 0..7. A row of 64 codes is stored as 8 words; word j = 2 c + h, nibble n = k + 4 e (bits
+# 4n .. 4n + 3) holds column 32 h + 8 k + 2 c + e. The thread with l % 4 = c loads words 2c and
+# 2c + 1 of its row (8 contiguous bytes; a warp's loads are 256 contiguous bytes), and
+# word h >> 4k masked to bits {0..3, 16..19} is its register pair g = 4 h + k.
+
+def _to_fragment_order(x):
+  """[..., 64] columns -> [..., 64] stored positions 8 j + n (see above): an axis permutation,
+  column 32 h + 8 k + 2 c + e <-> position 8 (2 c + h) + (k + 4 e)."""
+  x = x.reshape(*x.shape[:-1], 2, 4, 4, 2)                 # (h, k, c, e)
+  return jnp.moveaxis(x, (-4, -3, -2, -1), (-3, -1, -4, -2)).reshape(*x.shape[:-4], TILE)
+
+
+def _from_fragment_order(x):
+  """The inverse of `_to_fragment_order`."""
+  x = x.reshape(*x.shape[:-1], 4, 2, 2, 4)                 # (c, h, e, k)
+  return jnp.moveaxis(x, (-4, -3, -2, -1), (-2, -4, -1, -3)).reshape(*x.shape[:-4], TILE)
+
+
+def _check_row(length: int) -> None:
+  if length % CODES_PER_WORD:
+    raise ValueError(f"a row of {length} codes is not a whole number of 8-code words")
+
+
+def pack_words(codes: jax.Array) -> jax.Array:
+  """codes [..., L] (integers in [-8, 7]) -> [..., L / 8] uint32 (4-bit two's complement,
+  fragment order when L = 64, plain order otherwise)."""
+  length = codes.shape[-1]
+  _check_row(length)
+  x = codes.astype(jnp.int32) & 0xF
+  if length == TILE:
+    x = _to_fragment_order(x)
+  x = x.reshape(*codes.shape[:-1], length // CODES_PER_WORD, CODES_PER_WORD).astype(jnp.uint32)
+  shifts = jnp.arange(CODES_PER_WORD, dtype=jnp.uint32) * 4
+  return (x << shifts).sum(-1, dtype=jnp.uint32)          # disjoint bits: the sum is an OR
+
+
+def unpack_words(words: jax.Array) -> jax.Array:
+  """[..., L / 8] uint32 -> codes [..., L] int32 in [-8, 7] (the inverse of `pack_words`)."""
+  length = words.shape[-1] * CODES_PER_WORD
+  nib = jnp.stack([(words >> (4 * n)) & 0xF for n in range(CODES_PER_WORD)], axis=-1)
+  stored = ((nib.astype(jnp.int32) ^ 8) - 8).reshape(*words.shape[:-1], length)
+  return _from_fragment_order(stored) if length == TILE else stored
+
+
+def word_offset(dtype) -> int:
+  """The constant `word_tile` adds to every code: 128 + 8 (bf16) or 1024 + 8 (fp16), the
+  magic exponent's integer base plus the sign flip's bias."""
+  return {jnp.dtype(jnp.bfloat16): 136, jnp.dtype(jnp.float16): 1032}[jnp.dtype(dtype)]
+
+
+_MAGIC = {jnp.dtype(jnp.bfloat16): 0x4308, jnp.dtype(jnp.float16): 0x6408}   # with bit 3 flip
+
+
+def word_tile(refs, dtype, *, interpret: bool = False) -> jax.Array:
+  """refs: one plane (4 bits) or two (upper, lower; 8 bits), each a [16, 32] uint32 SMEM tile
+  (a [64, 64] code tile packed by `pack_words`, rows of 8 words, row-major) -> [64, 64] `dtype`
+  in the WGMMA layout, exact integers: code + offset (one plane) or 16 upper + lower + offset
+  (two), offset = `word_offset(dtype)`."""
+  dtype = jnp.dtype(dtype)
+  if dtype not in _MAGIC:
+    raise ValueError(f"word_tile needs bfloat16 or float16, got {dtype}")
+  if interpret:
+    return _word_tile_reference(refs, dtype)
+  return _word_tile_mgpu(len(refs), dtype)(*refs)
+
+
+def _word_tile_reference(refs, dtype):
+  """The same values in plain jnp (the Mosaic GPU interpreter runs no inline_mgpu)."""
+  planes = [unpack_words(r[...].reshape(TILE, WORDS_PER_ROW)).astype(jnp.float32) for r in refs]
+  value = planes[0] if len(planes) == 1 else 16 * planes[0] + planes[1]
+  return (value + word_offset(dtype)).astype(dtype)
+
+
+def _word_tile_mgpu(num_planes, dtype):
+  out = plgpu.ShapeDtypeStruct((TILE, TILE), dtype, layout=plgpu.Layout.WGMMA)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * num_planes, return_type=out)
+  def tile(ctx, *refs):
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    index = ir.IndexType.get()
+    half = mgpu.utils.dtype_to_ir_type(dtype)
+    pair = ir.VectorType.get((2,), half)
+    c = lambda v: arith.constant(i32, v)
+    tid = arith.remui(mgpu.utils.thread_idx(), c(128))
+    lane, warp = arith.remui(tid, c(32)), arith.divui(tid, c(32))
+    # Flat word offset of the thread's pair of words in row r = 16 w + l // 4 (8 r + 2 (l % 4)
+    # = 128 w + 2 l); row r + 8 is 64 words on.
+    base = arith.addi(arith.muli(warp, c(128)), arith.muli(lane, c(2)))
+    # lop3 (a & b) ^ c: the nibbles at bits 0..3 and 16..19 under the magic exponent, bit 3
+    # flipped (two's complement -> offset binary: v + 8).
+    lop3 = f"lop3.b32 $0, $1, 0x000F000F, {_MAGIC[dtype] * 0x10001:#010x}, 0x6a;"
+
+    def nibble_pair(word, k):
+      x = word if k == 0 else arith.shrui(word, c(4 * k))
+      return mgpu.utils.bitcast(llvm.inline_asm(i32, [x], lop3, "=r,r"), pair)
+
+    base16 = 16 * {jnp.dtype(jnp.bfloat16): 128, jnp.dtype(jnp.float16): 1024}[dtype] + 128
+    sixteen = arith.constant(pair, ir.DenseElementsAttr.get_splat(
+        pair, ir.FloatAttr.get(half, 16.0)))
+    minus_base = arith.constant(pair, ir.DenseElementsAttr.get_splat(
+        pair, ir.FloatAttr.get(half, -float(base16))))
+
+    registers = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TILE, TILE)), dtype=object)
+    for hr in range(2):
+      flat = arith.addi(base, c(64 * hr))
+      idx = [arith.index_cast(index, arith.divui(flat, c(SMEM_ROW_WORDS))),
+             arith.index_cast(index, arith.remui(flat, c(SMEM_ROW_WORDS)))]
+      words = [vector.load(ir.VectorType.get((2,), i32), ref, idx) for ref in refs]
+      for h in range(2):
+        w = [vector.extract(ws, dynamic_position=[], static_position=[h]) for ws in words]
+        for k in range(4):
+          value = nibble_pair(w[0], k)                     # code + magic base + 8
+          if num_planes == 2:                              # 16 (upper - 8) + lower + offset
+            value = arith.addf(mlir_math.fma(value, sixteen, minus_base), nibble_pair(w[1], k))
+          registers[0, 4 * h + k, 0, 0, hr, 0, 0, 0, 0] = value
+    return mgpu.FragmentedArray(_registers=registers, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+  return tile
+
+
+def word_tile_kernel(planes: int, dtype, interpret=None):
+  """A one-tile Mosaic GPU kernel: words [planes, 16, 32] uint32 -> `word_tile`'s [64, 64]
+  values as fp32 (for tests, and for checking the compiled path on a GPU)."""
+  def body(w_ref, o_ref, w_smem, o_smem, barrier):
+    plgpu.copy_gmem_to_smem(w_ref, w_smem, barrier)
+    plgpu.barrier_wait(barrier)
+    a = word_tile([w_smem.at[p] for p in range(planes)], dtype, interpret=interpret is not None)
+    o_smem[...] = a.astype(jnp.float32)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_ref)
+    plgpu.wait_smem_to_gmem(0)
+
+  def entry(w_ref, o_ref):
+    pl.run_scoped(lambda *scratch: body(w_ref, o_ref, *scratch),
+                  plgpu.SMEM((planes, 16, SMEM_ROW_WORDS), jnp.uint32),
+                  plgpu.SMEM((TILE, TILE), jnp.float32), plgpu.Barrier(num_arrivals=1))
+
+  return plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct((TILE, TILE), jnp.float32),
+                      grid=(1,), grid_names=("x",), interpret=interpret)

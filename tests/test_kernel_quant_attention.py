@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.register_operand import unpack_words
 from pallas_kernels.quant_attention import (QuantAttentionConfig, QuantKV, _block_kv,
                                             _num_splits, bytes_per_token, codes8, dequantize,
                                             quant_attention, quant_attention_reference,
@@ -54,8 +55,8 @@ def _kv(seed, b, hkv, s, d, dtype, spread):
 
 
 @settings(max_examples=10, deadline=None, derandomize=True)
-@given(seed=st.integers(0, 2 ** 16), s_groups=st.integers(1, 3), d=st.sampled_from([2, 8, 64]),
-       group=st.sampled_from([4, 16, 128]), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+@given(seed=st.integers(0, 2 ** 16), s_groups=st.integers(1, 3), d=st.sampled_from([8, 64, 128]),
+       group=st.sampled_from([8, 16, 128]), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
        spread=st.sampled_from([0.0, 1.0, 3.0]))
 def test_int8_code_is_16_upper_plus_lower_bit_for_bit(seed, s_groups, d, group, dtype, spread):
   b, hkv, s = 1, 2, s_groups * group
@@ -71,12 +72,12 @@ def test_int8_code_is_16_upper_plus_lower_bit_for_bit(seed, s_groups, d, group, 
   np.testing.assert_array_equal(np.asarray(qkv.k_scale), ref_ks[:, :, :, 0])
   np.testing.assert_array_equal(np.asarray(qkv.v_zero), ref_vz[..., 0])
   np.testing.assert_array_equal(np.asarray(qkv.v_scale), ref_vs[..., 0])
-  # The planes (signed int4): plane 0 = upper - 8, plane 1 = lower; K as [.., plane, D/C, S, C]
-  # (64-channel chunks), V in channel-major token tiles [.., plane, S/T, D, T]. upper = nearest
-  # multiple of 16 of c8 (ties up).
-  kc = np.asarray(qkv.k_codes.astype(jnp.int32))
-  vc = np.asarray(qkv.v_codes.astype(jnp.int32))
-  assert qkv.k_codes.dtype == jnp.int4 and qkv.v_codes.dtype == jnp.int4
+  # The planes (signed 4-bit): plane 0 = upper - 8, plane 1 = lower; K as [.., plane, D/C, S, C]
+  # (64-channel chunks), V in channel-major token tiles [.., plane, S/T, D, T], each row of codes
+  # stored as words of 8 (`pack_words`). upper = nearest multiple of 16 of c8 (ties up).
+  assert qkv.k_codes.dtype == jnp.uint32 and qkv.v_codes.dtype == jnp.uint32
+  kc = np.asarray(unpack_words(qkv.k_codes))
+  vc = np.asarray(unpack_words(qkv.v_codes))
   k_planes = np.moveaxis(kc, 3, 4).reshape(b, hkv, 2, s, d)                 # [B, Hkv, 2, S, D]
   v_planes = np.swapaxes(vc, -1, -2).reshape(b, hkv, 2, s, d)             # [B, Hkv, 2, S, D]
   for planes, c8 in ((k_planes, ref_k.reshape(b, hkv, s, d)), (v_planes, ref_v)):
@@ -322,7 +323,7 @@ def test_4bit_read_ignores_the_lower_plane():
       5, batch=1, num_queries=1, num_q_heads=2, num_kv_heads=1, head_dim=64, capacity=128,
       full_capacity=8, group=64, dtype=jnp.bfloat16)
   noise = lambda c, key: c.at[:, :, 1].set(
-      jax.random.randint(key, c[:, :, 1].shape, -8, 8).astype(jnp.int4))
+      jax.random.bits(key, c[:, :, 1].shape, jnp.uint32))
   k1, k2 = jax.random.split(jax.random.key(0))
   scrambled = QuantKV(noise(qkv.k_codes, k1), noise(qkv.v_codes, k2), qkv.k_scale, qkv.k_zero,
                       qkv.v_scale, qkv.v_zero, group=qkv.group)
@@ -343,9 +344,9 @@ def test_kernel_rejects_bad_inputs_in_plain_words():
     QuantAttentionConfig(block_kv=96)
   with pytest.raises(ValueError, match="must divide the quantized capacity S=64"):
     quant_attention(*args, bits=4, config=QuantAttentionConfig(block_kv=128))
-  bad = QuantKV(qkv.k_codes.astype(jnp.int8), qkv.v_codes, qkv.k_scale, qkv.k_zero,
+  bad = QuantKV(qkv.k_codes.astype(jnp.int32), qkv.v_codes, qkv.k_scale, qkv.k_zero,
                 qkv.v_scale, qkv.v_zero, group=qkv.group)
-  with pytest.raises(ValueError, match="codes must be int4"):
+  with pytest.raises(ValueError, match="codes must be uint32 words"):
     quant_attention(q, bad, *args[2:], bits=4)
 
 
@@ -358,8 +359,9 @@ def test_lowers_to_mosaic_gpu_custom_call_for_cuda(bits, num_queries, score_quer
   with the score output and at every stage size (SMEM fits)."""
   b, hq, hkv, d, s, r = 1, 32, 8, 128, 4096, 128
   sds = jax.ShapeDtypeStruct
-  qkv = QuantKV(sds((b, hkv, 2, d // 64, s, 64), jnp.int4),
-                sds((b, hkv, 2, s // 64, d, 64), jnp.int4), sds((b, hkv, s // 128, d), jnp.float16),
+  qkv = QuantKV(sds((b, hkv, 2, d // 64, s, 8), jnp.uint32),
+                sds((b, hkv, 2, s // 64, d, 8), jnp.uint32),
+                sds((b, hkv, s // 128, d), jnp.float16),
                 sds((b, hkv, s // 128, d), jnp.float16), sds((b, hkv, s), jnp.float16),
                 sds((b, hkv, s), jnp.float16), group=128)
   tok = sds((b, num_queries, hkv, d), jnp.bfloat16)

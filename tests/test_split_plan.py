@@ -46,6 +46,13 @@ def test_long_full_segment_beside_short_list_gets_the_splits():
           < 0.3 * makespan(_items(segments, one_wave_rule), copies=8, slots=132, overhead=2))
 
 
+def test_a_short_segment_may_be_cut_finer_than_a_long_one():
+  """The common-length search alone picks (1, 1) here (makespan 12); (1, 4) takes 9."""
+  segments = ((6, 4, None), (2, 4, None))
+  chosen = split_counts(segments, copies=2, slots=14, min_tiles=1)
+  assert makespan(_items(segments, chosen), copies=2, slots=14, overhead=2) <= 9
+
+
 def test_fixed_split_counts_are_kept():
   assert split_counts(((15, 16, 4), (3, 528, None)), copies=8, slots=132, min_tiles=1)[0] == 4
   assert split_counts(((15, 16, None), (3, 528, 2)), copies=8, slots=132, min_tiles=1)[1] == 2
@@ -56,13 +63,15 @@ def test_bad_arguments():
     split_counts(((1, 8, None),), copies=1, slots=0, min_tiles=1)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(qbs=st.lists(st.integers(1, 6), min_size=1, max_size=2),
        tiles=st.lists(st.integers(1, 40), min_size=2, max_size=2),
        copies=st.integers(1, 8), slots=st.integers(1, 24))
 def test_choice_is_close_to_the_best_split_counts(qbs, tiles, copies, slots):
-  """The planner searches one common item length, not every split vector; against the best of
-  all vectors its simulated launch is at most 1.25x longer (1.2x worst in 3000 random cases)."""
+  """The planner searches one common item length, then one segment at a time, not every split
+  vector; against the best of all vectors its simulated launch is at most 1.25x longer (1.18x
+  worst in 3000 random cases; the common length alone gave 1.33x on qbs (6, 2), tiles (4, 4),
+  2 copies, 14 slots)."""
   segments = tuple((qb, t, None) for qb, t in zip(qbs, tiles))
   chosen = split_counts(segments, copies=copies, slots=slots, min_tiles=1)
   assert all(1 <= s <= t for s, (_, t, _) in zip(chosen, segments))

@@ -28,11 +28,16 @@ Everything is jittable with fixed shapes, per row (ragged lengths across the bat
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax import lax
 
-from pallas_kernels.quant_attention import QuantKV, code_planes, quantize_kv
+from pallas_kernels.quant_attention import (QuantKV, QuantPlanes, k_layout, quantize_kv,
+                                            quantize_planes, v_layout, v_tile_tokens)
+from pallas_kernels.register_operand import pack_words, unpack_words
 from sparsedec.model.quant_weights import array_bytes
 from pallas_kernels.quant_attention import bytes_per_token as _quant_bytes
 from sparsedec.errors import InputError
@@ -48,8 +53,9 @@ def quantized_length(num_tokens: jax.Array, group: int) -> jax.Array:
 def check_group(group: int, head_dim: int) -> None:
   if not isinstance(group, int) or isinstance(group, bool) or group < 1:
     raise InputError(f"quant group must be an integer >= 1, got {group!r}")
-  if head_dim % 2:
-    raise InputError(f"head_dim {head_dim} must be even (two 4-bit codes per byte)")
+  if head_dim % 8:
+    raise InputError(f"head_dim {head_dim} must be a multiple of 8 (the codes are stored as "
+                     f"words of 8 4-bit codes)")
 
 
 @struct.dataclass
@@ -97,9 +103,16 @@ def from_dense(cache: KVCache, group: int, quant_capacity: int | None = None) ->
   full precision. quant_capacity: default the dense capacity rounded up to a multiple of G."""
   s, d = cache.k[0].shape[2:]
   check_group(group, d)
-  cap = quant_capacity or -(-s // group) * group
-  if cap % group:
-    raise InputError(f"quantized capacity {cap} is not a multiple of the quant group {group}")
+  unit = math.lcm(group, 8)            # whole groups, whole 8-code words
+  cap = quant_capacity or -(-s // unit) * unit
+  if cap % unit:
+    raise InputError(f"quantized capacity {cap} must be a multiple of the quant group {group} "
+                     f"and of 8 (codes are stored as words of 8)")
+  tile = v_tile_tokens(cap)
+  if group % tile and tile % group:
+    raise InputError(f"quant group {group} must divide or be a multiple of the {tile}-token "
+                     f"value tile of capacity {cap} (a group is written as whole tiles or inside "
+                     f"one)")
   quant_len = quantized_length(cache.lengths, group)                         # [B]
   buf_len = cache.lengths - quant_len
   j = jnp.arange(2 * group, dtype=jnp.int32)
@@ -116,22 +129,40 @@ def from_dense(cache: KVCache, group: int, quant_capacity: int | None = None) ->
                         buf_len=buf_len, group=group)
 
 
-def _write_group(qkv: QuantKV, new: QuantKV, start: jax.Array, on: jax.Array) -> QuantKV:
-  """Write the one-group QuantKV `new` (capacity G) at slot start[b] of rows with on[b]."""
+def _write_v_tiles(v_codes: jax.Array, planes: jax.Array, start: jax.Array,
+                   on: jax.Array) -> jax.Array:
+  """v_codes [B, Hkv, 2, S/T, D, T/8] words with the group's value codes planes
+  [B, Hkv, 2, G, D] written at token start[b] of rows with on[b]: whole tiles when T divides G,
+  else a read-modify-write of the one tile holding the group."""
+  b, g = start.shape[0], planes.shape[3]
+  n_tiles, t = v_codes.shape[3], v_codes.shape[-1] * 8
+  rows = jnp.arange(b)[:, None]                                              # [B, 1]
+  if g % t == 0:
+    tiles = jnp.where(on[:, None], start[:, None] // t + jnp.arange(g // t)[None], n_tiles)
+    new = v_layout(planes)                                                   # [B,Hkv,2,G/T,D,T/8]
+    # indexed at (rows, tiles) -> [B, G/T, Hkv, 2, D, T/8]
+    return v_codes.at[rows, :, :, tiles].set(new.transpose(0, 3, 1, 2, 4, 5), mode="drop")
+  tile = jnp.where(on, start // t, n_tiles)                                  # [B]
+  old = v_codes[rows[:, 0], :, :, jnp.minimum(tile, n_tiles - 1)]           # [B, Hkv, 2, D, T/8]
+  codes = unpack_words(old)                                                  # [B, Hkv, 2, D, T]
+  codes = jax.vmap(lambda c, p, o: lax.dynamic_update_slice_in_dim(c, p, o, axis=-1))(
+      codes, planes.swapaxes(-1, -2), start % t)
+  return v_codes.at[rows[:, 0], :, :, tile].set(pack_words(codes), mode="drop")
+
+
+def _write_group(qkv: QuantKV, new: QuantPlanes, start: jax.Array, on: jax.Array) -> QuantKV:
+  """Write one quantized group `new` (G tokens) at slot start[b] of rows with on[b]."""
   g = qkv.group
   b = start.shape[0]
   cap = qkv.capacity
-  vt = qkv.v_codes.shape[-1]                                                 # V tile tokens
   rows = jnp.arange(b)[:, None]                                              # [B, 1]
   slots = jnp.where(on[:, None], start[:, None] + jnp.arange(g)[None, :], cap)  # [B, G]
   grp = jnp.where(on, start // g, cap // g)                                  # [B]
   return QuantKV(
-      # k [B, Hkv, 2, D/C, S, C] indexed at (rows, slots) -> [B, G, Hkv, 2, D/C, C]
+      # k [B, Hkv, 2, D/C, S, C/8] indexed at (rows, slots) -> [B, G, Hkv, 2, D/C, C/8]
       k_codes=qkv.k_codes.at[rows, :, :, :, slots].set(
-          new.k_codes.transpose(0, 4, 1, 2, 3, 5), mode="drop"),
-      # v [B, Hkv, 2, S/T, D, T] indexed at (rows, slot tile, slot offset) -> [B, G, Hkv, 2, D]
-      v_codes=qkv.v_codes.at[rows, :, :, slots // vt, :, slots % vt].set(
-          code_planes(new)[1].transpose(0, 3, 1, 2, 4), mode="drop"),
+          k_layout(new.k_planes).transpose(0, 4, 1, 2, 3, 5), mode="drop"),
+      v_codes=_write_v_tiles(qkv.v_codes, new.v_planes, start, on),
       k_scale=qkv.k_scale.at[rows[:, 0], :, grp].set(new.k_scale[:, :, 0], mode="drop"),
       k_zero=qkv.k_zero.at[rows[:, 0], :, grp].set(new.k_zero[:, :, 0], mode="drop"),
       v_scale=qkv.v_scale.at[rows, :, slots].set(new.v_scale.transpose(0, 2, 1), mode="drop"),
@@ -150,7 +181,7 @@ def flush(cache: QuantizedCache, on: jax.Array) -> QuantizedCache:
   codes, buf_k, buf_v = [], [], []
   shift = on[:, None, None, None]
   for qkv, k, v in zip(cache.codes, cache.buf_k, cache.buf_v):
-    cf1 = quantize_kv(k[:, :, :g], v[:, :, :g], group=g)                     # capacity G
+    cf1 = quantize_planes(k[:, :, :g], v[:, :, :g], g)                       # G tokens
     codes.append(_write_group(qkv, cf1, cache.quant_len, on))
     buf_k.append(jnp.where(shift, _cf2_to_cf1(k, g), k))
     buf_v.append(jnp.where(shift, _cf2_to_cf1(v, g), v))
