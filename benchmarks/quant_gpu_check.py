@@ -76,14 +76,14 @@ CASES = [  # seed, B, Tq, Hq, Hkv, D, S, Rf, bits, lengths_quantized, lengths_fu
     (10, 1, 3, 32, 8, 128, 4096, 256, 4, [1111], [20], (1,), QuantAttentionConfig(block_kv=256)),
 ]
 
-def word_tile_case(planes, dtype):
+def word_tile_case(planes, dtype, centered=False):
   """The compiled word_tile (inline Mosaic GPU) against its jnp definition, exactly."""
   codes = jax.random.randint(jax.random.key(planes), (planes, 64, 64), -8, 8)
   words = pack_words(codes).reshape(planes, 16, 32)
-  got = np.asarray(word_tile_kernel(planes, dtype)(words))
-  value = (codes[0] if planes == 1 else 16 * codes[0] + codes[1]) + word_offset(dtype)
-  want = np.asarray(value, np.float32)
-  row = dict(device=jax.devices()[0].device_kind, word_tile_planes=planes,
+  got = np.asarray(word_tile_kernel(planes, dtype, centered=centered)(words))
+  value = (codes[0] if planes == 1 else 16 * codes[0] + codes[1])
+  want = np.asarray(value + (0 if centered else word_offset(dtype)), np.float32)
+  row = dict(device=jax.devices()[0].device_kind, word_tile_planes=planes, centered=centered,
              dtype=jnp.dtype(dtype).name, mismatches=int((got != want).sum()))
   print(row, flush=True)
   rows.append(row)
@@ -91,10 +91,10 @@ def word_tile_case(planes, dtype):
 
 
 if __name__ == "__main__":
-  for planes in (1, 2):
+  for planes, centered in ((1, False), (2, False), (1, True)):
     for dtype in (jnp.bfloat16, jnp.float16):
       try:
-        word_tile_case(planes, dtype)
+        word_tile_case(planes, dtype, centered)
       except Exception as e:  # noqa: BLE001 - record and go on
         traceback.print_exc()
         rows.append(dict(word_tile_planes=planes, error=repr(e)[:800]))

@@ -3,8 +3,8 @@ matmul shapes: Llama-3.1-8B's wqkv 4096->6144, wo 4096->4096, w_gate_up 4096->28
 w_down 14336->4096, x with M in {1, 4} bf16 rows, quant group 128.
 
 Per shape and M, three implementations:
-  pallas       `w4a16_matmul` on the "int4_t" codes [In/64, Out, 64] (the kernel + its wrapper's
-               x padding / xsum and split-K sum: what `quant_matmul` runs for "int4_t")
+  pallas       `w4a16_matmul` on the "int4_t" codes [In/64, Out, 8] words (the kernel + its
+               wrapper's x padding / xsum and split-K sum: what `quant_matmul` runs for "int4_t")
   int4_reduce  `quant_matmul` on the "int4_reduce" layout (XLA: one fused multiply-and-reduce
                over the int4 codes [In, Out]; the draft's current best path)
   dense_bf16   jnp.dot(x, w) with the dequantized weight in bf16 (what the draft replaces)
@@ -70,14 +70,14 @@ SWEEP = ((64, 1, 2, 528), (64, 1, 8, 528), (64, 2, 4, 528), (64, 4, 4, 528), (12
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def random_weight(key, n_in, n_out):
-  """(codes_t [In_pad/64, Out, 64] int4, scale, zero [In_pad/G, Out] fp16): codes uniform in
-  [-8, 7], steps in [0.005, 0.02], zeros about -8 steps (a weight centred on 0)."""
+  """(codes_t [In_pad/64, Out, 8] uint32, scale, zero [In_pad/G, Out] fp16): codes uniform in
+  [-8, 7] (random words), steps in [0.005, 0.02], zeros about -8 steps (a weight centred on 0)."""
   k1, k2, k3 = jax.random.split(key, 3)
   in_pad = -(-n_in // GROUP) * GROUP
-  codes = jax.random.randint(k1, (in_pad // CHUNK, n_out, CHUNK), -8, 8, jnp.int32)
+  codes = jax.random.bits(k1, (in_pad // CHUNK, n_out, CHUNK // 8), jnp.uint32)
   scale = jax.random.uniform(k2, (in_pad // GROUP, n_out), jnp.float32, 0.005, 0.02)
   zero = -8 * scale + 0.01 * jax.random.normal(k3, scale.shape)
-  return codes.astype(jnp.int4), scale.astype(jnp.float16), zero.astype(jnp.float16)
+  return codes, scale.astype(jnp.float16), zero.astype(jnp.float16)
 
 
 def _dense(codes_t, scale, zero, n_in):

@@ -87,7 +87,7 @@ def pack_words(codes: jax.Array) -> jax.Array:
   fragment order when L = 64, plain order otherwise)."""
   length = codes.shape[-1]
   _check_row(length)
-  x = codes.astype(jnp.int32) & 0xF
+  x = (codes.astype(jnp.int32) & 0xF).astype(jnp.uint8)          # 1 byte a code while permuted
   if length == TILE:
     x = _to_fragment_order(x)
   x = x.reshape(*codes.shape[:-1], length // CODES_PER_WORD, CODES_PER_WORD).astype(jnp.uint32)
@@ -112,27 +112,28 @@ def word_offset(dtype) -> int:
 _MAGIC = {jnp.dtype(jnp.bfloat16): 0x4308, jnp.dtype(jnp.float16): 0x6408}   # with bit 3 flip
 
 
-def word_tile(refs, dtype, *, interpret: bool = False) -> jax.Array:
+def word_tile(refs, dtype, *, centered: bool = False, interpret: bool = False) -> jax.Array:
   """refs: one plane (4 bits) or two (upper, lower; 8 bits), each a [16, 32] uint32 SMEM tile
   (a [64, 64] code tile packed by `pack_words`, rows of 8 words, row-major) -> [64, 64] `dtype`
   in the WGMMA layout, exact integers: code + offset (one plane) or 16 upper + lower + offset
-  (two), offset = `word_offset(dtype)`."""
+  (two), offset = `word_offset(dtype)`; with `centered` the offset is subtracted in registers
+  (one more sub per pair of codes) and the values are the codes themselves."""
   dtype = jnp.dtype(dtype)
   if dtype not in _MAGIC:
     raise ValueError(f"word_tile needs bfloat16 or float16, got {dtype}")
   if interpret:
-    return _word_tile_reference(refs, dtype)
-  return _word_tile_mgpu(len(refs), dtype)(*refs)
+    return _word_tile_reference(refs, dtype, centered)
+  return _word_tile_mgpu(len(refs), dtype, centered)(*refs)
 
 
-def _word_tile_reference(refs, dtype):
+def _word_tile_reference(refs, dtype, centered):
   """The same values in plain jnp (the Mosaic GPU interpreter runs no inline_mgpu)."""
   planes = [unpack_words(r[...].reshape(TILE, WORDS_PER_ROW)).astype(jnp.float32) for r in refs]
   value = planes[0] if len(planes) == 1 else 16 * planes[0] + planes[1]
-  return (value + word_offset(dtype)).astype(dtype)
+  return (value + (0 if centered else word_offset(dtype))).astype(dtype)
 
 
-def _word_tile_mgpu(num_planes, dtype):
+def _word_tile_mgpu(num_planes, dtype, centered):
   out = plgpu.ShapeDtypeStruct((TILE, TILE), dtype, layout=plgpu.Layout.WGMMA)
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * num_planes, return_type=out)
@@ -161,6 +162,8 @@ def _word_tile_mgpu(num_planes, dtype):
         pair, ir.FloatAttr.get(half, 16.0)))
     minus_base = arith.constant(pair, ir.DenseElementsAttr.get_splat(
         pair, ir.FloatAttr.get(half, -float(base16))))
+    offset = arith.constant(pair, ir.DenseElementsAttr.get_splat(
+        pair, ir.FloatAttr.get(half, float(word_offset(dtype)))))
 
     registers = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TILE, TILE)), dtype=object)
     for hr in range(2):
@@ -174,19 +177,22 @@ def _word_tile_mgpu(num_planes, dtype):
           value = nibble_pair(w[0], k)                     # code + magic base + 8
           if num_planes == 2:                              # 16 (upper - 8) + lower + offset
             value = arith.addf(mlir_math.fma(value, sixteen, minus_base), nibble_pair(w[1], k))
+          if centered:
+            value = arith.subf(value, offset)              # exact: integers below 256 / 2048
           registers[0, 4 * h + k, 0, 0, hr, 0, 0, 0, 0] = value
     return mgpu.FragmentedArray(_registers=registers, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
   return tile
 
 
-def word_tile_kernel(planes: int, dtype, interpret=None):
+def word_tile_kernel(planes: int, dtype, interpret=None, centered: bool = False):
   """A one-tile Mosaic GPU kernel: words [planes, 16, 32] uint32 -> `word_tile`'s [64, 64]
   values as fp32 (for tests, and for checking the compiled path on a GPU)."""
   def body(w_ref, o_ref, w_smem, o_smem, barrier):
     plgpu.copy_gmem_to_smem(w_ref, w_smem, barrier)
     plgpu.barrier_wait(barrier)
-    a = word_tile([w_smem.at[p] for p in range(planes)], dtype, interpret=interpret is not None)
+    a = word_tile([w_smem.at[p] for p in range(planes)], dtype, centered=centered,
+                  interpret=interpret is not None)
     o_smem[...] = a.astype(jnp.float32)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_ref)

@@ -4,13 +4,16 @@ weight [In, Out], reading the 4-bit codes once (QuantSpec's draft matmuls).
 Quantization (`sparsedec.model.quant_weights`): groups of G consecutive input rows per output
 column, w ~ zero + c * scale with c in [0, 15] and scale, zero fp16 [In_pad / G, Out].
 
-Code layout ("int4_t" in quant_weights), the codes TRANSPOSED and cut into 64-input chunks:
+Code layout ("int4_t" in quant_weights), the codes TRANSPOSED, cut into 64-input chunks, and each
+chunk row of 64 codes packed into 8 uint32 words in wgmma fragment order
+(`register_operand.pack_words`):
 
-  codes_t [In_pad / 64, Out, 64] int4, codes_t[k, o, i] = c[64 k + i, o] - 8
+  codes_t [In_pad / 64, Out, 8] uint32, the row (k, o) holding c[64 k + i, o] - 8, i = 0..63
 
-so a chunk k and 64 consecutive outputs form one contiguous [64 out, 64 in] int4 tile (2 KiB),
-K-contiguous as the register A operand of a wgmma needs (the layout of quant_attention's key
-codes, k_codes [..., D/64, S, 64]). Scales and zeros stay [In_pad / G, Out] fp16.
+so a chunk k and 64 consecutive outputs form one contiguous [64 out, 64 in] code tile (2 KiB),
+whose 8 bytes per thread and row half are its wgmma register fragment (the layout of
+quant_attention's key codes, k_codes [..., D/64, S, 8]). Scales and zeros stay
+[In_pad / G, Out] fp16.
 
 Kernel (`w4a16_matmul`), grid (Out / block_out, splits), one warpgroup per block; the output
 columns are the wgmma M dimension and x's rows the N dimension (M padded to N, a multiple of 8):
@@ -19,14 +22,15 @@ columns are the wgmma M dimension and x's rows the N dimension (M padded to N, a
     W_k  [64 out, 64] = (C_k - 8) * scale_g[out] + (zero_g[out] + 8 scale_g[out])   (x's dtype)
     acc  [64, N]     += W_k @ x_k^T [64, N]                 (fp32, one accumulator per 64 outputs)
 
-A = the code tile, TMA'd into SMEM as int4 (swizzle 32), loaded to registers in the layout Mosaic
-GPU upcasts cheaply (`WGMMA_UPCAST_4X`; as quant_attention) as exact integers c - 8, then
-dequantized in registers in x's dtype (one multiply-add per element, the group's scale and zero
-broadcast along the row); B = x^T of the chunk: the wrapper lays x out as chunks
-xc [In_pad / 64, N, 64] (zero-padded; one small XLA fusion), TMA'd with swizzle 128 and used
-transposed. The accumulators live across the whole input range: one chunk's wgmmas stay in flight
-while the next chunk is dequantized (a wait leaving m_tiles groups pending), and the previous
-pipeline step's SMEM slot is refilled as soon as the first chunk of a step has been issued.
+A = the code tile, TMA'd into SMEM as 128-byte rows of words (no swizzle), loaded to registers
+already in the wgmma fragment layout (`register_operand.word_tile`, centered: per pair of codes
+one lop3 and one sub, no shuffles) as exact integers c - 8, then dequantized in registers in x's
+dtype (one multiply-add per pair, the group's scale and zero broadcast along the row); B = x^T
+of the chunk: the wrapper lays x out as chunks xc [In_pad / 64, N, 64] (zero-padded; one small
+XLA fusion), TMA'd with swizzle 128 and used transposed. The accumulators live across the whole
+input range: one chunk's wgmmas stay in flight while the next chunk is dequantized (a wait
+leaving m_tiles groups pending), and the previous pipeline step's SMEM slot is refilled as soon as
+the first chunk of a step has been issued.
 Rounding: the dequantized weight is rounded to x's dtype (bf16: 2**-9 relative, like a bf16
 weight), as Marlin-style kernels do; products and sums are fp32.
 
@@ -37,19 +41,23 @@ the fp32 product, an all-ones wgmma for the zero points, then a wait per group):
 Compute (`results/ncu_s9/`, w_gate_up, M = 1): the kernel is instruction-issue bound (66% of issue
 slots, 63 registers, 8 blocks per SM possible), about 5 warp instructions per weight: the int4
 upcast and its shuffles about half, the dequantizing HFMA2 10%, wgmma descriptor setup ~20%.
+Session 13 stored the codes in fragment order (`register_operand.word_tile`: no shuffles); H200,
+M = 1, device time per call against the previous WGMMA_UPCAST_4X kernel in the same session
+(`benchmarks/results/w4a16_s13_{new,old}_h200.json`): wqkv 10.3 vs 12.2 us, wo 8.0 vs 9.1,
+w_gate_up 26.0 vs 32.9 (54% of read bandwidth), w_down 17.2 vs 21.0.
 
 The input range is split into pipeline steps of `groups_per_stage` groups; each step arrives by
-four TMAs on one barrier (its codes [G/64 * gps, block_out, 64], x chunks [G/64 * gps, N, 64],
-scales and zeros [gps, block_out]; Mosaic GPU puts a warpgroup barrier before every TMA issue,
-so they are few and large), `num_stages` steps in flight. Split-K: the steps are dealt to
-`splits` blocks per output tile (contiguous ranges), each writing fp32 partials [splits, Out, N]
-that the wrapper sums (XLA, fused with the transpose to [M, Out] and the cast); the number of
-splits is chosen so that there are about `target_blocks` blocks (several per SM of an H100 /
-H200: Llama-8B's Out / 64 tiles alone are 64..448 blocks). A call is thus three launches: the x
-relayout, the kernel, the split sum.
+four TMAs on one barrier (its codes [G/64 * gps, block_out / 4, 32] words, x chunks
+[G/64 * gps, N, 64], scales and zeros [gps, block_out]; Mosaic GPU puts a warpgroup barrier
+before every TMA issue, so they are few and large), `num_stages` steps in flight. Split-K: the
+steps are dealt to `splits` blocks per output tile (contiguous ranges), each writing fp32
+partials [splits, Out, N] that the wrapper sums (XLA, fused with the transpose to [M, Out] and
+the cast); the number of splits is chosen so that there are about `target_blocks` blocks
+(several per SM of an H100 / H200: Llama-8B's Out / 64 tiles alone are 64..448 blocks). A call
+is thus three launches: the x relayout, the kernel, the split sum.
 
 Limits (InputError otherwise): x bf16 or fp16 with 1..64 rows; Out a multiple of 64; G a multiple
-of 64; codes int4 [In_pad / 64, Out, 64] with In_pad = (In_pad / G) * G >= in_features.
+of 64; codes uint32 [In_pad / 64, Out, 8] with In_pad = (In_pad / G) * G >= in_features.
 
 Interpret mode (`interpret=plgpu.InterpretGPUParams()`, CPU): its wgmma takes no register A
 operand, so the code tile goes through an SMEM buffer there (as in quant_attention).
@@ -69,11 +77,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.register_operand import int4_tile, wgmma_register_a
+from pallas_kernels.register_operand import (CODES_PER_WORD, SMEM_ROW_WORDS, pack_words,
+                                             unpack_words, wgmma_register_a, word_tile)
 from sparsedec.errors import InputError
 
 CHUNK = 64              # inputs per stored code chunk: one 128-byte bf16 wgmma K step
 TILE_OUT = 64           # wgmma M: output columns per register tile
+TILE_ROWS = TILE_OUT // 4   # a 64-output code tile in SMEM: 16 rows of 32 words
 MAX_ROWS = 64           # x rows per call (the wgmma N dimension)
 MAX_BLOCK_OUT = 256     # a TMA box dimension holds at most 256 elements
 CODE_OFFSET = 8         # the int4 codes store c - 8
@@ -112,17 +122,19 @@ class W4A16Config:
 # ----------------------------------------------------------------------------------------------
 
 def to_chunked(codes: jax.Array) -> jax.Array:
-  """[In_pad, Out] (any dtype) -> [In_pad / 64, Out, 64]: transposed 64-input chunks."""
+  """[In_pad, Out] codes c - 8 (integers in [-8, 7]) -> [In_pad / 64, Out, 8] uint32: transposed
+  64-input chunks, each row packed in wgmma fragment order (`pack_words`)."""
   n_in, n_out = codes.shape
   if n_in % CHUNK:
     raise InputError(f"the chunked code layout needs In_pad a multiple of {CHUNK}, got {n_in}")
-  return codes.reshape(n_in // CHUNK, CHUNK, n_out).transpose(0, 2, 1)
+  return pack_words(codes.reshape(n_in // CHUNK, CHUNK, n_out).transpose(0, 2, 1))
 
 
 def from_chunked(codes_t: jax.Array) -> jax.Array:
-  """[In_pad / 64, Out, 64] -> [In_pad, Out] (the inverse of to_chunked)."""
-  n_chunks, n_out, c = codes_t.shape
-  return codes_t.transpose(0, 2, 1).reshape(n_chunks * c, n_out)
+  """[In_pad / 64, Out, 8] uint32 -> [In_pad, Out] int4 codes (the inverse of to_chunked)."""
+  x = unpack_words(codes_t)                                         # [In_pad / 64, Out, 64]
+  n_chunks, n_out, c = x.shape
+  return x.transpose(0, 2, 1).reshape(n_chunks * c, n_out).astype(jnp.int4)
 
 
 def unsupported_reason(n_rows: int, n_out: int, group: int, dtype) -> str | None:
@@ -223,8 +235,8 @@ def _partials(xc, codes_t, scale, zero, *, group: int, p: Plan, interpret: Any =
   """Split-K partial products.
 
   xc [In_pad / 64, N, 64] bf16/fp16: x zero-padded to [N, In_pad], in 64-input chunks;
-  codes_t [In_pad / 64, Out, 64] int4 (c - 8); scale, zero [In_pad / G, Out] fp16.
-  Returns [splits, Out, N] fp32 whose sum over splits is (x @ w)^T.
+  codes_t [In_pad / 64, Out, 8] uint32 (c - 8, fragment order); scale, zero [In_pad / G, Out]
+  fp16. Returns [splits, Out, N] fp32 whose sum over splits is (x @ w)^T.
   """
   _, n, _ = xc.shape
   n_out = codes_t.shape[1]
@@ -236,12 +248,12 @@ def _partials(xc, codes_t, scale, zero, *, group: int, p: Plan, interpret: Any =
   row = plgpu.Layout.WGMMA.reduce(1)          # a vector along a tile's rows (outputs)
 
   def body(x_ref,        # [In_pad / 64, N, 64] dtype
-           codes_ref,    # [In_pad / 64, Out, 64] int4
+           codes_ref,    # [In_pad / 64, Out / 4, 32] uint32: per output 8 words
            scale_ref,    # [In_pad / G, Out] fp16
            zero_ref,     # [In_pad / G, Out] fp16
            out_ref,      # [splits, Out, N] fp32
            *,
-           c_smem,       # [stages, cps, block_out, 64] int4 (swizzled): code tiles
+           c_smem,       # [stages, cps, block_out / 4, 32] uint32: code tiles
            x_smem,       # [stages, cps, N, 64] dtype (swizzled): x chunks (B^T)
            meta_smem,    # [stages, 2, gps, block_out] fp16: scales (0) and zeros (1)
            o_smem,       # [block_out, N] fp32 (epilogue)
@@ -257,8 +269,9 @@ def _partials(xc, codes_t, scale, zero, *, group: int, p: Plan, interpret: Any =
       g0 = (first + step) * gps                 # first group of the step
       c0 = g0 * cpg                             # its first chunk
       bar = barriers.at[slot]
-      plgpu.copy_gmem_to_smem(codes_ref.at[pl.ds(c0, cps), pl.ds(o0, block_out)],
-                              c_smem.at[slot], bar)
+      plgpu.copy_gmem_to_smem(
+          codes_ref.at[pl.ds(c0, cps), pl.ds(tile * (block_out // 4), block_out // 4)],
+          c_smem.at[slot], bar)
       plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(c0, cps)], x_smem.at[slot], bar)
       plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(g0, gps), pl.ds(o0, block_out)],
                               meta_smem.at[slot, 0], bar)
@@ -268,7 +281,8 @@ def _partials(xc, codes_t, scale, zero, *, group: int, p: Plan, interpret: Any =
     for s in range(num_stages):
       pl.when(s < my_steps)(functools.partial(fetch, s, s))
 
-    codes = functools.partial(int4_tile, dtype=dtype)        # [64, 64] int4 tile -> registers
+    def codes(ref):                             # [16, 32] words -> [64, 64] c - 8 in registers
+      return word_tile([ref], dtype, centered=True, interpret=interpret is not None)
     mma = functools.partial(wgmma_register_a, a_smem=a_smem)   # acc += a [64, 64] @ b
 
     def group_meta(slot, g):
@@ -295,7 +309,7 @@ def _partials(xc, codes_t, scale, zero, *, group: int, p: Plan, interpret: Any =
             cc = g * cpg + c
             for mt, acc_ref in enumerate(acc_refs):
               s, z = metas[mt]
-              a = codes(c_smem.at[slot, cc, pl.ds(mt * TILE_OUT, TILE_OUT)]) * s + z
+              a = codes(c_smem.at[slot, cc, pl.ds(mt * TILE_ROWS, TILE_ROWS)]) * s + z
               mma(acc_ref, a, x_smem.at[slot, cc].transpose((1, 0)))
             # One chunk's wgmmas stay in flight while the next chunk is dequantized; all
             # earlier ones (their A registers, and the previous step's SMEM) are done.
@@ -325,8 +339,7 @@ def _partials(xc, codes_t, scale, zero, *, group: int, p: Plan, interpret: Any =
   # TMA SMEM ends must be 128-byte aligned, swizzled buffers 1 KiB-aligned: the swizzled
   # buffers go first (every tile a multiple of 1 KiB), the small ones after (multiples of 128 B).
   scratch = dict(
-      c_smem=plgpu.SMEM((num_stages, cps, block_out, CHUNK), jnp.int4,
-                        **_swizzled(CHUNK // 2, 4)),
+      c_smem=plgpu.SMEM((num_stages, cps, block_out // 4, SMEM_ROW_WORDS), jnp.uint32),
       x_smem=plgpu.SMEM((num_stages, cps, n, CHUNK), dtype, **mma_sw),
   )
   if interpret is not None:
@@ -348,7 +361,7 @@ def _partials(xc, codes_t, scale, zero, *, group: int, p: Plan, interpret: Any =
       grid=(p.out_tiles, p.splits),
       grid_names=("out", "split"),
       interpret=interpret,
-  )(xc, codes_t, scale, zero)
+  )(xc, codes_t.reshape(codes_t.shape[0], n_out // 4, SMEM_ROW_WORDS), scale, zero)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -360,10 +373,13 @@ def _check_inputs(x, codes_t, scale, zero, in_features, group):
     raise InputError(f"x must be [M, In], got shape {x.shape}")
   if not isinstance(group, int) or group < 1:
     raise InputError(f"group must be a positive integer, got {group!r}")
-  if codes_t.ndim != 3 or codes_t.shape[2] != CHUNK:
-    raise InputError(f"codes_t must be [In_pad / {CHUNK}, Out, {CHUNK}], got {codes_t.shape}")
-  if jnp.dtype(codes_t.dtype) != jnp.dtype(jnp.int4):
-    raise InputError(f"codes_t must be int4 (c - 8), got {codes_t.dtype}")
+  words = CHUNK // CODES_PER_WORD
+  if codes_t.ndim != 3 or codes_t.shape[2] != words:
+    raise InputError(f"codes_t must be [In_pad / {CHUNK}, Out, {words}] words, got "
+                     f"{codes_t.shape}")
+  if jnp.dtype(codes_t.dtype) != jnp.dtype(jnp.uint32):
+    raise InputError(f"codes_t must be uint32 words of 8 codes c - 8 (`to_chunked`), got "
+                     f"{codes_t.dtype}")
   n_chunks, n_out, _ = codes_t.shape
   in_pad = n_chunks * CHUNK
   reason = unsupported_reason(x.shape[0], n_out, group, x.dtype)
@@ -389,7 +405,7 @@ def w4a16_matmul(x: jax.Array, codes_t: jax.Array, scale: jax.Array, zero: jax.A
                  interpret: Any = None) -> jax.Array:
   """x [M, In] (bf16/fp16, M <= 64) @ the 4-bit weight -> [M, Out] in x's dtype.
 
-  codes_t [In_pad / 64, Out, 64] int4 (c - 8, the module docstring's layout); scale, zero
+  codes_t [In_pad / 64, Out, 8] uint32 (c - 8, the module docstring's layout); scale, zero
   [In_pad / G, Out] fp16; in_features = In; group = G (a multiple of 64). fp32 accumulation.
   """
   _check_inputs(x, codes_t, scale, zero, in_features, group)

@@ -41,16 +41,17 @@ def test_a_64_code_row_is_stored_in_fragment_order():
     pack_words(jnp.zeros((12,), jnp.int32))
 
 
-@pytest.mark.parametrize("planes", [1, 2])
+@pytest.mark.parametrize("planes,centered", [(1, False), (2, False), (1, True)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_word_tile_values_and_cuda_lowering(planes, dtype):
-  """One plane: code + offset; two: 16 upper + lower + offset, exact in the 16-bit dtype."""
+def test_word_tile_values_and_cuda_lowering(planes, centered, dtype):
+  """One plane: code + offset; two: 16 upper + lower + offset, exact in the 16-bit dtype;
+  centered: without the offset."""
   codes = jax.random.randint(jax.random.key(planes), (planes, 64, 64), -8, 8)
   words = pack_words(codes).reshape(planes, 16, 32)
-  got = word_tile_kernel(planes, dtype, plgpu.InterpretGPUParams())(words)
+  got = word_tile_kernel(planes, dtype, plgpu.InterpretGPUParams(), centered)(words)
   value = codes[0] if planes == 1 else 16 * codes[0] + codes[1]
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(value + word_offset(dtype),
-                                                            np.float32))
-  text = jax.jit(word_tile_kernel(planes, dtype)).trace(
+  offset = 0 if centered else word_offset(dtype)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(value + offset, np.float32))
+  text = jax.jit(word_tile_kernel(planes, dtype, centered=centered)).trace(
       jax.ShapeDtypeStruct(words.shape, jnp.uint32)).lower(lowering_platforms=("cuda",)).as_text()
   assert "stablehlo.custom_call @mosaic_gpu_v2" in text

@@ -12,6 +12,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import w4a16_gemv as w4
+from pallas_kernels.register_operand import unpack_words
 from pallas_kernels.w4a16_gemv import (CODE_OFFSET, W4A16Config, dequantize, plan, w4a16_matmul,
                                        w4a16_reference)
 from sparsedec.errors import InputError
@@ -137,7 +138,7 @@ def test_refuses_unsupported_shapes():
 ])
 def test_lowers_to_mosaic_gpu_for_cuda(m, n_in, n_out, config, dtype):
   sds = jax.ShapeDtypeStruct
-  args = (sds((m, n_in), dtype), sds((n_in // 64, n_out, 64), jnp.int4),
+  args = (sds((m, n_in), dtype), sds((n_in // 64, n_out, 8), jnp.uint32),
           sds((n_in // 128, n_out), jnp.float16), sds((n_in // 128, n_out), jnp.float16))
   f = lambda x, c, s, z: w4a16_matmul(x, c, s, z, in_features=n_in, group=128, config=config)
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -153,8 +154,8 @@ def test_int4_t_layout_holds_the_same_quantized_weight(group):
   w = jax.random.normal(jax.random.key(0), (172, 24), jnp.float32)   # In_pad 192 or 256
   t = quantize_weight(w, group=group, layout="int4_t")
   in_pad = -(-172 // group) * group
-  assert t.layout == "int4_t" and t.codes.dtype == jnp.int4
-  assert t.codes.shape == (in_pad // 64, 24, 64)
+  assert t.layout == "int4_t" and t.codes.dtype == jnp.uint32
+  assert t.codes.shape == (in_pad // 64, 24, 8)
   assert t.shape == (172, 24) and t.in_padded == in_pad
   for layout in LAYOUTS:
     other = quantize_weight(w, group=group, layout=layout)
@@ -166,9 +167,9 @@ def test_int4_t_layout_holds_the_same_quantized_weight(group):
                                   np.asarray(t.codes))
     np.testing.assert_array_equal(np.asarray(t.to_layout(layout).codes),
                                   np.asarray(other.codes))
-  codes = np.asarray(t.codes.astype(jnp.int32))
+  codes = np.asarray(unpack_words(t.codes))                          # [In_pad / 64, Out, 64]
   c = np.asarray(quantize_weight(w, group=group, layout="int4").codes.astype(jnp.int32))
-  np.testing.assert_array_equal(codes[1, 5, 7], c[64 + 7, 5])       # codes[k, o, i] = c[64k+i, o]
+  np.testing.assert_array_equal(codes[1, 5, 7], c[64 + 7, 5])       # row (k, o), i: c[64k+i, o]
 
 
 def test_int4_t_layout_refuses_groups_that_are_not_whole_chunks():

@@ -22,10 +22,11 @@ dequantized values are bit-identical, and `to_layout` converts between them exac
   * "int4_reduce": the "int4" storage, multiplied as an elementwise product with x summed over In
     (fp32): for the draft's GEMV (M = batch rows) XLA emits one reduction kernel that reads the
     codes once instead of materialising the bf16 weight (measured: benchmarks/NOTES.md).
-  * "int4_t": jnp.int4 [In_pad / 64, Out, 64] holding c - 8, the codes TRANSPOSED in 64-input
-    chunks (codes[k, o, i] = c[64 k + i, o] - 8; the group must be a multiple of 64), the layout of
-    the Mosaic GPU W4A16 GEMV kernel (`pallas_kernels.w4a16_gemv`: each [64 out, 64 in] tile is
-    contiguous and K-major, a wgmma's register operand). On a GPU, x with <= 64 rows (bf16/fp16,
+  * "int4_t": uint32 [In_pad / 64, Out, 8] holding c - 8, the codes TRANSPOSED in 64-input
+    chunks (row (k, o) holds c[64 k + i, o] - 8, i = 0..63, as 8 words of 8 codes in wgmma
+    fragment order; the group must be a multiple of 64), the layout of the Mosaic GPU W4A16 GEMV
+    kernel (`pallas_kernels.w4a16_gemv`: each [64 out, 64 in] tile is 2 KiB contiguous, its
+    bytes per thread already a wgmma register fragment). On a GPU, x with <= 64 rows (bf16/fp16,
     Out a multiple of 64, group a multiple of 64) goes through that kernel; anything else through
     the "int4_grouped" math in jnp on the chunks (both: per-group fp32 products, scaled after).
 
@@ -45,6 +46,7 @@ from flax import struct
 # A module, not names: pallas_kernels.w4a16_gemv imports sparsedec (its errors), which imports
 # this module, so either may be first; the names are looked up at call time.
 import pallas_kernels.w4a16_gemv as w4a16
+from pallas_kernels.register_operand import unpack_words
 from sparsedec.errors import InputError
 
 QUANTIZED_LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -57,7 +59,7 @@ CODE_OFFSET = 8          # int4 layouts store c - 8 in [-8, 7]
 @struct.dataclass
 class QuantWeight:
   codes: jax.Array   # "packed": [In_pad / 2, Out] uint8; "int4", "int4_grouped", "int4_reduce":
-                     # [In_pad, Out] int4 (c - 8); "int4_t": [In_pad / 64, Out, 64] int4 (c - 8)
+                     # [In_pad, Out] int4 (c - 8); "int4_t": [In_pad / 64, Out, 8] uint32
   scale: jax.Array   # [In_pad / G, Out] fp16
   zero: jax.Array    # [In_pad / G, Out] fp16
   in_features: int = struct.field(pytree_node=False)
@@ -123,7 +125,7 @@ def _store_codes(c: jax.Array, layout: str) -> jax.Array:
     return c[0::2] | (c[1::2] << 4)
   codes = (c.astype(jnp.int8) - CODE_OFFSET).astype(jnp.int4)
   if layout == "int4_t":           # In_pad: whole groups, a multiple of 64 (_check_layout)
-    return w4a16.to_chunked(codes)                                     # [In_pad/64, Out, 64]
+    return w4a16.to_chunked(codes)                                     # [In_pad/64, Out, 8]
   return codes
 
 
@@ -216,7 +218,7 @@ def _int4_t_matmul(x: jax.Array, w: QuantWeight, precision) -> jax.Array:
   chunk = w4a16.CHUNK
   cpg = w.group // chunk                                       # whole chunks per group
   xg = _pad_inputs(x2, w).reshape(-1, n_groups, cpg, chunk)                # [M, In/G, G/64, 64]
-  c = w.codes.reshape(n_groups, cpg, n_out, chunk).astype(x.dtype)        # [In/G, G/64, Out, 64]
+  c = unpack_words(w.codes).reshape(n_groups, cpg, n_out, chunk).astype(x.dtype)  # [.., Out, 64]
   if jax.default_backend() == "cpu" and x.dtype != jnp.float32:
     xg, c = xg.astype(jnp.float32), c.astype(jnp.float32)   # XLA:CPU: no bf16 x bf16 -> fp32
   part = jnp.einsum("mgki,gkoi->gmo", xg, c, precision=precision,
