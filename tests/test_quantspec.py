@@ -554,3 +554,32 @@ def test_greedy_int8_verify_equals_dequantized_int8_dense_on_smollm2(smollm2, sm
   assert got.method_stats["dense_cache_bytes"] == 0
   assert 0.0 < got.method_stats["acceptance_rate"] < 1.0
   _assert_flushed_while_generating(got, prompts, 128)
+
+
+def test_flushing_whole_value_tiles_equals_quantizing_directly():
+  """G = 64 (a whole 64-token value tile per group, the kernel's fragment-order storage): a flush
+  through commits writes the same codes as quantizing the tokens directly; and a G that neither
+  divides nor is a multiple of the value tile is refused."""
+  g, n_tok, step = 64, 256, 16
+  rng = np.random.default_rng(3)
+  k = jnp.asarray(rng.normal(size=(1, 2, n_tok, 8)).astype(np.float32))
+  v = jnp.asarray(rng.normal(size=(1, 2, n_tok, 8)).astype(np.float32))
+
+  def dense(n):
+    keep = (jnp.arange(n_tok) < n)[None, None, :, None]
+    return KVCache(k=(jnp.where(keep, k, 0),), v=(jnp.where(keep, v, 0),),
+                   lengths=jnp.array([n], jnp.int32))
+
+  cache = qkv.from_dense(dense(100), g, quant_capacity=n_tok)
+  assert int(cache.quant_len[0]) == 0
+  for start in range(100, 228, step):
+    new = InflightKV((k[:, :, start:start + step].transpose(0, 2, 1, 3),),
+                     (v[:, :, start:start + step].transpose(0, 2, 1, 3),))
+    cache = qkv.commit(cache, new, jnp.array([step], jnp.int32))
+  direct = qkv.from_dense(dense(228), g, quant_capacity=n_tok)
+  ql = int(cache.quant_len[0])
+  assert ql == int(direct.quant_len[0]) == 128                          # two flushed groups
+  for got, want in zip(code_planes(cache.codes[0]), code_planes(direct.codes[0])):
+    np.testing.assert_array_equal(np.asarray(got)[..., :ql, :], np.asarray(want)[..., :ql, :])
+  with pytest.raises(InputError, match="must divide or be a multiple of the 64-token value tile"):
+    qkv.from_dense(dense(100), 48, quant_capacity=192)
