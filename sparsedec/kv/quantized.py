@@ -3,8 +3,9 @@
 Per layer, a row's committed tokens 0 .. N-1 are split at `quant_len[b]` (a multiple of G):
 
   slots [0, quant_len)       quantized, `pallas_kernels.quant_attention.QuantKV` (capacity Sq, a
-                             multiple of G): upper INT4 + lower INT4 codes, INT8 = 16*upper + lower;
-                             keys per channel over G-token groups, values per token
+                             multiple of lcm(G, 8)): upper INT4 + lower INT4 codes (words of 8),
+                             INT8 = 16*upper + lower; keys per channel over G-token groups, values
+                             per token
   buffer [0, buf_len)        full precision, [B, Hkv, 2G, D]; slot j holds position quant_len + j.
                              Halves: CF1 = slots [0, G), CF2 = slots [G, 2G).
 
@@ -100,7 +101,8 @@ def _quantize_all(k: jax.Array, v: jax.Array, group: int, capacity: int) -> Quan
 def from_dense(cache: KVCache, group: int, quant_capacity: int | None = None) -> QuantizedCache:
   """The quantized cache of a dense cache's committed entries (prefill): whole groups below
   `quantized_length(lengths)` quantized, the rest (G + 1 .. 2G tokens, or all when <= G) kept in
-  full precision. quant_capacity: default the dense capacity rounded up to a multiple of G."""
+  full precision. quant_capacity: default the dense capacity rounded up to a multiple of
+  lcm(G, 8) (whole groups of whole 8-code words)."""
   s, d = cache.k[0].shape[2:]
   check_group(group, d)
   unit = math.lcm(group, 8)            # whole groups, whole 8-code words
