@@ -232,13 +232,17 @@ class QuantPlanes:
   v_zero: jax.Array     # [B, Hkv, S] fp16
 
 
-def quantize_planes(k: jax.Array, v: jax.Array, group: int) -> QuantPlanes:
-  """k, v [B, Hkv, S, D] (any float dtype; S a multiple of `group`) -> QuantPlanes."""
+def _check_kv(k, v, group):
   if k.ndim != 4 or v.shape != k.shape:
     raise ValueError(f"k and v must both be [B, Hkv, S, D], got {k.shape} and {v.shape}")
+  if group <= 0 or k.shape[2] % group:
+    raise ValueError(f"capacity S={k.shape[2]} must be a positive multiple of group={group}")
+
+
+def quantize_planes(k: jax.Array, v: jax.Array, group: int) -> QuantPlanes:
+  """k, v [B, Hkv, S, D] (any float dtype; S a multiple of `group`) -> QuantPlanes."""
+  _check_kv(k, v, group)
   b, hkv, s, d = k.shape
-  if group <= 0 or s % group:
-    raise ValueError(f"capacity S={s} must be a positive multiple of group={group}")
   kf = k.astype(jnp.float32).reshape(b, hkv, s // group, group, d)   # [B, Hkv, S/G, G, D]
   k_zero, k_scale = _grid(kf.min(3), kf.max(3))                       # [B, Hkv, S/G, D]
   k_c8 = _codes8(kf, k_zero[:, :, :, None], k_scale[:, :, :, None]).reshape(b, hkv, s, d)
@@ -252,11 +256,12 @@ def quantize_planes(k: jax.Array, v: jax.Array, group: int) -> QuantPlanes:
 def quantize_kv(k: jax.Array, v: jax.Array, group: int = 128) -> QuantKV:
   """k, v [B, Hkv, S, D] (any float dtype; S a multiple of `group`, S and D multiples of 8)
   -> QuantKV."""
-  x = quantize_planes(k, v, group)
+  _check_kv(k, v, group)
   s, d = k.shape[2:]
   if s % CODES_PER_WORD or d % CODES_PER_WORD:
     raise ValueError(f"head dim D={d} and capacity S={s} must be multiples of 8 (8 4-bit codes "
                      f"per stored word)")
+  x = quantize_planes(k, v, group)
   return QuantKV(k_layout(x.k_planes), v_layout(x.v_planes), x.k_scale, x.k_zero, x.v_scale,
                  x.v_zero, group=group)
 

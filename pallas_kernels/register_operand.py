@@ -1,10 +1,5 @@
 """Register A operands for Mosaic GPU wgmma, shared by quant_attention and w4a16_gemv.
 
-`int4_tile`: an int4 code tile in SMEM -> registers in the WGMMA layout as exact integers in a
-float dtype, through Mosaic's cheap 4-bit upcast (`WGMMA_UPCAST_4X`: 8 codes per 32-bit load, two
-shuffles to the wgmma layout, then the lop3 / sub.bf16x2 conversion). The tile's minor dimension
-must be the wgmma K dimension (contiguous).
-
 `word_tile`: a [64, 64] code tile stored as 32-bit words in *fragment order* (`pack_words`):
 each thread's 16 codes of a row are the two words it loads with one 8-byte shared load, their
 nibbles already where the wgmma register fragment wants them. So no shuffle and no permute:
@@ -34,12 +29,6 @@ TILE = 64                    # rows and codes per row of a word tile (wgmma M an
 CODES_PER_WORD = 8
 WORDS_PER_ROW = TILE // CODES_PER_WORD
 SMEM_ROW_WORDS = 32          # a tile's words as [16, 32] in SMEM (128-byte rows: TMA-friendly)
-
-
-def int4_tile(ref, dtype) -> jax.Array:
-  """ref: [64, K] int4 SMEM tile -> [64, K] `dtype` registers (WGMMA layout), exact integers."""
-  x = plgpu.load(ref, layout=plgpu.Layout.WGMMA_UPCAST_4X)
-  return plgpu.layout_cast(x, plgpu.Layout.WGMMA).astype(dtype)
 
 
 def wgmma_register_a(acc_ref, a: jax.Array, b_ref, a_smem=None) -> None:
@@ -157,13 +146,11 @@ def _word_tile_mgpu(num_planes, dtype, centered):
       x = word if k == 0 else arith.shrui(word, c(4 * k))
       return mgpu.utils.bitcast(llvm.inline_asm(i32, [x], lop3, "=r,r"), pair)
 
-    base16 = 16 * {jnp.dtype(jnp.bfloat16): 128, jnp.dtype(jnp.float16): 1024}[dtype] + 128
-    sixteen = arith.constant(pair, ir.DenseElementsAttr.get_splat(
-        pair, ir.FloatAttr.get(half, 16.0)))
-    minus_base = arith.constant(pair, ir.DenseElementsAttr.get_splat(
-        pair, ir.FloatAttr.get(half, -float(base16))))
-    offset = arith.constant(pair, ir.DenseElementsAttr.get_splat(
-        pair, ir.FloatAttr.get(half, float(word_offset(dtype)))))
+    splat = lambda v: arith.constant(pair, ir.DenseElementsAttr.get_splat(
+        pair, ir.FloatAttr.get(half, float(v))))
+    # A nibble pair holds code + offset; 16 (upper + offset) - 16 offset = 16 upper, exact.
+    offset, sixteen, minus_16_offset = (splat(v) for v in (
+        word_offset(dtype), 16, -16 * word_offset(dtype)))
 
     registers = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TILE, TILE)), dtype=object)
     for hr in range(2):
@@ -174,9 +161,10 @@ def _word_tile_mgpu(num_planes, dtype, centered):
       for h in range(2):
         w = [vector.extract(ws, dynamic_position=[], static_position=[h]) for ws in words]
         for k in range(4):
-          value = nibble_pair(w[0], k)                     # code + magic base + 8
-          if num_planes == 2:                              # 16 (upper - 8) + lower + offset
-            value = arith.addf(mlir_math.fma(value, sixteen, minus_base), nibble_pair(w[1], k))
+          value = nibble_pair(w[0], k)                     # code + offset
+          if num_planes == 2:                              # 16 upper + lower + offset
+            value = arith.addf(mlir_math.fma(value, sixteen, minus_16_offset),
+                               nibble_pair(w[1], k))
           if centered:
             value = arith.subf(value, offset)              # exact: integers below 256 / 2048
           registers[0, 4 * h + k, 0, 0, hr, 0, 0, 0, 0] = value

@@ -71,17 +71,18 @@ def split_counts(segments: tuple[tuple[int, int, int | None], ...], *, copies: i
     return tuple(fixed if fixed is not None else min(cap(tiles, None), max(1, -(-tiles // length)))
                  for _, tiles, fixed in segments)
 
+  def num_items(splits):
+    return copies * sum(qb * s for (qb, _, _), s in zip(segments, splits))
+
   def key(splits):
-    num_items = copies * sum(qb * s for (qb, _, _), s in zip(segments, splits))
     items = tuple(t for (qb, tiles, _), s in zip(segments, splits)
                   for _ in range(qb) for t in split_tiles(tiles, s))
-    return (makespan(items, copies=copies, slots=slots, overhead=overhead), num_items)
+    return (makespan(items, copies=copies, slots=slots, overhead=overhead), num_items(splits))
 
   best, best_key = None, None
   for length in sorted(lengths, reverse=True):
     splits = splits_for(length)
-    if best is not None and copies * sum(qb * s for (qb, _, _), s in zip(segments, splits)) > (
-        MAX_WAVES * slots):
+    if best is not None and num_items(splits) > MAX_WAVES * slots:
       break
     k = key(splits)
     if best_key is None or k < best_key:
@@ -97,7 +98,7 @@ def split_counts(segments: tuple[tuple[int, int, int | None], ...], *, copies: i
     for i, choices in enumerate(options):
       for s in choices:
         trial = best[:i] + (s,) + best[i + 1:]
-        if copies * sum(qb * n for (qb, _, _), n in zip(segments, trial)) > MAX_WAVES * slots:
+        if num_items(trial) > MAX_WAVES * slots:
           continue
         k = key(trial)
         if k < best_key:
