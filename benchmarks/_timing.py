@@ -27,7 +27,7 @@ _SENTINEL = 12345.0           # an output value that never occurs: the dependenc
 
 def time_loop(fn: Callable, x: jax.Array, *rest: Any, num_calls: int, repeats: int = 3,
               rotate: Sequence[tuple] = (), with_index: bool = False, unroll: int = 1,
-              profile: bool = False) -> dict:
+              profile: bool = False, profile_top: int = 6) -> dict:
   """Seconds per call of fn(x, *rest), calls chained inside one jit.
 
   rotate: further argument tuples (copies of the large arrays) used in turn with `rest`, so that
@@ -41,8 +41,8 @@ def time_loop(fn: Callable, x: jax.Array, *rest: Any, num_calls: int, repeats: i
     argument tuples of one iteration), e.g. to pick one of several block tables.
   profile: also run the loop once under the profiler and report `device_s`, the GPU's busy time per
     call (the summed durations of the kernels on the device's streams; no launch gaps), with
-    `kernels_per_call` and the costliest kernels (`device_time_by_kernel`). GPU only; elsewhere
-    these keys are absent.
+    `kernels_per_call` and the `profile_top` costliest kernels (`device_time_by_kernel`). GPU
+    only; elsewhere these keys are absent.
   Returns {"min_s", "median_s", "runs_s", "num_calls", "repeats", "unroll"} (+ the profile keys):
   per-call seconds, min and median over `repeats` timed runs after one warm-up (compile) run.
   """
@@ -81,7 +81,7 @@ def time_loop(fn: Callable, x: jax.Array, *rest: Any, num_calls: int, repeats: i
                 num_calls=iterations * per_iteration, repeats=repeats, unroll=unroll)
   if profile and jax.default_backend() == "gpu":
     result.update(device_time(lambda: jax.block_until_ready(loop(x, arg_sets)),
-                              iterations * per_iteration))
+                              iterations * per_iteration, top=profile_top))
   return result
 
 

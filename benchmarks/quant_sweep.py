@@ -70,6 +70,7 @@ def main(argv=None):
   p.add_argument("--interpret", action="store_true", help="CPU dry run (Mosaic interpreter)")
   p.add_argument("--profile", action="store_true",
                  help="also record each call's GPU busy time by kernel (profiler)")
+  p.add_argument("--profile-top", type=int, default=6, help="kernels listed by the profile")
   p.add_argument("--out", required=True)
   a = p.parse_args(argv)
   b, s, tq = a.batch, a.seq, a.tq
@@ -138,7 +139,8 @@ def main(argv=None):
                                            x["k_full"], x["v_full"], lf, x["k_new"],
                                            x["v_new"], x["mask"])
         err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
-        t = time_loop(f, x["q"], *args, num_calls=a.calls, profile=a.profile)
+        t = time_loop(f, x["q"], *args, num_calls=a.calls, profile=a.profile,
+                      profile_top=a.profile_top)
         prof = {k: v for k, v in loop_fields(t, quant_bytes(bits), None).items()
                 if k.startswith(("device_", "kernels_"))}
         record(dict(base, part="call", max_abs_err=err, **prof,

@@ -49,20 +49,24 @@ the per-token value scale multiplies p, and the value zeros less the code offset
 rounded p * s_V add zsum. No dequantized tile is ever written to SMEM. A pipeline stage holds
 `block_kv` keys (1, 2 or 4 key tiles of 64; one TMA per plane and channel chunk for K, one per
 plane for V, whose tiles are stored contiguously): the stage's tiles get one online-softmax
-update, their statistics combined element-wise before the cross-warp reductions. The
-full-precision recent segment and the in-flight tokens are merged with the split partials in jnp
-(`pallas_kernels.combine.combine_partials`), by log-sum-exp.
+update, their statistics combined element-wise before the one cross-warp reduction a stage needs
+(the row max): the row sum l and the value-zero sum zsum stay per thread in [64, N] accumulators
+of the score fragment's layout, rescaled with acc, and are reduced over the keys once after the
+loop. The full-precision recent segment and the in-flight tokens (generally: any `key_sets`, see
+`quant_attention_with_keys`) are attended in jnp inside the same softmax and merged with the split
+partials (`pallas_kernels.combine.combine_partials`), by log-sum-exp.
 
-Measured (H200, S = 64K, B = 1, `benchmarks/quant_sweep.py`, session 13, this storage against
-the previous int4 one through Mosaic's WGMMA_UPCAST_4X path, same run): Tq = 1, 4-bit 61.6 us
-per call (kernel alone 36.7 us; was 69.0), 8-bit 86.5 us (62.0; was 97.4), decode_attention on
-the bf16 cache 77.0 us; Tq = 5: 100.3 us at 4 bits (was 103.4), 125.6 at 8 (was 132.3). ptxas:
-160 / 167 registers a thread at 4 / 8 bits (N = 8, 128 keys a stage; the 8-bit kernel was ~210).
-Session 8's Nsight Compute profile of the previous kernel (4 bits): half of the 19.4 M warp
-instructions were the int4 -> bf16 chain and its shuffles (PRMT, LOP3, HADD2, SHFL), at 3
-blocks of 4 warps per SM. Wide steps are slow (Tq = 16, N = 64: ~245 us at 64K, 4 bits, against
-94 us for decode_attention; 255 registers and spills): the softmax statistics become cross-warp
-reductions over a [64, 64] tile. See benchmarks/NOTES.md.
+Measured (H200, S = 64K, B = 1, `benchmarks/quant_sweep.py`, session 14, row sums kept per
+thread): Tq = 1, 4-bit 58.7 us per call (kernel alone 34.3 us, 28.2 us in the profiler; session 13:
+61.6 / 36.7), 8-bit 82.0 us (57.3; was 86.5), decode_attention on the bf16 cache 75.8 us; Tq = 5:
+93.5 us at 4 bits (was 100.3 in session 13), 117.5 at 8 (was 125.6). ptxas (session 13): 160 / 167
+registers a thread at 4 / 8 bits (N = 8, 128 keys a stage). Tried and reverted in session 14:
+removing the code offset in-kernel with a constant-A wgmma (the bias loses its offset term):
+4-bit Tq = 1 kernel 28.2 -> 37.3 us. Session 8's Nsight Compute profile of the int4 kernel before
+the fragment-order storage: half of the 19.4 M warp instructions were the int4 -> bf16 chain and
+its shuffles, at 3 blocks of 4 warps per SM. Wide steps are slow (Tq = 16, N = 64: ~245 us at 64K,
+4 bits, against 94 us for decode_attention; 255 registers and spills): the row max becomes a
+cross-warp reduction over a [64, 64] tile. See benchmarks/NOTES.md.
 
 Contract:
 
@@ -84,6 +88,14 @@ writes q block 0's score tiles (queries permuted so the selected ones come first
 permuted back) through SMEM and a TMA to a [B, Hkv, S, N] fp32 output; the wrapper converts them
 with the combined lse. score_queries=() builds exactly the kernel without any of this.
 
+  quant_attention_with_keys(q, qkv, lengths_quantized,
+                            key_sets: sequence of (k [B, U, Hkv, D], v [B, U, Hkv, D],
+                                                   mask [B or 1, Tq or 1, U] bool), *,
+                            bits=8, return_lse=False, score_queries=())
+The same softmax with the exactly-attended keys given as key sets (what `sparsedec.attention`
+uses for QuantSpec's fp32 tail and in-flight tokens, each with its own per-row mask);
+`quant_attention` builds its two key sets (full segment, in-flight) and calls it.
+
 `quant_attention_reference` = dequantize, then exact fp32 attention (pure jnp).
 """
 
@@ -101,7 +113,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import (check_score_queries, combine_partials, permute_queries,
+from pallas_kernels.combine import (check_score_queries, combine_partials,
                                     score_rows, scores_to_probs, selected_first, wrapper_outputs)
 
 from pallas_kernels.decode_attention import BLOCK_M, LOG2E
@@ -510,10 +522,9 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
 
     acc0 = plgpu.layout_cast(jnp.zeros((KEY_TILE, n), jnp.float32), plgpu.Layout.WGMMA)
     m_i = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), col)
-    l_i = plgpu.layout_cast(jnp.zeros((n,), jnp.float32), col)
 
     def kv_step(step, carry):
-      accs, zacc, m_i, l_i = carry
+      accs, zacc, m_i, l_acc = carry
       slot = lax.rem(step, jnp.int32(num_stages))
       start = (first_tile + step) * bkv
 
@@ -551,12 +562,15 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
       if with_scores:
         pl.when(qb == 0)(lambda: store_scores(scores, start))
 
-      # One cross-warp reduction per statistic and stage: the tiles are combined element-wise
-      # first (same layout), then reduced over the keys.
+      # One cross-warp reduction per stage, the row max (the tiles are combined element-wise
+      # first, same layout, then reduced over the keys). The row sum and the value zero-point
+      # sum stay per thread ([64, N], rescaled by alpha like acc) and are reduced over the keys
+      # once, after the loop.
       m_new = jnp.maximum(m_i, functools.reduce(jnp.maximum, scores).max(axis=0))
       alpha = jnp.exp2(m_i - m_new)
+      a = lax.broadcast_in_dim(alpha, (KEY_TILE, n), [1])
       ps = [jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1])) for s in scores]
-      l_i = l_i * alpha + functools.reduce(jnp.add, ps).sum(axis=0)
+      l_acc = l_acc * a + functools.reduce(jnp.add, ps)
 
       plgpu.barrier_wait(v_barriers.at[slot])
       zsum = None
@@ -574,7 +588,7 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
         z = jnp.where(valid, p * vz, 0.0) - offset * pv.astype(jnp.float32)
         zsum = z if zsum is None else zsum + z
         p_smem.at[t].transpose((1, 0))[...] = pv
-      zacc = zacc * alpha + zsum.sum(axis=0)
+      zacc = zacc * a + zsum
       plgpu.commit_smem()
 
       def pv_scope(*o_refs):                    # O^T [64 channels, N] per channel tile
@@ -587,16 +601,16 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
             plgpu.wgmma_wait(m_tiles)
         return tuple(o_ref[...] for o_ref in o_refs)
       pv = pl.run_scoped(pv_scope, *[plgpu.ACC((KEY_TILE, n), jnp.float32)] * m_tiles)
-      a = lax.broadcast_in_dim(alpha, (KEY_TILE, n), [1])
       accs = tuple(acc * a + o for acc, o in zip(accs, pv))
 
       nxt = step + num_stages
       pl.when(nxt < my_tiles)(lambda: fetch(nxt, slot))
-      return accs, zacc, m_new, l_i
+      return accs, zacc, m_new, l_acc
 
-    zacc0 = plgpu.layout_cast(jnp.zeros((n,), jnp.float32), col)
-    accs, zacc, m_i, l_i = lax.fori_loop(0, my_tiles, kv_step,
-                                         ((acc0,) * m_tiles, zacc0, m_i, l_i))
+    accs, zacc, m_i, l_acc = lax.fori_loop(0, my_tiles, kv_step,
+                                           ((acc0,) * m_tiles, acc0, m_i, acc0))
+    l_i = l_acc.sum(axis=0)
+    zacc = zacc.sum(axis=0)
 
     if with_scores:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last score TMA has read s_smem
@@ -675,8 +689,8 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
 # Wrapper.
 # ----------------------------------------------------------------------------------------------
 
-def _check_inputs(q, qkv, bits, lengths_quantized, k_full, v_full, lengths_full, k_new, v_new,
-                  inflight_mask, cfg):
+def _check_quantized(q, qkv, bits, lengths_quantized, cfg) -> int:
+  """Checks q, the quantized region and its lengths; returns Hkv."""
   if bits not in (4, 8):
     raise ValueError(f"bits must be 4 or 8, got {bits}")
   if q.ndim != 4:
@@ -710,9 +724,17 @@ def _check_inputs(q, qkv, bits, lengths_quantized, k_full, v_full, lengths_full,
   if cfg.block_kv is not None and not _fits(cfg.block_kv, qkv.group, capacity):
     raise ValueError(f"block_kv={cfg.block_kv} must divide the quantized capacity S={capacity} "
                      f"and divide or be a multiple of the key group {qkv.group}")
-  for name, x in (("lengths_quantized", lengths_quantized), ("lengths_full", lengths_full)):
-    if x.shape != (b,):
-      raise ValueError(f"{name} must be [B={b}], got shape {x.shape}")
+  if lengths_quantized.shape != (b,):
+    raise ValueError(f"lengths_quantized must be [B={b}], got shape {lengths_quantized.shape}")
+  return hkv
+
+
+def _check_inputs(q, qkv, bits, lengths_quantized, k_full, v_full, lengths_full, k_new, v_new,
+                  inflight_mask, cfg):
+  hkv = _check_quantized(q, qkv, bits, lengths_quantized, cfg)
+  b, tq, _, d = q.shape
+  if lengths_full.shape != (b,):
+    raise ValueError(f"lengths_full must be [B={b}], got shape {lengths_full.shape}")
   if k_full.ndim != 4 or k_full.shape[:2] != (b, hkv) or k_full.shape[3] != d:
     raise ValueError(f"k_full must be [B={b}, Hkv={hkv}, R, D={d}], got {k_full.shape}")
   if v_full.shape != k_full.shape:
@@ -746,15 +768,57 @@ def quant_attention(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,
   """
   _check_inputs(q, qkv, bits, lengths_quantized, k_full, v_full, lengths_full, k_new, v_new,
                 inflight_mask, config)
+  n_full = jnp.clip(lengths_full.astype(jnp.int32), 0, k_full.shape[2])
+  full_mask = jnp.arange(k_full.shape[2])[None, None, :] < n_full[:, None, None]  # [B, 1, Rf]
+  key_sets = ((k_full.transpose(0, 2, 1, 3), v_full.transpose(0, 2, 1, 3), full_mask),
+              (k_new, v_new, inflight_mask.astype(bool)[None]))
+  return _with_keys(q, qkv, lengths_quantized, key_sets, bits=bits, return_lse=return_lse,
+                    score_queries=score_queries, config=config, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "return_lse", "score_queries", "config",
+                                             "interpret"))
+def quant_attention_with_keys(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,
+                              key_sets, *, bits: int = 8, return_lse: bool = False,
+                              score_queries: tuple[int, ...] = (),
+                              config: QuantAttentionConfig = QuantAttentionConfig(),
+                              interpret: Any = None):
+  """`quant_attention` with the exactly-attended keys given as key sets: a sequence of
+  (k [B, U, Hkv, D], v [B, U, Hkv, D], mask [B or 1, Tq or 1, U] bool: query t sees key u), any
+  float dtype (attended in jnp, fp32 softmax: `combine_partials`' exact sets). One
+  softmax over the quantized slots s < lengths_quantized[b] and every key set, so a caller whose
+  recent keys have per-query masks (QuantSpec's recent buffer across a flush, its draft
+  scratch) needs no second softmax and merge. Outputs as `quant_attention`."""
+  hkv = _check_quantized(q, qkv, bits, lengths_quantized, config)
+  b, tq, _, d = q.shape
+  for i, (k, v, mask) in enumerate(key_sets):
+    if k.ndim != 4 or k.shape[0] != b or k.shape[2:] != (hkv, d) or v.shape != k.shape:
+      raise ValueError(f"key set {i}: k and v must be [B={b}, U, Hkv={hkv}, D={d}], got "
+                       f"{k.shape} / {v.shape}")
+    if (mask.ndim != 3 or mask.shape[0] not in (1, b) or mask.shape[1] not in (1, tq)
+        or mask.shape[2] != k.shape[1]):
+      raise ValueError(f"key set {i}: mask must be [B or 1, Tq={tq} or 1, U={k.shape[1]}], "
+                       f"got {mask.shape}")
+  key_sets = tuple((k, v, mask.astype(bool)) for k, v, mask in key_sets)
+  return _with_keys(q, qkv, lengths_quantized, key_sets, bits=bits, return_lse=return_lse,
+                    score_queries=score_queries, config=config, interpret=interpret)
+
+
+def _with_keys(q, qkv, lengths_quantized, key_sets, *, bits, return_lse, score_queries, config,
+               interpret):
+  """The wrapper behind both entry points (inputs checked)."""
   b, tq, hq, d = q.shape
   hkv, capacity = qkv.k_codes.shape[1], qkv.capacity
   group = hq // hkv
   sel = check_score_queries(score_queries, tq, group)
-  mask = inflight_mask.astype(bool)
-  # The selected queries go first (their rows lead q block 0); q and the in-flight mask's rows
+  # The selected queries go first (their rows lead q block 0); q and the key sets' mask rows
   # follow that order, out and lse are put back below.
   order = selected_first(sel, range(tq))
-  q, mask = permute_queries(order, q, mask)
+  if order != tuple(range(tq)):
+    idx = np.array(order)
+    q = q[:, idx]
+    key_sets = tuple((k, v, mask[:, idx] if mask.shape[1] > 1 else mask)
+                     for k, v, mask in key_sets)
   n_rows = tq * group
   q_blocks, n = _q_blocks(n_rows)
   block_kv = _block_kv(config, n, qkv.group, capacity)
@@ -787,11 +851,7 @@ def quant_attention(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,
       q_t, qkv, lengths, bias, bits=bits, num_splits=num_splits, dtype=q.dtype, cfg=config,
       block_kv=block_kv, with_scores=bool(sel), interpret=interpret)
   acc = acc.swapaxes(4, 5)                                   # O^T -> [B, Hkv, NQB, NS, N, D]
-  n_full = jnp.clip(lengths_full.astype(jnp.int32), 0, k_full.shape[2])
-  full_mask = jnp.arange(k_full.shape[2])[None, None, :] < n_full[:, None, None]  # [B, 1, Rf]
-  exact = [(k_full.transpose(0, 2, 1, 3), v_full.transpose(0, 2, 1, 3), full_mask),
-           (k_new, v_new, mask[None])]
-  out, lse = combine_partials(acc, m2, l, q, exact, group=group)
+  out, lse = combine_partials(acc, m2, l, q, key_sets, group=group)
   probs = None
   if sel:
     read = (jnp.arange(capacity)[None] < lengths[:, None])[:, None]        # [B, 1, S]

@@ -71,8 +71,8 @@ class QuantView:
   The forward reaches it through the plan (`Segment(QuantView(...), 0, T)`); `at_layer(i)` picks
   layer i's arrays. Reference path: dequantize, then `reference_attention` (fp32). Kernel path
   (GPU, bf16/fp16, head_dim 64 or 128, group a multiple of 64): `quant_attention` reads the
-  quantized prefix at `bits`, the rest is attended in jnp and merged by log-sum-exp
-  (`_quant_kernel_attention`)."""
+  quantized prefix at `bits`, the rest is attended in jnp inside the same softmax
+  (`_quant_kernel_attention`, `quant_attention_with_keys`)."""
   cache: Any                                      # QuantizedCache (every layer)
   extra_k: Any = None                             # per layer [B, W, Hkv, D] or None
   extra_v: Any = None                             # per layer [B, W, Hkv, D] or None
@@ -239,48 +239,24 @@ def _quant_view_attention(q: jax.Array, view: QuantView, k_new: jax.Array, v_new
   return out.astype(q.dtype)
 
 
-def _merge_softmaxes(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array,
-                     lse_b: jax.Array) -> jax.Array:
-  """One softmax from two over disjoint key sets: out [B, T, Hq, D] (each normalised over its
-  own keys), lse [B, T, Hq] (-inf for an empty set). Returns fp32 [B, T, Hq, D]."""
-  lse = jnp.logaddexp(lse_a, lse_b)
-  lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-  w_a = jnp.exp(lse_a - lse)[..., None]
-  w_b = jnp.exp(lse_b - lse)[..., None]
-  return w_a * out_a.astype(jnp.float32) + w_b * out_b.astype(jnp.float32)
-
-
 def _quant_kernel_attention(q: jax.Array, view: QuantView, k_new: jax.Array, v_new: jax.Array,
                             q_pos: jax.Array, inflight: jax.Array, interpret) -> jax.Array:
   """One QuantView segment with `pallas_kernels.quant_attention`; equals _quant_view_attention.
 
-  The kernel reads the quantized prefix (slots < quant_len at view.bits) and returns its output
-  and log-sum-exp; everything else (CF1 re-quantized or full precision per query, the buffer,
-  the `extra` draft scratch, the in-flight tokens: at most 3G + W + T keys, whose masks differ
-  per query, which the kernel's per-row full-precision segment cannot express) is attended in
-  jnp (fp32) exactly as the reference does, and the two softmaxes are merged by log-sum-exp.
-  The kernel's partial output comes back in q's dtype (bf16 / fp16) before the merge: one extra
-  rounding of that share against the reference's fp32 path.
+  The kernel reads the quantized prefix (slots < quant_len at view.bits); everything else (CF1
+  re-quantized or full precision per query, the buffer, the `extra` draft scratch, the in-flight
+  tokens: at most 3G + W + T keys, whose masks differ per query) goes in as key sets
+  (`quant_attention_with_keys`), attended in jnp in fp32 as the reference does, inside the same
+  softmax: one log-sum-exp combine of the kernel's split partials with them, no second softmax.
   q [B, Tseg, Hq, D] bf16/fp16; inflight [B, Tseg, T]."""
-  from pallas_kernels.quant_attention import QuantAttentionConfig, quant_attention
+  from pallas_kernels.quant_attention import QuantAttentionConfig, quant_attention_with_keys
   _check_quant_view(view, None)
-  cache = view.cache
-  b, t, _, d = q.shape
-  hkv = cache.buf_k[view.layer].shape[1]
-  codes = cache.codes[view.layer]
-  # Nothing but the quantized prefix in the kernel: an empty full-precision segment (one masked
-  # slot) and no in-flight keys.
-  dummy_full = jnp.zeros((b, hkv, 1, d), q.dtype)
-  dummy_new = jnp.zeros((b, t, hkv, d), q.dtype)
-  out_q, lse_q = quant_attention(
-      q, codes, cache.quant_len, dummy_full, dummy_full, jnp.zeros((b,), jnp.int32), dummy_new,
-      dummy_new, jnp.zeros((t, t), bool), bits=view.bits, return_lse=True,
-      config=QuantAttentionConfig(), interpret=interpret)
-  k_t, v_t, mask_t = _quant_view_tail(view, q_pos, jnp.float32)
-  out_t, lse_t = reference_attention(q.astype(jnp.float32), k_t, v_t, mask_t,
-                                     k_new.astype(jnp.float32), v_new.astype(jnp.float32),
-                                     inflight, return_lse=True)
-  return _merge_softmaxes(out_q, lse_q, out_t, lse_t).astype(q.dtype)
+  k_t, v_t, mask_t = _quant_view_tail(view, q_pos, jnp.float32)          # [B, Hkv, U, D]
+  key_sets = ((k_t.transpose(0, 2, 1, 3), v_t.transpose(0, 2, 1, 3), mask_t),
+              (k_new.astype(jnp.float32), v_new.astype(jnp.float32), inflight))
+  return quant_attention_with_keys(q, view.cache.codes[view.layer], view.cache.quant_len,
+                                   key_sets, bits=view.bits, config=QuantAttentionConfig(),
+                                   interpret=interpret)
 
 
 def _quant_kernel_choice(q: jax.Array, plan: AttentionPlan,

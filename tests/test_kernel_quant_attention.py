@@ -18,7 +18,7 @@ from pallas_kernels.register_operand import unpack_words
 from pallas_kernels.quant_attention import (QuantAttentionConfig, QuantKV, _block_kv,
                                             _num_splits, bytes_per_token, codes8, dequantize,
                                             quant_attention, quant_attention_reference,
-                                            quantize_kv)
+                                            quant_attention_with_keys, quantize_kv)
 
 INTERPRET = plgpu.InterpretGPUParams()
 TOLERANCE = {jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
@@ -330,6 +330,60 @@ def test_4bit_read_ignores_the_lower_plane():
   _check(q, scrambled, 4, jnp.array([100], jnp.int32), k_full, v_full, jnp.array([4], jnp.int32),
          k_new, v_new, jnp.ones((1, 1), bool), QuantAttentionConfig(block_kv=64, num_splits=1),
          ref_qkv=qkv)
+
+
+def _attend_key_sets(q, qkv, bits, lq, key_sets):
+  """fp32 jnp: one softmax over the dequantized slots s < lq[b] and key sets (k [B, U, Hkv, D],
+  v, mask [B or 1, Tq, U]). Returns out [B, Tq, Hq, D], lse [B, Tq, Hq]."""
+  b, tq, hq, d = q.shape
+  k_q, v_q = dequantize(qkv, bits, dtype=jnp.float32)                     # [B, Hkv, S, D]
+  hkv = k_q.shape[1]
+  ks = [k_q.transpose(0, 2, 1, 3)] + [k.astype(jnp.float32) for k, _, _ in key_sets]
+  vs = [v_q.transpose(0, 2, 1, 3)] + [v.astype(jnp.float32) for _, v, _ in key_sets]
+  quant_read = jnp.arange(k_q.shape[2])[None, None, :] < lq[:, None, None]
+  masks = [jnp.broadcast_to(quant_read, (b, tq, k_q.shape[2]))] + [
+      jnp.broadcast_to(m, (b, tq, m.shape[2])) for _, _, m in key_sets]
+  k, v = jnp.concatenate(ks, axis=1), jnp.concatenate(vs, axis=1)           # [B, U, Hkv, D]
+  mask = jnp.concatenate(masks, axis=2)                                    # [B, Tq, U]
+  qg = q.astype(jnp.float32).reshape(b, tq, hkv, hq // hkv, d)
+  s = jnp.einsum("bthgd,buhd->bthgu", qg, k) * d ** -0.5
+  s = jnp.where(mask[:, :, None, None], s, -jnp.inf)
+  lse = jax.nn.logsumexp(s, axis=-1)
+  out = jnp.einsum("bthgu,buhd->bthgd", jnp.exp(s - lse[..., None]), v)
+  return out.reshape(b, tq, hq, d), lse.reshape(b, tq, hq)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_key_sets_with_per_query_masks(bits):
+  """quant_attention_with_keys: key sets whose masks differ per query and per row (what a
+  length cannot express), selected queries permuted first, against one fp32 softmax."""
+  b, tq, hq, hkv, d, rf = 2, 3, 4, 2, 64, 16
+  q, qkv, k_full, v_full, k_new, v_new = _inputs(
+      5, batch=b, num_queries=tq, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, capacity=128,
+      full_capacity=rf, group=64, dtype=jnp.bfloat16)
+  key = jax.random.key(11)
+  full_mask = jax.random.bernoulli(key, 0.5, (b, tq, rf))
+  new_mask = jnp.tril(jnp.ones((tq, tq), bool))[None] & jnp.array([True, False])[:, None, None]
+  new_mask = new_mask | jnp.eye(tq, dtype=bool)[None]                      # [B, Tq, Tq]
+  lq = jnp.array([128, 70])
+  key_sets = ((k_full.transpose(0, 2, 1, 3), v_full.transpose(0, 2, 1, 3), full_mask),
+              (k_new, v_new, new_mask))
+  out, lse = quant_attention_with_keys(q, qkv, lq, key_sets, bits=bits, return_lse=True,
+                                       score_queries=(2, 0), interpret=INTERPRET)[:2]
+  ref_out, ref_lse = _attend_key_sets(q, qkv, bits, lq, key_sets)
+  tol = TOLERANCE[jnp.bfloat16]
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out), atol=tol, rtol=tol)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=5e-3, rtol=3e-3)
+  # The masks matter: dropping the first key set's mask changes the result.
+  open_sets = ((key_sets[0][0], key_sets[0][1], jnp.ones_like(full_mask)), key_sets[1])
+  other = quant_attention_with_keys(q, qkv, lq, open_sets, bits=bits, interpret=INTERPRET)
+  assert float(jnp.max(jnp.abs(other.astype(jnp.float32) - out.astype(jnp.float32)))) > 3 * tol
+  with pytest.raises(ValueError, match="key set 1: mask must be"):
+    quant_attention_with_keys(q, qkv, lq, (key_sets[0], (k_new, v_new, new_mask[:, :2])),
+                              bits=bits, interpret=INTERPRET)
+  with pytest.raises(ValueError, match="key set 0: k and v must be"):
+    quant_attention_with_keys(q, qkv, lq, ((k_full, v_full, full_mask),), bits=bits,
+                              interpret=INTERPRET)
 
 
 def test_kernel_rejects_bad_inputs_in_plain_words():
