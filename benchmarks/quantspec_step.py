@@ -9,8 +9,10 @@ arguments, never closure constants. B = 1. Per context (ascending):
         "packed" = dequantize then matmul, the current path; "int4" = XLA-fusable int4 codes;
         "int4_grouped" = per-group dots on the codes; "none" = the full bf16 weights, a KV-only
         draft, QuantSpec's `weight_bits=None`) reading `QuantView(bits=4)` of a random
-        hierarchical cache (quant_attention on a GPU) plus the in-flight draft scratch
-        (extra_len cycling 0 .. gamma_max - 1), argmax fed back; --steps forwards in one jit.
+        hierarchical cache (quant_attention on a GPU) plus the in-flight draft scratch, argmax
+        fed back. One loop iteration is one draft phase as `QuantSpec.step` runs it: the view's
+        tail once (`QuantView.with_tail`), then gamma_max forwards (extra_len 0 .. gamma_max - 1);
+        reported per forward (the phase / gamma_max); --steps forwards in one jit.
   (iii) verify: (gamma + 1)-token forwards with the full weights reading `QuantView(bits=8)`,
         per --gammas, argmax fed back; --steps forwards in one jit.
 Times are the median of --repeats runs after a warm-up, divided by --steps. The quantized cache is
@@ -144,9 +146,10 @@ def draft_params_for(params: dict, group: int, layout: str) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 def timed_loop(body, carry, args, steps: int, repeats: int, donate: bool = False,
-               profile: bool = False) -> dict:
+               profile: bool = False, profile_top: int = 16, per_iteration: int = 1) -> dict:
   """Seconds per iteration of carry = body(i, carry, *args), `steps` iterations in one jitted
-  fori_loop (args are jit arguments): compile, one warm-up run, median of `repeats` runs.
+  fori_loop (args are jit arguments): compile, one warm-up run, median of `repeats` runs;
+  divided by `per_iteration` when an iteration holds that many forwards.
   donate: the carry is donated and each run continues from the previous one's (a large carry,
   e.g. a decode state, is then updated in place instead of copied per run).
   profile (GPU, not with donate): one more run under the profiler, for the GPU busy time per
@@ -166,14 +169,14 @@ def timed_loop(body, carry, args, steps: int, repeats: int, donate: bool = False
     t = time.perf_counter()
     out = compiled(carry, args)
     jax.block_until_ready(out)
-    runs.append((time.perf_counter() - t) / steps)
+    runs.append((time.perf_counter() - t) / (steps * per_iteration))
   result = {"step_seconds": float(np.median(runs)), "runs_s": runs,
             "compile_seconds": compile_s, "xla_memory": xla_memory(compiled)}
   if donate:
     result["final_carry"] = out               # what the donated carry became
   elif profile and jax.default_backend() == "gpu":
-    result.update(device_time(lambda: jax.block_until_ready(compiled(carry, args)), steps,
-                              top=16))
+    result.update(device_time(lambda: jax.block_until_ready(compiled(carry, args)),
+                              steps * per_iteration, top=profile_top))
   return result
 
 
@@ -189,47 +192,54 @@ def xla_memory(compiled) -> dict | None:
 
 
 def draft_body(cfg: ModelConfig, width: int):
-  """One draft forward: token [1, 1] at position N + j (j = i mod width) reading the 4-bit view
-  and the scratch's first j draft entries; its K/V go to scratch slot j."""
+  """One draft phase, as in `QuantSpec.step`: the view's tail (`QuantView.with_tail`) once, then
+  `width` one-token forwards, token [1, 1] at position N + j reading the 4-bit view and the
+  scratch's first j draft entries; its K/V go to scratch slot j."""
   def body(i, carry, draft_params, qcache):
-    tok, ek, ev = carry                                      # [B, 1]; per layer [B, W, Hkv, D]
-    b = tok.shape[0]
-    j = i % width
-    view = QuantView(qcache, ek, ev, jnp.full((b,), j, jnp.int32), bits=4)
-    plan = AttentionPlan(jnp.ones((1, 1), bool), (Segment(view, 0, 1),))
-    logits, kv = forward(cfg, draft_params, tok, (qcache.lengths + j)[:, None],
-                         empty_cache(cfg, qcache.lengths), plan)
-    put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), j, 1)
-    nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)[:, None]
-    return nxt, tuple(map(put, ek, kv.k)), tuple(map(put, ev, kv.v))
+    del i
+    base = QuantView(qcache, bits=4).with_tail()
+
+    def forward_j(j, carry):
+      tok, ek, ev = carry                                    # [B, 1]; per layer [B, W, Hkv, D]
+      b = tok.shape[0]
+      view = base.replace(extra_k=ek, extra_v=ev, extra_len=jnp.full((b,), j, jnp.int32))
+      plan = AttentionPlan(jnp.ones((1, 1), bool), (Segment(view, 0, 1),))
+      logits, kv = forward(cfg, draft_params, tok, (qcache.lengths + j)[:, None],
+                           empty_cache(cfg, qcache.lengths), plan)
+      put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), j, 1)
+      nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)[:, None]
+      return nxt, tuple(map(put, ek, kv.k)), tuple(map(put, ev, kv.v))
+    return jax.lax.fori_loop(0, width, forward_j, carry)
   return body
 
 
 def verify_body(cfg: ModelConfig, gamma: int):
-  """One verification forward: gamma + 1 tokens reading the 8-bit view (causal)."""
+  """One verification forward: gamma + 1 tokens reading the 8-bit view (causal), its tail
+  computed in it (as `QuantSpec.verify_plan` does once per step)."""
   t = gamma + 1
   mask = causal_plan(t).inflight_mask
 
   def body(i, tokens, params, qcache):                        # tokens [B, gamma + 1]
-    plan = AttentionPlan(mask, (Segment(QuantView(qcache, bits=8), 0, t),))
+    plan = AttentionPlan(mask, (Segment(QuantView(qcache, bits=8).with_tail(), 0, t),))
     positions = qcache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
     logits, _ = forward(cfg, params, tokens, positions, empty_cache(cfg, qcache.lengths), plan)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   return body
 
 
-def time_draft(cfg, draft_params, qcache, width, steps, repeats, profile=False) -> dict:
+def time_draft(cfg, draft_params, qcache, width, steps, repeats, profile: int = 0) -> dict:
   shape = (1, width, cfg.num_kv_heads, cfg.head_dim)
   scratch = tuple(jnp.zeros(shape, jnp.dtype(cfg.dtype)) for _ in range(cfg.num_layers))
   carry = (jnp.ones((1, 1), jnp.int32), scratch, scratch)
-  return timed_loop(draft_body(cfg, width), carry, (draft_params, qcache), steps, repeats,
-                    profile=profile)
+  return timed_loop(draft_body(cfg, width), carry, (draft_params, qcache),
+                    max(1, steps // width), repeats, profile=bool(profile),
+                    profile_top=profile or 16, per_iteration=width)
 
 
-def time_verify(cfg, params, qcache, gamma, steps, repeats, profile=False) -> dict:
+def time_verify(cfg, params, qcache, gamma, steps, repeats, profile: int = 0) -> dict:
   tokens = jnp.ones((1, gamma + 1), jnp.int32)
   return timed_loop(verify_body(cfg, gamma), tokens, (params, qcache), steps, repeats,
-                    profile=profile)
+                    profile=bool(profile), profile_top=profile or 16)
 
 
 def time_full_step(cfg, params, draft_params, qcache, gamma, steps, repeats
@@ -588,9 +598,9 @@ def parse_args(argv=None):
   ap.add_argument("--full-step", action="store_true",
                   help="also time QuantSpec.step itself (draft + verify + commit) per gamma")
   ap.add_argument("--layers", type=int, default=None, help="fewer layers")
-  ap.add_argument("--profile", action="store_true",
+  ap.add_argument("--profile", type=int, nargs="?", const=16, default=0, metavar="TOP",
                   help="GPU: also the profiler's busy time per draft / verify forward and its "
-                       "costliest kernels")
+                       "TOP (16) costliest kernels")
   ap.add_argument("--no-isolate", action="store_true",
                   help="run both kinds in this process (peak memory then cumulative)")
   ap.add_argument("--smoke", action="store_true",

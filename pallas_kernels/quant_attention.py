@@ -290,18 +290,16 @@ def codes8(qkv: QuantKV):
   return 16 * ku + kl, 16 * vu + vl
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "dtype"))
-def dequantize(qkv: QuantKV, bits: int = 8, dtype=jnp.float32):
-  """(k, v) [B, Hkv, S, D] from the 4-bit (upper nibbles) or 8-bit (both) view."""
+def dequantize_planes(x: QuantPlanes, group: int, bits: int, dtype=jnp.float32):
+  """(k, v) [B, Hkv, S, D] from code planes (token-major) at 4 bits (upper nibbles) or 8 (both)."""
   if bits not in (4, 8):
     raise ValueError(f"bits must be 4 or 8, got {bits}")
-  ku, kl = _upper_lower(_k_planes(qkv.k_codes))
-  vu, vl = _upper_lower(_v_planes(qkv.v_codes))
-  b, hkv, s, d = ku.shape
-  ks = jnp.repeat(qkv.k_scale.astype(jnp.float32), qkv.group, axis=2)   # [B, Hkv, S, D]
-  kz = jnp.repeat(qkv.k_zero.astype(jnp.float32), qkv.group, axis=2)
-  vs = qkv.v_scale.astype(jnp.float32)[..., None]                        # [B, Hkv, S, 1]
-  vz = qkv.v_zero.astype(jnp.float32)[..., None]
+  ku, kl = _upper_lower(x.k_planes)
+  vu, vl = _upper_lower(x.v_planes)
+  ks = jnp.repeat(x.k_scale.astype(jnp.float32), group, axis=2)         # [B, Hkv, S, D]
+  kz = jnp.repeat(x.k_zero.astype(jnp.float32), group, axis=2)
+  vs = x.v_scale.astype(jnp.float32)[..., None]                          # [B, Hkv, S, 1]
+  vz = x.v_zero.astype(jnp.float32)[..., None]
   if bits == 4:
     k = ku.astype(jnp.float32) * ks + kz
     v = vu.astype(jnp.float32) * vs + vz
@@ -309,6 +307,23 @@ def dequantize(qkv: QuantKV, bits: int = 8, dtype=jnp.float32):
     k = (16 * ku + kl).astype(jnp.float32) * (ks * (1 / 16)) + kz
     v = (16 * vu + vl).astype(jnp.float32) * (vs * (1 / 16)) + vz
   return k.astype(dtype), v.astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "dtype"))
+def dequantize(qkv: QuantKV, bits: int = 8, dtype=jnp.float32):
+  """(k, v) [B, Hkv, S, D] from the 4-bit (upper nibbles) or 8-bit (both) view."""
+  if bits not in (4, 8):
+    raise ValueError(f"bits must be 4 or 8, got {bits}")
+  k_planes, v_planes = code_planes(qkv)
+  planes = QuantPlanes(k_planes, v_planes, qkv.k_scale, qkv.k_zero, qkv.v_scale, qkv.v_zero)
+  return dequantize_planes(planes, qkv.group, bits, dtype)
+
+
+def fake_quantize(k: jax.Array, v: jax.Array, group: int, bits: int, dtype=jnp.float32):
+  """k, v [B, Hkv, S, D] -> (k, v) as `dequantize(quantize_kv(k, v, group), bits, dtype)`
+  returns them, bit for bit, without packing the codes into words (S and D need not be multiples
+  of 8). What QuantSpec's views read for buffer slots that a flush is about to quantize."""
+  return dequantize_planes(quantize_planes(k, v, group), group, bits, dtype)
 
 
 def bytes_per_token(head_dim: int, bits: int, group: int = 128) -> float:

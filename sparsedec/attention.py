@@ -68,6 +68,11 @@ class QuantView:
   group beyond the cache's quant_len (a verification window crossing the next flush), CF1 is
   quantized on the fly (bit-identical to the later flush) and read at `bits` by that query only.
 
+  The tail (every layer's [CF1 quantized on the fly, read at `bits` | the 2G buffer slots], fp32)
+  depends on the cache and `bits` only: a caller running several forwards on one cache (the
+  gamma drafts of a QuantSpec step) computes it once with `with_tail()`; otherwise each forward
+  computes it.
+
   The forward reaches it through the plan (`Segment(QuantView(...), 0, T)`); `at_layer(i)` picks
   layer i's arrays. Reference path: dequantize, then `reference_attention` (fp32). Kernel path
   (GPU, bf16/fp16, head_dim 64 or 128, group a multiple of 64): `quant_attention` reads the
@@ -77,8 +82,11 @@ class QuantView:
   extra_k: Any = None                             # per layer [B, W, Hkv, D] or None
   extra_v: Any = None                             # per layer [B, W, Hkv, D] or None
   extra_len: Any = None                           # [B] int32 or None
+  tail_k: Any = None                              # per layer [B, 3G, Hkv, D] fp32 or None
+  tail_v: Any = None                              # per layer [B, 3G, Hkv, D] fp32 or None
   bits: int = struct.field(pytree_node=False, default=8)
   layer: int | None = struct.field(pytree_node=False, default=None)
+  tail_bits: int | None = struct.field(pytree_node=False, default=None)
 
   def __post_init__(self):
     if self.bits not in (4, 8):
@@ -86,6 +94,12 @@ class QuantView:
 
   def at_layer(self, i: int) -> QuantView:
     return self.replace(layer=i)
+
+  def with_tail(self) -> QuantView:
+    """This view with every layer's tail computed now (see the class docstring)."""
+    tails = [_layer_tail(self.cache, i, self.bits) for i in range(len(self.cache.buf_k))]
+    return self.replace(tail_k=tuple(k for k, _ in tails), tail_v=tuple(v for _, v in tails),
+                        tail_bits=self.bits)
 
 
 @struct.dataclass
@@ -176,38 +190,57 @@ def reference_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   return out, lse
 
 
-def _quant_view_tail(view: QuantView, q_pos: jax.Array, dtype
+def _layer_tail(cache, i: int, bits: int) -> tuple[jax.Array, jax.Array]:
+  """Layer i's [CF1 quantized and read at `bits` (G) | buffer (2G)] K/V, [B, 3G, Hkv, D] fp32
+  (the key-set layout of `quant_attention_with_keys`)."""
+  from pallas_kernels.quant_attention import fake_quantize
+  g = cache.group
+  buf_k, buf_v = cache.buf_k[i], cache.buf_v[i]                            # [B, Hkv, 2G, D]
+  k_1, v_1 = fake_quantize(buf_k[:, :, :g], buf_v[:, :, :g], g, bits)      # [B, Hkv, G, D]
+  k = jnp.concatenate([k_1, buf_k.astype(jnp.float32)], axis=2)
+  v = jnp.concatenate([v_1, buf_v.astype(jnp.float32)], axis=2)
+  return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def _quant_view_tail(view: QuantView, q_pos: jax.Array
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The full-precision side of a QuantView read by the queries at q_pos [B, Tseg] (layer
-  view.layer), all but the quantized prefix: [CF1 re-quantized G | buffer 2G | extra W] slots.
-  Returns k, v [B, Hkv, 3G (+ W), D] in `dtype` and mask [B, Tseg, 3G (+ W)] bool.
+  view.layer), all but the quantized prefix and the `extra` slots: [CF1 re-quantized G |
+  buffer 2G]. Returns k, v [B, 3G, Hkv, D] fp32 and mask [B, Tseg, 3G] bool.
 
   CF1 re-quantized (read at view.bits) replaces the buffer's CF1 for the queries whose
   quantized_length(position) is one group beyond the cache's quant_len (the flush rule)."""
-  from pallas_kernels.quant_attention import dequantize, quantize_kv
   from sparsedec.kv.quantized import quantized_length
   cache, i = view.cache, view.layer
   g = cache.group
   b, t = q_pos.shape
-  buf_k, buf_v = cache.buf_k[i], cache.buf_v[i]                            # [B, Hkv, 2G, D]
-  cf1 = quantize_kv(buf_k[:, :, :g], buf_v[:, :, :g], group=g)
-  k_1, v_1 = dequantize(cf1, view.bits, dtype=dtype)                       # [B, Hkv, G, D]
-  ks, vs = [k_1, buf_k.astype(dtype)], [v_1, buf_v.astype(dtype)]
+  if view.tail_k is None:
+    k, v = _layer_tail(cache, i, view.bits)
+  elif view.tail_bits != view.bits:
+    raise ValueError(f"QuantView tail was computed at {view.tail_bits} bits, the view reads "
+                     f"{view.bits}: call with_tail() again")
+  else:
+    k, v = view.tail_k[i], view.tail_v[i]
   buf_len = cache.buf_len[:, None, None]
   promote = (quantized_length(q_pos, g) > cache.quant_len[:, None])[:, :, None]  # [B, Tseg, 1]
   slot_1 = jnp.arange(g)[None, None, :]
   slot_b = jnp.arange(2 * g)[None, None, :]
-  masks = [jnp.broadcast_to(promote & (slot_1 < buf_len), (b, t, g)),
-           (slot_b < buf_len) & ~(promote & (slot_b < g))]
-  if view.extra_k is not None:
-    ek, ev = view.extra_k[i], view.extra_v[i]                              # [B, W, Hkv, D]
-    w = ek.shape[1]
-    ks.append(ek.transpose(0, 2, 1, 3).astype(dtype))
-    vs.append(ev.transpose(0, 2, 1, 3).astype(dtype))
-    masks.append(jnp.broadcast_to(jnp.arange(w)[None, None, :] < view.extra_len[:, None, None],
-                                  (b, t, w)))
-  return (jnp.concatenate(ks, axis=2), jnp.concatenate(vs, axis=2),
-          jnp.concatenate(masks, axis=2))
+  mask = jnp.concatenate([jnp.broadcast_to(promote & (slot_1 < buf_len), (b, t, g)),
+                          (slot_b < buf_len) & ~(promote & (slot_b < g))], axis=2)
+  return k, v, mask
+
+
+def _quant_view_extra(view: QuantView, q_pos: jax.Array):
+  """The `extra` slots of a QuantView (layer view.layer): k, v [B, W, Hkv, D] in their dtype and
+  mask [B, Tseg, W] bool, or None."""
+  if view.extra_k is None:
+    return None
+  i = view.layer
+  ek, ev = view.extra_k[i], view.extra_v[i]                                # [B, W, Hkv, D]
+  b, t = q_pos.shape
+  w = ek.shape[1]
+  mask = jnp.broadcast_to(jnp.arange(w)[None, None, :] < view.extra_len[:, None, None], (b, t, w))
+  return ek, ev, mask
 
 
 def _check_quant_view(view: QuantView, window: int | None) -> None:
@@ -227,14 +260,20 @@ def _quant_view_attention(q: jax.Array, view: QuantView, k_new: jax.Array, v_new
   cache = view.cache
   dtype = q.dtype if q.dtype == jnp.float32 else jnp.float32
   k_q, v_q = dequantize(cache.codes[view.layer], view.bits, dtype=dtype)   # [B, Hkv, Sq, D]
-  k_t, v_t, mask_t = _quant_view_tail(view, q_pos, dtype)
+  k_t, v_t, mask_t = _quant_view_tail(view, q_pos)                         # [B, 3G, Hkv, D]
+  ks, vs, masks = [k_q, k_t.transpose(0, 2, 1, 3)], [v_q, v_t.transpose(0, 2, 1, 3)], [mask_t]
+  extra = _quant_view_extra(view, q_pos)
+  if extra is not None:
+    ks.append(extra[0].transpose(0, 2, 1, 3))
+    vs.append(extra[1].transpose(0, 2, 1, 3))
+    masks.append(extra[2])
   b, t = q.shape[:2]
   sq = k_q.shape[2]
   mask_q = jnp.broadcast_to(jnp.arange(sq)[None, None, :] < cache.quant_len[:, None, None],
                             (b, t, sq))
-  out = reference_attention(q.astype(dtype), jnp.concatenate([k_q, k_t], axis=2),
-                            jnp.concatenate([v_q, v_t], axis=2),
-                            jnp.concatenate([mask_q, mask_t], axis=2), k_new.astype(dtype),
+  out = reference_attention(q.astype(dtype), jnp.concatenate([x.astype(dtype) for x in ks], 2),
+                            jnp.concatenate([x.astype(dtype) for x in vs], 2),
+                            jnp.concatenate([mask_q] + masks, axis=2), k_new.astype(dtype),
                             v_new.astype(dtype), inflight)
   return out.astype(q.dtype)
 
@@ -243,17 +282,24 @@ def _quant_kernel_attention(q: jax.Array, view: QuantView, k_new: jax.Array, v_n
                             q_pos: jax.Array, inflight: jax.Array, interpret) -> jax.Array:
   """One QuantView segment with `pallas_kernels.quant_attention`; equals _quant_view_attention.
 
-  The kernel reads the quantized prefix (slots < quant_len at view.bits); everything else (CF1
-  re-quantized or full precision per query, the buffer, the `extra` draft scratch, the in-flight
-  tokens: at most 3G + W + T keys, whose masks differ per query) goes in as key sets
-  (`quant_attention_with_keys`), attended in jnp in fp32 as the reference does, inside the same
-  softmax: one log-sum-exp combine of the kernel's split partials with them, no second softmax.
-  q [B, Tseg, Hq, D] bf16/fp16; inflight [B, Tseg, T]."""
+  The kernel reads the quantized prefix (slots < quant_len at view.bits); everything else goes
+  in as two key sets (`quant_attention_with_keys`), attended in jnp in fp32 as the reference
+  does, inside the same softmax: the tail [CF1 re-quantized or full precision per query | the
+  buffer] (3G keys, precomputed by `QuantView.with_tail` or computed here), and the `extra`
+  draft scratch with the in-flight tokens (W + T keys). q [B, Tseg, Hq, D] bf16/fp16;
+  inflight [B, Tseg, T]."""
   from pallas_kernels.quant_attention import QuantAttentionConfig, quant_attention_with_keys
   _check_quant_view(view, None)
-  k_t, v_t, mask_t = _quant_view_tail(view, q_pos, jnp.float32)          # [B, Hkv, U, D]
-  key_sets = ((k_t.transpose(0, 2, 1, 3), v_t.transpose(0, 2, 1, 3), mask_t),
-              (k_new.astype(jnp.float32), v_new.astype(jnp.float32), inflight))
+  k_t, v_t, mask_t = _quant_view_tail(view, q_pos)                         # [B, 3G, Hkv, D]
+  k_n, v_n, mask_n = k_new, v_new, inflight
+  extra = _quant_view_extra(view, q_pos)
+  if extra is not None:
+    ek, ev, mask_e = extra
+    k_n = jnp.concatenate([ek.astype(jnp.float32), k_new.astype(jnp.float32)], axis=1)
+    v_n = jnp.concatenate([ev.astype(jnp.float32), v_new.astype(jnp.float32)], axis=1)
+    mask_n = jnp.concatenate([mask_e, inflight], axis=2)                   # [B, Tseg, W + T]
+  key_sets = ((k_t, v_t, mask_t),
+              (k_n.astype(jnp.float32), v_n.astype(jnp.float32), mask_n))
   return quant_attention_with_keys(q, view.cache.codes[view.layer], view.cache.quant_len,
                                    key_sets, bits=view.bits, config=QuantAttentionConfig(),
                                    interpret=interpret)

@@ -17,7 +17,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.register_operand import unpack_words
 from pallas_kernels.quant_attention import (QuantAttentionConfig, QuantKV, _block_kv,
                                             _num_splits, bytes_per_token, codes8, dequantize,
-                                            quant_attention, quant_attention_reference,
+                                            fake_quantize, quant_attention, quant_attention_reference,
                                             quant_attention_with_keys, quantize_kv)
 
 INTERPRET = plgpu.InterpretGPUParams()
@@ -109,6 +109,19 @@ def test_dequantized_error_bounds(seed, d, group, spread):
   e4 = np.abs(np.asarray(dequantize(qkv, 4)[0]) - np.asarray(k)).mean()
   e8 = np.abs(np.asarray(dequantize(qkv, 8)[0]) - np.asarray(k)).mean()
   assert e8 < e4 / 8
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_fake_quantize_is_dequantize_of_quantize_kv_bit_for_bit(bits, dtype):
+  """What QuantSpec's views read for the buffer's CF1 (no word packing) equals the stored path,
+  to the bit, and is not the input (it does quantize)."""
+  k, v = _kv(3, 2, 2, 128, 64, dtype, 2.0)
+  want_k, want_v = dequantize(quantize_kv(k, v, group=64), bits)
+  got_k, got_v = jax.jit(fake_quantize, static_argnums=(2, 3))(k, v, 64, bits)
+  np.testing.assert_array_equal(np.asarray(got_k), np.asarray(want_k))
+  np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+  assert np.abs(np.asarray(got_k) - np.asarray(k, np.float32)).max() > 0
 
 
 def test_bytes_per_token_vs_bf16():

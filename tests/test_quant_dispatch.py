@@ -110,6 +110,31 @@ def test_draft_token_with_in_flight_scratch_equals_reference(window):
   assert np.abs(np.asarray(without, np.float32) - np.asarray(want, np.float32)).max() > 5e-2
 
 
+@pytest.mark.parametrize("impl", ["reference", "interpret"])
+def test_precomputed_tail_is_what_the_view_reads(window, impl):
+  """`QuantView.with_tail()` (the tail computed once for a step's drafts) gives the very outputs
+  of computing it in the forward; a tail computed from another cache is what gets read (so the
+  precomputed arrays are used, not recomputed), and one computed at other bits is refused."""
+  qc, q, k_new, v_new, lengths, extra = window
+  q_pos = lengths[:, None] + jnp.arange(T)[None]
+
+  def run(view):
+    plan = AttentionPlan(causal_plan(T).inflight_mask, (Segment(view, 0, T),)).at_layer(0)
+    empty = qc.buf_k[0][:, :, :0]
+    return attend(q, empty, empty, qc.lengths, k_new, v_new, q_pos, plan, impl=impl)
+
+  run = jax.jit(run)
+  view = QuantView(qc, bits=4)
+  np.testing.assert_array_equal(np.asarray(run(view.with_tail()), np.float32),
+                                np.asarray(run(view), np.float32))
+  other = qc.replace(buf_k=(qc.buf_k[0] * 2,))
+  stale = view.replace(**{f: getattr(QuantView(other, bits=4).with_tail(), f)
+                          for f in ("tail_k", "tail_v", "tail_bits")})
+  assert np.abs(np.asarray(run(stale), np.float32) - np.asarray(run(view), np.float32)).max() > 0.1
+  with pytest.raises(ValueError, match="tail was computed at 4 bits"):
+    run(view.with_tail().replace(bits=8))
+
+
 def test_quantspec_greedy_interpret_equals_reference():
   """Prefill (decode_attention), gamma = 2 drafts (4-bit weights, QuantView bits 4 + scratch) and
   the INT8 verification (QuantView bits 8) all in kernels: the same tokens as the reference.

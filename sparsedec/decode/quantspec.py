@@ -5,7 +5,9 @@ One step, with N committed tokens and the current token x_N (its K/V not yet com
      weights (`quant_weights`, unless weight_bits=None) reading the 4-bit view of the quantized
      cache + the full-precision double buffer (`QuantView(bits=4)`). Draft i reads the draft K/V of
      x_N, d_1 .. d_{i-1} from a small in-flight scratch ([B, gamma, Hkv, D] per layer, the
-     QuantView's `extra`); nothing of the draft is ever committed. d_i is the draft's argmax when
+     QuantView's `extra`); nothing of the draft is ever committed. The view's tail (the buffer,
+     and its first half quantized as the next flush will) is computed once for the gamma drafts
+     (`QuantView.with_tail`). d_i is the draft's argmax when
      greedy (or draft_sampling="argmax"), else drawn from the draft's distribution q_i (below).
   2. Verify: ONE forward over [x_N, d_1 .. d_gamma] with the full model, reading
      verify_precision="int8": the 8-bit view of the same codes + the buffer (`QuantView(bits=8)`);
@@ -172,13 +174,14 @@ class QuantSpec:
     shape = (b, g, cfg.num_kv_heads, cfg.head_dim)
     scratch = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # [B, gamma, Hkv, D]
     plan_mask = jnp.ones((1, 1), bool)
+    base = QuantView(x.qcache, bits=4).with_tail()       # the tail once for all gamma drafts
 
     def put(buf, new, i):   # buf [B, gamma, ...] <- new [B, 1, ...] at slot i
       return jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), i, axis=1)
 
     def body(i, carry):
       tok, ek, ev, drafts, q = carry                                        # tok [B, 1]
-      view = QuantView(x.qcache, ek, ev, jnp.full((b,), i, jnp.int32), bits=4)
+      view = base.replace(extra_k=ek, extra_v=ev, extra_len=jnp.full((b,), i, jnp.int32))
       plan = AttentionPlan(plan_mask, (Segment(view, 0, 1),))
       logits, kv = forward(cfg, draft_params, tok, (n0 + i)[:, None], state.cache, plan)
       if uniforms is None:
@@ -201,7 +204,8 @@ class QuantSpec:
     if self.verify_precision == "full":
       return causal_plan(t)
     plan = causal_plan(t)
-    return AttentionPlan(plan.inflight_mask, (Segment(QuantView(qcache, bits=8), 0, t),))
+    return AttentionPlan(plan.inflight_mask,
+                         (Segment(QuantView(qcache, bits=8).with_tail(), 0, t),))
 
   def _verify(self, logits: jax.Array, drafts: jax.Array, q: jax.Array | None,
               active: jax.Array, step_keys: jax.Array, uniforms: jax.Array | None,
