@@ -134,11 +134,13 @@ def loop_summary(entry: dict) -> str:
   return line
 
 
-def device_time(run: Callable[[], Any], num_calls: int, top: int = 6) -> dict:
+def device_time(run: Callable[[], Any], num_calls: int, top: int = 6, sequence: int = 0) -> dict:
   """GPU busy time per call of `run()` (which makes `num_calls` calls), from a profiler trace:
   the summed durations of the events on the GPU planes' stream lines (kernels and copies).
   Returns {"device_s", "kernels_per_call", "device_time_by_kernel": {name: seconds per call},
-  "launches_by_kernel": {name: launches per call}} (the `top` costliest kernels)."""
+  "launches_by_kernel": {name: launches per call}} (the `top` costliest kernels); with
+  `sequence` > 0 also "kernel_sequence": the first `sequence` events after the first call's
+  worth (skipping a call's warm-up effects), in start order, as [name, microseconds] pairs."""
   with tempfile.TemporaryDirectory() as trace_dir:
     jax.profiler.start_trace(trace_dir)
     try:
@@ -150,6 +152,7 @@ def device_time(run: Callable[[], Any], num_calls: int, top: int = 6) -> dict:
       return dict(device_error="the profiler wrote no trace")
     data = jax.profiler.ProfileData.from_file(paths[0])
   total_ns, count, by_name, launches = 0.0, 0, collections.Counter(), collections.Counter()
+  ordered = []
   for plane in data.planes:
     if not plane.name.startswith("/device:GPU:"):
       continue
@@ -161,11 +164,21 @@ def device_time(run: Callable[[], Any], num_calls: int, top: int = 6) -> dict:
         count += 1
         by_name[event.name[:80]] += event.duration_ns
         launches[event.name[:80]] += 1
+        if sequence:
+          ordered.append((event.start_ns, event.name[:80], event.duration_ns))
   if not count:
     return dict(device_error="no GPU stream events in the trace")
-  return dict(device_s=total_ns * 1e-9 / num_calls, kernels_per_call=count / num_calls,
-              device_time_by_kernel={k: v * 1e-9 / num_calls for k, v in by_name.most_common(top)},
-              launches_by_kernel={k: launches[k] / num_calls for k, _ in by_name.most_common(top)})
+  result = dict(device_s=total_ns * 1e-9 / num_calls, kernels_per_call=count / num_calls,
+                device_time_by_kernel={k: v * 1e-9 / num_calls
+                                       for k, v in by_name.most_common(top)},
+                launches_by_kernel={k: launches[k] / num_calls
+                                    for k, _ in by_name.most_common(top)})
+  if sequence:
+    ordered.sort()
+    skip = count // num_calls if num_calls > 1 else 0
+    result["kernel_sequence"] = [[name, round(ns * 1e-3, 3)]
+                                 for _, name, ns in ordered[skip:skip + sequence]]
+  return result
 
 
 def read_bandwidth(num_bytes: float = 4 * 2 ** 30, iters: int = 10, repeats: int = 5) -> dict:

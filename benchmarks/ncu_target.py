@@ -67,12 +67,11 @@ def main(argv=None):
     cfg = qa.QuantAttentionConfig()
     bkv = qa._block_kv(cfg, n, GROUP, s)
     q_t = jax.random.normal(key[2], (1, HKV, nqb, D // 64, 64, n), jnp.float32)
-    bias = jnp.zeros((1, HKV, nqb, s // GROUP, max(n, 32)), jnp.float32)
     f = jax.jit(functools.partial(qa._quant_partials, bits=a.bits, dtype=jnp.bfloat16, cfg=cfg,
                                   block_kv=bkv,
                                   num_splits=qa._num_splits(cfg, bkv, 1, HKV, nqb, s,
                                                             bits=a.bits, rows=n)))
-    args = (q_t, qkv, lengths, bias)
+    args = (q_t, qkv, lengths)
   else:
     q = jax.random.normal(key[2], (1, a.tq, HQ, D), jnp.float32).astype(jnp.bfloat16)
     f = jax.jit(split_partials)

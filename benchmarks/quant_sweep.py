@@ -1,9 +1,11 @@
 """Tiling sweep of `quant_attention` against `decode_attention`, one run, one device (GPU).
 
-The issue-3 shape (Hq = 32, Hkv = 8, D = 128, bf16, B = 1, Tq = 1 or --tq) at one context S: the bf16
-decode_attention call, then quant_attention at 4 and 8 bits for each tiling in the grid
-(block_kv x num_stages x target_blocks), each timed whole (kernel + jnp combine) and as the
-kernel alone (`_quant_partials`), next to the device read bandwidth measured in the same run.
+The issue-3 shape (Hq = 32, Hkv = 8, D = 128, bf16, B = 1, Tq = 1 or --tq) at one context S: the
+bf16 decode_attention call, then quant_attention at 4 and 8 bits for each tiling in the grid
+(block_kv x num_stages x target_blocks), each timed whole (the call: kernel, merge kernel and
+relayouts), as the quantized splits alone (`_quant_partials`, "kernel_only"), with the blocks
+that attend the full-precision keys beside them ("kernel_exact"), and the merge kernel alone
+("merge"), next to the device read bandwidth measured in the same run.
 `--module` names an alternative implementation (e.g. the previous kernel saved to a file) to
 time beside the current one. Writes JSON incrementally.
 
@@ -29,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._timing import loop_fields, read_bandwidth, time_loop, write_json  # noqa: E402
 from pallas_kernels import quant_attention as qa  # noqa: E402
 from pallas_kernels.decode_attention import decode_attention  # noqa: E402
+from pallas_kernels.merge_partials import merge_partials  # noqa: E402
 
 HQ, HKV, D, GROUP, RECENT, RECENT_CAPACITY = 32, 8, 128, 128, 192, 256
 
@@ -148,15 +151,36 @@ def main(argv=None):
                t, quant_bytes(bits))
         nqb, n = qa._q_blocks(tq * HQ // HKV)
         q_t = jnp.zeros((b, HKV, nqb, D // 64, 64, n), jnp.float32)   # [B,Hkv,NQB,D/64,64,N]
-        bias = jnp.zeros((b, HKV, nqb, s // GROUP, max(n, 32)), jnp.float32)
         ns = qa._num_splits(cfg, bkv, b, HKV, nqb, s, bits=bits, rows=n)
         kern = jax.jit(functools.partial(qa._quant_partials, bits=bits, num_splits=ns,
                                          dtype=jnp.bfloat16, cfg=cfg, block_kv=bkv,
                                          interpret=ip))
-        t = time_loop(lambda qt, qkv, lq, bias: kern(qt, qkv, lq, bias)[1], q_t, qkv, lq, bias,
+        t = time_loop(lambda qt, qkv, lq: kern(qt, qkv, lq)[1], q_t, qkv, lq,
                       num_calls=a.calls)
         record(dict(base, part="kernel_only", num_splits=ns), t,
                b * HKV * (s - RECENT) * qa.bytes_per_token(D, bits, GROUP))
+        # The kernel as the call runs it (the exact blocks beside the quantized splits), then
+        # the merge kernel alone on partials of that shape.
+        q_rows = jnp.zeros((b, HKV, nqb, n, D), jnp.bfloat16)
+        key_sets = qa.full_and_inflight_keys(x["k_full"], x["v_full"], lf, x["k_new"],
+                                             x["v_new"], x["mask"])
+        exact = qa.exact_keys(q_rows, key_sets, group=HQ // HKV)
+
+        def kernel_exact(qt, qkv, lq, exact):
+          return qa._quant_partials(qt, qkv, lq, bits=bits, num_splits=ns, dtype=jnp.bfloat16,
+                                    cfg=cfg, block_kv=bkv, exact=exact, interpret=ip)[1]
+        t = time_loop(kernel_exact, q_t, qkv, lq, exact, num_calls=a.calls)
+        record(dict(base, part="kernel_exact", num_splits=ns, exact_blocks=exact.num_blocks), t,
+               b * HKV * (s - RECENT) * qa.bytes_per_token(D, bits, GROUP))
+        parts = ns + exact.num_blocks
+        acc = jnp.zeros((b, HKV, nqb, parts, D, n), jnp.float32)
+        ml = jnp.zeros((b, HKV, nqb, parts, max(n, 32)), jnp.float32)
+        t = time_loop(lambda acc, ml: merge_partials(acc, ml, ml + 1.0, interpret=ip)[0],
+                      acc, ml, num_calls=a.calls, profile=a.profile, profile_top=a.profile_top)
+        prof = {k: v for k, v in loop_fields(t, 1.0, None).items()
+                if k.startswith(("device_", "kernels_"))}
+        record(dict(base, part="merge", partials=parts, **prof), t,
+               acc.size * 4 + 2 * ml.size * 4)
       except Exception as e:  # noqa: BLE001 - record and go on
         res["rows"].append(dict(base, error=repr(e)[:500]))
         print(base, repr(e)[:300], flush=True)

@@ -11,7 +11,7 @@ arguments, never closure constants. B = 1. Per context (ascending):
         draft, QuantSpec's `weight_bits=None`) reading `QuantView(bits=4)` of a random
         hierarchical cache (quant_attention on a GPU) plus the in-flight draft scratch, argmax
         fed back. One loop iteration is one draft phase as `QuantSpec.step` runs it: the view's
-        tail once (`QuantView.with_tail`), then gamma_max forwards (extra_len 0 .. gamma_max - 1);
+        tail once (`quantspec.draft_view`), then gamma_max forwards (extra_len 0 .. gamma_max - 1);
         reported per forward (the phase / gamma_max); --steps forwards in one jit.
   (iii) verify: (gamma + 1)-token forwards with the full weights reading `QuantView(bits=8)`,
         per --gammas, argmax fed back; --steps forwards in one jit.
@@ -62,6 +62,8 @@ from benchmarks.step_roofline import (LLAMA_31_8B, log, random_params, random_st
                                       read_bandwidth, step_time)
 from sparsedec.attention import (AttentionPlan, QuantView, Segment, causal_plan,  # noqa: E402
                                  kernel_choice)
+from sparsedec.decode.quantspec import (draft_scratch, draft_view, verify_view,  # noqa: E402
+                                        write_draft_kv)
 from sparsedec.kv import quantized as qkv  # noqa: E402
 from sparsedec.kv.dense import KVCache  # noqa: E402
 from sparsedec.model.config import ModelConfig  # noqa: E402
@@ -146,14 +148,16 @@ def draft_params_for(params: dict, group: int, layout: str) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 def timed_loop(body, carry, args, steps: int, repeats: int, donate: bool = False,
-               profile: bool = False, profile_top: int = 16, per_iteration: int = 1) -> dict:
+               profile: bool = False, profile_top: int = 16, per_iteration: int = 1,
+               sequence: int = 0) -> dict:
   """Seconds per iteration of carry = body(i, carry, *args), `steps` iterations in one jitted
   fori_loop (args are jit arguments): compile, one warm-up run, median of `repeats` runs;
   divided by `per_iteration` when an iteration holds that many forwards.
   donate: the carry is donated and each run continues from the previous one's (a large carry,
   e.g. a decode state, is then updated in place instead of copied per run).
   profile (GPU, not with donate): one more run under the profiler, for the GPU busy time per
-  iteration and the costliest kernels (`_timing.device_time`)."""
+  iteration and the costliest kernels (`_timing.device_time`); `sequence` > 0: also the first
+  `sequence` kernels of one iteration in launch order ("kernel_sequence")."""
   def loop(carry, args):
     return jax.lax.fori_loop(0, steps, lambda i, c: body(i, c, *args), carry)
 
@@ -176,7 +180,7 @@ def timed_loop(body, carry, args, steps: int, repeats: int, donate: bool = False
     result["final_carry"] = out               # what the donated carry became
   elif profile and jax.default_backend() == "gpu":
     result.update(device_time(lambda: jax.block_until_ready(compiled(carry, args)),
-                              steps * per_iteration, top=profile_top))
+                              steps * per_iteration, top=profile_top, sequence=sequence))
   return result
 
 
@@ -197,49 +201,49 @@ def draft_body(cfg: ModelConfig, width: int):
   scratch's first j draft entries; its K/V go to scratch slot j."""
   def body(i, carry, draft_params, qcache):
     del i
-    base = QuantView(qcache, bits=4).with_tail()
+    base = draft_view(qcache)
 
     def forward_j(j, carry):
-      tok, ek, ev = carry                                    # [B, 1]; per layer [B, W, Hkv, D]
+      tok, ek, ev = carry                                    # [B, 1]; [L, B, W, Hkv, D]
       b = tok.shape[0]
       view = base.replace(extra_k=ek, extra_v=ev, extra_len=jnp.full((b,), j, jnp.int32))
       plan = AttentionPlan(jnp.ones((1, 1), bool), (Segment(view, 0, 1),))
       logits, kv = forward(cfg, draft_params, tok, (qcache.lengths + j)[:, None],
                            empty_cache(cfg, qcache.lengths), plan)
-      put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), j, 1)
       nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)[:, None]
-      return nxt, tuple(map(put, ek, kv.k)), tuple(map(put, ev, kv.v))
+      return nxt, write_draft_kv(ek, kv.k, j), write_draft_kv(ev, kv.v, j)
     return jax.lax.fori_loop(0, width, forward_j, carry)
   return body
 
 
 def verify_body(cfg: ModelConfig, gamma: int):
   """One verification forward: gamma + 1 tokens reading the 8-bit view (causal), its tail
-  computed in it (as `QuantSpec.verify_plan` does once per step)."""
+  computed in it (`quantspec.verify_view`, as `QuantSpec.verify_plan` does once per step)."""
   t = gamma + 1
   mask = causal_plan(t).inflight_mask
 
   def body(i, tokens, params, qcache):                        # tokens [B, gamma + 1]
-    plan = AttentionPlan(mask, (Segment(QuantView(qcache, bits=8).with_tail(), 0, t),))
+    plan = AttentionPlan(mask, (Segment(verify_view(qcache), 0, t),))
     positions = qcache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
     logits, _ = forward(cfg, params, tokens, positions, empty_cache(cfg, qcache.lengths), plan)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   return body
 
 
-def time_draft(cfg, draft_params, qcache, width, steps, repeats, profile: int = 0) -> dict:
-  shape = (1, width, cfg.num_kv_heads, cfg.head_dim)
-  scratch = tuple(jnp.zeros(shape, jnp.dtype(cfg.dtype)) for _ in range(cfg.num_layers))
+def time_draft(cfg, draft_params, qcache, width, steps, repeats, profile: int = 0,
+               sequence: int = 0) -> dict:
+  scratch = draft_scratch(cfg, 1, width, jnp.dtype(cfg.dtype))          # [L, B, W, Hkv, D]
   carry = (jnp.ones((1, 1), jnp.int32), scratch, scratch)
   return timed_loop(draft_body(cfg, width), carry, (draft_params, qcache),
                     max(1, steps // width), repeats, profile=bool(profile),
-                    profile_top=profile or 16, per_iteration=width)
+                    profile_top=profile or 16, per_iteration=width, sequence=sequence)
 
 
-def time_verify(cfg, params, qcache, gamma, steps, repeats, profile: int = 0) -> dict:
+def time_verify(cfg, params, qcache, gamma, steps, repeats, profile: int = 0,
+                sequence: int = 0) -> dict:
   tokens = jnp.ones((1, gamma + 1), jnp.int32)
   return timed_loop(verify_body(cfg, gamma), tokens, (params, qcache), steps, repeats,
-                    profile=bool(profile), profile_top=profile or 16)
+                    profile=bool(profile), profile_top=profile or 16, sequence=sequence)
 
 
 def time_full_step(cfg, params, draft_params, qcache, gamma, steps, repeats
@@ -517,7 +521,8 @@ def run_quantspec(args, cfg: ModelConfig, rec: Recorder, bw: float) -> None:
       b = quantspec_bytes(cfg, params, linear_bytes, qcache)
 
       def measure_draft():
-        t = time_draft(cfg, draft_l, qcache, width, args.steps, args.repeats, args.profile)
+        t = time_draft(cfg, draft_l, qcache, width, args.steps, args.repeats, args.profile,
+                       args.kernel_sequence)
         read = b["draft_weight_bytes_read"] + b["draft_cache_bytes_read"]
         return {**t, "roofline_seconds": read / bw, "bytes": b}
 
@@ -529,7 +534,8 @@ def run_quantspec(args, cfg: ModelConfig, rec: Recorder, bw: float) -> None:
             f"(compile {row['compile_seconds']:.1f} s)")
     for gamma in args.gammas:
       def measure_verify():
-        t = time_verify(cfg, params, qcache, gamma, args.steps, args.repeats, args.profile)
+        t = time_verify(cfg, params, qcache, gamma, args.steps, args.repeats, args.profile,
+                        args.kernel_sequence)
         read = b["verify_weight_bytes_read"] + b["verify_cache_bytes_read"]
         return {**t, "roofline_seconds": read / bw, "bytes": b}
 
@@ -601,6 +607,9 @@ def parse_args(argv=None):
   ap.add_argument("--profile", type=int, nargs="?", const=16, default=0, metavar="TOP",
                   help="GPU: also the profiler's busy time per draft / verify forward and its "
                        "TOP (16) costliest kernels")
+  ap.add_argument("--kernel-sequence", type=int, default=0, metavar="N",
+                  help="with --profile: also the first N kernels of one draft phase / verify "
+                       "forward in launch order (e.g. with --layers 2, to read one layer's)")
   ap.add_argument("--no-isolate", action="store_true",
                   help="run both kinds in this process (peak memory then cumulative)")
   ap.add_argument("--smoke", action="store_true",

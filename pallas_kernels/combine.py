@@ -1,10 +1,10 @@
-"""The log-sum-exp combine shared by the split-KV kernels (plain jnp, small).
+"""The log-sum-exp combine of decode_attention and sparse_attention (plain jnp, small).
 
 A kernel leaves, per (row, KV head, q block, split), an un-normalised partial output `acc`, its
 row max `m2` (log2 units) and row sum `l`. `combine_partials` merges those (and the in-flight
 kernel's partial, passed as `extra`) with key sets that are attended exactly here (the
-step's in-flight tokens on the jnp path; QuantSpec's full-precision recent segment), into one
-softmax over everything.
+step's in-flight tokens on the jnp path), into one softmax over everything. (quant_attention
+attends its exact keys in its own launch and merges with a kernel, `merge_partials`.)
 
 The selectors' per-slot weights (`score_queries`): the kernels write the selected queries' raw
 scores (log2 units) for the slots they visit; `scores_to_probs` turns them into final softmax

@@ -319,7 +319,8 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     out_type.append(jax.ShapeDtypeStruct((batch, num_kv_heads, score_rows, capacity),
                                          jnp.float32))
 
-  def entry(lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *scores_ref):
+  def decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
+                              *scores_ref):
     def scoped(q_smem, union, p_smem, m_smem, l_smem, q_bar, k_bars, v_bars):
       (k_smem, v_smem, *s_smem), o_smem = union    # the union's two views
       extra = (scores_ref[0], s_smem[0]) if score_rows else ()
@@ -328,7 +329,7 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     pl.run_scoped(scoped, *scratch)
 
   return plgpu.kernel(
-      entry,
+      decode_attention_kernel,
       out_type=tuple(out_type),
       grid=(num_splits, num_kv_heads * q_blocks, batch),
       grid_names=("split", "head_qblock", "batch"),

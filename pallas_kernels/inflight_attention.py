@@ -191,13 +191,13 @@ def inflight_partials(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
               jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32),
               jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32))
 
-  def entry(q_ref, k_ref, v_ref, bias_ref, acc_ref, m_ref, l_ref):
+  def inflight_attention_kernel(q_ref, k_ref, v_ref, bias_ref, acc_ref, m_ref, l_ref):
     def scoped(*refs):
       body(q_ref, k_ref, v_ref, bias_ref, acc_ref, m_ref, l_ref, *refs)
     pl.run_scoped(scoped, *scratch)
 
   return plgpu.kernel(
-      entry,
+      inflight_attention_kernel,
       out_type=out_type,
       grid=(q_blocks, num_kv_heads, batch),
       grid_names=("qblock", "head", "batch"),

@@ -28,10 +28,10 @@ Each row of 64 codes (a key's chunk, a channel's tile) is stored in *wgmma fragm
 fragment, nibbles where the bf16 pairs want them. A 64-row code tile is 2 KiB contiguous and
 travels as 16 rows of 128 bytes. Scales and zeros are fp16 (finite K/V required: |x| < 65504).
 
-Kernel (`quant_attention`), grid (num_splits, Hkv * q_blocks, B), one warpgroup per block, split-KV
-as decode_attention.py. The KEYS are the wgmma M dimension and the N = Tq * Hq / Hkv query rows
-(padded to a multiple of 8, at most 64 per q block) the N dimension, so a 4-query-head decode
-step computes a [64, 8] score tile, not a [64, 64] one:
+Kernel (`quant_attention`), grid (E + num_splits, Hkv * q_blocks, B), one warpgroup per block,
+split-KV as decode_attention.py. The KEYS are the wgmma M dimension and the N = Tq * Hq / Hkv
+query rows (padded to a multiple of 8, at most 64 per q block) the N dimension, so a
+4-query-head decode step computes a [64, 8] score tile, not a [64, 64] one:
   S^T [64, N] = codes_K @ (q * s_K)^T + bias          A = the key codes, from registers
   O^T [D, N] += codes_V^T @ (p * s_V)^T                A = the value codes, from registers
   zsum  [N]  += sum_t p_t (z_t + 8 s4_t)               (added to every channel at the end)
@@ -43,24 +43,35 @@ no permute. The tile values are exact integers offset by a constant (136 in bf16
 the 4-bit view u - 8 + 136, the 8-bit view c8 - 128 + 136. Nothing is dequantized element-wise:
 the per-channel key scale is folded into q once per key group of a stage (q^T * s_K, one bf16
 rounding, stored transposed as the B operand), the key zero points (z + 8 s4, the plane offset
-folded in) enter as a per-(key group, query row) score bias q . (z + 8 s4) computed by the
-wrapper, less the code offset times sum_d (q * s_K)_d (the rounded B operand, replayed there);
-the per-token value scale multiplies p, and the value zeros less the code offset times the
-rounded p * s_V add zsum. No dequantized tile is ever written to SMEM. A pipeline stage holds
+folded in) enter as a per-(key group, query row) score bias q . (z + 8 s4) less the code offset
+times sum_d (q * s_K)_d (the very B operand), summed per thread over the channel chunks in the
+same pass that writes the B operand and reduced across the warps once per key group of a stage
+(the zeros come in by TMA with the scales); the per-token value scale multiplies p, and the
+value zeros less the code offset times the rounded p * s_V add zsum. No dequantized tile is ever
+written to SMEM. A pipeline stage holds
 `block_kv` keys (1, 2 or 4 key tiles of 64; one TMA per plane and channel chunk for K, one per
 plane for V, whose tiles are stored contiguously): the stage's tiles get one online-softmax
 update, their statistics combined element-wise before the one cross-warp reduction a stage needs
 (the row max): the row sum l and the value-zero sum zsum stay per thread in [64, N] accumulators
 of the score fragment's layout, rescaled with acc, and are reduced over the keys once after the
-loop. The full-precision recent segment and the in-flight tokens (generally: any `key_sets`, see
-`quant_attention_with_keys`) are attended in jnp inside the same softmax and merged with the split
-partials (`pallas_kernels.combine.combine_partials`), by log-sum-exp.
+loop. The keys held in full precision (the recent segment and the in-flight tokens; generally any
+`key_sets`, see `quant_attention_with_keys`) are attended in the same launch by E more blocks per
+(row, KV head, q block), one 64-key tile each (`ExactKeys`, `exact_keys`: bf16/fp16 wgmma with
+both operands from SMEM, K and V read by TMA straight from token-major [B, U, Hkv, D] pieces,
+per-query masks as a 0/-inf bias; their SMEM is a sibling scope of a split's and no larger, so as
+many blocks stay resident): they leave partials in the splits' format, and ONE more kernel
+(`pallas_kernels.merge_partials`) merges all partials by log-sum-exp and normalises. A call is
+thus two Mosaic launches plus the q / mask / output relayouts.
 
-Measured (H200, S = 64K, B = 1, `benchmarks/quant_sweep.py`, session 14, row sums kept per
-thread): Tq = 1, 4-bit 58.7 us per call (kernel alone 34.3 us, 28.2 us in the profiler; session 13:
-61.6 / 36.7), 8-bit 82.0 us (57.3; was 86.5), decode_attention on the bf16 cache 75.8 us; Tq = 5:
-93.5 us at 4 bits (was 100.3 in session 13), 117.5 at 8 (was 125.6). ptxas (session 13): 160 / 167
-registers a thread at 4 / 8 bits (N = 8, 128 keys a stage). Tried and reverted in session 14:
+Measured (H200, S = 64K, B = 1, `benchmarks/quant_sweep.py`, session 16,
+`results/quant_sweep_s16_tq{1,5}_h200.json`): Tq = 1, 4-bit 45.0 us per call (device: kernel
+30.5, merge 4.7, relayouts ~8; session 14's jnp combine: 58.7), 8-bit 69.5 us (was 82.0),
+decode_attention on the bf16 cache 76.1 us (so 1.69x / 1.10x); Tq = 5: 71.7 us at 4 bits (was
+93.5), 98.5 at 8 (was 117.5). The zero-point bias moved in-kernel costs the kernel ~2 us at Tq = 1
+and saved the wrapper's reduction (6.3 us at Tq = 1, 17.9 at Tq = 5; 19 us a layer in QuantSpec's
+128K verification). Session 14 (jnp combine): Tq = 1, 4-bit 58.7 us per call (kernel alone
+34.3 us, 28.2 us in the profiler). ptxas (session 13): 160 / 167 registers a thread at 4 / 8
+bits (N = 8, 128 keys a stage). Tried and reverted in session 14:
 removing the code offset in-kernel with a constant-A wgmma (the bias loses its offset term):
 4-bit Tq = 1 kernel 28.2 -> 37.3 us. Session 8's Nsight Compute profile of the int4 kernel before
 the fragment-order storage: half of the 19.4 M warp instructions were the int4 -> bf16 chain and
@@ -93,8 +104,10 @@ with the combined lse. score_queries=() builds exactly the kernel without any of
                                                    mask [B or 1, Tq or 1, U] bool), *,
                             bits=8, return_lse=False, score_queries=())
 The same softmax with the exactly-attended keys given as key sets (what `sparsedec.attention`
-uses for QuantSpec's fp32 tail and in-flight tokens, each with its own per-row mask);
-`quant_attention` builds its two key sets (full segment, in-flight) and calls it.
+uses for QuantSpec's tail, draft scratch and in-flight tokens, each with its own per-row mask),
+attended by the kernel's exact blocks in q's dtype (a key set in another dtype is rounded to it;
+products and sums fp32); `quant_attention` builds its two key sets (full segment, in-flight) and
+calls it.
 
 `quant_attention_reference` = dequantize, then exact fp32 attention (pure jnp).
 """
@@ -113,10 +126,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import (check_score_queries, combine_partials,
-                                    score_rows, scores_to_probs, selected_first, wrapper_outputs)
+from pallas_kernels.combine import (check_score_queries, score_rows, scores_to_probs,
+                                    selected_first, wrapper_outputs)
 
 from pallas_kernels.decode_attention import BLOCK_M, LOG2E
+from pallas_kernels.merge_partials import merge_partials
 from pallas_kernels.register_operand import (CODES_PER_WORD, SMEM_ROW_WORDS, pack_words,
                                              unpack_words, wgmma_register_a, word_offset,
                                              word_tile)
@@ -431,20 +445,47 @@ def _swizzled(minor_bytes, bits):
                           plgpu.SwizzleTransform(minor_bytes)))
 
 
-def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype,
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("q_cols", "sources", "bias"), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class ExactKeys:
+  """The keys a quant_attention call attends in full precision (a QuantSpec step's double
+  buffer, draft scratch and in-flight tokens), as `exact_keys` lays them out for the kernel's
+  exact blocks: q_cols [B, Hkv, NQB, N, D] (q's dtype, the B operand of their QK^T); sources,
+  the keys in one or more pieces ((k, v) [B, U_i, Hkv, D], q's dtype, token-major, U_i a
+  multiple of 64: a piece that already has that shape is read where it lies, no copy); bias
+  [B or 1, NQB, U, N] fp32 over the pieces' keys in order, U = sum U_i (0: query row n of q
+  block j sees key u; -inf: not)."""
+  q_cols: jax.Array
+  sources: tuple[tuple[jax.Array, jax.Array], ...]
+  bias: jax.Array
+
+  @property
+  def num_blocks(self) -> int:
+    """Exact blocks per (row, KV head, q block): one per 64-key tile."""
+    return sum(k.shape[1] for k, _ in self.sources) // KEY_TILE
+
+
+def _quant_partials(q_t, qkv: QuantKV, lengths, *, bits, num_splits, dtype,
                     cfg: QuantAttentionConfig, block_kv: int, with_scores: bool = False,
-                    interpret: Any = None):
-  """Split partials of the quantized region.
+                    exact: ExactKeys | None = None, interpret: Any = None):
+  """Split partials of the quantized region, and of the exactly attended keys.
 
   q_t [B, Hkv, NQB, D/64, 64, N] fp32: q^T in 64-channel chunks (N query rows per q block, a
-  multiple of 8, <= 64); `dtype` the MMA input type (q's); lengths [B] int32 in [0, S];
-  bias [B, Hkv, NQB, S/G, NP] fp32 (NP = max(N, 32): 128-byte rows), columns < N: the key-zero
-  term (q . (z + 8 s4)) * D**-0.5 * log2(e) of each key group and query row.
-  Returns acc [B, Hkv, NQB, NS, D, N] fp32 (un-normalised O^T), m [B, Hkv, NQB, NS, NP] fp32
-  (log2 units, -inf for an empty split; columns >= N undefined), l [B, Hkv, NQB, NS, NP]; with
-  with_scores also scores [B, Hkv, S, N] fp32 of q block 0: the scaled scores (log2 units) of
-  the slots s < lengths[b],
-  -inf for the rest of their last tile; the other slots are never written (undefined).
+  multiple of 8, <= 64); `dtype` the MMA input type (q's); lengths [B] int32 (clipped to
+  [0, S] in the kernel);
+  exact: the keys attended in full precision, or None.
+  Grid (E + num_splits, Hkv * NQB, B): the first E = exact.num_blocks blocks of each (KV head,
+  q block, row) attend one 64-key tile of the exact keys each (bf16 wgmma, in SMEM no larger than
+  a quantized split's, so as many blocks stay resident per SM), running beside the quantized
+  splits instead of in a launch of their own (their few microseconds overlap the splits'; at most
+  the splits that do not fit the first wave start that much later); the others a split of the
+  quantized region.
+  Returns acc [B, Hkv, NQB, E + NS, D, N] fp32 (un-normalised O^T), m [B, Hkv, NQB, E + NS, NP]
+  fp32 (log2 units, -inf for an empty split; columns >= N undefined), l [B, Hkv, NQB, E + NS,
+  NP]; with with_scores also scores [B, Hkv, S, N] fp32 of q block 0: the scaled scores (log2
+  units) of the slots s < lengths[b], -inf for the rest of their last tile; the other slots are
+  never written (undefined).
   """
   batch, num_kv_heads, q_blocks, n_chunks, chunk, n = q_t.shape
   bkv, num_stages, group = block_kv, cfg.num_stages, qkv.group
@@ -456,13 +497,13 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
   m_tiles = head_dim // KEY_TILE                # 64-channel row tiles of V^T
   score_scale = head_dim ** -0.5 * LOG2E
   planes = 1 if bits == 4 else 2                # the 4-bit read never touches plane 1
-  n_pad = bias.shape[-1]                        # N padded to >= 32 (128-byte TMA rows)
+  n_pad = max(n, 32)                            # N padded to >= 32 (128-byte TMA rows)
   scale_mult = 1.0 if bits == 4 else 1.0 / 16.0
   offset = float(word_offset(dtype))            # added to every code by `word_tile`
   col = plgpu.Layout.WGMMA.reduce(0)            # a vector along a tile's columns (N)
   row = plgpu.Layout.WGMMA.reduce(1)            # a vector along a tile's rows (keys)
 
-  def body(lengths_ref, q_ref, kc_ref, vc_ref, ks_ref, vs_ref, vz_ref, bias_ref,
+  def body(split, out_split, lengths_ref, q_ref, kc_ref, vc_ref, ks_ref, kz_ref, vs_ref, vz_ref,
            acc_out_ref, m_out_ref, l_out_ref, scores_ref=None, *,
            qs_smem,       # [groups, D/64, N, 64] dtype (swizzled): q * s_K per key group, B of QK
            kc_smem,       # [stages, planes, D/64, bkv/4, 32] uint32: per key 8 words
@@ -472,18 +513,17 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
            o_smem,        # [D, N] fp32 (epilogue)
            ks_smem,       # [stages, groups, D] fp16: the stage's key scale rows
            vmeta_smem,    # [stages, 2, bkv] fp16: the stage's value scales (0) and zeros (1)
-           bias_smem,     # [stages, groups, NP] fp32: the key-zero bias per group and query row
+           kz_smem,       # [stages, groups, D] fp16: the stage's key zero rows
            m_smem, l_smem,  # [NP] fp32
            q_barrier, k_barriers, v_barriers,
            s_smem=None,   # [bkv, N] fp32 (with_scores)
            a_smem=None):  # [64, 64] dtype: interpret mode only (its wgmma reads A from SMEM)
-    split = lax.axis_index("split")
     head_qblock = lax.axis_index("head_qblock")
     b = lax.axis_index("batch")
     h = lax.div(head_qblock, jnp.int32(q_blocks))
     qb = lax.rem(head_qblock, jnp.int32(q_blocks))
 
-    length = lengths_ref[b]
+    length = jnp.minimum(jnp.maximum(lengths_ref[b], 0), qkv.capacity)   # clipped to [0, S]
     num_tiles = lax.div(length + (bkv - 1), jnp.int32(bkv))   # stages of bkv keys
     tiles_per_split = lax.div(num_tiles + (num_splits - 1), jnp.int32(num_splits))
     first_tile = split * tiles_per_split
@@ -498,7 +538,7 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
                                 kc_smem.at[slot, pn, hf], k_barriers.at[slot])
       plgpu.copy_gmem_to_smem(ks_ref.at[b, h, pl.ds(grp, groups)], ks_smem.at[slot],
                               k_barriers.at[slot])
-      plgpu.copy_gmem_to_smem(bias_ref.at[b, h, qb, pl.ds(grp, groups)], bias_smem.at[slot],
+      plgpu.copy_gmem_to_smem(kz_ref.at[b, h, pl.ds(grp, groups)], kz_smem.at[slot],
                               k_barriers.at[slot])
       # V: the stage's key tiles are contiguous per plane, one TMA each.
       tile0 = lax.div(start, jnp.int32(KEY_TILE))
@@ -546,13 +586,24 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
       plgpu.barrier_wait(k_barriers.at[slot])
       # The key scales folded into q (one bf16 rounding of q * s, as a dequantized K would
       # have): qs = (q^T * s_K)^T per key group and 64-channel chunk, stored transposed as the
-      # B operand.
+      # B operand. The key zero points enter as a score bias per key group and query row,
+      # sum_d q_d (z_d + 8 s4_d) - offset * sum_d qs_d (the tiles' code offset times the very
+      # B operand the wgmma reads): summed per thread over the chunks, then one cross-warp
+      # reduction over the channels per group.
+      terms = [None] * groups
       for g, (hf, qt) in itertools.product(range(groups), enumerate(q_regs)):
-        sc = plgpu.load(ks_smem.at[slot, g, pl.ds(hf * chunk, chunk)], layout=row,
-                        optimized=False)
-        sc = lax.broadcast_in_dim(sc.astype(jnp.float32) * scale_mult, (chunk, n), [0])
-        qs_smem.at[g, hf].transpose((1, 0))[...] = (qt * sc).astype(dtype)
+        channels = pl.ds(hf * chunk, chunk)
+        s4 = plgpu.load(ks_smem.at[slot, g, channels], layout=row,
+                        optimized=False).astype(jnp.float32)
+        z = plgpu.load(kz_smem.at[slot, g, channels], layout=row,
+                       optimized=False).astype(jnp.float32) + UPPER_OFFSET * s4
+        qs = (qt * lax.broadcast_in_dim(s4 * scale_mult, (chunk, n), [0])).astype(dtype)
+        qs_smem.at[g, hf].transpose((1, 0))[...] = qs
+        term = qt * lax.broadcast_in_dim(z, (chunk, n), [0]) - offset * qs.astype(jnp.float32)
+        terms[g] = term if terms[g] is None else terms[g] + term
       plgpu.commit_smem()
+      biases = [lax.broadcast_in_dim(term.sum(axis=0) * score_scale, (KEY_TILE, n), [1])
+                for term in terms]                # [64, N]: the group's bias on every key
 
       def qk_scope(*s_refs):                    # [64, N] fp32 per key tile
         for t, s_ref in enumerate(s_refs):
@@ -569,9 +620,7 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
       key_ids = plgpu.broadcasted_iota(jnp.int32, (KEY_TILE, n), 0, layout=plgpu.Layout.WGMMA)
       valids, scores = [], []
       for t, s in enumerate(ss):
-        bias = plgpu.load(bias_smem.at[slot, tile_group[t], pl.ds(0, n)], layout=col,
-                          optimized=False)
-        s = s * score_scale + lax.broadcast_in_dim(bias, (KEY_TILE, n), [1])
+        s = s * score_scale + biases[tile_group[t]]
         valids.append(key_ids + (start + t * KEY_TILE) < length)
         scores.append(jnp.where(valids[-1], s, -jnp.inf))
       if with_scores:
@@ -635,9 +684,77 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
     m_smem[pl.ds(0, n)] = m_i
     l_smem[pl.ds(0, n)] = l_i
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, acc_out_ref.at[b, h, qb, split])
-    plgpu.copy_smem_to_gmem(m_smem, m_out_ref.at[b, h, qb, split])
-    plgpu.copy_smem_to_gmem(l_smem, l_out_ref.at[b, h, qb, split])
+    plgpu.copy_smem_to_gmem(o_smem, acc_out_ref.at[b, h, qb, out_split])
+    plgpu.copy_smem_to_gmem(m_smem, m_out_ref.at[b, h, qb, out_split])
+    plgpu.copy_smem_to_gmem(l_smem, l_out_ref.at[b, h, qb, out_split])
+    plgpu.wait_smem_to_gmem(0)
+
+  num_exact = 0 if exact is None else exact.num_blocks
+  bias_rows = 0 if exact is None else exact.bias.shape[0]
+
+  def exact_body(e, q_ref, source_refs, kb_ref, out_refs,
+                 q_smem,          # [N, D] dtype (swizzled): the query rows, B of QK (transposed)
+                 k_smem, v_smem,  # [64, D] dtype (swizzled)
+                 b_smem,          # [64, N] fp32: the tile's mask bias
+                 p_smem,          # [N, 64] dtype (swizzled): P^T, B of PV (transposed)
+                 o_smem,          # [D, N] fp32 (epilogue)
+                 m_smem, l_smem,  # [NP] fp32
+                 q_barrier, k_barrier, v_barrier):
+    """Exact block e: the keys [64 e, 64 e + 64) of q block qb of KV head h of row b (from the
+    source piece that holds them), one softmax over them (keys as the wgmma M dimension, the
+    quantized splits' orientation), written as one more partial. source_refs: the source
+    pieces' k and v refs, in turn; out_refs: the acc, m, l outputs."""
+    acc_out_ref, m_out_ref, l_out_ref = out_refs
+    head_qblock = lax.axis_index("head_qblock")
+    b = lax.axis_index("batch")
+    h = lax.div(head_qblock, jnp.int32(q_blocks))
+    qb = lax.rem(head_qblock, jnp.int32(q_blocks))
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h, qb], q_smem, q_barrier)
+    first = 0
+    for k_ref, v_ref in zip(source_refs[::2], source_refs[1::2]):
+      tiles = k_ref.shape[1] // KEY_TILE
+
+      def fetch(k_ref=k_ref, v_ref=v_ref, first=first):
+        keys = pl.ds((e - first) * KEY_TILE, KEY_TILE)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h], k_smem, k_barrier)
+        plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h], v_smem, v_barrier)
+      if len(source_refs) == 2:
+        fetch()
+      else:
+        pl.when((e >= first) & (e < first + tiles))(fetch)
+      first += tiles
+    plgpu.copy_gmem_to_smem(kb_ref.at[b if bias_rows > 1 else 0, qb,
+                                      pl.ds(e * KEY_TILE, KEY_TILE)], b_smem, k_barrier)
+    plgpu.barrier_wait(q_barrier)
+    plgpu.barrier_wait(k_barrier)
+
+    def qk_scope(s_ref):                        # S^T [64 keys, N] fp32
+      plgpu.wgmma(s_ref, k_smem, q_smem.transpose((1, 0)))
+      return s_ref[...]
+    s = pl.run_scoped(qk_scope, plgpu.ACC((KEY_TILE, n), jnp.float32))
+    s = s * score_scale + plgpu.load(b_smem, layout=plgpu.Layout.WGMMA, optimized=False)
+    m_e = s.max(axis=0)                                                      # [N]
+    # A row that sees none of these keys: a finite stand-in keeps p at 0 instead of NaN.
+    m_use = jnp.where(m_e == -jnp.inf, 0.0, m_e)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_use, (KEY_TILE, n), [1]))
+    plgpu.barrier_wait(v_barrier)
+    p_smem.transpose((1, 0))[...] = p.astype(dtype)
+    plgpu.commit_smem()
+
+    def pv_scope(*o_refs):                      # O^T [64 channels, N] per channel tile
+      for mt, o_ref in enumerate(o_refs):
+        vt = v_smem.at[:, pl.ds(mt * KEY_TILE, KEY_TILE)].transpose((1, 0))
+        plgpu.wgmma(o_ref, vt, p_smem.transpose((1, 0)))
+      return tuple(o_ref[...] for o_ref in o_refs)
+    accs = pl.run_scoped(pv_scope, *[plgpu.ACC((KEY_TILE, n), jnp.float32)] * m_tiles)
+    for mt, acc in enumerate(accs):
+      o_smem[pl.ds(mt * KEY_TILE, KEY_TILE)] = acc
+    m_smem[pl.ds(0, n)] = m_e
+    l_smem[pl.ds(0, n)] = p.sum(axis=0)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, acc_out_ref.at[b, h, qb, e])
+    plgpu.copy_smem_to_gmem(m_smem, m_out_ref.at[b, h, qb, e])
+    plgpu.copy_smem_to_gmem(l_smem, l_out_ref.at[b, h, qb, e])
     plgpu.wait_smem_to_gmem(0)
 
   itemsize = jnp.dtype(dtype).itemsize
@@ -659,18 +776,18 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
       o_smem=plgpu.SMEM((head_dim, n), jnp.float32),
       ks_smem=plgpu.SMEM((num_stages, groups, head_dim), META_DTYPE),
       vmeta_smem=plgpu.SMEM((num_stages, 2, bkv), META_DTYPE),
-      bias_smem=plgpu.SMEM((num_stages, groups, n_pad), jnp.float32),
+      kz_smem=plgpu.SMEM((num_stages, groups, head_dim), META_DTYPE),
       m_smem=plgpu.SMEM((n_pad,), jnp.float32),
       l_smem=plgpu.SMEM((n_pad,), jnp.float32),
       q_barrier=plgpu.Barrier(num_arrivals=n_chunks),
-      # TMAs landing on each: K codes (per plane and chunk) + key scales + bias; V codes (per
+      # TMAs landing on each: K codes (per plane and chunk) + key scales + zeros; V codes (per
       # plane) + value scales + zeros.
       k_barriers=plgpu.Barrier(num_arrivals=n_chunks * planes + 2, num_barriers=num_stages),
       v_barriers=plgpu.Barrier(num_arrivals=planes + 2, num_barriers=num_stages),
   )
   if with_scores:
     scratch["s_smem"] = plgpu.SMEM((bkv, n), jnp.float32)
-  part = (batch, num_kv_heads, q_blocks, num_splits)
+  part = (batch, num_kv_heads, q_blocks, num_exact + num_splits)
   out_type = [
       jax.ShapeDtypeStruct((*part, head_dim, n), jnp.float32),
       jax.ShapeDtypeStruct((*part, n_pad), jnp.float32),
@@ -687,17 +804,50 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, bias, *, bits, num_splits, dtype
   vc_rows = qkv.v_codes.reshape(batch, num_kv_heads, 2, capacity // KEY_TILE, head_dim // 4,
                                 SMEM_ROW_WORDS)
 
-  def entry(*refs):
-    pl.run_scoped(lambda *scr: body(*refs, **dict(zip(names, scr))), *scratch.values())
+  quant_inputs = (lengths, q_t, kc_rows, vc_rows, qkv.k_scale, qkv.k_zero, qkv.v_scale,
+                  qkv.v_zero)
+  exact_inputs = () if exact is None else (
+      exact.q_cols, *[x for pair in exact.sources for x in pair], exact.bias)
+  if exact is not None:
+    exact_scratch = (
+        plgpu.SMEM((n, head_dim), dtype, **mma_sw),
+        plgpu.SMEM((KEY_TILE, head_dim), dtype, **mma_sw),
+        plgpu.SMEM((KEY_TILE, head_dim), dtype, **mma_sw),
+        plgpu.SMEM((KEY_TILE, n), jnp.float32),
+        plgpu.SMEM((n, KEY_TILE), dtype, **_swizzled(KEY_TILE * itemsize, 8 * itemsize)),
+        plgpu.SMEM((head_dim, n), jnp.float32),
+        plgpu.SMEM((n_pad,), jnp.float32),
+        plgpu.SMEM((n_pad,), jnp.float32),
+        plgpu.Barrier(),
+        plgpu.Barrier(num_arrivals=2),           # the K tile + its bias tile
+        plgpu.Barrier(),
+    )
+
+  def quant_attention_kernel(*refs):
+    quant_refs, rest = refs[:len(quant_inputs)], refs[len(quant_inputs):]
+    exact_refs, out_refs = rest[:len(exact_inputs)], rest[len(exact_inputs):]
+    split = lax.axis_index("split")
+
+    def quant():                                # the two branches' SMEM scopes are siblings:
+      pl.run_scoped(                            # they share the same bytes
+          lambda *scr: body(split - num_exact, split, *quant_refs, *out_refs,
+                            **dict(zip(names, scr))), *scratch.values())
+    if exact is None:
+      quant()
+      return
+    pl.when(split >= num_exact)(quant)
+    pl.when(split < num_exact)(lambda: pl.run_scoped(
+        lambda *scr: exact_body(split, exact_refs[0], exact_refs[1:-1], exact_refs[-1],
+                                out_refs[:3], *scr), *exact_scratch))
 
   return plgpu.kernel(
-      entry,
+      quant_attention_kernel,
       out_type=tuple(out_type),
-      grid=(num_splits, num_kv_heads * q_blocks, batch),
+      grid=(num_exact + num_splits, num_kv_heads * q_blocks, batch),
       grid_names=("split", "head_qblock", "batch"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
-  )(lengths, q_t, kc_rows, vc_rows, qkv.k_scale, qkv.v_scale, qkv.v_zero, bias)
+  )(*quant_inputs, *exact_inputs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -783,12 +933,18 @@ def quant_attention(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,
   """
   _check_inputs(q, qkv, bits, lengths_quantized, k_full, v_full, lengths_full, k_new, v_new,
                 inflight_mask, config)
-  n_full = jnp.clip(lengths_full.astype(jnp.int32), 0, k_full.shape[2])
-  full_mask = jnp.arange(k_full.shape[2])[None, None, :] < n_full[:, None, None]  # [B, 1, Rf]
-  key_sets = ((k_full.transpose(0, 2, 1, 3), v_full.transpose(0, 2, 1, 3), full_mask),
-              (k_new, v_new, inflight_mask.astype(bool)[None]))
+  key_sets = full_and_inflight_keys(k_full, v_full, lengths_full, k_new, v_new, inflight_mask)
   return _with_keys(q, qkv, lengths_quantized, key_sets, bits=bits, return_lse=return_lse,
                     score_queries=score_queries, config=config, interpret=interpret)
+
+
+def full_and_inflight_keys(k_full, v_full, lengths_full, k_new, v_new, inflight_mask):
+  """`quant_attention`'s two key sets: the full-precision segment (token-major, its slots
+  r < lengths_full[b]) and the in-flight tokens under the [Tq, Tq] mask."""
+  n_full = jnp.clip(lengths_full.astype(jnp.int32), 0, k_full.shape[2])
+  full_mask = jnp.arange(k_full.shape[2])[None, None, :] < n_full[:, None, None]  # [B, 1, Rf]
+  return ((k_full.transpose(0, 2, 1, 3), v_full.transpose(0, 2, 1, 3), full_mask),
+          (k_new, v_new, inflight_mask.astype(bool)[None]))
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "return_lse", "score_queries", "config",
@@ -800,10 +956,11 @@ def quant_attention_with_keys(q: jax.Array, qkv: QuantKV, lengths_quantized: jax
                               interpret: Any = None):
   """`quant_attention` with the exactly-attended keys given as key sets: a sequence of
   (k [B, U, Hkv, D], v [B, U, Hkv, D], mask [B or 1, Tq or 1, U] bool: query t sees key u), any
-  float dtype (attended in jnp, fp32 softmax: `combine_partials`' exact sets). One
-  softmax over the quantized slots s < lengths_quantized[b] and every key set, so a caller whose
-  recent keys have per-query masks (QuantSpec's recent buffer across a flush, its draft
-  scratch) needs no second softmax and merge. Outputs as `quant_attention`."""
+  float dtype (attended by the kernel's exact blocks in q's dtype, fp32 softmax). One softmax
+  over the quantized slots s < lengths_quantized[b] and every key set, so a caller whose recent
+  keys have per-query masks (QuantSpec's recent buffer across a flush, its draft scratch) needs
+  no second softmax and merge. A key set of whole 64-key tiles in q's dtype is read where it
+  lies (`exact_keys`). Outputs as `quant_attention`."""
   hkv = _check_quantized(q, qkv, bits, lengths_quantized, config)
   b, tq, _, d = q.shape
   for i, (k, v, mask) in enumerate(key_sets):
@@ -837,43 +994,78 @@ def _with_keys(q, qkv, lengths_quantized, key_sets, *, bits, return_lse, score_q
   n_rows = tq * group
   q_blocks, n = _q_blocks(n_rows)
   block_kv = _block_kv(config, n, qkv.group, capacity)
-  num_splits = _num_splits(config, block_kv, b, hkv, q_blocks, capacity, bits=bits, rows=n)
 
   q_rows = q.reshape(b, tq, hkv, group, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, n_rows, d)
   q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, q_blocks * n - n_rows), (0, 0)))
   q_rows = q_rows.reshape(b, hkv, q_blocks, n, d)                            # [B, Hkv, NQB, N, D]
   q_t = q_rows.reshape(b, hkv, q_blocks, n, d // CHANNEL_CHUNK, CHANNEL_CHUNK)
   q_t = q_t.transpose(0, 1, 2, 4, 5, 3).astype(jnp.float32)   # [B, Hkv, NQB, D/64, 64, N]
-  # Per (key group, query row) score bias: the key zero points (z + 8 s4: plane 0 stores u - 8)
-  # less the code offset the kernel's tiles carry (`word_tile`) times the sum of the kernel's
-  # B operand q * s_K, rounded to q's dtype exactly as the kernel rounds it. (Summing that
-  # operand inside the kernel instead cost a cross-warp reduction per stage: H200, 64K, the
-  # kernel +2 us at Tq = 1 and +6 us at Tq = 5, against +1.3 us for this reduction.)
-  ks = qkv.k_scale.astype(jnp.float32) * (1.0 if bits == 4 else 1.0 / 16.0)
-  z_eff = qkv.k_zero.astype(jnp.float32) + UPPER_OFFSET * qkv.k_scale.astype(jnp.float32)
-  qf = q_rows.astype(jnp.float32)[:, :, :, None, :, :]                     # [B,Hkv,NQB,1,N,D]
-  # reduce_precision, not a convert round trip: XLA may drop the latter (excess precision).
-  info = jnp.finfo(q.dtype)
-  qs = lax.reduce_precision(qf * ks[:, :, None, :, None, :], exponent_bits=info.nexp,
-                            mantissa_bits=info.nmant)
-  # A multiply-and-sum rather than a dot: XLA:GPU emits one reduction reading the zeros once (an
-  # fp32 HIGHEST-precision GEMM of these skinny shapes cost 6.7 us at S = 64K on an H200).
-  bias = (qf * z_eff[:, :, None, :, None, :] - word_offset(q.dtype) * qs).sum(-1)
-  bias = bias * (d ** -0.5 * LOG2E)                                        # [B,Hkv,NQB,S/G,N]
-  bias = jnp.pad(bias, [(0, 0)] * 4 + [(0, max(n, 32) - n)])   # 128-byte rows for the TMA
-  lengths = jnp.clip(lengths_quantized.astype(jnp.int32), 0, capacity)
+  exact = exact_keys(q_rows, key_sets, group=group) if key_sets else None
+  num_splits = _num_splits(config, block_kv, b, hkv, q_blocks, capacity, bits=bits, rows=n)
   acc, m2, l, *scores = _quant_partials(
-      q_t, qkv, lengths, bias, bits=bits, num_splits=num_splits, dtype=q.dtype, cfg=config,
-      block_kv=block_kv, with_scores=bool(sel), interpret=interpret)
-  acc = acc.swapaxes(4, 5)                                   # O^T -> [B, Hkv, NQB, NS, N, D]
-  out, lse = combine_partials(acc, m2, l, q, key_sets, group=group)
+      q_t, qkv, lengths_quantized.astype(jnp.int32), bits=bits, num_splits=num_splits,
+      dtype=q.dtype, cfg=config, block_kv=block_kv, with_scores=bool(sel), exact=exact,
+      interpret=interpret)
+  out_t, lse_t = merge_partials(acc, m2, l, interpret=interpret)           # [B,Hkv,NQB,D,N]
+  out = _query_major(out_t.swapaxes(3, 4), n_rows, tq, group)              # [B, Tq, Hq, D]
+  lse = _query_major(lse_t[..., :n, None], n_rows, tq, group)[..., 0]      # [B, Tq, Hq]
   probs = None
   if sel:
-    read = (jnp.arange(capacity)[None] < lengths[:, None])[:, None]        # [B, 1, S]
+    read = (jnp.arange(capacity)[None] < lengths_quantized[:, None])[:, None]   # [B, 1, S]
     # [B, Hkv, S, N] -> the selected rows [B, Hkv, R, S]
     rows = scores[0][..., :score_rows(len(sel), group)].swapaxes(2, 3)
     probs = scores_to_probs(rows, lse[:, :len(sel)], read, group=group)
   return wrapper_outputs(out.astype(q.dtype), lse, probs, order, return_lse=return_lse)
+
+
+def exact_keys(q_rows, key_sets, *, group: int) -> ExactKeys:
+  """q_rows [B, Hkv, QB, N, D] (row j * N + n holds query (j * N + n) // G) and key sets
+  (k [B, U_i, Hkv, D], v, mask [B or 1, Tq or 1, U_i] bool) -> the kernel's `ExactKeys`. A key
+  set of whole 64-key tiles in q's dtype is a source piece as it is; runs of other sets are
+  concatenated in q's dtype with zero keys up to whole tiles (so a QuantSpec step's 3G-slot tail
+  is read in place and only its few in-flight keys are copied). The bias [B or 1, QB, U, N] fp32
+  is 0 where the row's query sees key u, -inf for padding rows and keys."""
+  b, q_blocks, rows, dtype = q_rows.shape[0], q_rows.shape[2], q_rows.shape[3], q_rows.dtype
+  _, _, hkv, d = key_sets[0][0].shape
+  tq = max(mask.shape[1] for _, _, mask in key_sets)
+  bm = max(mask.shape[0] for _, _, mask in key_sets)
+  sources, masks, run = [], [], []
+
+  def flush():                                  # the pending run: one padded piece
+    if not run:
+      return
+    num_keys = sum(k.shape[1] for k, _, _ in run)
+    pad = -(-num_keys // KEY_TILE) * KEY_TILE - num_keys
+    zeros = [jnp.zeros((b, pad, hkv, d), dtype)] if pad else []
+    sources.append((jnp.concatenate([k.astype(dtype) for k, _, _ in run] + zeros, axis=1),
+                    jnp.concatenate([v.astype(dtype) for _, v, _ in run] + zeros, axis=1)))
+    masks.extend(jnp.broadcast_to(mask, (bm, tq, mask.shape[2])) for _, _, mask in run)
+    masks.append(jnp.zeros((bm, tq, pad), bool))
+    run.clear()
+
+  for k, v, mask in key_sets:
+    if k.shape[1] % KEY_TILE == 0 and k.dtype == dtype and v.dtype == dtype:
+      flush()
+      sources.append((k, v))
+      masks.append(jnp.broadcast_to(mask, (bm, tq, mask.shape[2])))
+    else:
+      run.append((k, v, mask))
+  flush()
+  mask = jnp.concatenate(masks, axis=2)                                     # [Bm, Tq, U]
+  row = np.arange(q_blocks * rows)
+  query = np.minimum(row // group, tq - 1)
+  seen = mask[:, query] & jnp.asarray(row < tq * group)[None, :, None]       # [Bm, QB * N, U]
+  bias = jnp.where(seen, 0.0, -jnp.inf).astype(jnp.float32)
+  bias = bias.reshape(bm, q_blocks, rows, -1).swapaxes(2, 3)                 # [Bm, QB, U, N]
+  return ExactKeys(q_rows, tuple(sources), bias)
+
+
+def _query_major(x, n_rows, tq, group):
+  """[B, Hkv, QB, N, ...] per q-block rows -> [B, Tq, Hkv * G, ...] (row r = t * G + g)."""
+  b, hkv, q_blocks, n = x.shape[:4]
+  x = x.reshape(b, hkv, q_blocks * n, *x.shape[4:])[:, :, :n_rows]
+  x = x.reshape(b, hkv, tq, group, *x.shape[3:])
+  return jnp.moveaxis(x, 2, 1).reshape(b, tq, hkv * group, *x.shape[4:])
 
 
 # ----------------------------------------------------------------------------------------------

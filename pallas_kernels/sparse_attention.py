@@ -362,8 +362,8 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
     out_type.append(jax.ShapeDtypeStruct(
         (batch, num_kv_heads, score_slots, score_rows, k_cache.shape[2]), jnp.float32))
 
-  def entry(tables_ref, counts_ref, lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
-            *scores_ref):
+  def sparse_attention_kernel(tables_ref, counts_ref, lengths_ref, q_ref, k_ref, v_ref, acc_ref,
+                              m_ref, l_ref, *scores_ref):
     def scoped(q_smem, union, p_smem, *rest):
       (k_smem, v_smem, *s_smem), o_smem = union    # the union's two views
       extra = (scores_ref[0], s_smem[0]) if score_rows else ()
@@ -372,7 +372,7 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
     pl.run_scoped(scoped, *scratch)
 
   return plgpu.kernel(
-      entry,
+      sparse_attention_kernel,
       out_type=tuple(out_type),
       grid=(num_work, num_kv_heads, batch),
       grid_names=("work", "head", "batch"),

@@ -352,11 +352,11 @@ def _partials(xc, codes_t, scale, zero, *, group: int, p: Plan, interpret: Any =
   )
   names = tuple(scratch)
 
-  def entry(*refs):
+  def w4a16_gemv_kernel(*refs):
     pl.run_scoped(lambda *scr: body(*refs, **dict(zip(names, scr))), *scratch.values())
 
   return plgpu.kernel(
-      entry,
+      w4a16_gemv_kernel,
       out_type=jax.ShapeDtypeStruct((p.splits, n_out, n), jnp.float32),
       grid=(p.out_tiles, p.splits),
       grid_names=("out", "split"),

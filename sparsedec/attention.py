@@ -68,22 +68,23 @@ class QuantView:
   group beyond the cache's quant_len (a verification window crossing the next flush), CF1 is
   quantized on the fly (bit-identical to the later flush) and read at `bits` by that query only.
 
-  The tail (every layer's [CF1 quantized on the fly, read at `bits` | the 2G buffer slots], fp32)
+  The tail (every layer's [CF1 quantized on the fly, read at `bits` | the 2G buffer slots])
   depends on the cache and `bits` only: a caller running several forwards on one cache (the
   gamma drafts of a QuantSpec step) computes it once with `with_tail()`; otherwise each forward
-  computes it.
+  computes it (fp32).
 
   The forward reaches it through the plan (`Segment(QuantView(...), 0, T)`); `at_layer(i)` picks
   layer i's arrays. Reference path: dequantize, then `reference_attention` (fp32). Kernel path
   (GPU, bf16/fp16, head_dim 64 or 128, group a multiple of 64): `quant_attention` reads the
-  quantized prefix at `bits`, the rest is attended in jnp inside the same softmax
-  (`_quant_kernel_attention`, `quant_attention_with_keys`)."""
+  quantized prefix at `bits` and, in the same launch and softmax, the rest as key sets in q's
+  dtype (`_quant_kernel_attention`, `quant_attention_with_keys`)."""
   cache: Any                                      # QuantizedCache (every layer)
+  # extra_k / extra_v: indexed by layer (a tuple, or one stacked [L, B, W, Hkv, D] array).
   extra_k: Any = None                             # per layer [B, W, Hkv, D] or None
   extra_v: Any = None                             # per layer [B, W, Hkv, D] or None
   extra_len: Any = None                           # [B] int32 or None
-  tail_k: Any = None                              # per layer [B, 3G, Hkv, D] fp32 or None
-  tail_v: Any = None                              # per layer [B, 3G, Hkv, D] fp32 or None
+  tail_k: Any = None                              # per layer [B, 3G, Hkv, D] or None
+  tail_v: Any = None                              # per layer [B, 3G, Hkv, D] or None
   bits: int = struct.field(pytree_node=False, default=8)
   layer: int | None = struct.field(pytree_node=False, default=None)
   tail_bits: int | None = struct.field(pytree_node=False, default=None)
@@ -95,9 +96,13 @@ class QuantView:
   def at_layer(self, i: int) -> QuantView:
     return self.replace(layer=i)
 
-  def with_tail(self) -> QuantView:
-    """This view with every layer's tail computed now (see the class docstring)."""
-    tails = [_layer_tail(self.cache, i, self.bits) for i in range(len(self.cache.buf_k))]
+  def with_tail(self, dtype=jnp.float32) -> QuantView:
+    """This view with every layer's tail computed now (see the class docstring), stored in
+    `dtype`: fp32 (the default) is what a forward computes itself; the cache's dtype halves the
+    bytes and lets the kernel path attend it with bf16/fp16 dots (fp32 accumulation), the
+    re-quantized CF1 values then rounded to that dtype (QuantSpec's draft does this)."""
+    tails = [_layer_tail(self.cache, i, self.bits, dtype)
+             for i in range(len(self.cache.buf_k))]
     return self.replace(tail_k=tuple(k for k, _ in tails), tail_v=tuple(v for _, v in tails),
                         tail_bits=self.bits)
 
@@ -190,15 +195,15 @@ def reference_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   return out, lse
 
 
-def _layer_tail(cache, i: int, bits: int) -> tuple[jax.Array, jax.Array]:
-  """Layer i's [CF1 quantized and read at `bits` (G) | buffer (2G)] K/V, [B, 3G, Hkv, D] fp32
-  (the key-set layout of `quant_attention_with_keys`)."""
+def _layer_tail(cache, i: int, bits: int, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+  """Layer i's [CF1 quantized and read at `bits` (G) | buffer (2G)] K/V, [B, 3G, Hkv, D] in
+  `dtype` (the key-set layout of `quant_attention_with_keys`)."""
   from pallas_kernels.quant_attention import fake_quantize
   g = cache.group
   buf_k, buf_v = cache.buf_k[i], cache.buf_v[i]                            # [B, Hkv, 2G, D]
   k_1, v_1 = fake_quantize(buf_k[:, :, :g], buf_v[:, :, :g], g, bits)      # [B, Hkv, G, D]
-  k = jnp.concatenate([k_1, buf_k.astype(jnp.float32)], axis=2)
-  v = jnp.concatenate([v_1, buf_v.astype(jnp.float32)], axis=2)
+  k = jnp.concatenate([k_1, buf_k.astype(jnp.float32)], axis=2).astype(dtype)
+  v = jnp.concatenate([v_1, buf_v.astype(jnp.float32)], axis=2).astype(dtype)
   return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
@@ -206,7 +211,8 @@ def _quant_view_tail(view: QuantView, q_pos: jax.Array
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The full-precision side of a QuantView read by the queries at q_pos [B, Tseg] (layer
   view.layer), all but the quantized prefix and the `extra` slots: [CF1 re-quantized G |
-  buffer 2G]. Returns k, v [B, 3G, Hkv, D] fp32 and mask [B, Tseg, 3G] bool.
+  buffer 2G]. Returns k, v [B, 3G, Hkv, D] (fp32, or the dtype `with_tail` stored) and mask
+  [B, Tseg, 3G] bool.
 
   CF1 re-quantized (read at view.bits) replaces the buffer's CF1 for the queries whose
   quantized_length(position) is one group beyond the cache's quant_len (the flush rule)."""
@@ -283,25 +289,22 @@ def _quant_kernel_attention(q: jax.Array, view: QuantView, k_new: jax.Array, v_n
   """One QuantView segment with `pallas_kernels.quant_attention`; equals _quant_view_attention.
 
   The kernel reads the quantized prefix (slots < quant_len at view.bits); everything else goes
-  in as two key sets (`quant_attention_with_keys`), attended in jnp in fp32 as the reference
-  does, inside the same softmax: the tail [CF1 re-quantized or full precision per query | the
-  buffer] (3G keys, precomputed by `QuantView.with_tail` or computed here), and the `extra`
-  draft scratch with the in-flight tokens (W + T keys). q [B, Tseg, Hq, D] bf16/fp16;
-  inflight [B, Tseg, T]."""
+  in as key sets with their per-query masks (`quant_attention_with_keys`), attended by the
+  same launch inside the same softmax: the tail [CF1 re-quantized or full precision per query |
+  the buffer] (3G keys, precomputed by `QuantView.with_tail` in the cache's dtype, or computed
+  here in fp32), the `extra` draft scratch (W) and the in-flight tokens (T). A tail in q's dtype
+  is read where it lies (3G slots are whole 64-key tiles); the few extra and in-flight keys are
+  copied into one padded piece (`exact_keys`). q [B, Tseg, Hq, D] bf16/fp16; inflight
+  [B, Tseg, T]."""
   from pallas_kernels.quant_attention import QuantAttentionConfig, quant_attention_with_keys
   _check_quant_view(view, None)
-  k_t, v_t, mask_t = _quant_view_tail(view, q_pos)                         # [B, 3G, Hkv, D]
-  k_n, v_n, mask_n = k_new, v_new, inflight
+  key_sets = [_quant_view_tail(view, q_pos)]                               # [B, 3G, Hkv, D]
   extra = _quant_view_extra(view, q_pos)
   if extra is not None:
-    ek, ev, mask_e = extra
-    k_n = jnp.concatenate([ek.astype(jnp.float32), k_new.astype(jnp.float32)], axis=1)
-    v_n = jnp.concatenate([ev.astype(jnp.float32), v_new.astype(jnp.float32)], axis=1)
-    mask_n = jnp.concatenate([mask_e, inflight], axis=2)                   # [B, Tseg, W + T]
-  key_sets = ((k_t, v_t, mask_t),
-              (k_n.astype(jnp.float32), v_n.astype(jnp.float32), mask_n))
+    key_sets.append(extra)                                                 # [B, W, Hkv, D]
+  key_sets.append((k_new, v_new, inflight))                                # [B, T, Hkv, D]
   return quant_attention_with_keys(q, view.cache.codes[view.layer], view.cache.quant_len,
-                                   key_sets, bits=view.bits, config=QuantAttentionConfig(),
+                                   tuple(key_sets), bits=view.bits, config=QuantAttentionConfig(),
                                    interpret=interpret)
 
 

@@ -17,8 +17,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.register_operand import unpack_words
 from pallas_kernels.quant_attention import (QuantAttentionConfig, QuantKV, _block_kv,
                                             _num_splits, bytes_per_token, codes8, dequantize,
-                                            fake_quantize, quant_attention, quant_attention_reference,
-                                            quant_attention_with_keys, quantize_kv)
+                                            exact_keys, fake_quantize, quant_attention,
+                                            quant_attention_reference, quant_attention_with_keys,
+                                            quantize_kv)
 
 INTERPRET = plgpu.InterpretGPUParams()
 TOLERANCE = {jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
@@ -397,6 +398,41 @@ def test_key_sets_with_per_query_masks(bits):
   with pytest.raises(ValueError, match="key set 0: k and v must be"):
     quant_attention_with_keys(q, qkv, lq, ((k_full, v_full, full_mask),), bits=bits,
                               interpret=INTERPRET)
+
+
+def test_exact_keys_read_whole_tile_sets_in_place_and_pad_the_rest():
+  """Key sets of whole 64-key tiles in q's dtype are source pieces as they are (QuantSpec's tail
+  is not copied per layer); a run of other sets becomes one piece padded to a tile, masked off.
+  The kernel's exact blocks pick each tile from its piece: with three pieces (in place, padded
+  run, in place) under per-query masks, the call equals one fp32 softmax over everything."""
+  b, tq, hq, hkv, d = 2, 3, 4, 2, 64
+  q, qkv, k_a, v_a, k_new, v_new = _inputs(
+      21, batch=b, num_queries=tq, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, capacity=128,
+      full_capacity=64, group=64, dtype=jnp.bfloat16)
+  keys = jax.random.split(jax.random.key(22), 4)
+  k_b = jax.random.normal(keys[0], (b, 128, hkv, d)).astype(jnp.bfloat16)   # [B, U, Hkv, D]
+  v_b = jax.random.normal(keys[1], (b, 128, hkv, d)).astype(jnp.bfloat16)
+  key_sets = ((k_a.transpose(0, 2, 1, 3), v_a.transpose(0, 2, 1, 3),
+               jax.random.bernoulli(keys[2], 0.6, (b, tq, 64))),
+              (k_new, v_new, jnp.tril(jnp.ones((tq, tq), bool))[None]),
+              (k_b, v_b, jax.random.bernoulli(keys[3], 0.3, (1, tq, 128))))
+  q_rows = jnp.zeros((b, hkv, 1, 16, d), jnp.bfloat16)     # N = 16 rows, Tq * G = 6 of them real
+  exact = exact_keys(q_rows, key_sets, group=hq // hkv)
+  assert [k.shape[1] for k, _ in exact.sources] == [64, 64, 128]
+  assert exact.sources[0][0] is key_sets[0][0] and exact.sources[2][1] is key_sets[2][1]
+  assert exact.num_blocks == 4 and exact.bias.shape == (b, 1, 256, 16)
+  bias = np.asarray(exact.bias)
+  assert np.isneginf(bias[:, :, 64 + tq:128]).all()             # the run's padding keys
+  assert np.isneginf(bias[:, :, :, tq * (hq // hkv):]).all()     # the padding query rows
+  lq = jnp.array([100, 128])
+  for bits in (4, 8):
+    out, lse = quant_attention_with_keys(q, qkv, lq, key_sets, bits=bits, return_lse=True,
+                                         interpret=INTERPRET)
+    ref_out, ref_lse = _attend_key_sets(q, qkv, bits, lq, key_sets)
+    tol = TOLERANCE[jnp.bfloat16]
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out), atol=tol,
+                               rtol=tol)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=5e-3, rtol=3e-3)
 
 
 def test_kernel_rejects_bad_inputs_in_plain_words():

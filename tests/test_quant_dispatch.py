@@ -110,6 +110,43 @@ def test_draft_token_with_in_flight_scratch_equals_reference(window):
   assert np.abs(np.asarray(without, np.float32) - np.asarray(want, np.float32)).max() > 5e-2
 
 
+def test_the_drafts_view_bf16_tail_and_stacked_scratch_equal_the_fp32_reference(window):
+  """QuantSpec's draft view (`draft_view`: the tail precomputed in the cache's bf16) with the
+  scratch stacked over layers ([L, B, W, Hkv, D], `write_draft_kv`) reads, through the kernel,
+  what the fp32 reference reads from per-layer tuples; the stacked scratch is the tuple one."""
+  from sparsedec.decode.quantspec import draft_view, write_draft_kv
+  qc, q, k_new, v_new, lengths, extra = window
+  base = draft_view(qc)
+  assert base.tail_k[0].dtype == jnp.bfloat16 and base.tail_bits == 4
+  stacked_k = write_draft_kv(jnp.zeros((1,) + extra[0].shape, extra.dtype), (extra[0],), 0)
+  stacked_v = write_draft_kv(jnp.zeros((1,) + extra[1].shape, extra.dtype), (extra[1],), 0)
+  np.testing.assert_array_equal(np.asarray(stacked_k[0, :, :1], np.float32),
+                                np.asarray(extra[0][:, :1], np.float32))
+  # Slots 1.. of the stacked scratch are zeros, not extra's: only slot 0 is valid (extra_len 1).
+  extra_len = jnp.ones((B,), jnp.int32)
+  q_pos = lengths[:, None] + 1
+  args = (q[:, :1], k_new[:, :1], v_new[:, :1], q_pos)
+
+  @jax.jit
+  def run(view, q, k_new, v_new, q_pos, impl_kernel):
+    plan = AttentionPlan(causal_plan(1).inflight_mask, (Segment(view, 0, 1),)).at_layer(0)
+    empty = qc.buf_k[0][:, :, :0]
+    return attend(q, empty, empty, qc.lengths, k_new, v_new, q_pos, plan,
+                  impl="interpret" if impl_kernel else "reference")
+
+  run = jax.jit(run.__wrapped__, static_argnums=5)
+  want = run(QuantView(qc, (extra[0],), (extra[1],), extra_len, bits=4), *args, False)
+  got = run(base.replace(extra_k=stacked_k, extra_v=stacked_v, extra_len=extra_len), *args, True)
+  _close(got, want)
+  same = run(base.replace(extra_k=stacked_k, extra_v=stacked_v, extra_len=extra_len), *args,
+             False)
+  _close(same, want)
+  # The scratch slot is read: without it (extra_len 0) the output moves.
+  moved = run(base.replace(extra_k=stacked_k, extra_v=stacked_v, extra_len=0 * extra_len),
+              *args, True)
+  assert np.abs(np.asarray(moved, np.float32) - np.asarray(want, np.float32)).max() > 2e-2
+
+
 @pytest.mark.parametrize("impl", ["reference", "interpret"])
 def test_precomputed_tail_is_what_the_view_reads(window, impl):
   """`QuantView.with_tail()` (the tail computed once for a step's drafts) gives the very outputs

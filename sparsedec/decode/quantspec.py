@@ -4,11 +4,12 @@ One step, with N committed tokens and the current token x_N (its K/V not yet com
   1. Draft: gamma forwards of one token each (a `lax.fori_loop`), the SAME model with 4-bit
      weights (`quant_weights`, unless weight_bits=None) reading the 4-bit view of the quantized
      cache + the full-precision double buffer (`QuantView(bits=4)`). Draft i reads the draft K/V of
-     x_N, d_1 .. d_{i-1} from a small in-flight scratch ([B, gamma, Hkv, D] per layer, the
-     QuantView's `extra`); nothing of the draft is ever committed. The view's tail (the buffer,
-     and its first half quantized as the next flush will) is computed once for the gamma drafts
-     (`QuantView.with_tail`). d_i is the draft's argmax when
-     greedy (or draft_sampling="argmax"), else drawn from the draft's distribution q_i (below).
+     x_N, d_1 .. d_{i-1} from a small in-flight scratch ([L, B, gamma, Hkv, D], every layer in
+     one array, the QuantView's `extra`); nothing of the draft is ever committed. The view's
+     tail (the buffer, and its first half quantized as the next flush will) is computed once for
+     the gamma drafts, in the cache's dtype (`draft_view`, `QuantView.with_tail`). d_i is the
+     draft's argmax when greedy (or draft_sampling="argmax"), else drawn from the draft's
+     distribution q_i (below).
   2. Verify: ONE forward over [x_N, d_1 .. d_gamma] with the full model, reading
      verify_precision="int8": the 8-bit view of the same codes + the buffer (`QuantView(bits=8)`);
      verify_precision="full": a full-precision dense cache kept alongside the codes
@@ -71,6 +72,30 @@ from sparsedec.model.quant_weights import LAYOUTS, quantize_params, weights_byte
 
 VERIFY_PRECISIONS = ("int8", "full")
 DRAFT_SAMPLINGS = ("sample", "argmax")
+
+
+def draft_view(qcache: qkv.QuantizedCache) -> QuantView:
+  """The draft's view of the cache (4 bits), its tail computed now in the cache's dtype
+  (`QuantView.with_tail`: one computation for the gamma draft forwards of a step)."""
+  return QuantView(qcache, bits=4).with_tail(qcache.buf_k[0].dtype)
+
+
+def verify_view(qcache: qkv.QuantizedCache) -> QuantView:
+  """The verifier's view of the cache (8 bits, verify_precision="int8"), its tail in the cache's
+  dtype (what the kernel path attends: `quant_attention`'s key sets are in q's dtype)."""
+  return QuantView(qcache, bits=8).with_tail(qcache.buf_k[0].dtype)
+
+
+def draft_scratch(cfg: ModelConfig, batch: int, width: int, dtype) -> jax.Array:
+  """The draft's in-flight K (or V) scratch, every layer in one array [L, B, width, Hkv, D]
+  (a QuantView's `extra`, indexed by layer): one update per draft forward, not one per layer."""
+  return jnp.zeros((cfg.num_layers, batch, width, cfg.num_kv_heads, cfg.head_dim), dtype)
+
+
+def write_draft_kv(scratch: jax.Array, new: tuple[jax.Array, ...], i) -> jax.Array:
+  """scratch [L, B, W, Hkv, D] with every layer's new [B, 1, Hkv, D] at slot i."""
+  return jax.lax.dynamic_update_slice_in_dim(scratch, jnp.stack(new).astype(scratch.dtype), i,
+                                             axis=2)
 
 
 @struct.dataclass
@@ -170,11 +195,9 @@ class QuantSpec:
     b, g = state.batch_size, self.gamma
     draft_params = params if x.draft_params is None else x.draft_params
     n0 = x.qcache.lengths                                                   # [B]
-    dtype = x.qcache.buf_k[0].dtype
-    shape = (b, g, cfg.num_kv_heads, cfg.head_dim)
-    scratch = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # [B, gamma, Hkv, D]
+    scratch = draft_scratch(cfg, b, g, x.qcache.buf_k[0].dtype)          # [L, B, gamma, Hkv, D]
     plan_mask = jnp.ones((1, 1), bool)
-    base = QuantView(x.qcache, bits=4).with_tail()       # the tail once for all gamma drafts
+    base = draft_view(x.qcache)                    # the tail once for all gamma drafts
 
     def put(buf, new, i):   # buf [B, gamma, ...] <- new [B, 1, ...] at slot i
       return jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), i, axis=1)
@@ -190,8 +213,7 @@ class QuantSpec:
         qi = probabilities(logits[:, 0], sampling)                          # [B, V]
         nxt = draw_from(qi, jax.lax.dynamic_index_in_dim(uniforms, i, axis=1, keepdims=False))
         q = put(q, qi[:, None], i)
-      ek = tuple(put(e, k, i) for e, k in zip(ek, kv.k))
-      ev = tuple(put(e, v, i) for e, v in zip(ev, kv.v))
+      ek, ev = write_draft_kv(ek, kv.k, i), write_draft_kv(ev, kv.v, i)
       return nxt[:, None], ek, ev, put(drafts, nxt[:, None], i), q
 
     q0 = None if uniforms is None else jnp.zeros((b, g, cfg.vocab_size), jnp.float32)
@@ -204,8 +226,7 @@ class QuantSpec:
     if self.verify_precision == "full":
       return causal_plan(t)
     plan = causal_plan(t)
-    return AttentionPlan(plan.inflight_mask,
-                         (Segment(QuantView(qcache, bits=8).with_tail(), 0, t),))
+    return AttentionPlan(plan.inflight_mask, (Segment(verify_view(qcache), 0, t),))
 
   def _verify(self, logits: jax.Array, drafts: jax.Array, q: jax.Array | None,
               active: jax.Array, step_keys: jax.Array, uniforms: jax.Array | None,

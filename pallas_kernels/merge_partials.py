@@ -1,0 +1,193 @@
+"""The last launch of a split-KV attention call in the keys-as-M orientation (Mosaic GPU, Hopper):
+the split partials merged by log-sum-exp and normalised, in ONE kernel.
+
+`quant_attention`'s kernel leaves one un-normalised partial per split, O^T [D, N] with its row
+statistics along N (the quantized splits, and the blocks that attend the keys held in full
+precision). Merging them in XLA took a max reduction, a weighted multi-output reduction and an
+elementwise pass; this kernel reads each partial once.
+
+Contract:
+
+  merge_partials(acc [B, Hkv, QB, NS, D, N] fp32 (un-normalised O^T; N a multiple of 8, <= 64),
+                 m2 [B, Hkv, QB, NS, NP] fp32 (row max, log2 units, -inf for an empty split),
+                 l [B, Hkv, QB, NS, NP] fp32 (row sum); NP >= max(N, 32), columns >= N ignored)
+    -> out [B, Hkv, QB, D, N] fp32 (sum_s 2**(m_s - m) acc_s / sum_s 2**(m_s - m) l_s, 0 for a
+       row that sees nothing), lse [B, Hkv, QB, NP] fp32 (natural log, -inf for a row that sees
+       nothing; columns >= N undefined)
+
+Grid (Hkv * QB, D / 64, B): one warpgroup per (KV head, q block, 64 channels, row). Two passes:
+the row max over every split first (all m and l arrive by one TMA each), then each split's
+weight 2**(m_s - m) and its [64, N] slice of acc (one TMA per split, in chunks of
+`splits_per_chunk` through up to MAX_SLOTS SMEM slots, every chunk that has a slot issued before
+the first wait) folded in without a dependency chain through exp2.
+
+`merge_partials_reference` (pure jnp) sits at the bottom.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+LN2 = math.log(2.0)
+TILE = 64                         # channels per block (one [64, N] WGMMA-layout tile)
+CHUNK_BYTES = 48 * 1024           # split partials per TMA chunk: about this many bytes
+MAX_SLOTS = 4                     # chunks in flight (4 x 48 KiB of SMEM at most)
+
+
+def splits_per_chunk(num_splits: int, n: int) -> int:
+  """Split slices ([64, N] fp32) fetched per chunk: ~CHUNK_BYTES, at least 1, at most all."""
+  return max(1, min(num_splits, CHUNK_BYTES // (TILE * n * 4)))
+
+
+def _check(acc, m2, l):
+  if acc.ndim != 6:
+    raise ValueError(f"acc must be [B, Hkv, QB, NS, D, N], got shape {acc.shape}")
+  b, hkv, qb, ns, d, n = acc.shape
+  if ns < 1 or d % TILE or n % 8 or not 0 < n <= 64:
+    raise ValueError(f"acc [B, Hkv, QB, NS, D, N] needs NS >= 1, D a multiple of {TILE} and N a "
+                     f"multiple of 8 in (0, 64], got {acc.shape}")
+  if acc.dtype != jnp.float32 or m2.dtype != jnp.float32 or l.dtype != jnp.float32:
+    raise ValueError(f"acc, m2 and l must be float32, got {acc.dtype}, {m2.dtype}, {l.dtype}")
+  if m2.ndim != 5 or m2.shape[:4] != (b, hkv, qb, ns) or m2.shape[4] < max(n, 32):
+    raise ValueError(f"m2 must be [B={b}, Hkv={hkv}, QB={qb}, NS={ns}, NP >= {max(n, 32)}], got "
+                     f"{m2.shape}")
+  if l.shape != m2.shape:
+    raise ValueError(f"l shape {l.shape} differs from m2 shape {m2.shape}")
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def merge_partials(acc: jax.Array, m2: jax.Array, l: jax.Array, *, interpret: Any = None):
+  """See the module docstring."""
+  _check(acc, m2, l)
+  batch, num_kv_heads, q_blocks, num_splits, head_dim, n = acc.shape
+  n_pad = m2.shape[4]
+  chunk = splits_per_chunk(num_splits, n)
+  full_chunks, rem = divmod(num_splits, chunk)
+  n_chunks = full_chunks + (rem > 0)
+  slots = min(n_chunks, MAX_SLOTS)
+  col = plgpu.Layout.WGMMA.reduce(0)           # a vector along a tile's columns (N)
+
+  def body(acc_ref,          # [B, Hkv, QB, NS, D, N] fp32              GMEM
+           m_ref, l_ref,     # [B, Hkv, QB, NS, NP] fp32                GMEM
+           out_ref,          # [B, Hkv, QB, D, N] fp32                  GMEM
+           lse_ref,          # [B, Hkv, QB, NP] fp32                    GMEM
+           acc_smem,         # [slots, chunk, 64, N] fp32 (slot 0, split 0: the output at the end)
+           m_smem, l_smem,   # [NS, NP] fp32
+           lse_smem,         # [NP] fp32
+           ml_barrier, chunk_barriers, rem_barrier=None):
+    head_qblock = lax.axis_index("head_qblock")
+    mt = lax.axis_index("channels")
+    b = lax.axis_index("batch")
+    h = lax.div(head_qblock, jnp.int32(q_blocks))
+    qb = lax.rem(head_qblock, jnp.int32(q_blocks))
+    channels = pl.ds(mt * TILE, TILE)
+
+    def fetch(c, slot, count):
+      barrier = chunk_barriers.at[slot] if count == chunk else rem_barrier
+      # One TMA per split: a box over several splits' tiled [64, N] slices has six dimensions.
+      for i in range(count):
+        plgpu.copy_gmem_to_smem(acc_ref.at[b, h, qb, c * chunk + i, channels],
+                                acc_smem.at[slot, i], barrier)
+
+    plgpu.copy_gmem_to_smem(m_ref.at[b, h, qb], m_smem, ml_barrier)
+    plgpu.copy_gmem_to_smem(l_ref.at[b, h, qb], l_smem, ml_barrier)
+    for c in range(slots):
+      fetch(c, c, chunk if c < full_chunks else rem)
+
+    def stat(ref, s):                          # split s's [N] row statistic
+      return plgpu.load(ref.at[s, pl.ds(0, n)], layout=col, optimized=False)
+
+    def cols(x):                               # [N] -> [64, N]
+      return lax.broadcast_in_dim(x, (TILE, n), [1])
+
+    plgpu.barrier_wait(ml_barrier)
+    m_tot = functools.reduce(jnp.maximum, [stat(m_smem, s) for s in range(num_splits)])
+    # A row that sees nothing: a finite stand-in keeps every weight at 0 instead of NaN.
+    m_use = jnp.where(m_tot == -jnp.inf, 0.0, m_tot)
+
+    def fold(slot, first, count, carry):
+      acc, l_tot = carry
+      for i in range(count):
+        w = jnp.exp2(stat(m_smem, first + i) - m_use)
+        part = plgpu.load(acc_smem.at[slot, i], layout=plgpu.Layout.WGMMA, optimized=False)
+        acc = acc + part * cols(w)
+        l_tot = l_tot + w * stat(l_smem, first + i)
+      return acc, l_tot
+
+    carry = (plgpu.layout_cast(jnp.zeros((TILE, n), jnp.float32), plgpu.Layout.WGMMA),
+             jnp.zeros_like(m_use))
+    for c in range(n_chunks):                  # static: few chunks, the splits' indices static
+      slot, count = c % slots, (chunk if c < full_chunks else rem)
+      plgpu.barrier_wait(chunk_barriers.at[slot] if count == chunk else rem_barrier)
+      carry = fold(slot, c * chunk, count, carry)
+      if c + slots < n_chunks:
+        fetch(c + slots, slot, chunk if c + slots < full_chunks else rem)
+    acc, l_tot = carry
+
+    seen = l_tot > 0
+    inv = jnp.where(seen, 1.0 / jnp.where(seen, l_tot, 1.0), 0.0)
+    o_smem = acc_smem.at[0, 0]                 # every chunk is folded in: the slot is free
+    o_smem[...] = acc * cols(inv)
+    lse_smem[pl.ds(0, n)] = jnp.where(seen, m_use * LN2 + jnp.log(jnp.where(seen, l_tot, 1.0)),
+                                      -jnp.inf)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, h, qb, channels])
+
+    @pl.when(mt == 0)
+    def _():
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, qb])
+    plgpu.wait_smem_to_gmem(0)
+
+  scratch = [
+      plgpu.SMEM((slots, chunk, TILE, n), jnp.float32),
+      plgpu.SMEM((num_splits, n_pad), jnp.float32),
+      plgpu.SMEM((num_splits, n_pad), jnp.float32),
+      plgpu.SMEM((n_pad,), jnp.float32),
+      plgpu.Barrier(num_arrivals=2),
+      plgpu.Barrier(num_arrivals=chunk, num_barriers=slots),
+  ]
+  if rem:
+    scratch.append(plgpu.Barrier(num_arrivals=rem))   # the last, partial chunk
+  part = (batch, num_kv_heads, q_blocks)
+  out_type = (jax.ShapeDtypeStruct((*part, head_dim, n), jnp.float32),
+              jax.ShapeDtypeStruct((*part, n_pad), jnp.float32))
+
+  def merge_partials_kernel(*refs):
+    pl.run_scoped(lambda *scr: body(*refs, *scr), *scratch)
+
+  return plgpu.kernel(
+      merge_partials_kernel,
+      out_type=out_type,
+      grid=(num_kv_heads * q_blocks, head_dim // TILE, batch),
+      grid_names=("head_qblock", "channels", "batch"),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret,
+  )(acc, m2, l)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference (pure jnp, fp32).
+# ----------------------------------------------------------------------------------------------
+
+def merge_partials_reference(acc, m2, l):
+  """The kernel's outputs in fp32 jnp, same shapes and conventions; lse [B, Hkv, QB, N] (the
+  real columns only)."""
+  n = acc.shape[-1]
+  m_s, l_s = m2[..., :n], l[..., :n]                                        # [B, Hkv, QB, NS, N]
+  m_tot = m_s.max(3)
+  m_tot = jnp.where(m_tot == -jnp.inf, 0.0, m_tot)
+  w = jnp.exp2(m_s - m_tot[:, :, :, None])
+  l_tot = (w * l_s).sum(3)
+  o = (acc * w[:, :, :, :, None]).sum(3)                                    # [B, Hkv, QB, D, N]
+  seen = l_tot > 0
+  out = o * jnp.where(seen, 1.0 / jnp.where(seen, l_tot, 1.0), 0.0)[:, :, :, None]
+  lse = jnp.where(seen, m_tot * LN2 + jnp.log(jnp.where(seen, l_tot, 1.0)), -jnp.inf)
+  return out, lse
