@@ -334,7 +334,7 @@ def _quant_kernel_choice(q: jax.Array, plan: AttentionPlan,
 def _kernel_choice(q: jax.Array, k_cache: jax.Array, plan: AttentionPlan,
                    window: int | None) -> tuple[str | None, str]:
   """("decode" | "sparse" | "quant", "") when a Pallas kernel computes this attention (exactly,
-  or for "quant" up to the merge rounding of _quant_kernel_attention), else (None, why not).
+  or for "quant" up to rounding its full-precision keys to q's dtype), else (None, why not).
   decode_attention: every segment reads FullView. sparse_attention: a BlockListView segment
   first, then optionally one FullView segment (FAFO's plan). quant_attention: every segment is
   a QuantView (one kernel call per segment)."""
