@@ -65,7 +65,8 @@ thus two Mosaic launches plus the q / mask / output relayouts.
 
 Measured (H200, S = 64K, B = 1, `benchmarks/quant_sweep.py`, session 16,
 `results/quant_sweep_s16_tq{1,5}_h200.json`): Tq = 1, 4-bit 45.0 us per call (device: kernel
-30.5, merge 4.7, relayouts ~8; session 14's jnp combine: 58.7), 8-bit 69.5 us (was 82.0),
+30.5, merge 4.7, ~6 of XLA relayouts: the in-flight keys' padded piece 2.7, the mask bias, q and
+the output; session 14's jnp combine: 58.7), 8-bit 69.5 us (was 82.0),
 decode_attention on the bf16 cache 76.1 us (so 1.69x / 1.10x); Tq = 5: 71.7 us at 4 bits (was
 93.5), 98.5 at 8 (was 117.5). The zero-point bias moved in-kernel costs the kernel ~2 us at Tq = 1
 and saved the wrapper's reduction (6.3 us at Tq = 1, 17.9 at Tq = 5; 19 us a layer in QuantSpec's
