@@ -68,6 +68,9 @@ def main(argv=None):
   p.add_argument("--stages", default="2,4")
   p.add_argument("--target-blocks", default="0,528,1056", help="0: the default (one wave)")
   p.add_argument("--bits", default="4,8")
+  p.add_argument("--block-m", default="32", help="query rows per q block at most (block_m)")
+  p.add_argument("--calls-only", action="store_true",
+                 help="time the whole call only (not the kernel / exact / merge parts)")
   p.add_argument("--calls", type=int, default=200)
   p.add_argument("--module", help="another quant_attention.py to time with its default config")
   p.add_argument("--interpret", action="store_true", help="CPU dry run (Mosaic interpreter)")
@@ -129,10 +132,13 @@ def main(argv=None):
       continue
     grid = itertools.product([int(x) for x in a.block_kv.split(",")],
                              [int(x) for x in a.stages.split(",")],
-                             [int(x) for x in a.target_blocks.split(",")], bits_list)
-    for bkv, stages, tb, bits in grid:
-      cfg = qa.QuantAttentionConfig(block_kv=bkv, num_stages=stages, target_blocks=tb or None)
-      base = dict(impl=name, bits=bits, block_kv=bkv, num_stages=stages, target_blocks=tb)
+                             [int(x) for x in a.target_blocks.split(",")], bits_list,
+                             [int(x) for x in a.block_m.split(",")])
+    for bkv, stages, tb, bits, block_m in grid:
+      cfg = qa.QuantAttentionConfig(block_kv=bkv, num_stages=stages, target_blocks=tb or None,
+                                    block_m=block_m)
+      base = dict(impl=name, bits=bits, block_kv=bkv, num_stages=stages, target_blocks=tb,
+                  block_m=block_m)
       f = jax.jit(functools.partial(qa.quant_attention, bits=bits, config=cfg,
                                       interpret=ip))
       args = (qkv, lq, x["k_full"], x["v_full"], lf, x["k_new"], x["v_new"], x["mask"])
@@ -149,7 +155,9 @@ def main(argv=None):
         record(dict(base, part="call", max_abs_err=err, **prof,
                     speedup_vs_decode=round(decode_us / (t["min_s"] * 1e6), 3)),
                t, quant_bytes(bits))
-        nqb, n = qa._q_blocks(tq * HQ // HKV)
+        if a.calls_only:
+          continue
+        nqb, n = qa._q_blocks(tq * HQ // HKV, block_m)
         q_t = jnp.zeros((b, HKV, nqb, D // 64, 64, n), jnp.float32)   # [B,Hkv,NQB,D/64,64,N]
         ns = qa._num_splits(cfg, bkv, b, HKV, nqb, s, bits=bits, rows=n)
         kern = jax.jit(functools.partial(qa._quant_partials, bits=bits, num_splits=ns,

@@ -30,7 +30,8 @@ travels as 16 rows of 128 bytes. Scales and zeros are fp16 (finite K/V required:
 
 Kernel (`quant_attention`), grid (E + num_splits, Hkv * q_blocks, B), one warpgroup per block,
 split-KV as decode_attention.py. The KEYS are the wgmma M dimension and the N = Tq * Hq / Hkv
-query rows (padded to a multiple of 8, at most 64 per q block) the N dimension, so a
+query rows (padded to a multiple of 8, at most `block_m` per q block: 32 by default, <= 64;
+each q block re-reads the codes) the N dimension, so a
 4-query-head decode step computes a [64, 8] score tile, not a [64, 64] one:
   S^T [64, N] = codes_K @ (q * s_K)^T + bias          A = the key codes, from registers
   O^T [D, N] += codes_V^T @ (p * s_V)^T                A = the value codes, from registers
@@ -359,10 +360,19 @@ BLOCK_KV_CHOICES = (64, 128, 256)  # keys per pipeline stage: 1, 2 or 4 key tile
 # stage halve the per-stage chain (TMA wait, q * s_K, fences, the cross-warp softmax reductions)
 # per key. H200, S = 64K (benchmarks/NOTES.md, session 7): kernel 47.0 us with 128 keys against
 # 50.8 with 64 at Tq = 1 (4 bits), 72.9 against 95.2 at Tq = 5 (N = 24); 256 keys is slower (52.8).
-# Wide steps (N = 64) keep one tile: their [64, N] score tiles are already 32 registers a thread.
-AUTO_BLOCK_KV_NARROW = 128         # N <= AUTO_NARROW_ROWS
-AUTO_BLOCK_KV_WIDE = 64            # N > AUTO_NARROW_ROWS
-AUTO_NARROW_ROWS = 32
+# Wider q blocks keep one tile: at 8 bits with N = 32 (two code planes a stage) 64 keys beat 128
+# (S = 128K, Tq = 16: 446 against 620 us; session 17), while N = 24 still prefers 128 (169 against
+# 201 us at Tq = 5); at 4 bits N = 32 prefers 128 (260 against 351 us).
+AUTO_BLOCK_KV_NARROW = 128         # N <= AUTO_NARROW_ROWS[bits]
+AUTO_BLOCK_KV_WIDE = 64            # wider N
+AUTO_NARROW_ROWS = {4: 32, 8: 24}
+# Query rows per q block at most (QuantAttentionConfig.block_m). Rows beyond it are cut into q
+# blocks of this many, each re-reading the codes: N = 64 blocks spill (255 registers, ~360 bytes of
+# stack) and were 2.5x slower than twice the N = 32 blocks. H200, S = 128K, B = 1, call us, 64-row
+# -> 32-row blocks (`quant_sweep_s17_blockm_tq{16,64}_h200.json`): Tq = 16 (64 rows) 4-bit 641.5
+# -> 260.1, 8-bit 725.5 -> 445.9; Tq = 64 (256 rows) 4-bit 2459.6 -> 936.7, 8-bit 2710.2 ->
+# 1659.6 (16-row blocks: slower than 32 in all four but 8 bits with 128-key stages).
+AUTO_BLOCK_M = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,8 +387,11 @@ class QuantAttentionConfig:
   num_splits: int | None = None
   target_blocks: int | None = None   # thread blocks to fill; None: one wave (`_one_wave`)
   min_tiles_per_split: int = 2
+  block_m: int = AUTO_BLOCK_M        # query rows per q block at most (a multiple of 8, <= 64)
 
   def __post_init__(self):
+    if not isinstance(self.block_m, int) or not 8 <= self.block_m <= BLOCK_M or self.block_m % 8:
+      raise ValueError(f"block_m must be a multiple of 8 in [8, {BLOCK_M}], got {self.block_m!r}")
     if self.block_kv is not None and self.block_kv not in BLOCK_KV_CHOICES:
       raise ValueError(f"block_kv must be one of {BLOCK_KV_CHOICES} (whole 64-key wgmma "
                        f"tiles) or None, got {self.block_kv}")
@@ -415,21 +428,22 @@ def _fits(block_kv, group, capacity):
   return capacity % block_kv == 0 and (group % block_kv == 0 or block_kv % group == 0)
 
 
-def _block_kv(cfg, rows, group, capacity):
-  """Keys per stage: the config's, or the largest choice up to the N-dependent default that
-  divides the capacity and nests with the key group (64 always does, given the checks)."""
+def _block_kv(cfg, rows, group, capacity, bits=4):
+  """Keys per stage: the config's, or the largest choice up to the (N, bits)-dependent default
+  that divides the capacity and nests with the key group (64 always does, given the checks)."""
   if cfg.block_kv is not None:
     return cfg.block_kv
-  preferred = AUTO_BLOCK_KV_NARROW if rows <= AUTO_NARROW_ROWS else AUTO_BLOCK_KV_WIDE
+  narrow = rows <= AUTO_NARROW_ROWS[bits]
+  preferred = AUTO_BLOCK_KV_NARROW if narrow else AUTO_BLOCK_KV_WIDE
   return max(c for c in BLOCK_KV_CHOICES if c <= preferred and (c == KEY_TILE or
                                                                  _fits(c, group, capacity)))
 
 
-def _q_blocks(n_rows):
+def _q_blocks(n_rows, block_m=AUTO_BLOCK_M):
   """Query rows (Tq * Hq / Hkv) -> (q blocks, rows per q block N): one block of the rows padded
-  to a multiple of 8, or blocks of BLOCK_M = 64."""
-  q_blocks = -(-n_rows // BLOCK_M)
-  return q_blocks, BLOCK_M if q_blocks > 1 else -(-n_rows // 8) * 8
+  to a multiple of 8, or blocks of block_m (the config's, at most BLOCK_M = 64)."""
+  q_blocks = -(-n_rows // block_m)
+  return q_blocks, block_m if q_blocks > 1 else -(-n_rows // 8) * 8
 
 
 def _num_splits(cfg, block_kv, batch, num_kv_heads, q_blocks, capacity, *, bits, rows):
@@ -993,8 +1007,9 @@ def _with_keys(q, qkv, lengths_quantized, key_sets, *, bits, return_lse, score_q
     key_sets = tuple((k, v, mask[:, idx] if mask.shape[1] > 1 else mask)
                      for k, v, mask in key_sets)
   n_rows = tq * group
-  q_blocks, n = _q_blocks(n_rows)
-  block_kv = _block_kv(config, n, qkv.group, capacity)
+  # q block 0 holds every selected query's rows (its score tiles are the ones written).
+  q_blocks, n = _q_blocks(n_rows, max(config.block_m, score_rows(len(sel), group)))
+  block_kv = _block_kv(config, n, qkv.group, capacity, bits)
 
   q_rows = q.reshape(b, tq, hkv, group, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, n_rows, d)
   q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, q_blocks * n - n_rows), (0, 0)))

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.register_operand import unpack_words
-from pallas_kernels.quant_attention import (QuantAttentionConfig, QuantKV, _block_kv,
+from pallas_kernels.quant_attention import (QuantAttentionConfig, QuantKV, _block_kv, _q_blocks,
                                             _num_splits, bytes_per_token, codes8, dequantize,
                                             exact_keys, fake_quantize, quant_attention,
                                             quant_attention_reference, quant_attention_with_keys,
@@ -284,6 +284,18 @@ def test_score_queries_probs(bits):
          QuantAttentionConfig(block_kv=64, num_splits=2), score_queries=(3, 1))
 
 
+def test_score_queries_beyond_one_default_q_block():
+  """12 queries x G = 4 = 48 rows: two q blocks of block_m = 32 rows by default, but 10 selected
+  queries (40 rows) must all sit in q block 0 (the one whose scores the kernel writes), so that
+  call cuts 40-row blocks; probs and out equal the reference's."""
+  q, qkv, k_full, v_full, k_new, v_new = _inputs(
+      17, batch=1, num_queries=12, num_q_heads=4, num_kv_heads=1, head_dim=64, capacity=128,
+      full_capacity=8, group=64, dtype=jnp.bfloat16)
+  _check(q, qkv, 4, jnp.array([100], jnp.int32), k_full, v_full, jnp.array([6], jnp.int32),
+         k_new, v_new, jnp.tril(jnp.ones((12, 12), bool)), QuantAttentionConfig(),
+         score_queries=(11, 0, 2, 3, 4, 5, 6, 7, 8, 9))
+
+
 @pytest.mark.parametrize("block_kv,group,capacity,num_queries,bits", [
     (128, 128, 256, 1, 4),    # 2 key tiles per stage, one key group
     (256, 128, 512, 1, 8),    # 4 tiles, 2 key groups per stage
@@ -305,13 +317,31 @@ def test_stage_sizes(block_kv, group, capacity, num_queries, bits):
 
 
 def test_auto_stage_size():
-  """block_kv=None: 128 keys for narrow steps where the capacity and key group allow, else 64."""
+  """block_kv=None: 128 keys for narrow steps where the capacity and key group allow, else 64;
+  narrow is N <= 32 at 4 bits, N <= 24 at 8 bits (two code planes a stage)."""
   auto = QuantAttentionConfig()
   assert _block_kv(auto, rows=8, group=128, capacity=4096) == 128
-  assert _block_kv(auto, rows=24, group=64, capacity=4096) == 128
+  assert _block_kv(auto, rows=24, group=64, capacity=4096, bits=8) == 128
+  assert _block_kv(auto, rows=32, group=128, capacity=4096, bits=4) == 128
+  assert _block_kv(auto, rows=32, group=128, capacity=4096, bits=8) == 64
   assert _block_kv(auto, rows=8, group=128, capacity=192) == 64      # 128 does not divide S
   assert _block_kv(auto, rows=64, group=128, capacity=4096) == 64    # wide step
   assert _block_kv(QuantAttentionConfig(block_kv=256), rows=64, group=128, capacity=4096) == 256
+
+
+def test_query_rows_are_cut_into_q_blocks_of_block_m():
+  """More query rows than block_m (default 32): q blocks of block_m rows; fewer: one block of the
+  rows padded to 8. A bad block_m is refused by name."""
+  assert QuantAttentionConfig().block_m == 32
+  assert _q_blocks(20) == (1, 24)
+  assert _q_blocks(32) == (1, 32)
+  assert _q_blocks(64) == (2, 32)
+  assert _q_blocks(256) == (8, 32)
+  assert _q_blocks(64, 64) == (1, 64)
+  assert _q_blocks(100, 16) == (7, 16)
+  for bad in (0, 12, 72, 32.0):
+    with pytest.raises(ValueError, match="block_m"):
+      QuantAttentionConfig(block_m=bad)
 
 
 def test_auto_splits_fill_one_wave():
