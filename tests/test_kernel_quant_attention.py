@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.register_operand import unpack_words
-from pallas_kernels.quant_attention import (QuantAttentionConfig, QuantKV, _block_kv, _q_blocks,
-                                            _num_splits, bytes_per_token, codes8, dequantize,
-                                            exact_keys, fake_quantize, quant_attention,
+from pallas_kernels.quant_attention import (QuantAttentionConfig, QuantKV, _block_kv,
+                                            _num_splits, _q_blocks, bytes_per_token, codes8,
+                                            dequantize, exact_keys, fake_quantize, quant_attention,
                                             quant_attention_reference, quant_attention_with_keys,
                                             quantize_kv)
 
@@ -282,6 +282,19 @@ def test_score_queries_probs(bits):
   _check(q, qkv, bits, jnp.array([150, 0], jnp.int32), k_full, v_full,
          jnp.array([5, 8], jnp.int32), k_new, v_new, jnp.tril(jnp.ones((5, 5), bool)),
          QuantAttentionConfig(block_kv=64, num_splits=2), score_queries=(3, 1))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_several_q_blocks_equal_the_reference(bits):
+  """3 queries x G = 8 = 24 rows cut into q blocks of block_m = 8 (three per KV head, each
+  reading the codes, the full-precision and the in-flight keys on its own; rows of quantized
+  length 150 and 0): out and lse equal the reference's."""
+  q, qkv, k_full, v_full, k_new, v_new = _inputs(
+      19, batch=2, num_queries=3, num_q_heads=8, num_kv_heads=1, head_dim=64, capacity=192,
+      full_capacity=8, group=64, dtype=jnp.bfloat16)
+  _check(q, qkv, bits, jnp.array([150, 0], jnp.int32), k_full, v_full, jnp.array([8, 3], jnp.int32),
+         k_new, v_new, jnp.tril(jnp.ones((3, 3), bool)),
+         QuantAttentionConfig(block_m=8, num_splits=2))
 
 
 def test_score_queries_beyond_one_default_q_block():
