@@ -1,7 +1,7 @@
 """GPU benchmark of the W4A16 GEMV kernel (`pallas_kernels.w4a16_gemv`) at QuantSpec's draft
 matmul shapes: Llama-3.1-8B's wqkv 4096->6144, wo 4096->4096, w_gate_up 4096->28672 and
-w_down 14336->4096 (and lm_head 4096->128256, QuantSpec.quantize_lm_head's), x with M in {1, 4}
-bf16 rows, quant group 128.
+w_down 14336->4096 (and lm_head 4096->128256: a 4-bit draft lm_head, measured and not kept, see
+NOTES session 17), x with M in {1, 4} bf16 rows, quant group 128.
 
 Per shape and M, three implementations:
   pallas       `w4a16_matmul` on the "int4_t" codes [In/64, Out, 8] words (the kernel + its
@@ -56,7 +56,7 @@ from sparsedec.model.quant_weights import QuantWeight, quant_matmul  # noqa: E40
 GROUP = 128
 DTYPE = jnp.bfloat16
 LLAMA_8B = {"wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 28672),
-            "w_down": (14336, 4096), "lm_head": (4096, 128256)}   # lm_head: quantize_lm_head
+            "w_down": (14336, 4096), "lm_head": (4096, 128256)}   # lm_head: the largest GEMV shape
 TINY = {"tiny_a": (256, 128), "tiny_b": (200, 192)}          # --interpret (CPU)
 IMPLS = ("pallas", "int4_reduce", "dense_bf16")
 # --sweep: (block_out, groups_per_stage, num_stages, target_blocks) beside the default.
