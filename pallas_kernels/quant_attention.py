@@ -128,10 +128,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import (check_score_queries, combine_partials, score_rows,
-                                    scores_to_probs, selected_first, wrapper_outputs)
+from pallas_kernels.combine import (check_score_queries, score_rows, scores_to_probs,
+                                    selected_first, wrapper_outputs)
 
-from pallas_kernels.decode_attention import BLOCK_M, LOG2E, split_partials
+from pallas_kernels.decode_attention import BLOCK_M, LOG2E
 from pallas_kernels.merge_partials import merge_partials
 from pallas_kernels.register_operand import (CODES_PER_WORD, SMEM_ROW_WORDS, pack_words,
                                              unpack_words, wgmma_register_a, word_offset,
@@ -373,15 +373,6 @@ AUTO_NARROW_ROWS = {4: 32, 8: 24}
 # -> 260.1, 8-bit 725.5 -> 445.9; Tq = 64 (256 rows) 4-bit 2459.6 -> 936.7, 8-bit 2710.2 ->
 # 1659.6 (16-row blocks: slower than 32 in all four but 8 bits with 128-key stages).
 AUTO_BLOCK_M = 32
-# Wide calls: every q block of the fused kernel dequantizes all the codes again, so from some
-# number of query rows per KV head (Tq * Hq / Hkv) on it is cheaper to dequantize the read prefix
-# once into q's dtype (one XLA fusion: the codes read at `bits`, a [B, Hkv, S, D] copy written)
-# and run decode_attention's kernel on it, the key sets merged by its jnp combine
-# (`QuantAttentionConfig.path`, "auto" uses these thresholds). H200 (session 18,
-# `quant_sweep_s18_path_*_h200.json`): see benchmarks/NOTES.md.
-AUTO_DEQUANT_ROWS = {4: 128, 8: 64}
-DEQUANT_MAX_BYTES = 2 ** 32        # "auto" never makes a larger transient K + V copy
-PATHS = ("auto", "fused", "dequantize")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,14 +388,8 @@ class QuantAttentionConfig:
   target_blocks: int | None = None   # thread blocks to fill; None: one wave (`_one_wave`)
   min_tiles_per_split: int = 2
   block_m: int = AUTO_BLOCK_M        # query rows per q block at most (a multiple of 8, <= 64)
-  # "fused": the Mosaic kernel reads the codes; "dequantize": the prefix dequantized into q's dtype
-  # by XLA, then decode_attention's kernel; "auto": "dequantize" from AUTO_DEQUANT_ROWS[bits]
-  # query rows per KV head on while the transient copy stays <= DEQUANT_MAX_BYTES.
-  path: str = "auto"
 
   def __post_init__(self):
-    if self.path not in PATHS:
-      raise ValueError(f"path must be one of {PATHS}, got {self.path!r}")
     if not isinstance(self.block_m, int) or not 8 <= self.block_m <= BLOCK_M or self.block_m % 8:
       raise ValueError(f"block_m must be a multiple of 8 in [8, {BLOCK_M}], got {self.block_m!r}")
     if self.block_kv is not None and self.block_kv not in BLOCK_KV_CHOICES:
@@ -459,15 +444,6 @@ def _q_blocks(n_rows, block_m=AUTO_BLOCK_M):
   to a multiple of 8, or blocks of block_m (the config's, at most BLOCK_M = 64)."""
   q_blocks = -(-n_rows // block_m)
   return q_blocks, block_m if q_blocks > 1 else -(-n_rows // 8) * 8
-
-
-def _dequantizes(cfg, n_rows, bits, qkv: QuantKV, dtype) -> bool:
-  """Whether a call of n_rows query rows per KV head takes the dequantize path (`cfg.path`)."""
-  if cfg.path != "auto":
-    return cfg.path == "dequantize"
-  b, hkv = qkv.k_codes.shape[:2]
-  copy_bytes = 2 * b * hkv * qkv.capacity * qkv.head_dim * jnp.dtype(dtype).itemsize
-  return n_rows >= AUTO_DEQUANT_ROWS[bits] and copy_bytes <= DEQUANT_MAX_BYTES
 
 
 def _num_splits(cfg, block_kv, batch, num_kv_heads, q_blocks, capacity, *, bits, rows):
@@ -1031,9 +1007,6 @@ def _with_keys(q, qkv, lengths_quantized, key_sets, *, bits, return_lse, score_q
     key_sets = tuple((k, v, mask[:, idx] if mask.shape[1] > 1 else mask)
                      for k, v, mask in key_sets)
   n_rows = tq * group
-  if _dequantizes(config, n_rows, bits, qkv, q.dtype):
-    return _dequantized_call(q, qkv, lengths_quantized, key_sets, bits=bits, num_selected=len(sel),
-                             order=order, return_lse=return_lse, interpret=interpret)
   # q block 0 holds every selected query's rows (its score tiles are the ones written).
   q_blocks, n = _q_blocks(n_rows, max(config.block_m, score_rows(len(sel), group)))
   block_kv = _block_kv(config, n, qkv.group, capacity, bits)
@@ -1058,26 +1031,6 @@ def _with_keys(q, qkv, lengths_quantized, key_sets, *, bits, return_lse, score_q
     # [B, Hkv, S, N] -> the selected rows [B, Hkv, R, S]
     rows = scores[0][..., :score_rows(len(sel), group)].swapaxes(2, 3)
     probs = scores_to_probs(rows, lse[:, :len(sel)], read, group=group)
-  return wrapper_outputs(out.astype(q.dtype), lse, probs, order, return_lse=return_lse)
-
-
-def _dequantized_call(q, qkv, lengths_quantized, key_sets, *, bits, num_selected, order,
-                      return_lse, interpret):
-  """The dequantize path (`QuantAttentionConfig.path`; q and the key sets' masks already in
-  `order`, the selected queries first): the codes read at `bits` into a [B, Hkv, S, D] copy in
-  q's dtype, decode_attention's split kernel over its slots s < lengths_quantized[b], the key sets
-  attended and everything merged by `combine_partials` (jnp). Outputs as `_with_keys`."""
-  b, tq, hq, d = q.shape
-  group = hq // qkv.k_codes.shape[1]
-  k, v = dequantize(qkv, bits, dtype=q.dtype)                               # [B, Hkv, S, D]
-  lengths = jnp.clip(lengths_quantized.astype(jnp.int32), 0, qkv.capacity)
-  acc, m2, l, *scores = split_partials(q, k, v, lengths, num_score_queries=num_selected,
-                                       interpret=interpret)
-  out, lse = combine_partials(acc, m2, l, q, key_sets, group=group)        # [B, Tq, Hq(, D)]
-  probs = None
-  if num_selected:
-    read = (jnp.arange(qkv.capacity)[None] < lengths[:, None])[:, None]    # [B, 1, S]
-    probs = scores_to_probs(scores[0], lse[:, :num_selected], read, group=group)
   return wrapper_outputs(out.astype(q.dtype), lse, probs, order, return_lse=return_lse)
 
 
