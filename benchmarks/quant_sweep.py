@@ -15,6 +15,7 @@ time beside the current one. Writes JSON incrementally.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.util
 import itertools
@@ -30,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._timing import loop_fields, read_bandwidth, time_loop, write_json  # noqa: E402
 from pallas_kernels import quant_attention as qa  # noqa: E402
+from pallas_kernels.dequantize_kv import dequantize_kv, dequantize_kv_reference  # noqa: E402
 from pallas_kernels.decode_attention import decode_attention  # noqa: E402
 from pallas_kernels.merge_partials import merge_partials  # noqa: E402
 
@@ -64,11 +66,15 @@ def main(argv=None):
   p.add_argument("--seq", type=int, default=65536)
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--tq", type=int, default=1, help="queries per call (in-flight mask causal)")
-  p.add_argument("--block-kv", default="64,128,256", help="keys per pipeline stage")
+  p.add_argument("--block-kv", default="64,128,256",
+                 help="keys per pipeline stage (0: the default for the call's rows)")
   p.add_argument("--stages", default="2,4")
   p.add_argument("--target-blocks", default="0,528,1056", help="0: the default (one wave)")
   p.add_argument("--bits", default="4,8")
   p.add_argument("--block-m", default="32", help="query rows per q block at most (block_m)")
+  p.add_argument("--path", default="fused",
+                 help="QuantAttentionConfig.path values (fused,dequantize,auto); the kernel-only "
+                      "parts are timed for fused only")
   p.add_argument("--calls-only", action="store_true",
                  help="time the whole call only (not the kernel / exact / merge parts)")
   p.add_argument("--calls", type=int, default=200)
@@ -114,10 +120,24 @@ def main(argv=None):
   def quant_bytes(bits):
     return b * HKV * ((s - RECENT) * qa.bytes_per_token(D, bits, GROUP) + RECENT * D * 2 * 2)
 
+  bits_list = [int(x) for x in a.bits.split(",")]
+  if "dequantize" in a.path.split(","):
+    # The dequantize path's first kernel alone: codes read at `bits`, bf16 K and V written.
+    for bits in bits_list:
+      f = jax.jit(functools.partial(dequantize_kv, bits=bits, interpret=ip))
+      got, want = f(qkv), dequantize_kv_reference(qkv, bits)
+      mismatches = sum(int(jnp.sum(x != y)) for x, y in zip(got, want))
+      del got, want
+      # time_loop threads its loop dependency through the first argument: the value scales.
+      t = time_loop(lambda vs, qkv: f(dataclasses.replace(qkv, v_scale=vs))[1], qkv.v_scale, qkv,
+                    num_calls=a.calls)
+      read = b * HKV * s * qa.bytes_per_token(D, bits, GROUP)
+      record(dict(impl="dequantize_kv", bits=bits, part="kernel", mismatches=mismatches,
+                  read_bytes=read, write_bytes=dense_bytes), t, read + dense_bytes)
+
   impls = [("current", qa)]
   if a.module:
     impls.append((os.path.basename(a.module), _load_module(a.module)))
-  bits_list = [int(x) for x in a.bits.split(",")]
   for name, mod in impls:
     if name != "current":
       for bits in bits_list:
@@ -133,12 +153,12 @@ def main(argv=None):
     grid = itertools.product([int(x) for x in a.block_kv.split(",")],
                              [int(x) for x in a.stages.split(",")],
                              [int(x) for x in a.target_blocks.split(",")], bits_list,
-                             [int(x) for x in a.block_m.split(",")])
-    for bkv, stages, tb, bits, block_m in grid:
-      cfg = qa.QuantAttentionConfig(block_kv=bkv, num_stages=stages, target_blocks=tb or None,
-                                    block_m=block_m)
+                             [int(x) for x in a.block_m.split(",")], a.path.split(","))
+    for bkv, stages, tb, bits, block_m, path in grid:
+      cfg = qa.QuantAttentionConfig(block_kv=bkv or None, num_stages=stages, target_blocks=tb or None,
+                                    block_m=block_m, path=path)
       base = dict(impl=name, bits=bits, block_kv=bkv, num_stages=stages, target_blocks=tb,
-                  block_m=block_m)
+                  block_m=block_m, path=path)
       f = jax.jit(functools.partial(qa.quant_attention, bits=bits, config=cfg,
                                       interpret=ip))
       args = (qkv, lq, x["k_full"], x["v_full"], lf, x["k_new"], x["v_new"], x["mask"])
@@ -155,9 +175,10 @@ def main(argv=None):
         record(dict(base, part="call", max_abs_err=err, **prof,
                     speedup_vs_decode=round(decode_us / (t["min_s"] * 1e6), 3)),
                t, quant_bytes(bits))
-        if a.calls_only:
+        if a.calls_only or path != "fused":
           continue
         nqb, n = qa._q_blocks(tq * HQ // HKV, block_m)
+        bkv = bkv or qa._block_kv(cfg, n, GROUP, s, bits)
         q_t = jnp.zeros((b, HKV, nqb, D // 64, 64, n), jnp.float32)   # [B,Hkv,NQB,D/64,64,N]
         ns = qa._num_splits(cfg, bkv, b, HKV, nqb, s, bits=bits, rows=n)
         kern = jax.jit(functools.partial(qa._quant_partials, bits=bits, num_splits=ns,

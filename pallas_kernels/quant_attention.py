@@ -64,6 +64,14 @@ many blocks stay resident): they leave partials in the splits' format, and ONE m
 (`pallas_kernels.merge_partials`) merges all partials by log-sum-exp and normalises. A call is
 thus two Mosaic launches plus the q / mask / output relayouts.
 
+Wide calls (`QuantAttentionConfig.path`, "auto" by default): from AUTO_DEQUANT_ROWS[bits] query
+rows per KV head on (128 at 4 bits, 64 at 8: Tq = 32 / 16 with 4 query heads per KV head), where
+the q blocks' repeated dequantization costs more than one pass, the call dequantizes the
+quantized region once into q's dtype (`pallas_kernels.dequantize_kv`, a Mosaic kernel) and runs
+decode_attention's split kernel on the copy, the key sets merged by its jnp combine; while the
+transient copy stays <= DEQUANT_MAX_BYTES (4 GiB). H200, S = 128K, B = 1: Tq = 64 at 4 / 8 bits
+934 -> 535 / 1663 -> 578 us per call (decode_attention on bf16: 365 us).
+
 Measured (H200, S = 64K, B = 1, `benchmarks/quant_sweep.py`, session 16,
 `results/quant_sweep_s16_tq{1,5}_h200.json`): Tq = 1, 4-bit 45.0 us per call (device: kernel
 30.5, merge 4.7, ~6 of XLA relayouts: the in-flight keys' padded piece 2.7, the mask bias, q and
@@ -128,10 +136,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import (check_score_queries, score_rows, scores_to_probs,
-                                    selected_first, wrapper_outputs)
+from pallas_kernels.combine import (check_score_queries, combine_partials, score_rows,
+                                    scores_to_probs, selected_first, wrapper_outputs)
 
-from pallas_kernels.decode_attention import BLOCK_M, LOG2E
+from pallas_kernels.decode_attention import BLOCK_M, LOG2E, split_partials
 from pallas_kernels.merge_partials import merge_partials
 from pallas_kernels.register_operand import (CODES_PER_WORD, SMEM_ROW_WORDS, pack_words,
                                              unpack_words, wgmma_register_a, word_offset,
@@ -373,6 +381,19 @@ AUTO_NARROW_ROWS = {4: 32, 8: 24}
 # -> 260.1, 8-bit 725.5 -> 445.9; Tq = 64 (256 rows) 4-bit 2459.6 -> 936.7, 8-bit 2710.2 ->
 # 1659.6 (16-row blocks: slower than 32 in all four but 8 bits with 128-key stages).
 AUTO_BLOCK_M = 32
+# Wide calls: every q block of the fused kernel dequantizes all the codes again, so from some
+# number of query rows per KV head (Tq * Hq / Hkv) on it is cheaper to dequantize the whole
+# quantized region once into q's dtype (`pallas_kernels.dequantize_kv`: the codes read at `bits`,
+# a [B, Hkv, S, D] copy written) and run decode_attention's kernel on it, the key sets merged by
+# its jnp combine (`QuantAttentionConfig.path`; "auto" uses these thresholds). H200, B = 1, call
+# us, fused -> dequantize (`quant_sweep_s18_dqkv_*_h200.json`; dequantize_kv alone 204 / 235 us
+# at 4 / 8 bits for 128K, 76-79% of read bandwidth for its bytes read + written):
+#   128K, 4-bit: 64 rows 256 -> 355, 128 rows 486 -> 413, 256 rows 934 -> 535
+#   128K, 8-bit: 64 rows 444 -> 388, 128 rows 843 -> 443, 256 rows 1663 -> 578
+#   16K: 64 rows 55.7 -> 74.0 (4-bit), 81.1 -> 81.3 (8-bit); 1024 rows 525 -> 231, 867 -> 238
+AUTO_DEQUANT_ROWS = {4: 128, 8: 64}
+DEQUANT_MAX_BYTES = 2 ** 32        # "auto" never makes a larger transient K + V copy
+PATHS = ("auto", "fused", "dequantize")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,8 +409,14 @@ class QuantAttentionConfig:
   target_blocks: int | None = None   # thread blocks to fill; None: one wave (`_one_wave`)
   min_tiles_per_split: int = 2
   block_m: int = AUTO_BLOCK_M        # query rows per q block at most (a multiple of 8, <= 64)
+  # "fused": the Mosaic kernel reads the codes; "dequantize": the prefix dequantized into q's dtype
+  # by XLA, then decode_attention's kernel; "auto": "dequantize" from AUTO_DEQUANT_ROWS[bits]
+  # query rows per KV head on while the transient copy stays <= DEQUANT_MAX_BYTES.
+  path: str = "auto"
 
   def __post_init__(self):
+    if self.path not in PATHS:
+      raise ValueError(f"path must be one of {PATHS}, got {self.path!r}")
     if not isinstance(self.block_m, int) or not 8 <= self.block_m <= BLOCK_M or self.block_m % 8:
       raise ValueError(f"block_m must be a multiple of 8 in [8, {BLOCK_M}], got {self.block_m!r}")
     if self.block_kv is not None and self.block_kv not in BLOCK_KV_CHOICES:
@@ -444,6 +471,15 @@ def _q_blocks(n_rows, block_m=AUTO_BLOCK_M):
   to a multiple of 8, or blocks of block_m (the config's, at most BLOCK_M = 64)."""
   q_blocks = -(-n_rows // block_m)
   return q_blocks, block_m if q_blocks > 1 else -(-n_rows // 8) * 8
+
+
+def _dequantizes(cfg, n_rows, bits, qkv: QuantKV, dtype) -> bool:
+  """Whether a call of n_rows query rows per KV head takes the dequantize path (`cfg.path`)."""
+  if cfg.path != "auto":
+    return cfg.path == "dequantize"
+  b, hkv = qkv.k_codes.shape[:2]
+  copy_bytes = 2 * b * hkv * qkv.capacity * qkv.head_dim * jnp.dtype(dtype).itemsize
+  return n_rows >= AUTO_DEQUANT_ROWS[bits] and copy_bytes <= DEQUANT_MAX_BYTES
 
 
 def _num_splits(cfg, block_kv, batch, num_kv_heads, q_blocks, capacity, *, bits, rows):
@@ -1007,6 +1043,9 @@ def _with_keys(q, qkv, lengths_quantized, key_sets, *, bits, return_lse, score_q
     key_sets = tuple((k, v, mask[:, idx] if mask.shape[1] > 1 else mask)
                      for k, v, mask in key_sets)
   n_rows = tq * group
+  if _dequantizes(config, n_rows, bits, qkv, q.dtype):
+    return _dequantized_call(q, qkv, lengths_quantized, key_sets, bits=bits, num_selected=len(sel),
+                             order=order, return_lse=return_lse, interpret=interpret)
   # q block 0 holds every selected query's rows (its score tiles are the ones written).
   q_blocks, n = _q_blocks(n_rows, max(config.block_m, score_rows(len(sel), group)))
   block_kv = _block_kv(config, n, qkv.group, capacity, bits)
@@ -1031,6 +1070,28 @@ def _with_keys(q, qkv, lengths_quantized, key_sets, *, bits, return_lse, score_q
     # [B, Hkv, S, N] -> the selected rows [B, Hkv, R, S]
     rows = scores[0][..., :score_rows(len(sel), group)].swapaxes(2, 3)
     probs = scores_to_probs(rows, lse[:, :len(sel)], read, group=group)
+  return wrapper_outputs(out.astype(q.dtype), lse, probs, order, return_lse=return_lse)
+
+
+def _dequantized_call(q, qkv, lengths_quantized, key_sets, *, bits, num_selected, order,
+                      return_lse, interpret):
+  """The dequantize path (`QuantAttentionConfig.path`; q and the key sets' masks already in
+  `order`, the selected queries first): the codes read at `bits` into a [B, Hkv, S, D] copy in
+  q's dtype (`pallas_kernels.dequantize_kv`), decode_attention's split kernel over its slots
+  s < lengths_quantized[b], the key sets attended and everything merged by `combine_partials`
+  (jnp). Outputs as `_with_keys`."""
+  b, tq, hq, d = q.shape
+  group = hq // qkv.k_codes.shape[1]
+  from pallas_kernels.dequantize_kv import dequantize_kv   # (it imports this module)
+  k, v = dequantize_kv(qkv, bits, q.dtype, interpret=interpret)              # [B, Hkv, S, D]
+  lengths = jnp.clip(lengths_quantized.astype(jnp.int32), 0, qkv.capacity)
+  acc, m2, l, *scores = split_partials(q, k, v, lengths, num_score_queries=num_selected,
+                                       interpret=interpret)
+  out, lse = combine_partials(acc, m2, l, q, key_sets, group=group)        # [B, Tq, Hq(, D)]
+  probs = None
+  if num_selected:
+    read = (jnp.arange(qkv.capacity)[None] < lengths[:, None])[:, None]    # [B, 1, S]
+    probs = scores_to_probs(scores[0], lse[:, :num_selected], read, group=group)
   return wrapper_outputs(out.astype(q.dtype), lse, probs, order, return_lse=return_lse)
 
 

@@ -15,8 +15,10 @@ from hypothesis import strategies as st
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.register_operand import unpack_words
-from pallas_kernels.quant_attention import (QuantAttentionConfig, QuantKV, _block_kv,
-                                            _num_splits, _q_blocks, bytes_per_token, codes8,
+from pallas_kernels.quant_attention import (AUTO_DEQUANT_ROWS, DEQUANT_MAX_BYTES,
+                                            QuantAttentionConfig, QuantKV, _block_kv,
+                                            _dequantizes, _num_splits, _q_blocks,
+                                            bytes_per_token, codes8,
                                             dequantize, exact_keys, fake_quantize, quant_attention,
                                             quant_attention_reference, quant_attention_with_keys,
                                             quantize_kv)
@@ -357,6 +359,60 @@ def test_query_rows_are_cut_into_q_blocks_of_block_m():
       QuantAttentionConfig(block_m=bad)
 
 
+def _shape_only_qkv(b, hkv, s, d, group=128):
+  sds = jax.ShapeDtypeStruct
+  return QuantKV(sds((b, hkv, 2, d // 64, s, 8), jnp.uint32),
+                 sds((b, hkv, 2, s // 64, d, 8), jnp.uint32),
+                 sds((b, hkv, s // group, d), jnp.float16),
+                 sds((b, hkv, s // group, d), jnp.float16), sds((b, hkv, s), jnp.float16),
+                 sds((b, hkv, s), jnp.float16), group=group)
+
+
+def test_auto_path_dequantizes_wide_calls_within_the_copy_bound():
+  """path="auto": the fused kernel below AUTO_DEQUANT_ROWS[bits] query rows per KV head, the
+  dequantize path from there on unless the transient K + V copy in q's dtype would exceed
+  DEQUANT_MAX_BYTES; "fused" / "dequantize" force a path; a bad path is refused by name."""
+  auto = QuantAttentionConfig()
+  qkv = _shape_only_qkv(1, 8, 131072, 128)                 # bf16 copy: 512 MiB
+  for bits in (4, 8):
+    rows = AUTO_DEQUANT_ROWS[bits]
+    assert not _dequantizes(auto, rows - 8, bits, qkv, jnp.bfloat16)
+    assert _dequantizes(auto, rows, bits, qkv, jnp.bfloat16)
+    assert not _dequantizes(QuantAttentionConfig(path="fused"), 1024, bits, qkv, jnp.bfloat16)
+    assert _dequantizes(QuantAttentionConfig(path="dequantize"), 4, bits, qkv, jnp.bfloat16)
+  # B = 16 at 128K: an 8 GiB copy, over the bound.
+  big = _shape_only_qkv(16, 8, 131072, 128)
+  assert 2 * 16 * 8 * 131072 * 128 * 2 > DEQUANT_MAX_BYTES
+  assert not _dequantizes(auto, 1024, 8, big, jnp.bfloat16)
+  with pytest.raises(ValueError, match="path must be one of"):
+    QuantAttentionConfig(path="dense")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dequantize_path_equals_the_reference(bits):
+  """path="dequantize" (the prefix dequantized into q's dtype, decode_attention's split kernel,
+  the full-precision and in-flight keys in its combine): out, lse and the selected queries'
+  probs equal the reference's, over rows of quantized length 150 and 0."""
+  q, qkv, k_full, v_full, k_new, v_new = _inputs(
+      23, batch=2, num_queries=5, num_q_heads=4, num_kv_heads=2, head_dim=64, capacity=192,
+      full_capacity=8, group=64, dtype=jnp.bfloat16)
+  cfg = QuantAttentionConfig(path="dequantize")
+  out, _ = _check(q, qkv, bits, jnp.array([150, 0], jnp.int32), k_full, v_full,
+                  jnp.array([5, 8], jnp.int32), k_new, v_new, jnp.tril(jnp.ones((5, 5), bool)),
+                  cfg, score_queries=(3, 1))
+  fused = quant_attention(q, qkv, jnp.array([150, 0], jnp.int32), k_full, v_full,
+                          jnp.array([5, 8], jnp.int32), k_new, v_new,
+                          jnp.tril(jnp.ones((5, 5), bool)), bits=bits,
+                          config=QuantAttentionConfig(path="fused"), interpret=INTERPRET)
+  # Two roundings of the same math (the dequantized K in bf16 against q * s_K in bf16): the
+  # fused kernel's output is not what this call returned, and both are within the reference's
+  # tolerance of it.
+  out, fused = np.asarray(out, np.float32), np.asarray(fused, np.float32)
+  assert np.abs(out - fused).max() > 0
+  tol = 2 * TOLERANCE[jnp.bfloat16]
+  np.testing.assert_allclose(out, fused, atol=tol, rtol=tol)
+
+
 def test_auto_splits_fill_one_wave():
   """target_blocks=None: one wave of resident blocks (3 per SM at 4 bits / 128 keys / N = 8,
   2 at 8 bits or wider steps), split over the (row, KV head, q block) work items."""
@@ -496,13 +552,18 @@ def test_kernel_rejects_bad_inputs_in_plain_words():
     quant_attention(q, bad, *args[2:], bits=4)
 
 
-@pytest.mark.parametrize("bits,num_queries,score_queries,block_kv",
-                         [(4, 1, (), None), (8, 1, (), None), (4, 16, (), None),
-                          (8, 16, (), None), (4, 1, (0,), None), (8, 16, (9, 2), None),
-                          (8, 5, (), None), (4, 1, (0,), 256), (8, 5, (1,), 256)])
-def test_lowers_to_mosaic_gpu_custom_call_for_cuda(bits, num_queries, score_queries, block_kv):
+@pytest.mark.parametrize("bits,num_queries,score_queries,block_kv,path",
+                         [(4, 1, (), None, "fused"), (8, 1, (), None, "fused"),
+                          (4, 16, (), None, "fused"), (8, 16, (), None, "fused"),
+                          (4, 1, (0,), None, "fused"), (8, 16, (9, 2), None, "fused"),
+                          (8, 5, (), None, "fused"), (4, 1, (0,), 256, "fused"),
+                          (8, 5, (1,), 256, "fused"), (4, 64, (), None, "auto"),
+                          (8, 16, (3,), None, "dequantize")])
+def test_lowers_to_mosaic_gpu_custom_call_for_cuda(bits, num_queries, score_queries, block_kv,
+                                                   path):
   """The benchmark shape (Hq 32, Hkv 8, D 128, G 128) lowers to the Mosaic GPU custom call, also
-  with the score output and at every stage size (SMEM fits)."""
+  with the score output and at every stage size (SMEM fits); the dequantize path (which "auto"
+  takes at Tq = 64) lowers to decode_attention's kernel and no quant_attention kernel."""
   b, hq, hkv, d, s, r = 1, 32, 8, 128, 4096, 128
   sds = jax.ShapeDtypeStruct
   qkv = QuantKV(sds((b, hkv, 2, d // 64, s, 8), jnp.uint32),
@@ -515,6 +576,9 @@ def test_lowers_to_mosaic_gpu_custom_call_for_cuda(bits, num_queries, score_quer
   args = (sds((b, num_queries, hq, d), jnp.bfloat16), qkv, sds((b,), jnp.int32), full, full,
           sds((b,), jnp.int32), tok, tok, sds((num_queries, num_queries), jnp.bool_))
   f = functools.partial(quant_attention, bits=bits, score_queries=score_queries,
-                        config=QuantAttentionConfig(block_kv=block_kv))
+                        config=QuantAttentionConfig(block_kv=block_kv, path=path))
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "stablehlo.custom_call @mosaic_gpu_v2" in text
+  fused = path == "fused"
+  assert ("quant_attention_kernel" in text) == fused
+  assert ("decode_attention_kernel" in text) == (not fused)

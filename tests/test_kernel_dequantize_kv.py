@@ -1,0 +1,83 @@
+"""pallas_kernels.dequantize_kv: the Mosaic GPU dequantization of a QuantKV (interpret mode on
+the CPU) against its jnp reference, bit for bit; lowering for cuda; bad inputs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.dequantize_kv import dequantize_kv, dequantize_kv_reference
+from pallas_kernels.quant_attention import QuantKV, quantize_kv
+
+INTERPRET = plgpu.InterpretGPUParams()
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2 ** 16), batch=st.sampled_from([1, 2]),
+       num_kv_heads=st.sampled_from([1, 2]), tiles=st.integers(1, 3),
+       head_dim=st.sampled_from([64, 128]), group=st.sampled_from([64, 128]),
+       bits=st.sampled_from([4, 8]), dtype=st.sampled_from([jnp.bfloat16, jnp.float16]))
+def test_kernel_equals_the_reference_bit_for_bit(seed, batch, num_kv_heads, tiles, head_dim,
+                                                 group, bits, dtype):
+  """Every slot of k and v, over token tiles, key groups spanning one or two tiles, both head
+  dims, both read widths and output types (K spread per channel, V per token, both offset)."""
+  capacity = 64 * tiles * (group // 64)
+  keys = jax.random.split(jax.random.key(seed), 4)
+  shape = (batch, num_kv_heads, capacity, head_dim)
+  k = jax.random.normal(keys[0], shape) * jax.random.uniform(keys[1], shape[:2] + (1, head_dim),
+                                                              minval=0.1, maxval=4.0)
+  v = jax.random.normal(keys[2], shape) * 2.0 + jax.random.normal(keys[3], shape[:3] + (1,))
+  qkv = quantize_kv(k, v, group=group)
+  got = dequantize_kv(qkv, bits, dtype, interpret=INTERPRET)
+  want = dequantize_kv_reference(qkv, bits, dtype)
+  for x, y in zip(got, want):
+    assert x.shape == shape and x.dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+def test_4bit_read_ignores_the_lower_plane_and_8bit_reads_it():
+  k = jax.random.normal(jax.random.key(0), (1, 1, 64, 64))
+  qkv = quantize_kv(k, k + 1.0, group=64)
+  scrambled = dataclasses.replace(qkv, k_codes=qkv.k_codes.at[:, :, 1].set(0x12345678),
+                                  v_codes=qkv.v_codes.at[:, :, 1].set(0x9ABCDEF0))
+  for bits, same in ((4, True), (8, False)):
+    a = dequantize_kv(qkv, bits, interpret=INTERPRET)
+    b = dequantize_kv(scrambled, bits, interpret=INTERPRET)
+    for x, y in zip(a, b):
+      assert bool(jnp.array_equal(x, y)) == same
+
+
+def _shape_only(b=1, hkv=8, d=128, s=4096, group=128):
+  sds = jax.ShapeDtypeStruct
+  return QuantKV(sds((b, hkv, 2, d // 64, s, 8), jnp.uint32),
+                 sds((b, hkv, 2, s // 64, d, 8), jnp.uint32),
+                 sds((b, hkv, s // group, d), jnp.float16),
+                 sds((b, hkv, s // group, d), jnp.float16), sds((b, hkv, s), jnp.float16),
+                 sds((b, hkv, s), jnp.float16), group=group)
+
+
+@pytest.mark.parametrize("bits,head_dim,dtype", [(4, 128, jnp.bfloat16), (8, 128, jnp.bfloat16),
+                                                 (8, 64, jnp.float16)])
+def test_lowers_to_mosaic_gpu_custom_call_for_cuda(bits, head_dim, dtype):
+  f = jax.jit(lambda qkv: dequantize_kv(qkv, bits, dtype))
+  text = f.trace(_shape_only(d=head_dim)).lower(lowering_platforms=("cuda",)).as_text()
+  assert "stablehlo.custom_call @mosaic_gpu_v2" in text
+  assert "dequantize_kv_kernel" in text
+
+
+def test_bad_inputs_are_rejected_in_plain_words():
+  qkv = quantize_kv(jnp.ones((1, 1, 64, 64)), jnp.ones((1, 1, 64, 64)), group=64)
+  with pytest.raises(ValueError, match="bits must be 4 or 8"):
+    dequantize_kv(qkv, 6)
+  with pytest.raises(ValueError, match="bfloat16 or float16"):
+    dequantize_kv(qkv, 4, jnp.float32)
+  narrow = quantize_kv(jnp.ones((1, 1, 64, 32)), jnp.ones((1, 1, 64, 32)), group=64)
+  with pytest.raises(ValueError, match="head_dim 32 must be a multiple of 64"):
+    dequantize_kv(narrow, 4)
