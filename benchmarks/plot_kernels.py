@@ -12,8 +12,9 @@
   fafo.png    FAFO's two-segment launch next to its reference and decode_attention.
 
 Several JSONs (e.g. one per device invocation) are merged: measurements are concatenated, a later
-file's entry replacing an earlier one of the same kernel, impl and shape; the targets are
-recomputed over the merged set and printed (and written with --merged).
+file's entry replacing an earlier one of the same kernel, impl and shape (`--exclude
+KERNEL:IMPL_PREFIX` leaves some out); the targets are recomputed over the merged set and printed
+(and written with --merged).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ REF_STYLE = dict(linewidth=1.2, marker=".", alpha=0.85)
 BITS_COLORS = {4: "tab:green", 8: "tab:red"}
 
 
-def load(paths: list[str]) -> dict:
-  """Merged results: the first file's metadata, all measurements (later ones win)."""
+def load(paths: list[str], exclude: tuple[str, ...] = ()) -> dict:
+  """Merged results: the first file's metadata, all measurements (later ones win), less those
+  matching an `exclude` entry "KERNEL:IMPL_PREFIX"."""
   merged, by_key = None, {}
   for path in paths:
     with open(path) as f:
@@ -52,6 +54,9 @@ def load(paths: list[str]) -> dict:
                                   read_bandwidth=results.get("read_bandwidth"),
                                   argv=results.get("argv")))
     for m in results.get("measurements", []):
+      if any(m.get("kernel") == kernel and str(m.get("impl", "")).startswith(impl)
+             for kernel, impl in (e.split(":", 1) for e in exclude)):
+        continue
       by_key[tuple(m.get(k) for k in KEY_FIELDS)] = m
   merged["measurements"] = list(by_key.values())
   merged["targets"] = compute_targets(merged["measurements"])
@@ -223,8 +228,13 @@ def main(argv=None) -> int:
   p.add_argument("--out-dir", help="where the PNGs go (default: next to the first JSON, or "
                  "benchmarks/results/ when that is not writable)")
   p.add_argument("--merged", help="also write the merged JSON (recomputed targets) here")
+  p.add_argument("--exclude", action="append", default=[], metavar="KERNEL:IMPL_PREFIX",
+                 help="leave out these measurements (e.g. quant:jnp_reference); repeatable")
   args = p.parse_args(argv)
-  results = load(args.results)
+  for e in args.exclude:
+    if ":" not in e:
+      p.error(f"--exclude takes KERNEL:IMPL_PREFIX, got {e!r}")
+  results = load(args.results, tuple(args.exclude))
   out_dir = args.out_dir or os.path.dirname(os.path.abspath(args.results[0]))
   if not args.out_dir and not os.access(out_dir, os.W_OK):      # e.g. a read-only fetch dir
     out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
