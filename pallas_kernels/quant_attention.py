@@ -171,6 +171,18 @@ class QuantKV:
   v_zero: jax.Array    # [B, Hkv, S] fp16
   group: int = 128     # tokens per key group
 
+  @classmethod
+  def abstract(cls, batch: int, num_kv_heads: int, capacity: int, head_dim: int,
+               group: int = 128) -> "QuantKV":
+    """A QuantKV of jax.ShapeDtypeStruct leaves (for tracing or lowering without data);
+    head_dim a multiple of 64, capacity a multiple of 64 and of group."""
+    sds, b, h, s, d = jax.ShapeDtypeStruct, batch, num_kv_heads, capacity, head_dim
+    w = CHANNEL_CHUNK // CODES_PER_WORD
+    return cls(sds((b, h, 2, d // CHANNEL_CHUNK, s, w), jnp.uint32),
+               sds((b, h, 2, s // KEY_TILE, d, w), jnp.uint32),
+               sds((b, h, s // group, d), META_DTYPE), sds((b, h, s // group, d), META_DTYPE),
+               sds((b, h, s), META_DTYPE), sds((b, h, s), META_DTYPE), group=group)
+
   @property
   def capacity(self) -> int:
     return self.k_codes.shape[4]

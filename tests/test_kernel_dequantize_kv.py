@@ -54,20 +54,11 @@ def test_4bit_read_ignores_the_lower_plane_and_8bit_reads_it():
       assert bool(jnp.array_equal(x, y)) == same
 
 
-def _shape_only(b=1, hkv=8, d=128, s=4096, group=128):
-  sds = jax.ShapeDtypeStruct
-  return QuantKV(sds((b, hkv, 2, d // 64, s, 8), jnp.uint32),
-                 sds((b, hkv, 2, s // 64, d, 8), jnp.uint32),
-                 sds((b, hkv, s // group, d), jnp.float16),
-                 sds((b, hkv, s // group, d), jnp.float16), sds((b, hkv, s), jnp.float16),
-                 sds((b, hkv, s), jnp.float16), group=group)
-
-
 @pytest.mark.parametrize("bits,head_dim,dtype", [(4, 128, jnp.bfloat16), (8, 128, jnp.bfloat16),
                                                  (8, 64, jnp.float16)])
 def test_lowers_to_mosaic_gpu_custom_call_for_cuda(bits, head_dim, dtype):
   f = jax.jit(lambda qkv: dequantize_kv(qkv, bits, dtype))
-  text = f.trace(_shape_only(d=head_dim)).lower(lowering_platforms=("cuda",)).as_text()
+  text = f.trace(QuantKV.abstract(1, 8, 4096, head_dim)).lower(lowering_platforms=("cuda",)).as_text()
   assert "stablehlo.custom_call @mosaic_gpu_v2" in text
   assert "dequantize_kv_kernel" in text
 

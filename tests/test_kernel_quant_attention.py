@@ -359,21 +359,12 @@ def test_query_rows_are_cut_into_q_blocks_of_block_m():
       QuantAttentionConfig(block_m=bad)
 
 
-def _shape_only_qkv(b, hkv, s, d, group=128):
-  sds = jax.ShapeDtypeStruct
-  return QuantKV(sds((b, hkv, 2, d // 64, s, 8), jnp.uint32),
-                 sds((b, hkv, 2, s // 64, d, 8), jnp.uint32),
-                 sds((b, hkv, s // group, d), jnp.float16),
-                 sds((b, hkv, s // group, d), jnp.float16), sds((b, hkv, s), jnp.float16),
-                 sds((b, hkv, s), jnp.float16), group=group)
-
-
 def test_auto_path_dequantizes_wide_calls_within_the_copy_bound():
   """path="auto": the fused kernel below AUTO_DEQUANT_ROWS[bits] query rows per KV head, the
   dequantize path from there on unless the transient K + V copy in q's dtype would exceed
   DEQUANT_MAX_BYTES; "fused" / "dequantize" force a path; a bad path is refused by name."""
   auto = QuantAttentionConfig()
-  qkv = _shape_only_qkv(1, 8, 131072, 128)                 # bf16 copy: 512 MiB
+  qkv = QuantKV.abstract(1, 8, 131072, 128)                 # bf16 copy: 512 MiB
   for bits in (4, 8):
     rows = AUTO_DEQUANT_ROWS[bits]
     assert not _dequantizes(auto, rows - 8, bits, qkv, jnp.bfloat16)
@@ -381,7 +372,7 @@ def test_auto_path_dequantizes_wide_calls_within_the_copy_bound():
     assert not _dequantizes(QuantAttentionConfig(path="fused"), 1024, bits, qkv, jnp.bfloat16)
     assert _dequantizes(QuantAttentionConfig(path="dequantize"), 4, bits, qkv, jnp.bfloat16)
   # B = 16 at 128K: an 8 GiB copy, over the bound.
-  big = _shape_only_qkv(16, 8, 131072, 128)
+  big = QuantKV.abstract(16, 8, 131072, 128)
   assert 2 * 16 * 8 * 131072 * 128 * 2 > DEQUANT_MAX_BYTES
   assert not _dequantizes(auto, 1024, 8, big, jnp.bfloat16)
   with pytest.raises(ValueError, match="path must be one of"):
@@ -566,11 +557,7 @@ def test_lowers_to_mosaic_gpu_custom_call_for_cuda(bits, num_queries, score_quer
   takes at Tq = 64) lowers to decode_attention's kernel and no quant_attention kernel."""
   b, hq, hkv, d, s, r = 1, 32, 8, 128, 4096, 128
   sds = jax.ShapeDtypeStruct
-  qkv = QuantKV(sds((b, hkv, 2, d // 64, s, 8), jnp.uint32),
-                sds((b, hkv, 2, s // 64, d, 8), jnp.uint32),
-                sds((b, hkv, s // 128, d), jnp.float16),
-                sds((b, hkv, s // 128, d), jnp.float16), sds((b, hkv, s), jnp.float16),
-                sds((b, hkv, s), jnp.float16), group=128)
+  qkv = QuantKV.abstract(b, hkv, s, d, group=128)
   tok = sds((b, num_queries, hkv, d), jnp.bfloat16)
   full = sds((b, hkv, r, d), jnp.bfloat16)
   args = (sds((b, num_queries, hq, d), jnp.bfloat16), qkv, sds((b,), jnp.int32), full, full,
