@@ -421,9 +421,10 @@ class QuantAttentionConfig:
   target_blocks: int | None = None   # thread blocks to fill; None: one wave (`_one_wave`)
   min_tiles_per_split: int = 2
   block_m: int = AUTO_BLOCK_M        # query rows per q block at most (a multiple of 8, <= 64)
-  # "fused": the Mosaic kernel reads the codes; "dequantize": the prefix dequantized into q's dtype
-  # by XLA, then decode_attention's kernel; "auto": "dequantize" from AUTO_DEQUANT_ROWS[bits]
-  # query rows per KV head on while the transient copy stays <= DEQUANT_MAX_BYTES.
+  # "fused": the Mosaic kernel reads the codes; "dequantize": the quantized region dequantized
+  # into q's dtype by `pallas_kernels.dequantize_kv`, then decode_attention's kernel; "auto":
+  # "dequantize" from AUTO_DEQUANT_ROWS[bits] query rows per KV head on while the transient copy
+  # stays <= DEQUANT_MAX_BYTES.
   path: str = "auto"
 
   def __post_init__(self):
