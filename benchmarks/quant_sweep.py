@@ -64,6 +64,8 @@ def _load_module(path: str):
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--seq", type=int, default=65536)
+  p.add_argument("--length", type=int, default=0,
+                 help="tokens each row holds (0: --seq, the capacity); bytes count this length")
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--tq", type=int, default=1, help="queries per call (in-flight mask causal)")
   p.add_argument("--block-kv", default="64,128,256",
@@ -86,9 +88,12 @@ def main(argv=None):
   p.add_argument("--out", required=True)
   a = p.parse_args(argv)
   b, s, tq = a.batch, a.seq, a.tq
+  n_tok = a.length or s                          # tokens held per row (<= the capacity s)
+  if not RECENT < n_tok <= s:
+    p.error(f"--length must be in ({RECENT}, --seq={s}], got {n_tok}")
   t0 = time.time()
-  res = dict(device=str(jax.devices()[0].device_kind), B=b, S=s, Tq=tq, Hq=HQ, Hkv=HKV, D=D,
-             group=GROUP, recent=RECENT, rows=[])
+  res = dict(device=str(jax.devices()[0].device_kind), B=b, S=s, length=n_tok, Tq=tq, Hq=HQ,
+             Hkv=HKV, D=D, group=GROUP, recent=RECENT, rows=[])
 
   def save():
     write_json(a.out, res)
@@ -98,8 +103,8 @@ def main(argv=None):
   bw = res["read_bandwidth"]["gb_per_s"] * 1e9
   save()
   k, v, qkv, x = _inputs(b, s, tq)
-  lengths = jnp.full((b,), s, jnp.int32)
-  lq = jnp.full((b,), s - RECENT, jnp.int32)
+  lengths = jnp.full((b,), n_tok, jnp.int32)
+  lq = jnp.full((b,), n_tok - RECENT, jnp.int32)
   lf = jnp.full((b,), RECENT, jnp.int32)
 
   def record(row, t, nbytes):
@@ -110,7 +115,7 @@ def main(argv=None):
     print(row, flush=True)
     save()
 
-  dense_bytes = 2 * b * HKV * s * D * 2
+  dense_bytes = 2 * b * HKV * n_tok * D * 2
   fn = jax.jit(lambda q, k, v, lengths, kn, vn, m: decode_attention(q, k, v, lengths, kn, vn, m,
                                                                      interpret=ip))
   t = time_loop(fn, x["q"], k, v, lengths, x["k_new"], x["v_new"], x["mask"], num_calls=a.calls)
@@ -118,22 +123,26 @@ def main(argv=None):
   decode_us = res["rows"][-1]["us"]
 
   def quant_bytes(bits):
-    return b * HKV * ((s - RECENT) * qa.bytes_per_token(D, bits, GROUP) + RECENT * D * 2 * 2)
+    return b * HKV * ((n_tok - RECENT) * qa.bytes_per_token(D, bits, GROUP) + RECENT * D * 2 * 2)
 
   bits_list = [int(x) for x in a.bits.split(",")]
   if "dequantize" in a.path.split(","):
-    # The dequantize path's first kernel alone: codes read at `bits`, bf16 K and V written.
+    # The dequantize path's first kernel alone: codes read at `bits`, bf16 K and V written, the
+    # slots s < lq (rounded up to 128) of each row.
+    bound = min(s, -(-(n_tok - RECENT) // 128) * 128)
     for bits in bits_list:
-      f = jax.jit(functools.partial(dequantize_kv, bits=bits, interpret=ip))
+      f = jax.jit(functools.partial(dequantize_kv, bits=bits, lengths=lq, round_to=128,
+                                    interpret=ip))
       got, want = f(qkv), dequantize_kv_reference(qkv, bits)
-      mismatches = sum(int(jnp.sum(x != y)) for x, y in zip(got, want))
+      mismatches = sum(int(jnp.sum(x[:, :, :bound] != y[:, :, :bound])) for x, y in zip(got, want))
       del got, want
       # time_loop threads its loop dependency through the first argument: the value scales.
       t = time_loop(lambda vs, qkv: f(dataclasses.replace(qkv, v_scale=vs))[1], qkv.v_scale, qkv,
                     num_calls=a.calls)
-      read = b * HKV * s * qa.bytes_per_token(D, bits, GROUP)
+      read = b * HKV * bound * qa.bytes_per_token(D, bits, GROUP)
+      written = 2 * b * HKV * bound * D * 2
       record(dict(impl="dequantize_kv", bits=bits, part="kernel", mismatches=mismatches,
-                  read_bytes=read, write_bytes=dense_bytes), t, read + dense_bytes)
+                  read_bytes=read, write_bytes=written), t, read + written)
 
   impls = [("current", qa)]
   if a.module:
@@ -187,7 +196,7 @@ def main(argv=None):
         t = time_loop(lambda qt, qkv, lq: kern(qt, qkv, lq)[1], q_t, qkv, lq,
                       num_calls=a.calls)
         record(dict(base, part="kernel_only", num_splits=ns), t,
-               b * HKV * (s - RECENT) * qa.bytes_per_token(D, bits, GROUP))
+               b * HKV * (n_tok - RECENT) * qa.bytes_per_token(D, bits, GROUP))
         # The kernel as the call runs it (the exact blocks beside the quantized splits), then
         # the merge kernel alone on partials of that shape.
         q_rows = jnp.zeros((b, HKV, nqb, n, D), jnp.bfloat16)
@@ -200,7 +209,7 @@ def main(argv=None):
                                     cfg=cfg, block_kv=bkv, exact=exact, interpret=ip)[1]
         t = time_loop(kernel_exact, q_t, qkv, lq, exact, num_calls=a.calls)
         record(dict(base, part="kernel_exact", num_splits=ns, exact_blocks=exact.num_blocks), t,
-               b * HKV * (s - RECENT) * qa.bytes_per_token(D, bits, GROUP))
+               b * HKV * (n_tok - RECENT) * qa.bytes_per_token(D, bits, GROUP))
         parts = ns + exact.num_blocks
         acc = jnp.zeros((b, HKV, nqb, parts, D, n), jnp.float32)
         ml = jnp.zeros((b, HKV, nqb, parts, max(n, 32)), jnp.float32)

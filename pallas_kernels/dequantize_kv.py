@@ -26,6 +26,13 @@ with base 8 and step 1 (4 bits: the stored u - 8 back to u) or base 128 and step
 16 (u - 8) + l + 128 = c8). These are `quant_attention.dequantize`'s formulas (fp32, then one
 rounding to the output dtype), which is this kernel's reference.
 
+Given `lengths` [B], a block whose tile starts at or past round_up(lengths[b], round_to) (clipped
+to the capacity) returns at once: no TMA in or out, its slots of k and v left unwritten
+(undefined). The cost then follows the read length, not the capacity. `round_to` is for the
+consumer: decode_attention reads whole `block_kv` tiles (masking the scores of slots past the
+length, but multiplying their V rows by p = 0, which a NaN left in an unwritten slot would turn
+into NaN), so its caller passes that tile size.
+
 Limits (ValueError otherwise): head_dim a multiple of 64, capacity a multiple of 64, the key
 group a multiple of 64, output bf16 or fp16.
 """
@@ -60,14 +67,23 @@ def _check(qkv: QuantKV, bits: int, dtype) -> None:
                      f"the {KEY_TILE}-key tile")
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "dtype", "interpret"))
-def dequantize_kv(qkv: QuantKV, bits: int, dtype=jnp.bfloat16, interpret: Any = None
+@functools.partial(jax.jit, static_argnames=("bits", "dtype", "round_to", "interpret"))
+def dequantize_kv(qkv: QuantKV, bits: int, dtype=jnp.bfloat16, lengths: jax.Array | None = None,
+                  *, round_to: int = KEY_TILE, interpret: Any = None
                   ) -> tuple[jax.Array, jax.Array]:
   """(k, v) [B, Hkv, S, D] in `dtype` from the 4-bit (upper nibbles) or 8-bit (both) view of
-  qkv, every slot (the caller masks by length). `interpret=plgpu.InterpretGPUParams()` runs the
+  qkv: every slot, or with lengths [B] int32 the slots s < round_up(lengths[b], round_to)
+  (clipped to [0, S]; the rest left undefined). `interpret=plgpu.InterpretGPUParams()` runs the
   Mosaic GPU interpreter (CPU)."""
   _check(qkv, bits, dtype)
   batch, hkv, _, n_chunks, capacity, _ = qkv.k_codes.shape
+  if round_to <= 0 or round_to % KEY_TILE:
+    raise ValueError(f"round_to must be a positive multiple of {KEY_TILE}, got {round_to}")
+  if lengths is None:
+    lengths = jnp.full((batch,), capacity, jnp.int32)
+  if lengths.shape != (batch,):
+    raise ValueError(f"lengths must be [B={batch}], got shape {lengths.shape}")
+  lengths = lengths.astype(jnp.int32)
   head_dim, group = qkv.head_dim, qkv.group
   dtype = jnp.dtype(dtype)
   planes = 1 if bits == 4 else 2
@@ -75,7 +91,8 @@ def dequantize_kv(qkv: QuantKV, bits: int, dtype=jnp.bfloat16, interpret: Any = 
   offset = float(word_offset(dtype))
   col = plgpu.Layout.WGMMA.reduce(0)            # a vector along a tile's columns
 
-  def body(kc_ref, vc_ref, ks_ref, kz_ref, vs_ref, vz_ref, k_out, v_out,
+  def body(lengths_ref,  # [B] int32 (GMEM)
+           kc_ref, vc_ref, ks_ref, kz_ref, vs_ref, vz_ref, k_out, v_out,
            kc_smem,      # [planes, D/64, 16, 32] uint32: the tile's key codes per chunk
            vc_smem,      # [planes, D/4, 32] uint32: the tile's value codes, channel-major
            kmeta_smem,   # [2, D] fp16: the key group's scale (0) and zero (1) rows
@@ -85,44 +102,49 @@ def dequantize_kv(qkv: QuantKV, bits: int, dtype=jnp.bfloat16, interpret: Any = 
            barrier):
     t, h, b = lax.axis_index("tile"), lax.axis_index("head"), lax.axis_index("batch")
     start = t * KEY_TILE
-    grp = lax.div(start, jnp.int32(group))
-    for pn in range(planes):
+    length = jnp.minimum(jnp.maximum(lengths_ref[b], 0), capacity)
+    bound = lax.div(length + (round_to - 1), jnp.int32(round_to)) * round_to
+
+    @pl.when(start < bound)          # tiles past the (rounded) length: nothing in or out
+    def _():
+      grp = lax.div(start, jnp.int32(group))
+      for pn in range(planes):
+        for hf in range(n_chunks):
+          plgpu.copy_gmem_to_smem(kc_ref.at[b, h, pn, hf, pl.ds(t * TILE_ROWS, TILE_ROWS)],
+                                  kc_smem.at[pn, hf], barrier)
+        plgpu.copy_gmem_to_smem(vc_ref.at[b, h, pn, t], vc_smem.at[pn], barrier)
+      plgpu.copy_gmem_to_smem(ks_ref.at[b, h, grp], kmeta_smem.at[0], barrier)
+      plgpu.copy_gmem_to_smem(kz_ref.at[b, h, grp], kmeta_smem.at[1], barrier)
+      plgpu.copy_gmem_to_smem(vs_ref.at[b, h, pl.ds(start, KEY_TILE)], vmeta_smem.at[0], barrier)
+      plgpu.copy_gmem_to_smem(vz_ref.at[b, h, pl.ds(start, KEY_TILE)], vmeta_smem.at[1], barrier)
+      plgpu.barrier_wait(barrier)
+
+      def column_vector(ref):                     # [64] fp16 -> [64, 64] fp32 along the columns
+        x = plgpu.load(ref, layout=col, optimized=False).astype(jnp.float32)
+        return lax.broadcast_in_dim(x, (KEY_TILE, CHUNK), [1])
+
+      def dequant(tile, scale, zero):             # [64, 64] code + offset -> values in fp32
+        return (tile.astype(jnp.float32) + (base - offset)) * (scale * step) + zero
+
+      vs = column_vector(vmeta_smem.at[0])
+      vz = column_vector(vmeta_smem.at[1])
       for hf in range(n_chunks):
-        plgpu.copy_gmem_to_smem(kc_ref.at[b, h, pn, hf, pl.ds(t * TILE_ROWS, TILE_ROWS)],
-                                kc_smem.at[pn, hf], barrier)
-      plgpu.copy_gmem_to_smem(vc_ref.at[b, h, pn, t], vc_smem.at[pn], barrier)
-    plgpu.copy_gmem_to_smem(ks_ref.at[b, h, grp], kmeta_smem.at[0], barrier)
-    plgpu.copy_gmem_to_smem(kz_ref.at[b, h, grp], kmeta_smem.at[1], barrier)
-    plgpu.copy_gmem_to_smem(vs_ref.at[b, h, pl.ds(start, KEY_TILE)], vmeta_smem.at[0], barrier)
-    plgpu.copy_gmem_to_smem(vz_ref.at[b, h, pl.ds(start, KEY_TILE)], vmeta_smem.at[1], barrier)
-    plgpu.barrier_wait(barrier)
-
-    def column_vector(ref):                     # [64] fp16 -> [64, 64] fp32 along the columns
-      x = plgpu.load(ref, layout=col, optimized=False).astype(jnp.float32)
-      return lax.broadcast_in_dim(x, (KEY_TILE, CHUNK), [1])
-
-    def dequant(tile, scale, zero):             # [64, 64] code + offset -> values in fp32
-      return (tile.astype(jnp.float32) + (base - offset)) * (scale * step) + zero
-
-    vs = column_vector(vmeta_smem.at[0])
-    vz = column_vector(vmeta_smem.at[1])
-    for hf in range(n_chunks):
-      channels = pl.ds(hf * CHUNK, CHUNK)
-      k = dequant(word_tile([kc_smem.at[pn, hf] for pn in range(planes)], dtype,
-                            interpret=interpret is not None),
-                  column_vector(kmeta_smem.at[0, channels]),
-                  column_vector(kmeta_smem.at[1, channels]))
-      ko_smem.at[hf][...] = k.astype(dtype)
-      v = dequant(word_tile([vc_smem.at[pn, pl.ds(hf * TILE_ROWS, TILE_ROWS)]
-                             for pn in range(planes)], dtype, interpret=interpret is not None),
-                  vs, vz)                       # [64 channels, 64 keys]
-      vo_smem.at[hf].transpose((1, 0))[...] = v.astype(dtype)
-    plgpu.commit_smem()
-    for hf in range(n_chunks):
-      channels = pl.ds(hf * CHUNK, CHUNK)
-      plgpu.copy_smem_to_gmem(ko_smem.at[hf], k_out.at[b, h, pl.ds(start, KEY_TILE), channels])
-      plgpu.copy_smem_to_gmem(vo_smem.at[hf], v_out.at[b, h, pl.ds(start, KEY_TILE), channels])
-    plgpu.wait_smem_to_gmem(0)
+        channels = pl.ds(hf * CHUNK, CHUNK)
+        k = dequant(word_tile([kc_smem.at[pn, hf] for pn in range(planes)], dtype,
+                              interpret=interpret is not None),
+                    column_vector(kmeta_smem.at[0, channels]),
+                    column_vector(kmeta_smem.at[1, channels]))
+        ko_smem.at[hf][...] = k.astype(dtype)
+        v = dequant(word_tile([vc_smem.at[pn, pl.ds(hf * TILE_ROWS, TILE_ROWS)]
+                               for pn in range(planes)], dtype, interpret=interpret is not None),
+                    vs, vz)                       # [64 channels, 64 keys]
+        vo_smem.at[hf].transpose((1, 0))[...] = v.astype(dtype)
+      plgpu.commit_smem()
+      for hf in range(n_chunks):
+        channels = pl.ds(hf * CHUNK, CHUNK)
+        plgpu.copy_smem_to_gmem(ko_smem.at[hf], k_out.at[b, h, pl.ds(start, KEY_TILE), channels])
+        plgpu.copy_smem_to_gmem(vo_smem.at[hf], v_out.at[b, h, pl.ds(start, KEY_TILE), channels])
+      plgpu.wait_smem_to_gmem(0)
 
   sw = _swizzled(CHUNK * dtype.itemsize, 8 * dtype.itemsize)
   scratch = (
@@ -136,7 +158,7 @@ def dequantize_kv(qkv: QuantKV, bits: int, dtype=jnp.bfloat16, interpret: Any = 
   )
 
   def dequantize_kv_kernel(*refs):
-    ins, outs = refs[:6], refs[6:]
+    ins, outs = refs[:7], refs[7:]
     pl.run_scoped(lambda ko, vo, kc, vc, km, vm, bar: body(*ins, *outs, kc, vc, km, vm, ko, vo,
                                                            bar), *scratch)
 
@@ -151,7 +173,7 @@ def dequantize_kv(qkv: QuantKV, bits: int, dtype=jnp.bfloat16, interpret: Any = 
       grid=(capacity // KEY_TILE, hkv, batch),
       grid_names=("tile", "head", "batch"),
       interpret=interpret,
-  )(kc_rows, vc_rows, qkv.k_scale, qkv.k_zero, qkv.v_scale, qkv.v_zero)
+  )(lengths, kc_rows, vc_rows, qkv.k_scale, qkv.k_zero, qkv.v_scale, qkv.v_zero)
 
 
 def dequantize_kv_reference(qkv: QuantKV, bits: int, dtype=jnp.bfloat16

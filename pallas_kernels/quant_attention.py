@@ -65,11 +65,12 @@ many blocks stay resident): they leave partials in the splits' format, and ONE m
 thus two Mosaic launches plus the q / mask / output relayouts.
 
 Wide calls (`QuantAttentionConfig.path`, "auto" by default): from AUTO_DEQUANT_ROWS[bits] query
-rows per KV head on (128 at 4 bits, 64 at 8: Tq = 32 / 16 with 4 query heads per KV head), where
-the q blocks' repeated dequantization costs more than one pass, the call dequantizes the
-quantized region once into q's dtype (`pallas_kernels.dequantize_kv`, a Mosaic kernel) and runs
-decode_attention's split kernel on the copy, the key sets merged by its jnp combine; while the
-transient copy stays <= DEQUANT_MAX_BYTES (4 GiB). H200, S = 128K, B = 1: Tq = 64 at 4 / 8 bits
+rows per KV head on (128 at 4 bits, 64 at 8: Tq = 32 / 16 with 4 query heads per KV head; below
+twice that only when B * S >= AUTO_DEQUANT_MIN_TOKENS), where the q blocks' repeated
+dequantization costs more than one pass, the call dequantizes the quantized region once into q's
+dtype (`pallas_kernels.dequantize_kv`, a Mosaic kernel; only the tiles up to each row's length,
+rounded up to decode's key tile) and runs decode_attention's split kernel on the copy, the key
+sets merged by its jnp combine; while the transient copy stays <= DEQUANT_MAX_BYTES (4 GiB). H200, S = 128K, B = 1: Tq = 64 at 4 / 8 bits
 934 -> 535 / 1663 -> 578 us per call (decode_attention on bf16: 365 us).
 
 Measured (H200, S = 64K, B = 1, `benchmarks/quant_sweep.py`, session 16,
@@ -139,7 +140,7 @@ import numpy as np
 from pallas_kernels.combine import (check_score_queries, combine_partials, score_rows,
                                     scores_to_probs, selected_first, wrapper_outputs)
 
-from pallas_kernels.decode_attention import BLOCK_M, LOG2E, split_partials
+from pallas_kernels.decode_attention import BLOCK_M, LOG2E, DecodeConfig, split_partials
 from pallas_kernels.merge_partials import merge_partials
 from pallas_kernels.register_operand import (CODES_PER_WORD, SMEM_ROW_WORDS, pack_words,
                                              unpack_words, wgmma_register_a, word_offset,
@@ -403,7 +404,12 @@ AUTO_BLOCK_M = 32
 #   128K, 4-bit: 64 rows 256 -> 355, 128 rows 486 -> 413, 256 rows 934 -> 535
 #   128K, 8-bit: 64 rows 444 -> 388, 128 rows 843 -> 443, 256 rows 1663 -> 578
 #   16K: 64 rows 55.7 -> 74.0 (4-bit), 81.1 -> 81.3 (8-bit); 1024 rows 525 -> 231, 867 -> 238
+# Below twice those rows the path's fixed costs (one more launch, the jnp combine) decide, so it
+# also wants B * S >= AUTO_DEQUANT_MIN_TOKENS. 8-bit, 64 rows (Tq = 16), call us fused -> dequantize
+# (`kernels_quant_*_s18_h200.json`, `kernels_quant_*_s19_h200.json`): B = 1 4K 32.7 -> 36.4,
+# 16K 76.7 -> 81.0, 64K 240 -> 224, 128K 449 -> 390; B = 8 4K 136 -> 141, 16K 452 -> 421.
 AUTO_DEQUANT_ROWS = {4: 128, 8: 64}
+AUTO_DEQUANT_MIN_TOKENS = 65536
 DEQUANT_MAX_BYTES = 2 ** 32        # "auto" never makes a larger transient K + V copy
 PATHS = ("auto", "fused", "dequantize")
 
@@ -423,8 +429,8 @@ class QuantAttentionConfig:
   block_m: int = AUTO_BLOCK_M        # query rows per q block at most (a multiple of 8, <= 64)
   # "fused": the Mosaic kernel reads the codes; "dequantize": the quantized region dequantized
   # into q's dtype by `pallas_kernels.dequantize_kv`, then decode_attention's kernel; "auto":
-  # "dequantize" from AUTO_DEQUANT_ROWS[bits] query rows per KV head on while the transient copy
-  # stays <= DEQUANT_MAX_BYTES.
+  # "dequantize" from AUTO_DEQUANT_ROWS[bits] query rows per KV head on (below twice that only
+  # when B * S >= AUTO_DEQUANT_MIN_TOKENS) while the transient copy stays <= DEQUANT_MAX_BYTES.
   path: str = "auto"
 
   def __post_init__(self):
@@ -492,7 +498,9 @@ def _dequantizes(cfg, n_rows, bits, qkv: QuantKV, dtype) -> bool:
     return cfg.path == "dequantize"
   b, hkv = qkv.k_codes.shape[:2]
   copy_bytes = 2 * b * hkv * qkv.capacity * qkv.head_dim * jnp.dtype(dtype).itemsize
-  return n_rows >= AUTO_DEQUANT_ROWS[bits] and copy_bytes <= DEQUANT_MAX_BYTES
+  rows = AUTO_DEQUANT_ROWS[bits]
+  wide = n_rows >= 2 * rows or (n_rows >= rows and b * qkv.capacity >= AUTO_DEQUANT_MIN_TOKENS)
+  return wide and copy_bytes <= DEQUANT_MAX_BYTES
 
 
 def _num_splits(cfg, block_kv, batch, num_kv_heads, q_blocks, capacity, *, bits, rows):
@@ -1096,8 +1104,12 @@ def _dequantized_call(q, qkv, lengths_quantized, key_sets, *, bits, num_selected
   b, tq, hq, d = q.shape
   group = hq // qkv.k_codes.shape[1]
   from pallas_kernels.dequantize_kv import dequantize_kv   # (it imports this module)
-  k, v = dequantize_kv(qkv, bits, q.dtype, interpret=interpret)              # [B, Hkv, S, D]
   lengths = jnp.clip(lengths_quantized.astype(jnp.int32), 0, qkv.capacity)
+  # Only the slots decode_attention's kernel reads are written: whole block_kv tiles up to the
+  # length (its tiling for this call, resolved as split_partials will).
+  block_kv = DecodeConfig().resolve(-(-tq * group // BLOCK_M), qkv.capacity, d).block_kv
+  k, v = dequantize_kv(qkv, bits, q.dtype, lengths, round_to=block_kv,
+                       interpret=interpret)                                  # [B, Hkv, S, D]
   acc, m2, l, *scores = split_partials(q, k, v, lengths, num_score_queries=num_selected,
                                        interpret=interpret)
   out, lse = combine_partials(acc, m2, l, q, key_sets, group=group)        # [B, Tq, Hq(, D)]

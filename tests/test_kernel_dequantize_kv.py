@@ -54,6 +54,23 @@ def test_4bit_read_ignores_the_lower_plane_and_8bit_reads_it():
       assert bool(jnp.array_equal(x, y)) == same
 
 
+@pytest.mark.parametrize("round_to", [64, 128])
+def test_lengths_bound_the_tiles_written(round_to):
+  """With lengths, the tiles below round_up(length, round_to) are the reference's bit for bit and
+  the rest are never written: the interpreter fills unwritten output with NaN, so a kernel that
+  wrote (or read) past the bound would show here. Lengths past the capacity are clipped."""
+  k = jax.random.normal(jax.random.key(1), (3, 2, 256, 64))
+  qkv = quantize_kv(k, 0.5 * k + 1.0, group=64)
+  lengths = jnp.array([70, 0, 999], jnp.int32)
+  got = dequantize_kv(qkv, 8, lengths=lengths, round_to=round_to, interpret=INTERPRET)
+  want = dequantize_kv_reference(qkv, 8)
+  for x, y in zip(got, want):
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    for row, bound in enumerate((-(-70 // round_to) * round_to, 0, 256)):
+      np.testing.assert_array_equal(x[row, :, :bound], y[row, :, :bound])
+      assert np.isnan(x[row, :, bound:]).all(), (row, bound)
+
+
 @pytest.mark.parametrize("bits,head_dim,dtype", [(4, 128, jnp.bfloat16), (8, 128, jnp.bfloat16),
                                                  (8, 64, jnp.float16)])
 def test_lowers_to_mosaic_gpu_custom_call_for_cuda(bits, head_dim, dtype):
@@ -72,3 +89,7 @@ def test_bad_inputs_are_rejected_in_plain_words():
   narrow = quantize_kv(jnp.ones((1, 1, 64, 32)), jnp.ones((1, 1, 64, 32)), group=64)
   with pytest.raises(ValueError, match="head_dim 32 must be a multiple of 64"):
     dequantize_kv(narrow, 4)
+  with pytest.raises(ValueError, match="round_to must be a positive multiple of 64"):
+    dequantize_kv(qkv, 4, lengths=jnp.array([64]), round_to=96)
+  with pytest.raises(ValueError, match=r"lengths must be \[B=1\]"):
+    dequantize_kv(qkv, 4, lengths=jnp.array([64, 64]))

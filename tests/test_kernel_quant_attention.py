@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.register_operand import unpack_words
-from pallas_kernels.quant_attention import (AUTO_DEQUANT_ROWS, DEQUANT_MAX_BYTES,
-                                            QuantAttentionConfig, QuantKV, _block_kv,
+from pallas_kernels.quant_attention import (AUTO_DEQUANT_MIN_TOKENS, AUTO_DEQUANT_ROWS,
+                                            DEQUANT_MAX_BYTES, QuantAttentionConfig, QuantKV, _block_kv,
                                             _dequantizes, _num_splits, _q_blocks,
                                             bytes_per_token, codes8,
                                             dequantize, exact_keys, fake_quantize, quant_attention,
@@ -361,14 +361,21 @@ def test_query_rows_are_cut_into_q_blocks_of_block_m():
 
 def test_auto_path_dequantizes_wide_calls_within_the_copy_bound():
   """path="auto": the fused kernel below AUTO_DEQUANT_ROWS[bits] query rows per KV head, the
-  dequantize path from there on unless the transient K + V copy in q's dtype would exceed
-  DEQUANT_MAX_BYTES; "fused" / "dequantize" force a path; a bad path is refused by name."""
+  dequantize path from twice that on, and in between when B * S >= AUTO_DEQUANT_MIN_TOKENS;
+  never when the transient K + V copy in q's dtype would exceed DEQUANT_MAX_BYTES; "fused" /
+  "dequantize" force a path; a bad path is refused by name."""
   auto = QuantAttentionConfig()
   qkv = QuantKV.abstract(1, 8, 131072, 128)                 # bf16 copy: 512 MiB
+  short = QuantKV.abstract(1, 8, 16384, 128)
+  assert AUTO_DEQUANT_MIN_TOKENS == 65536
   for bits in (4, 8):
     rows = AUTO_DEQUANT_ROWS[bits]
     assert not _dequantizes(auto, rows - 8, bits, qkv, jnp.bfloat16)
     assert _dequantizes(auto, rows, bits, qkv, jnp.bfloat16)
+    assert not _dequantizes(auto, rows, bits, short, jnp.bfloat16)
+    assert not _dequantizes(auto, 2 * rows - 8, bits, short, jnp.bfloat16)
+    assert _dequantizes(auto, 2 * rows, bits, short, jnp.bfloat16)
+    assert _dequantizes(auto, rows, bits, QuantKV.abstract(4, 8, 16384, 128), jnp.bfloat16)
     assert not _dequantizes(QuantAttentionConfig(path="fused"), 1024, bits, qkv, jnp.bfloat16)
     assert _dequantizes(QuantAttentionConfig(path="dequantize"), 4, bits, qkv, jnp.bfloat16)
   # B = 16 at 128K: an 8 GiB copy, over the bound.
@@ -383,15 +390,17 @@ def test_auto_path_dequantizes_wide_calls_within_the_copy_bound():
 def test_dequantize_path_equals_the_reference(bits):
   """path="dequantize" (the prefix dequantized into q's dtype, decode_attention's split kernel,
   the full-precision and in-flight keys in its combine): out, lse and the selected queries'
-  probs equal the reference's, over rows of quantized length 150 and 0."""
+  probs equal the reference's, over rows of quantized length 70 and 0 (capacity 192: the
+  dequantization writes two tiles of row 0 and none of row 1, the interpreter leaves the rest
+  NaN, so a read past them would show)."""
   q, qkv, k_full, v_full, k_new, v_new = _inputs(
       23, batch=2, num_queries=5, num_q_heads=4, num_kv_heads=2, head_dim=64, capacity=192,
       full_capacity=8, group=64, dtype=jnp.bfloat16)
   cfg = QuantAttentionConfig(path="dequantize")
-  out, _ = _check(q, qkv, bits, jnp.array([150, 0], jnp.int32), k_full, v_full,
+  out, _ = _check(q, qkv, bits, jnp.array([70, 0], jnp.int32), k_full, v_full,
                   jnp.array([5, 8], jnp.int32), k_new, v_new, jnp.tril(jnp.ones((5, 5), bool)),
                   cfg, score_queries=(3, 1))
-  fused = quant_attention(q, qkv, jnp.array([150, 0], jnp.int32), k_full, v_full,
+  fused = quant_attention(q, qkv, jnp.array([70, 0], jnp.int32), k_full, v_full,
                           jnp.array([5, 8], jnp.int32), k_new, v_new,
                           jnp.tril(jnp.ones((5, 5), bool)), bits=bits,
                           config=QuantAttentionConfig(path="fused"), interpret=INTERPRET)
