@@ -155,10 +155,13 @@ def _error(e: BaseException) -> str:
   return f"{type(e).__name__}: {e}"[:2000]
 
 
-def _slice_rows(args: Sequence, batched: Sequence[int], i: int) -> tuple:
-  """args with row i (kept as a batch of 1) of every argument at a `batched` position."""
-  return tuple(jax.tree.map(lambda x: x[i:i + 1], a) if pos in batched else a
-               for pos, a in enumerate(args))
+def _slice_rows(args: Sequence, batched: dict[int, int], i: int) -> tuple:
+  """args with row i (kept as a batch of 1) of every argument at a `batched` position, along
+  that position's batch axis (every leaf of a pytree argument has it there)."""
+  def row(x, axis):
+    return lax.slice_in_dim(x, i, i + 1, axis=axis)
+  return tuple(jax.tree.map(functools.partial(row, axis=batched[pos]), a) if pos in batched
+               else a for pos, a in enumerate(args))
 
 
 def _rotations(args: Sequence, alts: Sequence[dict]) -> list[tuple]:
@@ -258,10 +261,11 @@ class Bench:
       return 1
     return int(min(self.st.max_copies, max(1, math.ceil(self.st.rotate_bytes / cycle_bytes))))
 
-  def reference(self, ref_fn: Callable, args: Sequence, batched: Sequence[int],
+  def reference(self, ref_fn: Callable, args: Sequence, batched: dict[int, int],
                 working_set: float) -> tuple[Any, str | None]:
     """(ref_fn(*args), None); row by row when the whole batch's `working_set` (bytes of
-    temporaries) exceeds the budget; (None, why) when even a row does not fit or it fails."""
+    temporaries) exceeds the budget, args[pos] split along axis batched[pos]; (None, why) when
+    even a row does not fit or it fails."""
     b = args[0].shape[0]
     budget = self.st.max_working_set
     try:
@@ -463,7 +467,7 @@ def decode_case(bench: Bench, cache: dict, b: int, s: int, tq: int):
     return
   scores = 3 * score_bytes(st, b, tq, s)        # fp32 scores, probabilities, bf16 copy
   ref_fn = jax.jit(decode_attention_reference)
-  batched = (0, 1, 2, 3, 4, 5)
+  batched = dict.fromkeys(range(6), 0)
   ref_out, note = bench.reference(ref_fn, args, batched, scores)
   cache_args = args[:-1] + (x["none"],)        # cache only: no in-flight key counts
   ref_cache, note_cache = bench.reference(ref_fn, cache_args, batched, scores)
@@ -534,6 +538,11 @@ def run_decode(bench: Bench, batches, seqs, tqs):
 # sparse_attention (and FAFO's two-segment launch).
 # ----------------------------------------------------------------------------------------------
 
+# The batch axis of each batched argument of the sparse calls' (q, k, v, table sets, counts,
+# lengths, k_new, v_new, mask): the table sets are [N, B, Hkv, NB].
+SPARSE_BATCH_AXES = {**dict.fromkeys(range(8), 0), 3: 1}
+
+
 def _sparse_fn(block_size: int, sparse_queries: int | None, interpret):
   def fn(q, it, k, v, table_sets, counts, lengths, k_new, v_new, mask):
     return sparse_attention(q, k, v, _pick(table_sets, it), counts, lengths, k_new, v_new, mask,
@@ -554,7 +563,7 @@ def _sparse_reference_check(bench: Bench, args, block_size, sparse_queries, work
   """The reference output for the first block list (what the kernel's check call reads)."""
   fn = _sparse_ref_fn(block_size, sparse_queries)
   ref = jax.jit(lambda *a: fn(a[0], 0, *a[1:]))
-  return bench.reference(ref, args, (0, 1, 2, 3, 4, 5, 6, 7), working_set)
+  return bench.reference(ref, args, SPARSE_BATCH_AXES, working_set)
 
 
 def _listing(st: Settings, b: int, s: int, block_size: int, fraction: float, seed: int) -> dict:
@@ -733,7 +742,7 @@ def quant_case(bench: Bench, cache: dict, b: int, s: int, tq: int, bits_list):
     if bench.case_skipped(base):
       return
     ref_fn = _quant_ref_fn(bits)
-    ref_out, note = bench.reference(ref_fn, args, (0, 1, 2, 3, 4, 5, 6, 7), working_set)
+    ref_out, note = bench.reference(ref_fn, args, dict.fromkeys(range(8), 0), working_set)
     fn = functools.partial(quant_attention, bits=bits, config=QUANT_CONFIG,
                            interpret=bench.interpret)
     path = "fused"

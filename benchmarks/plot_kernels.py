@@ -165,7 +165,7 @@ def plot_sparse(ms, device, path):
                    label=f"decode_attention (dense), S={label}")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    fractions = sorted({m["listed_fraction"] for m in sparse})
+    fractions = sorted({m["listed_fraction"] for m in sparse if "listed_fraction" in m})
     ax.set_xticks(fractions)
     ax.set_xticklabels([f"{100 * f:.3g}%" for f in fractions])
     ax.minorticks_off()

@@ -147,6 +147,27 @@ def test_random_table_sets_cover_the_cache_with_distinct_blocks():
   assert (np.diff(sets, axis=-1) > 0).all()                 # each list sorted, distinct
 
 
+def test_sparse_reference_row_by_row_equals_the_whole_batch():
+  """The sparse reference check run row by row (what kernels.py does when a batch's working set
+  is over budget) slices each argument along its own batch axis (the table sets' is 1) and gives
+  the whole batch's result. (Session 19's B = 8 sweep found it slicing the sets' axis 0.)"""
+  import jax
+  from benchmarks.kernels import SPARSE_BATCH_AXES, _slice_rows, _sparse_ref_fn, random_table_sets
+  b, hkv, hq, s, d, tq, block = 3, 2, 4, 256, 16, 2, 64
+  keys = jax.random.split(jax.random.key(0), 5)
+  q = jax.random.normal(keys[0], (b, tq, hq, d))
+  k, v = (jax.random.normal(kk, (b, hkv, s, d)) for kk in keys[1:3])
+  k_new, v_new = (jax.random.normal(kk, (b, tq, hkv, d)) for kk in keys[3:5])
+  sets = random_table_sets(0, b, hkv, cache_blocks=s // block, listed=2)       # [2, B, Hkv, 2]
+  args = (q, k, v, sets, jnp.full((b, hkv), 2, jnp.int32), jnp.array([256, 200, 90]), k_new,
+          v_new, jnp.tril(jnp.ones((tq, tq), bool)))
+  ref = _sparse_ref_fn(block, None)
+  whole = ref(args[0], 0, *args[1:])
+  rows = [ref(a[0], 0, *a[1:]) for a in (_slice_rows(args, SPARSE_BATCH_AXES, i)
+                                         for i in range(b))]
+  np.testing.assert_allclose(np.concatenate(rows), np.asarray(whole), rtol=1e-5, atol=1e-5)
+
+
 def test_plot_kernels_writes_one_png_per_kernel(tmp_path):
   from benchmarks import plot_kernels
   ms = synthetic_measurements()
