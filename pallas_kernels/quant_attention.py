@@ -70,8 +70,10 @@ twice that only when B * S >= AUTO_DEQUANT_MIN_TOKENS), where the q blocks' repe
 dequantization costs more than one pass, the call dequantizes the quantized region once into q's
 dtype (`pallas_kernels.dequantize_kv`, a Mosaic kernel; only the tiles up to each row's length,
 rounded up to decode's key tile) and runs decode_attention's split kernel on the copy, the key
-sets merged by its jnp combine; while the transient copy stays <= DEQUANT_MAX_BYTES (4 GiB). H200, S = 128K, B = 1: Tq = 64 at 4 / 8 bits
-934 -> 535 / 1663 -> 578 us per call (decode_attention on bf16: 365 us).
+sets merged by its jnp combine; while the transient copy stays <= DEQUANT_MAX_BYTES (4 GiB).
+H200, S = 128K, B = 1: Tq = 64 at 4 / 8 bits 934 -> 535 / 1663 -> 578 us per call
+(decode_attention on bf16: 365 us); a row holding 16K of a 128K capacity, Tq = 64: 144 -> 106 /
+238 -> 114 us (session 19).
 
 Measured (H200, S = 64K, B = 1, `benchmarks/quant_sweep.py`, session 16,
 `results/quant_sweep_s16_tq{1,5}_h200.json`): Tq = 1, 4-bit 45.0 us per call (device: kernel

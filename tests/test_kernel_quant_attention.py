@@ -16,8 +16,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.register_operand import unpack_words
 from pallas_kernels.quant_attention import (AUTO_DEQUANT_MIN_TOKENS, AUTO_DEQUANT_ROWS,
-                                            DEQUANT_MAX_BYTES, QuantAttentionConfig, QuantKV, _block_kv,
-                                            _dequantizes, _num_splits, _q_blocks,
+                                            DEQUANT_MAX_BYTES, QuantAttentionConfig, QuantKV,
+                                            _block_kv, _dequantizes, _num_splits, _q_blocks,
                                             bytes_per_token, codes8,
                                             dequantize, exact_keys, fake_quantize, quant_attention,
                                             quant_attention_reference, quant_attention_with_keys,
