@@ -1108,12 +1108,13 @@ def _dequantized_call(q, qkv, lengths_quantized, key_sets, *, bits, num_selected
   from pallas_kernels.dequantize_kv import dequantize_kv   # (it imports this module)
   lengths = jnp.clip(lengths_quantized.astype(jnp.int32), 0, qkv.capacity)
   # Only the slots decode_attention's kernel reads are written: whole block_kv tiles up to the
-  # length (its tiling for this call, resolved as split_partials will).
-  block_kv = DecodeConfig().resolve(-(-tq * group // BLOCK_M), qkv.capacity, d).block_kv
+  # length, in the tiling split_partials resolves from this same config.
+  decode_cfg = DecodeConfig()
+  block_kv = decode_cfg.resolve(-(-tq * group // BLOCK_M), qkv.capacity, d).block_kv
   k, v = dequantize_kv(qkv, bits, q.dtype, lengths, round_to=block_kv,
                        interpret=interpret)                                  # [B, Hkv, S, D]
-  acc, m2, l, *scores = split_partials(q, k, v, lengths, num_score_queries=num_selected,
-                                       interpret=interpret)
+  acc, m2, l, *scores = split_partials(q, k, v, lengths, config=decode_cfg,
+                                       num_score_queries=num_selected, interpret=interpret)
   out, lse = combine_partials(acc, m2, l, q, key_sets, group=group)        # [B, Tq, Hq(, D)]
   probs = None
   if num_selected:

@@ -413,6 +413,17 @@ def test_dequantize_path_equals_the_reference(bits):
   np.testing.assert_allclose(out, fused, atol=tol, rtol=tol)
 
 
+def test_dequantize_path_rounds_to_decodes_128_key_tiles():
+  """Capacity 256 with few query rows: decode_attention's kernel reads 128-key tiles, so the
+  dequantization must write up to the length rounded to 128, not 64 (a 64-key tile left unwritten
+  holds the interpreter's NaN, and p = 0 times NaN would reach the output)."""
+  q, qkv, k_full, v_full, k_new, v_new = _inputs(
+      29, batch=2, num_queries=1, num_q_heads=4, num_kv_heads=2, head_dim=64, capacity=256,
+      full_capacity=8, group=64, dtype=jnp.bfloat16)
+  _check(q, qkv, 8, jnp.array([70, 140], jnp.int32), k_full, v_full, jnp.array([3, 8], jnp.int32),
+         k_new, v_new, jnp.ones((1, 1), bool), QuantAttentionConfig(path="dequantize"))
+
+
 def test_auto_splits_fill_one_wave():
   """target_blocks=None: one wave of resident blocks (3 per SM at 4 bits / 128 keys / N = 8,
   2 at 8 bits or wider steps), split over the (row, KV head, q block) work items."""
