@@ -195,8 +195,9 @@ def _combine_reduced(parts, scores, values):
 
 
 def _combine_elementwise(parts, scores, values):
-  """The merge of `_combine_reduced` (same arguments, same results up to fp32 summation order)
-  written per output element [B, Hkv, NQB, R, D]: every row statistic (m, l, the exact keys'
+  """The merge of `_combine_reduced` (same arguments and results, up to fp32 summation order and
+  one rounding: the exact keys' weights multiply v in fp32, not rounded to v's dtype first) written
+  per output element [B, Hkv, NQB, R, D]: every row statistic (m, l, the exact keys'
   scores) is broadcast over D first, and the splits and keys are unrolled, so the whole merge is
   elementwise and XLA can emit it as one loop fusion (each thread recomputes its row's max and
   weights, a few dozen exps) instead of a reduction kernel for the row statistics and a second

@@ -3,6 +3,7 @@ step) and its reduction form compute the same merge, empty splits and empty rows
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -45,11 +46,13 @@ def _inputs(seed, b, hkv, group, tq, ns, d, keys, empty_rows):
 def test_elementwise_and_reduced_forms_agree(seed, b, hkv, group, tq, ns, keys, empty_row):
   (acc, m2, l, q), key_set = _inputs(seed, b, hkv, group, tq, ns, 16, keys,
                                      [tq - 1] if empty_row else [])
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(combine, "UNROLL_MAX_PARTIALS", 10 ** 6)
-    wide = combine_partials(acc, m2, l, q, [key_set], group=group)
-    mp.setattr(combine, "UNROLL_MAX_PARTIALS", 0)
-    reduced = combine_partials(acc, m2, l, q, [key_set], group=group)
+  def merged(max_partials):     # a fresh jit each time: the form is chosen while tracing
+    with pytest.MonkeyPatch.context() as mp:
+      mp.setattr(combine, "UNROLL_MAX_PARTIALS", max_partials)
+      return jax.jit(lambda *a: combine_partials(*a[:4], [a[4:]], group=group))(
+          acc, m2, l, q, *key_set)
+
+  wide, reduced = merged(10 ** 6), merged(0)
   for got, want in zip(wide, reduced):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
   if empty_row:                           # a row that sees nothing: output 0, lse -inf
