@@ -179,7 +179,7 @@ def _combine_reduced(parts, scores, values):
   Returns o [B, Hkv, NQB, R, D] and lse [B, Hkv, NQB, R]."""
   m_tot = functools.reduce(jnp.maximum, [m.max(3) for _, m, _ in parts]
                            + [s.max(-1) for s in scores])                  # [B, Hkv, NQB, R]
-  m_tot = jnp.where(jnp.isfinite(m_tot), m_tot, 0.0)
+  m_tot = _finite_or_zero(m_tot)
   denom, o = 0.0, 0.0
   for a, m, s in parts:
     w = jnp.exp(m - m_tot[:, :, :, None])                                  # [B, Hkv, NQB, NS, R]
@@ -203,7 +203,6 @@ def _combine_elementwise(parts, scores, values):
   weights, a few dozen exps) instead of a reduction kernel for the row statistics and a second
   one for the output. lse, per row, comes from the same expressions before the broadcast."""
   d = parts[0][0].shape[-1]
-  wide = lambda x: jnp.broadcast_to(x[..., None], (*x.shape, d))           # noqa: E731
   terms = []                                   # (score, row sum or None, value) per element
   for a, m, l in parts:
     for i in range(a.shape[3]):
@@ -213,18 +212,23 @@ def _combine_elementwise(parts, scores, values):
     for u in range(s.shape[-1]):
       terms.append((s[..., u], None, vt[:, :, None, None, u]))             # [.., R], [.., 1, 1, D]
 
-  def merge(stat):
-    """The merge with row statistics `stat`-ed: wide (per element) or as they are (per row)."""
-    m_tot = functools.reduce(jnp.maximum, [stat(m) for m, _, _ in terms])
-    m_tot = jnp.where(jnp.isfinite(m_tot), m_tot, 0.0)
-    denom, o = 0.0, 0.0
-    for m, l, a in terms:
-      w = jnp.exp(stat(m) - m_tot)
-      denom = denom + (w if l is None else w * stat(l))
-      o = o + w * a if stat is wide else o
-    return m_tot, denom, o
+  def weights(stats):
+    """Each term's softmax weight exp(m - max) and the weighted row-sum total, from the terms'
+    row statistics as given (per row, or broadcast per element)."""
+    m_tot = _finite_or_zero(functools.reduce(jnp.maximum, [m for m, _ in stats]))
+    w = [jnp.exp(m - m_tot) for m, _ in stats]
+    return m_tot, w, sum(wi if l is None else wi * l for wi, (_, l) in zip(w, stats))
 
-  _, denom, o = merge(wide)
+  def wide(x):                                 # [.., R] -> [.., R, D] (None stays None)
+    return None if x is None else jnp.broadcast_to(x[..., None], (*x.shape, d))
+
+  _, w, denom = weights([(wide(m), wide(l)) for m, l, _ in terms])         # [.., R, D] each
+  o = sum(wi * a for wi, (_, _, a) in zip(w, terms))
   o = o * jnp.where(denom > 0, 1.0 / denom, 0.0)
-  m_row, denom_row, _ = merge(lambda x: x)
+  m_row, _, denom_row = weights([(m, l) for m, l, _ in terms])             # [.., R] each
   return o, m_row + jnp.log(denom_row)
+
+
+def _finite_or_zero(m: jax.Array) -> jax.Array:
+  """A merged row max, 0 where no key was seen (-inf), so exp(m_s - max) stays defined."""
+  return jnp.where(jnp.isfinite(m), m, 0.0)

@@ -373,6 +373,12 @@ def _check_inputs(q, k_cache, v_cache, lengths, k_new, v_new, inflight_mask, cfg
     raise ValueError(f"cache capacity S={capacity} must be a multiple of block_kv={block_kv}")
 
 
+def num_q_blocks(num_queries: int, group: int) -> int:
+  """64-row q blocks per KV head of a call with num_queries queries and G = group query heads
+  per KV head (rows r = t * G + g)."""
+  return -(-num_queries * group // BLOCK_M)
+
+
 def _q_rows(q: jax.Array, num_kv_heads: int) -> jax.Array:
   """q [B, Tq, Hq, D] -> [B, Hkv, NQB * 64, D]: rows r = t * G + g per KV head, zero-padded."""
   b, tq, hq, d = q.shape
@@ -380,7 +386,8 @@ def _q_rows(q: jax.Array, num_kv_heads: int) -> jax.Array:
   n_rows = tq * group
   q_rows = q.reshape(b, tq, num_kv_heads, group, d).transpose(0, 2, 1, 3, 4)
   q_rows = q_rows.reshape(b, num_kv_heads, n_rows, d)
-  return jnp.pad(q_rows, ((0, 0), (0, 0), (0, -(-n_rows // BLOCK_M) * BLOCK_M - n_rows), (0, 0)))
+  padded = num_q_blocks(tq, group) * BLOCK_M
+  return jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded - n_rows), (0, 0)))
 
 
 def split_partials(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array,

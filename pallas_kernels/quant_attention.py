@@ -142,7 +142,8 @@ import numpy as np
 from pallas_kernels.combine import (check_score_queries, combine_partials, score_rows,
                                     scores_to_probs, selected_first, wrapper_outputs)
 
-from pallas_kernels.decode_attention import BLOCK_M, LOG2E, DecodeConfig, split_partials
+from pallas_kernels.decode_attention import (BLOCK_M, LOG2E, DecodeConfig, num_q_blocks,
+                                             split_partials)
 from pallas_kernels.merge_partials import merge_partials
 from pallas_kernels.register_operand import (CODES_PER_WORD, SMEM_ROW_WORDS, pack_words,
                                              unpack_words, wgmma_register_a, word_offset,
@@ -1109,9 +1110,8 @@ def _dequantized_call(q, qkv, lengths_quantized, key_sets, *, bits, num_selected
   lengths = jnp.clip(lengths_quantized.astype(jnp.int32), 0, qkv.capacity)
   # Only the slots decode_attention's kernel reads are written: whole block_kv tiles up to the
   # length, in the tiling split_partials resolves from this same config.
-  decode_cfg = DecodeConfig()
-  block_kv = decode_cfg.resolve(-(-tq * group // BLOCK_M), qkv.capacity, d).block_kv
-  k, v = dequantize_kv(qkv, bits, q.dtype, lengths, round_to=block_kv,
+  decode_cfg = DecodeConfig().resolve(num_q_blocks(tq, group), qkv.capacity, d)
+  k, v = dequantize_kv(qkv, bits, q.dtype, lengths, round_to=decode_cfg.block_kv,
                        interpret=interpret)                                  # [B, Hkv, S, D]
   acc, m2, l, *scores = split_partials(q, k, v, lengths, config=decode_cfg,
                                        num_score_queries=num_selected, interpret=interpret)
