@@ -101,10 +101,8 @@ class QuantView:
     `dtype`: fp32 (the default) is what a forward computes itself; the cache's dtype halves the
     bytes and lets the kernel path attend it with bf16/fp16 dots (fp32 accumulation), the
     re-quantized CF1 values then rounded to that dtype (QuantSpec's draft does this)."""
-    tails = [_layer_tail(self.cache, i, self.bits, dtype)
-             for i in range(len(self.cache.buf_k))]
-    return self.replace(tail_k=tuple(k for k, _ in tails), tail_v=tuple(v for _, v in tails),
-                        tail_bits=self.bits)
+    tail_k, tail_v = _layer_tails(self.cache, range(len(self.cache.buf_k)), self.bits, dtype)
+    return self.replace(tail_k=tail_k, tail_v=tail_v, tail_bits=self.bits)
 
 
 @struct.dataclass
@@ -195,16 +193,24 @@ def reference_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   return out, lse
 
 
-def _layer_tail(cache, i: int, bits: int, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
-  """Layer i's [CF1 quantized and read at `bits` (G) | buffer (2G)] K/V, [B, 3G, Hkv, D] in
-  `dtype` (the key-set layout of `quant_attention_with_keys`)."""
+def _layer_tails(cache, layers, bits: int, dtype=jnp.float32
+                 ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+  """The listed layers' [CF1 quantized and read at `bits` (G) | buffer (2G)] K/V, each
+  [B, 3G, Hkv, D] in `dtype` (the key-set layout of `quant_attention_with_keys`). The layers' CF1
+  halves go through the quantizer as one batch (`stacked_cf1`), not one layer at a time: a
+  30-layer SmolLM2 QuantSpec decode loop's HLO went from 40,780 to 24,913 instructions (its run
+  on 2 CPU cores -10%); H200, 8B shapes at 128K: QuantSpec.step 27.7 -> 27.4 ms, 8K unchanged."""
   from pallas_kernels.quant_attention import fake_quantize
+  from sparsedec.kv.quantized import stacked_cf1
   g = cache.group
-  buf_k, buf_v = cache.buf_k[i], cache.buf_v[i]                            # [B, Hkv, 2G, D]
-  k_1, v_1 = fake_quantize(buf_k[:, :, :g], buf_v[:, :, :g], g, bits)      # [B, Hkv, G, D]
-  k = jnp.concatenate([k_1, buf_k.astype(jnp.float32)], axis=2).astype(dtype)
-  v = jnp.concatenate([v_1, buf_v.astype(jnp.float32)], axis=2).astype(dtype)
-  return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+  bufs_k, bufs_v = [cache.buf_k[i] for i in layers], [cache.buf_v[i] for i in layers]
+  k_1, v_1 = fake_quantize(stacked_cf1(bufs_k, g), stacked_cf1(bufs_v, g), g, bits)
+
+  def tail(x_1, bufs):            # x_1 [L * B, Hkv, G, D] -> L x [B, 3G, Hkv, D]
+    x_1 = x_1.reshape(len(bufs), -1, *x_1.shape[1:])
+    return tuple(jnp.concatenate([x, buf.astype(jnp.float32)], axis=2).astype(dtype)
+                 .transpose(0, 2, 1, 3) for x, buf in zip(x_1, bufs))
+  return tail(k_1, bufs_k), tail(v_1, bufs_v)
 
 
 def _quant_view_tail(view: QuantView, q_pos: jax.Array
@@ -221,7 +227,7 @@ def _quant_view_tail(view: QuantView, q_pos: jax.Array
   g = cache.group
   b, t = q_pos.shape
   if view.tail_k is None:
-    k, v = _layer_tail(cache, i, view.bits)
+    (k,), (v,) = _layer_tails(cache, (i,), view.bits)
   elif view.tail_bits != view.bits:
     raise ValueError(f"QuantView tail was computed at {view.tail_bits} bits, the view reads "
                      f"{view.bits}: call with_tail() again")

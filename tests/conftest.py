@@ -65,6 +65,9 @@ def stories():
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf):
-  """(cfg, params, tokenizer) of SmolLM2-135M-Instruct from its GGUF, in fp32."""
+  """(cfg, params, tokenizer) of SmolLM2-135M-Instruct from its GGUF, in fp32, the params as
+  device arrays (`load_gguf` returns numpy, which every jitted call would copy again)."""
+  import jax
   from sparsedec.weights.gguf_file import load_gguf
-  return load_gguf(smollm2_gguf, dtype="float32")
+  cfg, params, tok = load_gguf(smollm2_gguf, dtype="float32")
+  return cfg, jax.device_put(params), tok
