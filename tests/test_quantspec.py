@@ -232,15 +232,12 @@ class DequantizedInt8Dense:
     cache = state.cache
     ql = qkv.quantized_length(cache.lengths, self.group)
     old = (jnp.arange(cache.capacity)[None, :] < ql[:, None])[:, None, :, None]   # [B,1,S,1]
-    # Every layer quantized in one batch [L * B, Hkv, S, D] (per-row arithmetic: the codes of
-    # each layer alone), one quantizer in the HLO instead of one per layer.
-    n, b = len(cache.k), state.batch_size
-    stack = lambda xs: jnp.stack(xs).reshape(n * b, *xs[0].shape[1:])  # noqa: E731
-    dk, dv = dequantize(quantize_kv(stack(cache.k), stack(cache.v), group=self.group), 8,
-                        dtype=cache.k[0].dtype)
-    ks = tuple(jnp.where(old, d, k) for d, k in zip(dk.reshape(n, b, *dk.shape[1:]), cache.k))
-    vs = tuple(jnp.where(old, d, v) for d, v in zip(dv.reshape(n, b, *dv.shape[1:]), cache.v))
-    read = KVCache(k=ks, v=vs, lengths=cache.lengths)
+    ks, vs = [], []
+    for k, v in zip(cache.k, cache.v):
+      dk, dv = dequantize(quantize_kv(k, v, group=self.group), 8, dtype=k.dtype)
+      ks.append(jnp.where(old, dk, k))
+      vs.append(jnp.where(old, dv, v))
+    read = KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths)
     logits, kv = forward(cfg, params, state.last_tokens(), cache.lengths[:, None], read)
     keys, step_keys = split_keys(state.keys)
     nxt = sample(logits[:, 0], step_keys, ctx.sampling)
