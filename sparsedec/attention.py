@@ -198,8 +198,9 @@ def _layer_tails(cache, layers, bits: int, dtype=jnp.float32
   """The listed layers' [CF1 quantized and read at `bits` (G) | buffer (2G)] K/V, each
   [B, 3G, Hkv, D] in `dtype` (the key-set layout of `quant_attention_with_keys`). The layers' CF1
   halves go through the quantizer as one batch (`stacked_cf1`), not one layer at a time: a
-  30-layer SmolLM2 QuantSpec decode loop's HLO went from 40,780 to 24,913 instructions (its run
-  on 2 CPU cores -10%); H200, 8B shapes at 128K: QuantSpec.step 27.7 -> 27.4 ms, 8K unchanged."""
+  30-layer SmolLM2 QuantSpec decode loop's HLO went from 40,780 to 24,913 instructions (CPU
+  compile and run unchanged within noise); H200, 8B shapes at 128K: QuantSpec.step 27.7 -> 27.4
+  ms, 8K unchanged (benchmarks/NOTES.md, session 21)."""
   from pallas_kernels.quant_attention import fake_quantize
   from sparsedec.kv.quantized import stacked_cf1
   g = cache.group
