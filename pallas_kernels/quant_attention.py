@@ -273,9 +273,11 @@ def _v_planes(v_codes):
   return x.reshape(*x.shape[:-3], -1, x.shape[-1])
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantPlanes:
-  """Quantized K/V before storage: the code planes token-major, scales and zeros as `QuantKV`."""
+  """Quantized K/V before storage: the code planes token-major, scales and zeros as `QuantKV`.
+  A pytree (every field an array)."""
   k_planes: jax.Array   # [B, Hkv, 2, S, D] int32: (u - 8, l), both in [-8, 7]
   v_planes: jax.Array   # [B, Hkv, 2, S, D] int32
   k_scale: jax.Array    # [B, Hkv, S/G, D] fp16

@@ -202,15 +202,14 @@ def _layer_tails(cache, layers, bits: int, dtype=jnp.float32
   compile and run unchanged within noise); H200, 8B shapes at 128K: QuantSpec.step 27.7 -> 27.4
   ms, 8K unchanged (benchmarks/NOTES.md, session 21)."""
   from pallas_kernels.quant_attention import fake_quantize
-  from sparsedec.kv.quantized import stacked_cf1
+  from sparsedec.kv.quantized import stacked_cf1, unstacked
   g = cache.group
   bufs_k, bufs_v = [cache.buf_k[i] for i in layers], [cache.buf_v[i] for i in layers]
   k_1, v_1 = fake_quantize(stacked_cf1(bufs_k, g), stacked_cf1(bufs_v, g), g, bits)
 
   def tail(x_1, bufs):            # x_1 [L * B, Hkv, G, D] -> L x [B, 3G, Hkv, D]
-    x_1 = x_1.reshape(len(bufs), -1, *x_1.shape[1:])
     return tuple(jnp.concatenate([x, buf.astype(jnp.float32)], axis=2).astype(dtype)
-                 .transpose(0, 2, 1, 3) for x, buf in zip(x_1, bufs))
+                 .transpose(0, 2, 1, 3) for x, buf in zip(unstacked(x_1, len(bufs)), bufs))
   return tail(k_1, bufs_k), tail(v_1, bufs_v)
 
 

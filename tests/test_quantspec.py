@@ -556,6 +556,21 @@ def test_greedy_int8_verify_equals_dequantized_int8_dense_on_smollm2(smollm2, sm
   _assert_flushed_while_generating(got, prompts, 128)
 
 
+def test_layers_quantized_as_one_batch_equal_one_layer_at_a_time():
+  """stacked_cf1 + quantize_planes + unstacked (the flush's and the tails' batching) gives each
+  layer the planes of quantizing its own CF1 alone, in layer order."""
+  from pallas_kernels.quant_attention import quantize_planes
+  g, rng = 16, np.random.default_rng(5)
+  bufs = [jnp.asarray(rng.normal(scale=1 + i, size=(2, 2, 2 * g, 8)).astype(np.float32))
+          for i in range(3)]
+  per_layer = qkv.unstacked(quantize_planes(qkv.stacked_cf1(bufs, g), qkv.stacked_cf1(bufs, g),
+                                            g), len(bufs))
+  assert len(per_layer) == len(bufs)
+  for buf, got in zip(bufs, per_layer):
+    want = quantize_planes(buf[:, :, :g], buf[:, :, :g], g)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
 def test_flushing_whole_value_tiles_equals_quantizing_directly():
   """G = 64 (a whole 64-token value tile per group, the kernel's fragment-order storage): a flush
   through commits writes the same codes as quantizing the tokens directly; and a G that neither

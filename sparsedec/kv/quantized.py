@@ -29,7 +29,6 @@ Everything is jittable with fixed shapes, per row (ragged lengths across the bat
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -181,9 +180,16 @@ def _cf2_to_cf1(buf: jax.Array, g: int) -> jax.Array:
 def stacked_cf1(bufs, group: int) -> jax.Array:
   """The CF1 halves of per-layer buffers (L x [B, Hkv, 2G, D]) as one batch [L * B, Hkv, G, D],
   layer-major: what the quantizer takes to treat every layer at once (its arithmetic is per
-  row, so each layer's codes are bit for bit its own)."""
+  row, so each layer's codes are bit for bit its own). `unstacked` splits the result back."""
   x = jnp.stack([buf[:, :, :group] for buf in bufs])                      # [L, B, Hkv, G, D]
   return x.reshape(-1, *x.shape[2:])
+
+
+def unstacked(batch, num_layers: int) -> tuple:
+  """The inverse of `stacked_cf1`'s layer-major batching: a pytree whose leaves are
+  [L * B, ...] -> L pytrees of [B, ...] leaves (layer i first-axis rows i * B .. (i + 1) * B)."""
+  split = jax.tree.map(lambda x: x.reshape(num_layers, -1, *x.shape[1:]), batch)
+  return tuple(jax.tree.map(lambda x, i=i: x[i], split) for i in range(num_layers))
 
 
 def flush(cache: QuantizedCache, on: jax.Array) -> QuantizedCache:
@@ -191,14 +197,11 @@ def flush(cache: QuantizedCache, on: jax.Array) -> QuantizedCache:
   CF1 is quantized in one batch ([L * B, Hkv, G, D]; per-row arithmetic, the same codes as one
   layer at a time), then written layer by layer."""
   g = cache.group
-  n, b = len(cache.buf_k), cache.quant_len.shape[0]
   planes = quantize_planes(stacked_cf1(cache.buf_k, g), stacked_cf1(cache.buf_v, g), g)
-  layer = lambda x, i: x.reshape(n, b, *x.shape[1:])[i]  # noqa: E731   # [L * B, ...] -> layer i
   codes, buf_k, buf_v = [], [], []
   shift = on[:, None, None, None]
-  for i, (qkv, k, v) in enumerate(zip(cache.codes, cache.buf_k, cache.buf_v)):
-    new = QuantPlanes(**{f.name: layer(getattr(planes, f.name), i)
-                         for f in dataclasses.fields(QuantPlanes)})
+  for qkv, new, k, v in zip(cache.codes, unstacked(planes, len(cache.codes)), cache.buf_k,
+                            cache.buf_v):
     codes.append(_write_group(qkv, new, cache.quant_len, on))
     buf_k.append(jnp.where(shift, _cf2_to_cf1(k, g), k))
     buf_v.append(jnp.where(shift, _cf2_to_cf1(v, g), v))
