@@ -15,6 +15,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # tests/ helper
 
 import hf_harness  # noqa: E402
 
+
+def _pin_xdist_worker() -> None:
+  """Give each pytest-xdist worker its own share of the allowed CPUs, before JAX starts: XLA
+  sizes its CPU thread pools from the affinity mask, so 2 workers on 2 cores no longer run 2
+  threads each on the same cores (suite subsets measured 5.7-7% faster in wall time)."""
+  worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+  if not (worker and count and hasattr(os, "sched_setaffinity")):
+    return
+  cpus, index, count = sorted(os.sched_getaffinity(0)), int(worker.removeprefix("gw")), int(count)
+  if 1 < count <= len(cpus):
+    os.sched_setaffinity(0, cpus[index % count::count])
+
+
+_pin_xdist_worker()
+
 ROOT = hf_harness.REPO
 SHARED = hf_harness.SHARED
 STORIES_HF = hf_harness.STORIES260K
