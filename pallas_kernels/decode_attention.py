@@ -65,6 +65,7 @@ from pallas_kernels.combine import (check_inflight_mode, check_score_queries, co
                                     inflight_choice, permute_queries, score_rows, scores_to_probs,
                                     selected_first, wrapper_outputs)
 from pallas_kernels.inflight_attention import inflight_partials, mask_bias, pack_keys
+from pallas_kernels.register_operand import wgmma_register_a
 from pallas_kernels.split_plan import split_counts
 
 LOG2E = math.log2(math.e)
@@ -79,14 +80,13 @@ SMEM_PER_SM = 227 * 1024          # shared memory one SM gives its resident bloc
 
 
 def smem_bytes(block_kv: int, num_stages: int, head_dim: int, itemsize: int = 2) -> int:
-  """SMEM of one thread block of decode / sparse attention, a slight overestimate
-  (`loop_scratch` plus q, P, m, l and 4 KiB for barriers and alignment; Mosaic reported 2.6 KiB
-  more than the buffers for 128-key tiles, 3 stages): D = 128, bf16, 2 stages: 92 KiB with
-  64-key tiles, 164 KiB with 128-key tiles."""
+  """SMEM of one thread block of decode / sparse attention on the GPU, a slight overestimate
+  (`loop_scratch` plus q, m, l and 4 KiB for barriers and alignment; Mosaic reported 2.6 KiB
+  more than the buffers for 128-key tiles, 3 stages; P stays in registers): D = 128, bf16,
+  2 stages: 84.5 KiB with 64-key tiles, 148.5 KiB with 128-key tiles."""
   rings = 2 * num_stages * block_kv * head_dim * itemsize
   out = BLOCK_M * head_dim * 4                     # the fp32 output tile shares the rings
-  return (BLOCK_M * head_dim * itemsize + max(rings, out) + BLOCK_M * block_kv * itemsize
-          + 2 * BLOCK_M * 4 + 4096)
+  return BLOCK_M * head_dim * itemsize + max(rings, out) + 2 * BLOCK_M * 4 + 4096
 
 
 def resident_blocks(block_kv: int, num_stages: int, head_dim: int) -> int:
@@ -195,7 +195,7 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
            q_smem,          # [64, D]                                   SMEM (tiled, swizzled)
            k_smem,          # [num_stages, block_kv, D]                 SMEM (tiled, swizzled)
            v_smem,          # [num_stages, block_kv, D]                 SMEM (tiled, swizzled)
-           p_smem,          # [64, block_kv]                            SMEM (tiled, swizzled)
+           p_smem,          # [64, block_kv] (interpret mode only, else None)  SMEM (swizzled)
            o_smem,          # [64, D] fp32, shares the rings' memory     SMEM
            m_smem,          # [64] fp32                                 SMEM
            l_smem,          # [64] fp32                                 SMEM
@@ -268,15 +268,13 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       l_i = l_i * alpha + p.sum(axis=1)
 
       plgpu.barrier_wait(v_barriers.at[slot])
-      # P goes through SMEM and PV into a fresh (zeroed) accumulator that is added to the
-      # rescaled running one. Registers-operand wgmma and `pl.run_state(...)(ACC.init(acc))`
-      # would skip both, but the Mosaic GPU interpreter of jax 0.11.2 supports neither (wgmma
-      # operands must be SMEM refs; run_state is not interpreted), and this loop is bandwidth
-      # bound: the extra SMEM round trip of the 64 x block_kv P tile is cheap.
-      p_smem[...] = p.astype(dtype)
-      plgpu.commit_smem()
+      # PV with P as the wgmma's registers operand (the score accumulator's layout is the A
+      # fragment's), into a fresh (zeroed) accumulator that is added to the rescaled running
+      # one (`pl.run_state(...)(ACC.init(acc))` would skip that, but the Mosaic GPU interpreter
+      # of jax 0.11.2 does not run it). The interpreter's wgmma takes no registers operand: there
+      # P goes through p_smem (`wgmma_register_a`).
       def pv_scope(pv_ref):                        # [64, D] fp32 accumulator
-        plgpu.wgmma(pv_ref, p_smem, v_smem.at[slot])
+        wgmma_register_a(pv_ref, p.astype(dtype), v_smem.at[slot], a_smem=p_smem)
         return pv_ref[...]                         # waits for the wgmma
       pv = pl.run_scoped(pv_scope, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
@@ -299,10 +297,11 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     plgpu.copy_smem_to_gmem(l_smem, l_out_ref.at[b, h, qb, split])
     plgpu.wait_smem_to_gmem(0)
 
+  p_scratch = [] if interpret is None else [plgpu.SMEM((BLOCK_M, block_kv), dtype, **SWIZZLED)]
   scratch = [
       plgpu.SMEM((BLOCK_M, head_dim), dtype, **SWIZZLED),
       loop_scratch(num_stages, block_kv, head_dim, dtype, score_rows),
-      plgpu.SMEM((BLOCK_M, block_kv), dtype, **SWIZZLED),
+      *p_scratch,
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.Barrier(),
@@ -321,7 +320,9 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 
   def decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
                               *scores_ref):
-    def scoped(q_smem, union, p_smem, m_smem, l_smem, q_bar, k_bars, v_bars):
+    def scoped(q_smem, union, *rest):
+      p_smem = rest[0] if p_scratch else None
+      m_smem, l_smem, q_bar, k_bars, v_bars = rest[len(p_scratch):]
       (k_smem, v_smem, *s_smem), o_smem = union    # the union's two views
       extra = (scores_ref[0], s_smem[0]) if score_rows else ()
       body(lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,

@@ -37,6 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
+from pallas_kernels.register_operand import wgmma_register_a
+
 BLOCK_M = 64                      # q rows per thread block (one warpgroup's wgmma M)
 BLOCK_U = 64                      # in-flight keys per tile
 LOG2E = float(np.log2(np.e))
@@ -101,7 +103,7 @@ def inflight_partials(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
            k_smem,          # [stages, 64, D]                           SMEM (tiled, swizzled)
            v_smem,          # [stages, 64, D]                           SMEM (tiled, swizzled)
            b_smem,          # [stages, 64, 64] fp32                     SMEM
-           p_smem,          # [64, 64]                                  SMEM (tiled, swizzled)
+           p_smem,          # [64, 64] (interpret mode only, else None)  SMEM (swizzled)
            o_smem,          # [64, D] fp32                              SMEM
            m_smem,          # [64] fp32                                 SMEM
            l_smem,          # [64] fp32                                 SMEM
@@ -148,10 +150,9 @@ def inflight_partials(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
       l_i = l_i * alpha + p.sum(axis=1)
 
       plgpu.barrier_wait(v_barriers.at[slot])
-      p_smem[...] = p.astype(dtype)                # P through SMEM (as decode_attention)
-      plgpu.commit_smem()
       def pv_scope(pv_ref):                        # [64, D] fp32 accumulator
-        plgpu.wgmma(pv_ref, p_smem, v_smem.at[slot])
+        # P as the registers operand (as decode_attention; through p_smem in interpret mode)
+        wgmma_register_a(pv_ref, p.astype(dtype), v_smem.at[slot], a_smem=p_smem)
         return pv_ref[...]
       pv = pl.run_scoped(pv_scope, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
@@ -172,12 +173,13 @@ def inflight_partials(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
     plgpu.wait_smem_to_gmem(0)
 
   swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+  p_scratch = [] if interpret is None else [plgpu.SMEM((BLOCK_M, BLOCK_U), dtype, **swizzled)]
   scratch = [
       plgpu.SMEM((BLOCK_M, head_dim), dtype, **swizzled),
       plgpu.SMEM((stages, BLOCK_U, head_dim), dtype, **swizzled),
       plgpu.SMEM((stages, BLOCK_U, head_dim), dtype, **swizzled),
       plgpu.SMEM((stages, BLOCK_M, BLOCK_U), jnp.float32),
-      plgpu.SMEM((BLOCK_M, BLOCK_U), dtype, **swizzled),
+      *p_scratch,
       plgpu.SMEM((BLOCK_M, head_dim), jnp.float32),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
@@ -192,8 +194,10 @@ def inflight_partials(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
               jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32))
 
   def inflight_attention_kernel(q_ref, k_ref, v_ref, bias_ref, acc_ref, m_ref, l_ref):
-    def scoped(*refs):
-      body(q_ref, k_ref, v_ref, bias_ref, acc_ref, m_ref, l_ref, *refs)
+    def scoped(q_smem, k_smem, v_smem, b_smem, *refs):
+      p_smem, refs = (refs[0], refs[1:]) if p_scratch else (None, refs)
+      body(q_ref, k_ref, v_ref, bias_ref, acc_ref, m_ref, l_ref, q_smem, k_smem, v_smem, b_smem,
+           p_smem, *refs)
     pl.run_scoped(scoped, *scratch)
 
   return plgpu.kernel(

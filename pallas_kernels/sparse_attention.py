@@ -76,6 +76,7 @@ from pallas_kernels.combine import (check_inflight_mode, check_score_queries, co
                                     inflight_choice, permute_queries, score_rows, scores_to_probs,
                                     selected_first, wrapper_outputs)
 from pallas_kernels.inflight_attention import inflight_partials, mask_bias, pack_keys
+from pallas_kernels.register_operand import wgmma_register_a
 from pallas_kernels.split_plan import split_counts
 
 from pallas_kernels.decode_attention import (_SUPPORTED_DTYPES, BLOCK_M, LOG2E, SM_COUNT,
@@ -230,7 +231,7 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
            q_smem,          # [64, D]                                   SMEM (tiled, swizzled)
            k_smem,          # [num_stages, block_kv, D]                 SMEM (tiled, swizzled)
            v_smem,          # [num_stages, block_kv, D]                 SMEM (tiled, swizzled)
-           p_smem,          # [64, block_kv]                            SMEM (tiled, swizzled)
+           p_smem,          # [64, block_kv] (interpret mode only, else None)  SMEM (swizzled)
            o_smem,          # [64, D] fp32, shares the rings' memory     SMEM
            m_smem,          # [64] fp32                                 SMEM
            l_smem,          # [64] fp32                                 SMEM
@@ -315,12 +316,10 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
       l_i = l_i * alpha + p.sum(axis=1)
 
       plgpu.barrier_wait(v_barriers.at[slot])
-      # P through SMEM, PV into a fresh accumulator (see decode_attention: the jax 0.11.2
-      # interpreter supports neither a registers operand nor run_state).
-      p_smem[...] = p.astype(dtype)
-      plgpu.commit_smem()
+      # P as the registers operand of PV, into a fresh accumulator (see decode_attention; in
+      # interpret mode P goes through p_smem).
       def pv_scope(pv_ref):                        # [64, D] fp32 accumulator
-        plgpu.wgmma(pv_ref, p_smem, v_smem.at[slot])
+        wgmma_register_a(pv_ref, p.astype(dtype), v_smem.at[slot], a_smem=p_smem)
         return pv_ref[...]
       pv = pl.run_scoped(pv_scope, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
@@ -342,10 +341,11 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
     plgpu.copy_smem_to_gmem(l_smem, l_out_ref.at[b, h, work])
     plgpu.wait_smem_to_gmem(0)
 
+  p_scratch = [] if interpret is None else [plgpu.SMEM((BLOCK_M, block_kv), dtype, **SWIZZLED)]
   scratch = [
       plgpu.SMEM((BLOCK_M, head_dim), dtype, **SWIZZLED),
       loop_scratch(num_stages, block_kv, head_dim, dtype, score_rows),
-      plgpu.SMEM((BLOCK_M, block_kv), dtype, **SWIZZLED),
+      *p_scratch,
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.Barrier(),
@@ -364,7 +364,8 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
 
   def sparse_attention_kernel(tables_ref, counts_ref, lengths_ref, q_ref, k_ref, v_ref, acc_ref,
                               m_ref, l_ref, *scores_ref):
-    def scoped(q_smem, union, p_smem, *rest):
+    def scoped(q_smem, union, *rest):
+      p_smem, rest = (rest[0], rest[1:]) if p_scratch else (None, rest)
       (k_smem, v_smem, *s_smem), o_smem = union    # the union's two views
       extra = (scores_ref[0], s_smem[0]) if score_rows else ()
       body(tables_ref, counts_ref, lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
