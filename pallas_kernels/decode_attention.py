@@ -169,7 +169,8 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                     score_rows: int = 0, interpret: Any = None):
   """Split partials of the cache part.
 
-  q_rows [B, Hkv, NQB * 64, D] (row r of q block j is query row j * 64 + r, r = t * G + g);
+  q_rows [B, Hkv, M, D] (row r of q block j is query row j * 64 + r, r = t * G + g; NQB =
+  cdiv(M, 64), rows past M read as zeros: a TMA box past the array is zero-filled);
   k_cache, v_cache [B, Hkv, S, D]; lengths [B] int32 (the kernel clips them to [0, S]).
   Returns acc [B, Hkv, NQB, NS, rows_out, D] fp32 (un-normalised), m [B, Hkv, NQB, NS, 64] fp32
   (row max of the scaled scores, in log2 units, -inf for an empty split) and
@@ -180,7 +181,7 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   """
   batch, num_kv_heads, m_total, head_dim = q_rows.shape
   capacity = k_cache.shape[2]
-  q_blocks = m_total // BLOCK_M
+  q_blocks = -(-m_total // BLOCK_M)
   block_kv, num_stages = cfg.block_kv, cfg.num_stages
   dtype = q_rows.dtype
   score_scale = head_dim ** -0.5 * LOG2E       # scores kept in log2 units (exp2 in the loop)
@@ -380,13 +381,19 @@ def num_q_blocks(num_queries: int, group: int) -> int:
   return -(-num_queries * group // BLOCK_M)
 
 
-def _q_rows(q: jax.Array, num_kv_heads: int) -> jax.Array:
-  """q [B, Tq, Hq, D] -> [B, Hkv, NQB * 64, D]: rows r = t * G + g per KV head, zero-padded."""
+def _q_rows(q: jax.Array, num_kv_heads: int, whole_blocks: bool = False) -> jax.Array:
+  """q [B, Tq, Hq, D] -> [B, Hkv, M, D]: rows r = t * G + g per KV head, zero-padded to whole
+  64-row q blocks (M = NQB * 64), except at Tq = 1 without whole_blocks (which the in-flight
+  kernel needs): there the rows are q itself reshaped (M = G, no copy, no launch) and the
+  kernel's 64-row TMA of the last q block reads past them, which the TMA unit (and the Mosaic
+  GPU interpreter) fills with zeros."""
   b, tq, hq, d = q.shape
   group = hq // num_kv_heads
   n_rows = tq * group
   q_rows = q.reshape(b, tq, num_kv_heads, group, d).transpose(0, 2, 1, 3, 4)
   q_rows = q_rows.reshape(b, num_kv_heads, n_rows, d)
+  if tq == 1 and not whole_blocks:
+    return q_rows
   padded = num_q_blocks(tq, group) * BLOCK_M
   return jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded - n_rows), (0, 0)))
 
@@ -412,7 +419,7 @@ def _rows_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   """`split_partials` from q rows already packed by `_q_rows` (Tq = num_queries queries)."""
   b, hkv, m_total, _ = q_rows.shape
   capacity = k_cache.shape[2]
-  q_blocks = m_total // BLOCK_M
+  q_blocks = -(-m_total // BLOCK_M)
   config = config.resolve(q_blocks, capacity, q_rows.shape[3])
   rows_out = BLOCK_M if q_blocks > 1 else -(-num_queries * group // 8) * 8
   num_splits = _pick_num_splits(config, b, hkv, q_blocks, capacity)
@@ -445,11 +452,12 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
   # follows the same order: q and the in-flight mask's rows here, out and lse back below.
   order = selected_first(sel, range(tq))
   q, mask = permute_queries(order, q, mask)
-  q_rows = _q_rows(q, k_cache.shape[1])
+  use_kernel = inflight_choice(config.inflight, tq)
+  q_rows = _q_rows(q, k_cache.shape[1], whole_blocks=use_kernel)
   parts = _rows_partials(q_rows, k_cache, v_cache, lengths, num_queries=tq, group=group,
                          config=config, num_score_queries=len(sel), interpret=interpret)
   acc, m2, l = parts[:3]
-  if inflight_choice(config.inflight, tq):
+  if use_kernel:
     row_query = np.full(q_rows.shape[2], -1)
     row_query[:tq * group] = np.arange(tq * group) // group
     extra = inflight_partials(q_rows, pack_keys(k_new).astype(q.dtype),

@@ -174,8 +174,9 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
                     cfg: SparseConfig, score_rows: int = 0, interpret: Any = None):
   """Split partials of the cache part, all segments in one launch.
 
-  q_rows [B, Hkv, QB * 64, D]; k_cache, v_cache [B, Hkv, S, D]; block_tables [B, Hkv, NB] int32
-  (already clipped to valid block ids); num_blocks [B, Hkv] int32 (clipped to [0, NB]);
+  q_rows [B, Hkv, QB * 64, D] (at Tq = 1 [B, Hkv, G, D]: rows past G read as zeros);
+  k_cache, v_cache [B, Hkv, S, D]; block_tables [B, Hkv, NB] int32 (already clipped to valid
+  block ids); num_blocks [B, Hkv] int32 (clipped to [0, NB]);
   lengths [B] int32 (clipped to [0, S]). Returns, with W = sum of the segments' work items,
   acc [B, Hkv, W, rows_out, D] fp32 (un-normalised), m [B, Hkv, W, 64] fp32 (row max of the
   scaled scores in log2 units, -inf when the split saw no valid slot), l [B, Hkv, W, 64] fp32.
@@ -222,7 +223,7 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
   def body(tables_ref,      # [B, Hkv, NB] int32                        GMEM
            counts_ref,      # [B, Hkv] int32                            GMEM
            lengths_ref,     # [B] int32                                 GMEM
-           q_ref,           # [B, Hkv, QB * 64, D]                      GMEM
+           q_ref,           # [B, Hkv, QB * 64 (or G at Tq = 1), D]     GMEM
            k_ref,           # [B, Hkv, S, D]                            GMEM
            v_ref,           # [B, Hkv, S, D]                            GMEM
            acc_out_ref,     # [B, Hkv, W, rows_out, D] fp32             GMEM
@@ -432,12 +433,17 @@ def _check_inputs(q, k_cache, v_cache, block_tables, num_blocks, lengths, k_new,
     raise ValueError(f"sparse_queries must be in [0, Tq={tq}], got {sparse_queries}")
 
 
-def _q_rows(q: jax.Array, segments: tuple[_Segment, ...], num_kv_heads: int) -> jax.Array:
+def _q_rows(q: jax.Array, segments: tuple[_Segment, ...], num_kv_heads: int,
+            whole_blocks: bool = False) -> jax.Array:
   """q [B, Tq, Hq, D] -> [B, Hkv, QB * 64, D]: each segment's rows t * G + g per KV head,
-  zero-padded to whole 64-row q blocks."""
+  zero-padded to whole 64-row q blocks; at Tq = 1 without whole_blocks (which the in-flight
+  kernel needs) q itself reshaped, [B, Hkv, G, D] (no copy: the kernel's 64-row q TMA reads
+  past it, zero-filled, as in decode_attention)."""
   b, tq, hq, d = q.shape
   group = hq // num_kv_heads
   q_rows = q.reshape(b, tq, num_kv_heads, group, d).transpose(0, 2, 1, 3, 4)  # [B,Hkv,Tq,G,D]
+  if tq == 1 and not whole_blocks:
+    return q_rows.reshape(b, num_kv_heads, group, d)
   pieces = []
   for seg in segments:
     rows = q_rows[:, :, seg.first_query:seg.first_query + seg.num_queries]
@@ -562,11 +568,11 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                    sparse_queries=sparse_queries, config=config,
                    num_score_queries=(len(sel_list), len(sel_full)))
   segments = layout[0]
-  q_rows = _q_rows(q, segments, k_cache.shape[1])
+  use_kernel = inflight_choice(config.inflight, tq)
+  q_rows = _q_rows(q, segments, k_cache.shape[1], whole_blocks=use_kernel)
   acc, m2, l, *scores = _rows_partials(q_rows, k_cache, v_cache, block_tables, num_blocks,
                                        lengths, layout, block_size=block_size, config=config,
                                        interpret=interpret)
-  use_kernel = inflight_choice(config.inflight, tq)
   if use_kernel:                   # the in-flight part of every q block, one launch
     extra = inflight_partials(
         q_rows, pack_keys(k_new).astype(q.dtype),
