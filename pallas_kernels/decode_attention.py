@@ -65,7 +65,7 @@ from pallas_kernels.combine import (check_inflight_mode, check_score_queries, co
                                     inflight_choice, permute_queries, score_rows, scores_to_probs,
                                     selected_first, wrapper_outputs)
 from pallas_kernels.inflight_attention import inflight_partials, mask_bias, pack_keys
-from pallas_kernels.register_operand import wgmma_register_a
+from pallas_kernels.register_operand import a_staging, wgmma_register_a
 from pallas_kernels.split_plan import split_counts
 
 LOG2E = math.log2(math.e)
@@ -196,7 +196,6 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
            q_smem,          # [64, D]                                   SMEM (tiled, swizzled)
            k_smem,          # [num_stages, block_kv, D]                 SMEM (tiled, swizzled)
            v_smem,          # [num_stages, block_kv, D]                 SMEM (tiled, swizzled)
-           p_smem,          # [64, block_kv] (interpret mode only, else None)  SMEM (swizzled)
            o_smem,          # [64, D] fp32, shares the rings' memory     SMEM
            m_smem,          # [64] fp32                                 SMEM
            l_smem,          # [64] fp32                                 SMEM
@@ -204,7 +203,8 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
            k_barriers,      # [num_stages] barriers
            v_barriers,      # [num_stages] barriers
            scores_ref=None,  # [B, Hkv, score_rows, S] fp32               GMEM (score_rows > 0)
-           s_smem=None):    # [64, block_kv] fp32 (score_rows > 0)      SMEM
+           s_smem=None,     # [64, block_kv] fp32 (score_rows > 0)      SMEM
+           a_smem=None):    # [64, block_kv] (interpret mode only)      SMEM (tiled, swizzled)
     split = lax.axis_index("split")
     head_qblock = lax.axis_index("head_qblock")
     b = lax.axis_index("batch")
@@ -273,9 +273,9 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       # fragment's), into a fresh (zeroed) accumulator that is added to the rescaled running
       # one (`pl.run_state(...)(ACC.init(acc))` would skip that, but the Mosaic GPU interpreter
       # of jax 0.11.2 does not run it). The interpreter's wgmma takes no registers operand: there
-      # P goes through p_smem (`wgmma_register_a`).
+      # P goes through a_smem (`wgmma_register_a`).
       def pv_scope(pv_ref):                        # [64, D] fp32 accumulator
-        wgmma_register_a(pv_ref, p.astype(dtype), v_smem.at[slot], a_smem=p_smem)
+        wgmma_register_a(pv_ref, p.astype(dtype), v_smem.at[slot], a_smem=a_smem)
         return pv_ref[...]                         # waits for the wgmma
       pv = pl.run_scoped(pv_scope, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
@@ -298,11 +298,9 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     plgpu.copy_smem_to_gmem(l_smem, l_out_ref.at[b, h, qb, split])
     plgpu.wait_smem_to_gmem(0)
 
-  p_scratch = [] if interpret is None else [plgpu.SMEM((BLOCK_M, block_kv), dtype, **SWIZZLED)]
   scratch = [
       plgpu.SMEM((BLOCK_M, head_dim), dtype, **SWIZZLED),
       loop_scratch(num_stages, block_kv, head_dim, dtype, score_rows),
-      *p_scratch,
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.Barrier(),
@@ -321,14 +319,14 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 
   def decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
                               *scores_ref):
-    def scoped(q_smem, union, *rest):
-      p_smem = rest[0] if p_scratch else None
-      m_smem, l_smem, q_bar, k_bars, v_bars = rest[len(p_scratch):]
+    def scoped(q_smem, union, m_smem, l_smem, q_bar, k_bars, v_bars, a_smem=None):
       (k_smem, v_smem, *s_smem), o_smem = union    # the union's two views
       extra = (scores_ref[0], s_smem[0]) if score_rows else ()
       body(lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
-           q_smem, k_smem, v_smem, p_smem, o_smem, m_smem, l_smem, q_bar, k_bars, v_bars, *extra)
-    pl.run_scoped(scoped, *scratch)
+           q_smem, k_smem, v_smem, o_smem, m_smem, l_smem, q_bar, k_bars, v_bars, *extra,
+           a_smem=a_smem)
+    pl.run_scoped(scoped, *scratch,
+                  **a_staging((BLOCK_M, block_kv), dtype, interpret, **SWIZZLED))
 
   return plgpu.kernel(
       decode_attention_kernel,

@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.register_operand import wgmma_register_a
+from pallas_kernels.register_operand import a_staging, wgmma_register_a
 
 BLOCK_M = 64                      # q rows per thread block (one warpgroup's wgmma M)
 BLOCK_U = 64                      # in-flight keys per tile
@@ -103,11 +103,11 @@ def inflight_partials(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
            k_smem,          # [stages, 64, D]                           SMEM (tiled, swizzled)
            v_smem,          # [stages, 64, D]                           SMEM (tiled, swizzled)
            b_smem,          # [stages, 64, 64] fp32                     SMEM
-           p_smem,          # [64, 64] (interpret mode only, else None)  SMEM (swizzled)
            o_smem,          # [64, D] fp32                              SMEM
            m_smem,          # [64] fp32                                 SMEM
            l_smem,          # [64] fp32                                 SMEM
-           q_barrier, k_barriers, b_barriers, v_barriers):
+           q_barrier, k_barriers, b_barriers, v_barriers,
+           a_smem=None):    # [64, 64] (interpret mode only)            SMEM (tiled, swizzled)
     qb = lax.axis_index("qblock")
     h = lax.axis_index("head")
     b = lax.axis_index("batch")
@@ -151,8 +151,8 @@ def inflight_partials(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
 
       plgpu.barrier_wait(v_barriers.at[slot])
       def pv_scope(pv_ref):                        # [64, D] fp32 accumulator
-        # P as the registers operand (as decode_attention; through p_smem in interpret mode)
-        wgmma_register_a(pv_ref, p.astype(dtype), v_smem.at[slot], a_smem=p_smem)
+        # P as the registers operand (as decode_attention; through a_smem in interpret mode)
+        wgmma_register_a(pv_ref, p.astype(dtype), v_smem.at[slot], a_smem=a_smem)
         return pv_ref[...]
       pv = pl.run_scoped(pv_scope, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
@@ -173,13 +173,11 @@ def inflight_partials(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
     plgpu.wait_smem_to_gmem(0)
 
   swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
-  p_scratch = [] if interpret is None else [plgpu.SMEM((BLOCK_M, BLOCK_U), dtype, **swizzled)]
   scratch = [
       plgpu.SMEM((BLOCK_M, head_dim), dtype, **swizzled),
       plgpu.SMEM((stages, BLOCK_U, head_dim), dtype, **swizzled),
       plgpu.SMEM((stages, BLOCK_U, head_dim), dtype, **swizzled),
       plgpu.SMEM((stages, BLOCK_M, BLOCK_U), jnp.float32),
-      *p_scratch,
       plgpu.SMEM((BLOCK_M, head_dim), jnp.float32),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
@@ -194,11 +192,9 @@ def inflight_partials(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
               jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32))
 
   def inflight_attention_kernel(q_ref, k_ref, v_ref, bias_ref, acc_ref, m_ref, l_ref):
-    def scoped(q_smem, k_smem, v_smem, b_smem, *refs):
-      p_smem, refs = (refs[0], refs[1:]) if p_scratch else (None, refs)
-      body(q_ref, k_ref, v_ref, bias_ref, acc_ref, m_ref, l_ref, q_smem, k_smem, v_smem, b_smem,
-           p_smem, *refs)
-    pl.run_scoped(scoped, *scratch)
+    def scoped(*refs, a_smem=None):
+      body(q_ref, k_ref, v_ref, bias_ref, acc_ref, m_ref, l_ref, *refs, a_smem=a_smem)
+    pl.run_scoped(scoped, *scratch, **a_staging((BLOCK_M, BLOCK_U), dtype, interpret, **swizzled))
 
   return plgpu.kernel(
       inflight_attention_kernel,

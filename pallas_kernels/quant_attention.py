@@ -145,9 +145,9 @@ from pallas_kernels.combine import (check_score_queries, combine_partials, score
 from pallas_kernels.decode_attention import (BLOCK_M, LOG2E, DecodeConfig, num_q_blocks,
                                              split_partials)
 from pallas_kernels.merge_partials import merge_partials
-from pallas_kernels.register_operand import (CODES_PER_WORD, SMEM_ROW_WORDS, pack_words,
-                                             unpack_words, wgmma_register_a, word_offset,
-                                             word_tile)
+from pallas_kernels.register_operand import (CODES_PER_WORD, SMEM_ROW_WORDS, a_staging,
+                                             pack_words, unpack_words, wgmma_register_a,
+                                             word_offset, word_tile)
 
 META_DTYPE = jnp.float16
 UPPER_LEVELS = 15                 # 4-bit upper code u in [0, 15]
@@ -846,8 +846,7 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, *, bits, num_splits, dtype,
       p_smem=plgpu.SMEM((tiles, n, KEY_TILE), dtype,
                         **_swizzled(KEY_TILE * itemsize, 8 * itemsize)),
   )
-  if interpret is not None:
-    scratch["a_smem"] = plgpu.SMEM((KEY_TILE, chunk), dtype, **mma_sw)
+  scratch.update(a_staging((KEY_TILE, chunk), dtype, interpret, **mma_sw))
   scratch.update(
       qt_smem=plgpu.SMEM((n_chunks, chunk, n), jnp.float32),
       o_smem=plgpu.SMEM((head_dim, n), jnp.float32),

@@ -31,6 +31,13 @@ WORDS_PER_ROW = TILE // CODES_PER_WORD
 SMEM_ROW_WORDS = 32          # a tile's words as [16, 32] in SMEM (128-byte rows: TMA-friendly)
 
 
+def a_staging(shape: tuple[int, int], dtype, interpret, **transforms) -> dict:
+  """The scratch `wgmma_register_a` stages a registers A operand through, as keyword scratch:
+  {"a_smem": SMEM(shape)} in interpret mode (the interpreter's wgmma takes no registers
+  operand), {} on the GPU (nothing allocated)."""
+  return {} if interpret is None else {"a_smem": plgpu.SMEM(shape, dtype, **transforms)}
+
+
 def wgmma_register_a(acc_ref, a: jax.Array, b_ref, a_smem=None) -> None:
   """acc_ref += a @ b_ref; a [64, K] in registers (via `a_smem` when given: interpret mode)."""
   if a_smem is None:

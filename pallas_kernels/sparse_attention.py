@@ -76,9 +76,10 @@ from pallas_kernels.combine import (check_inflight_mode, check_score_queries, co
                                     inflight_choice, permute_queries, score_rows, scores_to_probs,
                                     selected_first, wrapper_outputs)
 from pallas_kernels.inflight_attention import inflight_partials, mask_bias, pack_keys
-from pallas_kernels.register_operand import wgmma_register_a
+from pallas_kernels.register_operand import a_staging, wgmma_register_a
 from pallas_kernels.split_plan import split_counts
 
+from pallas_kernels.decode_attention import _q_rows as decode_q_rows
 from pallas_kernels.decode_attention import (_SUPPORTED_DTYPES, BLOCK_M, LOG2E, SM_COUNT,
                                             SWIZZLED, loop_scratch, resident_blocks)
 
@@ -232,13 +233,13 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
            q_smem,          # [64, D]                                   SMEM (tiled, swizzled)
            k_smem,          # [num_stages, block_kv, D]                 SMEM (tiled, swizzled)
            v_smem,          # [num_stages, block_kv, D]                 SMEM (tiled, swizzled)
-           p_smem,          # [64, block_kv] (interpret mode only, else None)  SMEM (swizzled)
            o_smem,          # [64, D] fp32, shares the rings' memory     SMEM
            m_smem,          # [64] fp32                                 SMEM
            l_smem,          # [64] fp32                                 SMEM
            q_barrier, k_barriers, v_barriers,
            scores_ref=None,  # [B, Hkv, NSS, score_rows, S] fp32          GMEM (score_rows > 0)
-           s_smem=None):    # [64, block_kv] fp32 (score_rows > 0)      SMEM
+           s_smem=None,     # [64, block_kv] fp32 (score_rows > 0)      SMEM
+           a_smem=None):    # [64, block_kv] (interpret mode only)      SMEM (tiled, swizzled)
     work = lax.axis_index("work")
     h = lax.axis_index("head")
     b = lax.axis_index("batch")
@@ -318,9 +319,9 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
 
       plgpu.barrier_wait(v_barriers.at[slot])
       # P as the registers operand of PV, into a fresh accumulator (see decode_attention; in
-      # interpret mode P goes through p_smem).
+      # interpret mode P goes through a_smem).
       def pv_scope(pv_ref):                        # [64, D] fp32 accumulator
-        wgmma_register_a(pv_ref, p.astype(dtype), v_smem.at[slot], a_smem=p_smem)
+        wgmma_register_a(pv_ref, p.astype(dtype), v_smem.at[slot], a_smem=a_smem)
         return pv_ref[...]
       pv = pl.run_scoped(pv_scope, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
@@ -342,11 +343,9 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
     plgpu.copy_smem_to_gmem(l_smem, l_out_ref.at[b, h, work])
     plgpu.wait_smem_to_gmem(0)
 
-  p_scratch = [] if interpret is None else [plgpu.SMEM((BLOCK_M, block_kv), dtype, **SWIZZLED)]
   scratch = [
       plgpu.SMEM((BLOCK_M, head_dim), dtype, **SWIZZLED),
       loop_scratch(num_stages, block_kv, head_dim, dtype, score_rows),
-      *p_scratch,
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.Barrier(),
@@ -365,13 +364,13 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
 
   def sparse_attention_kernel(tables_ref, counts_ref, lengths_ref, q_ref, k_ref, v_ref, acc_ref,
                               m_ref, l_ref, *scores_ref):
-    def scoped(q_smem, union, *rest):
-      p_smem, rest = (rest[0], rest[1:]) if p_scratch else (None, rest)
+    def scoped(q_smem, union, *rest, a_smem=None):
       (k_smem, v_smem, *s_smem), o_smem = union    # the union's two views
       extra = (scores_ref[0], s_smem[0]) if score_rows else ()
       body(tables_ref, counts_ref, lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
-           q_smem, k_smem, v_smem, p_smem, o_smem, *rest, *extra)
-    pl.run_scoped(scoped, *scratch)
+           q_smem, k_smem, v_smem, o_smem, *rest, *extra, a_smem=a_smem)
+    pl.run_scoped(scoped, *scratch,
+                  **a_staging((BLOCK_M, block_kv), dtype, interpret, **SWIZZLED))
 
   return plgpu.kernel(
       sparse_attention_kernel,
@@ -438,12 +437,12 @@ def _q_rows(q: jax.Array, segments: tuple[_Segment, ...], num_kv_heads: int,
   """q [B, Tq, Hq, D] -> [B, Hkv, QB * 64, D]: each segment's rows t * G + g per KV head,
   zero-padded to whole 64-row q blocks; at Tq = 1 without whole_blocks (which the in-flight
   kernel needs) q itself reshaped, [B, Hkv, G, D] (no copy: the kernel's 64-row q TMA reads
-  past it, zero-filled, as in decode_attention)."""
+  past it, zero-filled; decode_attention's `_q_rows`)."""
   b, tq, hq, d = q.shape
+  if tq == 1 and not whole_blocks:
+    return decode_q_rows(q, num_kv_heads)
   group = hq // num_kv_heads
   q_rows = q.reshape(b, tq, num_kv_heads, group, d).transpose(0, 2, 1, 3, 4)  # [B,Hkv,Tq,G,D]
-  if tq == 1 and not whole_blocks:
-    return q_rows.reshape(b, num_kv_heads, group, d)
   pieces = []
   for seg in segments:
     rows = q_rows[:, :, seg.first_query:seg.first_query + seg.num_queries]

@@ -77,8 +77,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.register_operand import (CODES_PER_WORD, SMEM_ROW_WORDS, pack_words,
-                                             unpack_words, wgmma_register_a, word_tile)
+from pallas_kernels.register_operand import (CODES_PER_WORD, SMEM_ROW_WORDS, a_staging,
+                                             pack_words, unpack_words, wgmma_register_a,
+                                             word_tile)
 from sparsedec.errors import InputError
 
 CHUNK = 64              # inputs per stored code chunk: one 128-byte bf16 wgmma K step
@@ -342,8 +343,7 @@ def _partials(xc, codes_t, scale, zero, *, group: int, p: Plan, interpret: Any =
       c_smem=plgpu.SMEM((num_stages, cps, block_out // 4, SMEM_ROW_WORDS), jnp.uint32),
       x_smem=plgpu.SMEM((num_stages, cps, n, CHUNK), dtype, **mma_sw),
   )
-  if interpret is not None:
-    scratch["a_smem"] = plgpu.SMEM((TILE_OUT, CHUNK), dtype, **mma_sw)
+  scratch.update(a_staging((TILE_OUT, CHUNK), dtype, interpret, **mma_sw))
   scratch.update(
       meta_smem=plgpu.SMEM((num_stages, 2, gps, block_out), META_DTYPE),
       o_smem=plgpu.SMEM((block_out, n), jnp.float32),
