@@ -59,7 +59,7 @@ loop. The keys held in full precision (the recent segment and the in-flight toke
 `key_sets`, see `quant_attention_with_keys`) are attended in the same launch by E more blocks per
 (row, KV head, q block), one 64-key tile each (`ExactKeys`, `exact_keys`: bf16/fp16 wgmma with
 both operands from SMEM, K and V read by TMA straight from token-major [B, U, Hkv, D] pieces,
-per-query masks as a 0/-inf bias; their SMEM is a sibling scope of a split's and no larger, so as
+a piece's last tile past its end zero-filled by the TMA, per-query masks as a 0/-inf bias; their SMEM is a sibling scope of a split's and no larger, so as
 many blocks stay resident): they leave partials in the splits' format, and ONE more kernel
 (`pallas_kernels.merge_partials`) merges all partials by log-sum-exp and normalises. A call is
 thus two Mosaic launches plus the q / mask / output relayouts. The kernel is compiled without
@@ -532,18 +532,20 @@ class ExactKeys:
   """The keys a quant_attention call attends in full precision (a QuantSpec step's double
   buffer, draft scratch and in-flight tokens), as `exact_keys` lays them out for the kernel's
   exact blocks: q_cols [B, Hkv, NQB, N, D] (q's dtype, the B operand of their QK^T); sources,
-  the keys in one or more pieces ((k, v) [B, U_i, Hkv, D], q's dtype, token-major, U_i a
-  multiple of 64: a piece that already has that shape is read where it lies, no copy); bias
-  [B or 1, NQB, U, N] fp32 over the pieces' keys in order, U = sum U_i (0: query row n of q
-  block j sees key u; -inf: not)."""
+  the keys in one or more pieces ((k, v) [B, U_i, Hkv, D], q's dtype, token-major, any U_i:
+  the last tile of a piece reads past its end, zero-filled; a piece in q's dtype is
+  the caller's array, no copy); bias [B or 1, NQB, U, N] fp32 over the pieces' keys in order,
+  each piece rounded up to whole tiles, U = sum ceil(U_i / 64) * 64 (0: query row n of q block j
+  sees key u; -inf: not)."""
   q_cols: jax.Array
   sources: tuple[tuple[jax.Array, jax.Array], ...]
   bias: jax.Array
 
   @property
   def num_blocks(self) -> int:
-    """Exact blocks per (row, KV head, q block): one per 64-key tile."""
-    return sum(k.shape[1] for k, _ in self.sources) // KEY_TILE
+    """Exact blocks per (row, KV head, q block): one per 64-key tile (a piece's last tile may be
+    partial)."""
+    return sum(-(-k.shape[1] // KEY_TILE) for k, _ in self.sources)
 
 
 def _quant_partials(q_t, qkv: QuantKV, lengths, *, bits, num_splits, dtype,
@@ -797,7 +799,7 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, *, bits, num_splits, dtype,
     plgpu.copy_gmem_to_smem(q_ref.at[b, h, qb], q_smem, q_barrier)
     first = 0
     for k_ref, v_ref in zip(source_refs[::2], source_refs[1::2]):
-      tiles = k_ref.shape[1] // KEY_TILE
+      tiles = -(-k_ref.shape[1] // KEY_TILE)    # the last may run past the piece: zero-filled
 
       def fetch(k_ref=k_ref, v_ref=v_ref, first=first):
         keys = pl.ds((e - first) * KEY_TILE, KEY_TILE)
@@ -1134,38 +1136,27 @@ def _dequantized_call(q, qkv, lengths_quantized, key_sets, *, bits, num_selected
 
 def exact_keys(q_rows, key_sets, *, group: int) -> ExactKeys:
   """q_rows [B, Hkv, QB, N, D] (row j * N + n holds query (j * N + n) // G) and key sets
-  (k [B, U_i, Hkv, D], v, mask [B or 1, Tq or 1, U_i] bool) -> the kernel's `ExactKeys`. A key
-  set of whole 64-key tiles in q's dtype is a source piece as it is; runs of other sets are
-  concatenated in q's dtype with zero keys up to whole tiles (so a QuantSpec step's 3G-slot tail
-  is read in place and only its few in-flight keys are copied). The bias [B or 1, QB, U, N] fp32
-  is 0 where the row's query sees key u, -inf for padding rows and keys."""
+  (k [B, U_i, Hkv, D], v, mask [B or 1, Tq or 1, U_i] bool) -> the kernel's `ExactKeys`. Each
+  non-empty key set is one source piece, read where it lies when it is in q's dtype (else
+  converted): nothing is padded or concatenated, since the exact blocks' 64-key TMA reads past a
+  piece's end, which the TMA unit (and the Mosaic GPU interpreter) fills with zeros, and the bias
+  masks those keys off. So a QuantSpec step's 3G-slot tail, draft scratch and in-flight tokens
+  all stay where they are. The bias [B or 1, QB, U, N] fp32 over the pieces' keys rounded up to
+  whole tiles is 0 where the row's query sees key u, -inf for the keys past a piece and for
+  padding rows."""
   b, q_blocks, rows, dtype = q_rows.shape[0], q_rows.shape[2], q_rows.shape[3], q_rows.dtype
-  _, _, hkv, d = key_sets[0][0].shape
   tq = max(mask.shape[1] for _, _, mask in key_sets)
   bm = max(mask.shape[0] for _, _, mask in key_sets)
-  sources, masks, run = [], [], []
-
-  def flush():                                  # the pending run: one padded piece
-    if not run:
-      return
-    num_keys = sum(k.shape[1] for k, _, _ in run)
-    pad = -(-num_keys // KEY_TILE) * KEY_TILE - num_keys
-    zeros = [jnp.zeros((b, pad, hkv, d), dtype)] if pad else []
-    sources.append((jnp.concatenate([k.astype(dtype) for k, _, _ in run] + zeros, axis=1),
-                    jnp.concatenate([v.astype(dtype) for _, v, _ in run] + zeros, axis=1)))
-    masks.extend(jnp.broadcast_to(mask, (bm, tq, mask.shape[2])) for _, _, mask in run)
-    masks.append(jnp.zeros((bm, tq, pad), bool))
-    run.clear()
-
+  sources, masks = [], []
   for k, v, mask in key_sets:
-    if k.shape[1] % KEY_TILE == 0 and k.dtype == dtype and v.dtype == dtype:
-      flush()
-      sources.append((k, v))
-      masks.append(jnp.broadcast_to(mask, (bm, tq, mask.shape[2])))
-    else:
-      run.append((k, v, mask))
-  flush()
-  mask = jnp.concatenate(masks, axis=2)                                     # [Bm, Tq, U]
+    num_keys = k.shape[1]
+    if num_keys == 0:
+      continue
+    sources.append((k.astype(dtype), v.astype(dtype)))        # no copy when already in dtype
+    pad = -(-num_keys // KEY_TILE) * KEY_TILE - num_keys
+    masks.append(jnp.pad(jnp.broadcast_to(mask, (bm, tq, num_keys)), ((0, 0), (0, 0), (0, pad))))
+  mask = (jnp.concatenate(masks, axis=2) if masks
+          else jnp.zeros((bm, tq, 0), bool))                                  # [Bm, Tq, U]
   row = np.arange(q_blocks * rows)
   query = np.minimum(row // group, tq - 1)
   seen = mask[:, query] & jnp.asarray(row < tq * group)[None, :, None]       # [Bm, QB * N, U]

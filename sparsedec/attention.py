@@ -298,9 +298,9 @@ def _quant_kernel_attention(q: jax.Array, view: QuantView, k_new: jax.Array, v_n
   in as key sets with their per-query masks (`quant_attention_with_keys`), attended by the
   same launch inside the same softmax: the tail [CF1 re-quantized or full precision per query |
   the buffer] (3G keys, precomputed by `QuantView.with_tail` in the cache's dtype, or computed
-  here in fp32), the `extra` draft scratch (W) and the in-flight tokens (T). A tail in q's dtype
-  is read where it lies (3G slots are whole 64-key tiles); the few extra and in-flight keys are
-  copied into one padded piece (`exact_keys`). q [B, Tseg, Hq, D] bf16/fp16; inflight
+  here in fp32), the `extra` draft scratch (W) and the in-flight tokens (T). Each is read where
+  it lies when in q's dtype (`exact_keys`: a piece's last 64-key tile reads past its end,
+  zero-filled and masked off). q [B, Tseg, Hq, D] bf16/fp16; inflight
   [B, Tseg, T]."""
   from pallas_kernels.quant_attention import QuantAttentionConfig, quant_attention_with_keys
   _check_quant_view(view, None)

@@ -510,29 +510,38 @@ def test_key_sets_with_per_query_masks(bits):
                               interpret=INTERPRET)
 
 
-def test_exact_keys_read_whole_tile_sets_in_place_and_pad_the_rest():
-  """Key sets of whole 64-key tiles in q's dtype are source pieces as they are (QuantSpec's tail
-  is not copied per layer); a run of other sets becomes one piece padded to a tile, masked off.
-  The kernel's exact blocks pick each tile from its piece: with three pieces (in place, padded
-  run, in place) under per-query masks, the call equals one fp32 softmax over everything."""
+def test_exact_keys_read_every_set_in_place_past_its_end():
+  """Key sets in q's dtype are source pieces as they are, whatever their length (QuantSpec's
+  tail, draft scratch and in-flight tokens are not copied per layer): a piece's last 64-key
+  tile reads past its end, which the TMA fills with zeros and the bias masks off; a set in
+  another dtype is converted, not padded; an empty set is dropped. The kernel's exact blocks
+  pick each tile from its piece: with four pieces (whole tiles, 3 keys, 2 keys in fp32, 128
+  keys) under per-query masks, the call equals one fp32 softmax over everything."""
   b, tq, hq, hkv, d = 2, 3, 4, 2, 64
   q, qkv, k_a, v_a, k_new, v_new = _inputs(
       21, batch=b, num_queries=tq, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, capacity=128,
       full_capacity=64, group=64, dtype=jnp.bfloat16)
-  keys = jax.random.split(jax.random.key(22), 4)
+  keys = jax.random.split(jax.random.key(22), 7)
   k_b = jax.random.normal(keys[0], (b, 128, hkv, d)).astype(jnp.bfloat16)   # [B, U, Hkv, D]
   v_b = jax.random.normal(keys[1], (b, 128, hkv, d)).astype(jnp.bfloat16)
+  k_c = jax.random.normal(keys[4], (b, 2, hkv, d))                          # fp32: converted
+  v_c = jax.random.normal(keys[5], (b, 2, hkv, d))
+  empty = jnp.zeros((b, 0, hkv, d), jnp.bfloat16)
   key_sets = ((k_a.transpose(0, 2, 1, 3), v_a.transpose(0, 2, 1, 3),
                jax.random.bernoulli(keys[2], 0.6, (b, tq, 64))),
               (k_new, v_new, jnp.tril(jnp.ones((tq, tq), bool))[None]),
+              (empty, empty, jnp.zeros((1, 1, 0), bool)),
+              (k_c, v_c, jax.random.bernoulli(keys[6], 0.5, (b, 1, 2))),
               (k_b, v_b, jax.random.bernoulli(keys[3], 0.3, (1, tq, 128))))
   q_rows = jnp.zeros((b, hkv, 1, 16, d), jnp.bfloat16)     # N = 16 rows, Tq * G = 6 of them real
   exact = exact_keys(q_rows, key_sets, group=hq // hkv)
-  assert [k.shape[1] for k, _ in exact.sources] == [64, 64, 128]
-  assert exact.sources[0][0] is key_sets[0][0] and exact.sources[2][1] is key_sets[2][1]
-  assert exact.num_blocks == 4 and exact.bias.shape == (b, 1, 256, 16)
+  assert [k.shape[1] for k, _ in exact.sources] == [64, tq, 2, 128]
+  assert exact.sources[0][0] is key_sets[0][0] and exact.sources[1][0] is key_sets[1][0]
+  assert exact.sources[3][1] is key_sets[4][1] and exact.sources[2][0].dtype == jnp.bfloat16
+  assert exact.num_blocks == 5 and exact.bias.shape == (b, 1, 320, 16)
   bias = np.asarray(exact.bias)
-  assert np.isneginf(bias[:, :, 64 + tq:128]).all()             # the run's padding keys
+  assert np.isneginf(bias[:, :, 64 + tq:128]).all()             # past the in-flight piece
+  assert np.isneginf(bias[:, :, 128 + 2:192]).all()             # past the converted piece
   assert np.isneginf(bias[:, :, :, tq * (hq // hkv):]).all()     # the padding query rows
   lq = jnp.array([100, 128])
   for bits in (4, 8):
