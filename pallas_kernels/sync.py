@@ -18,8 +18,9 @@ reductions synchronise themselves.
 
 H200, A/B in one run (`benchmarks/quant_sweep.py --module`, wall us per call): S = 64K, Tq = 1,
 4-bit 48.9 -> 46.1, 8-bit 71.7 -> 69.8; S = 128K, Tq = 5, 8-bit 170.2 -> 163.8. The same change
-in decode_attention, sparse_attention (two TMAs and no stores a tile) and the W4A16 GEMV (four
-TMAs a step) left their device times unchanged (within 1-2%), so they keep the automatic barriers.
+in decode_attention, sparse_attention (two TMAs and no stores a tile), the W4A16 GEMV (four TMAs a
+step), merge_partials and dequantize_kv left their device times unchanged (within 1-2%), so they
+keep the automatic barriers (benchmarks/NOTES.md, session 23).
 """
 
 from __future__ import annotations
