@@ -6,6 +6,7 @@ draft modes, distributed as dense sampling)."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -258,6 +259,20 @@ def test_greedy_int8_verify_equals_dequantized_int8_dense(stories):
   stats = got.method_stats
   assert stats["dense_cache_bytes"] == 0          # the codes replace the dense cache
   assert stats["cache_bytes"] < stats["dense_equivalent_cache_bytes"]
+
+
+def test_int8_verification_run_shows_no_donation_warning(stories):
+  """The int8 method replaces the donated dense cache with codes (XLA frees the buffers it cannot
+  reuse); a user's run must not show jax's "donated buffers were not usable" warning. (A prompt
+  length and token count no other test uses, so the jitted init is lowered here.)"""
+  cfg, params, tok = stories
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    got = sparsedec.generate(cfg, params, [tok.encode("A dog ran to the big red")],
+                             max_new_tokens=23, stop_tokens=(), method=METHOD)
+  assert len(got.tokens[0]) == 23
+  donated = [str(w.message) for w in caught if "donated buffers" in str(w.message)]
+  assert not donated, donated
 
 
 def test_bad_knobs_are_refused_by_name(stories):

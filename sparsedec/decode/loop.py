@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Protocol
 
 import jax
@@ -52,10 +53,23 @@ def finish_step(state: DecodeState) -> DecodeState:
   return state.replace(step=state.step + 1, active_steps=state.active_steps + (~state.done))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "method", "ctx"), donate_argnames=("state",))
 def init_method(cfg: ModelConfig, params: Params, state: DecodeState, *, method: DecodeMethod,
                 ctx: StepContext) -> DecodeState:
-  """Attach the method's arrays (state.extras) to a freshly prefilled state."""
+  """Attach the method's arrays (state.extras) to a freshly prefilled state (donated).
+
+  A method may replace part of the state: QuantSpec with int8 verification turns the dense
+  cache into codes and keeps no dense K/V. Those donated buffers cannot be reused for an output
+  of another shape, so XLA frees them after the call and jax warns that "some donated buffers
+  were not usable"; that is expected here and not shown."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="Some donated buffers were not usable",
+                            category=UserWarning)
+    return _init_method(cfg, params, state, method=method, ctx=ctx)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "ctx"), donate_argnames=("state",))
+def _init_method(cfg: ModelConfig, params: Params, state: DecodeState, *, method: DecodeMethod,
+                 ctx: StepContext) -> DecodeState:
   del ctx
   return method.init(cfg, params, state)
 
