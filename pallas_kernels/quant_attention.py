@@ -59,12 +59,13 @@ loop. The keys held in full precision (the recent segment and the in-flight toke
 `key_sets`, see `quant_attention_with_keys`) are attended in the same launch by E more blocks per
 (row, KV head, q block), one 64-key tile each (`ExactKeys`, `exact_keys`: bf16/fp16 wgmma with
 both operands from SMEM, K and V read by TMA straight from token-major [B, U, Hkv, D] pieces,
-a piece's last tile past its end zero-filled by the TMA, per-query masks as a 0/-inf bias; their SMEM is a sibling scope of a split's and no larger, so as
-many blocks stay resident): they leave partials in the splits' format, and ONE more kernel
-(`pallas_kernels.merge_partials`) merges all partials by log-sum-exp and normalises. A call is
-thus two Mosaic launches plus the q / mask / output relayouts. The kernel is compiled without
-Mosaic's automatic barriers (`pallas_kernels.sync`: one `bar.sync` before each ring refill
-instead of ~16 a stage; 3-6% per call on an H200).
+a piece's last tile past its end zero-filled by the TMA, per-query masks as a 0/-inf bias; their
+SMEM is a sibling scope of a split's and no larger, so as many blocks stay resident): they leave
+partials in the splits' format, and ONE more kernel (`pallas_kernels.merge_partials`) merges all
+partials by log-sum-exp and normalises. A call is thus two Mosaic launches plus the q / mask /
+output relayouts. The kernel is compiled without Mosaic's automatic barriers
+(`pallas_kernels.sync`: one `bar.sync` before each ring refill instead of 15-18 a stage; 3-6% per
+call on an H200).
 
 Wide calls (`QuantAttentionConfig.path`, "auto" by default): from AUTO_DEQUANT_ROWS[bits] query
 rows per KV head on (128 at 4 bits, 64 at 8: Tq = 32 / 16 with 4 query heads per KV head; below

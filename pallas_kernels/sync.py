@@ -3,9 +3,10 @@ barriers (used by quant_attention).
 
 By default Mosaic GPU (Pallas, warpgroup semantics) brackets every vector store to SMEM with two
 warpgroup barriers (`bar.sync`) and puts one before every TMA it issues, whether or not another
-thread touches that memory. quant_attention's split loop thus ran about 16 `bar.sync`s a stage
-at 4 bits (one per TMA of the ring refill: code planes and chunks, scales, zeros; two per store
-of the q * s_K and p * s_V operand tiles), each lining the four warps up again.
+thread touches that memory. quant_attention's split loop thus ran 15 `bar.sync`s a stage at 4
+bits and 18 at 8 (128-key stages: one per TMA of the ring refill, code planes and chunks, scales,
+zeros; two per store of the q * s_K and p * s_V operand tiles), each lining the four warps up
+again.
 `compiler_params` turns them off (`unsafe_no_auto_barriers`), and the kernel places the ones its
 data flow needs with `warpgroup_barrier`:
   * before a TMA overwrites an SMEM buffer that threads (or their wgmmas) read: every warp must
