@@ -81,7 +81,8 @@ H200, S = 128K, B = 1: Tq = 64 at 4 / 8 bits 934 -> 535 / 1663 -> 578 us per cal
 Measured (H200, S = 64K, B = 1, `benchmarks/quant_sweep.py`, session 16,
 `results/quant_sweep_s16_tq{1,5}_h200.json`): Tq = 1, 4-bit 45.0 us per call (device: kernel
 30.5, merge 4.7, ~6 of XLA relayouts: the in-flight keys' padded piece 2.7, the mask bias, q and
-the output; session 14's jnp combine: 58.7), 8-bit 69.5 us (was 82.0),
+the output; session 14's jnp combine: 58.7; session 23, the pieces read in place and no automatic
+barriers: 40.6 us device, 7 launches), 8-bit 69.5 us (was 82.0; session 23: 63.6),
 decode_attention on the bf16 cache 76.1 us (so 1.69x / 1.10x); Tq = 5: 71.7 us at 4 bits (was
 93.5), 98.5 at 8 (was 117.5). The zero-point bias moved in-kernel costs the kernel ~2 us at Tq = 1
 and saved the wrapper's reduction (6.3 us at Tq = 1, 17.9 at Tq = 5; 19 us a layer in QuantSpec's
@@ -1046,8 +1047,8 @@ def quant_attention_with_keys(q: jax.Array, qkv: QuantKV, lengths_quantized: jax
   float dtype (attended by the kernel's exact blocks in q's dtype, fp32 softmax). One softmax
   over the quantized slots s < lengths_quantized[b] and every key set, so a caller whose recent
   keys have per-query masks (QuantSpec's recent buffer across a flush, its draft scratch) needs
-  no second softmax and merge. A key set of whole 64-key tiles in q's dtype is read where it
-  lies (`exact_keys`). Outputs as `quant_attention`."""
+  no second softmax and merge. A key set in q's dtype is read where it lies, whatever its
+  length (`exact_keys`). Outputs as `quant_attention`."""
   hkv = _check_quantized(q, qkv, bits, lengths_quantized, config)
   b, tq, _, d = q.shape
   for i, (k, v, mask) in enumerate(key_sets):
