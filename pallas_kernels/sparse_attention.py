@@ -81,7 +81,7 @@ from pallas_kernels.split_plan import split_counts
 
 from pallas_kernels.decode_attention import _q_rows as decode_q_rows
 from pallas_kernels.decode_attention import (_SUPPORTED_DTYPES, BLOCK_M, LOG2E, SM_COUNT,
-                                            SWIZZLED, loop_scratch, resident_blocks)
+                                             SWIZZLED, loop_scratch, resident_blocks)
 
 
 @dataclasses.dataclass(frozen=True)
