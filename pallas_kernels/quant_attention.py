@@ -1146,7 +1146,7 @@ def exact_keys(q_rows, key_sets, *, group: int) -> ExactKeys:
   all stay where they are. The bias [B or 1, QB, U, N] fp32 over the pieces' keys rounded up to
   whole tiles is 0 where the row's query sees key u, -inf for the keys past a piece and for
   padding rows."""
-  b, q_blocks, rows, dtype = q_rows.shape[0], q_rows.shape[2], q_rows.shape[3], q_rows.dtype
+  q_blocks, rows, dtype = q_rows.shape[2], q_rows.shape[3], q_rows.dtype
   tq = max(mask.shape[1] for _, _, mask in key_sets)
   bm = max(mask.shape[0] for _, _, mask in key_sets)
   sources, masks = [], []

@@ -176,9 +176,9 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
   """Split partials of the cache part, all segments in one launch.
 
   q_rows [B, Hkv, QB * 64, D] (at Tq = 1 [B, Hkv, G, D]: rows past G read as zeros);
-  k_cache, v_cache [B, Hkv, S, D]; block_tables [B, Hkv, NB] int32 (already clipped to valid
-  block ids); num_blocks [B, Hkv] int32 (clipped to [0, NB]);
-  lengths [B] int32 (clipped to [0, S]). Returns, with W = sum of the segments' work items,
+  k_cache, v_cache [B, Hkv, S, D]; block_tables [B, Hkv, NB] int32, num_blocks [B, Hkv] int32,
+  lengths [B] int32, each clipped in the kernel (entries to valid block ids, counts to [0, NB],
+  lengths to [0, S]). Returns, with W = sum of the segments' work items,
   acc [B, Hkv, W, rows_out, D] fp32 (un-normalised), m [B, Hkv, W, 64] fp32 (row max of the
   scaled scores in log2 units, -inf when the split saw no valid slot), l [B, Hkv, W, 64] fp32.
   With score_rows > 0 (a multiple of 8, <= 64) also scores [B, Hkv, NSS, score_rows, S] fp32,
@@ -187,6 +187,7 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
   the other slots are never written (undefined).
   """
   batch, num_kv_heads, _, head_dim = q_rows.shape
+  capacity = k_cache.shape[2]
   table_len = block_tables.shape[2]
   block_kv = cfg.tile_rows(block_size)
   tiles_per_block = block_size // block_kv
@@ -245,8 +246,10 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
     b = lax.axis_index("batch")
     full, qb, split, num_splits = locate(work)
 
-    length = lengths_ref[b]
-    list_tiles = counts_ref[b, h] * tiles_per_block
+    # The lengths, counts and table entries are clipped here (to their valid ranges), not by
+    # XLA ops before the launch.
+    length = jnp.clip(lengths_ref[b], 0, capacity)
+    list_tiles = jnp.clip(counts_ref[b, h], 0, table_len) * tiles_per_block
     full_tiles = lax.div(length + (block_kv - 1), i32(block_kv))
     num_tiles = jnp.where(full, full_tiles, list_tiles)
     tiles_per_split = lax.div(num_tiles + (num_splits - 1), num_splits)
@@ -262,7 +265,8 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
         entry = lax.div(tile, i32(tiles_per_block))
         within = lax.rem(tile, i32(tiles_per_block)) * block_kv
       # The full segment never reads the table; the index is clamped so the load stays in bounds.
-      block = tables_ref[b, h, jnp.minimum(entry, i32(table_len - 1))]
+      block = jnp.clip(tables_ref[b, h, jnp.minimum(entry, i32(table_len - 1))], 0,
+                       capacity // block_size - 1)
       return jnp.where(full, tile * block_kv, block * block_size + within)
 
     def fetch(step, slot):
@@ -502,15 +506,14 @@ def _rows_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths, 
                    block_size: int, config: SparseConfig, interpret: Any) -> tuple:
   """The kernel's outputs (acc, m, l, *scores) from q rows packed by `_q_rows` for `layout`."""
   segments, rows_out, rows_score = layout
-  b, hkv, capacity = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
-  table_len = block_tables.shape[2]
-  if table_len == 0:                          # keep one (never used) entry for the loads
+  b, hkv = k_cache.shape[0], k_cache.shape[1]
+  if block_tables.shape[2] == 0:              # one (never used) entry for the loads, no blocks
     block_tables = jnp.zeros((b, hkv, 1), jnp.int32)
-  block_tables = jnp.clip(block_tables.astype(jnp.int32), 0, capacity // block_size - 1)
-  num_blocks = jnp.clip(num_blocks.astype(jnp.int32), 0, table_len)
-  lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
+    num_blocks = jnp.zeros((b, hkv), jnp.int32)
+  # The kernel clips the entries, counts and lengths itself: no XLA op per call for that.
   return tuple(_cache_partials(
-      q_rows, k_cache, v_cache, block_tables, num_blocks, lengths, segments=segments,
+      q_rows, k_cache, v_cache, block_tables.astype(jnp.int32), num_blocks.astype(jnp.int32),
+      lengths.astype(jnp.int32), segments=segments,
       rows_out=rows_out, block_size=block_size, cfg=config, score_rows=rows_score,
       interpret=interpret))
 

@@ -215,6 +215,27 @@ def test_single_query_ragged_lengths_and_empty_lists():
                              atol=1e-2)
 
 
+def test_out_of_range_entries_counts_and_lengths_are_clipped_in_the_kernel():
+  """The kernel clips what the wrapper passes through unchanged: table entries below 0 or past
+  the last cache block, counts below 0 or above NB, lengths below 0 or above S (both segments),
+  as the reference does; an in-range copy of the same inputs gives the same output."""
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      6, batch=2, num_queries=2, num_q_heads=4, num_kv_heads=2, head_dim=64, capacity=256,
+      dtype=jnp.bfloat16)
+  tables = jnp.array([[[-3, 9], [2, 1]], [[3, -1], [7, 0]]], jnp.int32)    # 4 cache blocks
+  counts = jnp.array([[5, -2], [2, 9]], jnp.int32)                          # NB = 2
+  lengths = jnp.array([-7, 1000], jnp.int32)
+  mask = jnp.tril(jnp.ones((2, 2), bool))
+  out, lse = _check(q, k_cache, v_cache, tables, counts, lengths, k_new, v_new, mask,
+                    block_size=64, sparse_queries=1, config=SparseConfig(num_splits=2))
+  clipped = sparse_attention(
+      q, k_cache, v_cache, jnp.clip(tables, 0, 3), jnp.clip(counts, 0, 2),
+      jnp.clip(lengths, 0, 256), k_new, v_new, mask, block_size=64, sparse_queries=1,
+      return_lse=True, config=SparseConfig(num_splits=2), interpret=INTERPRET)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(clipped[0], np.float32))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(clipped[1]))
+
+
 def test_full_list_equals_decode_attention():
   """A list of every block (in shuffled order) = dense decode attention: the reference equals
   decode_attention's reference, and the kernel equals the decode kernel."""
