@@ -278,6 +278,22 @@ def test_int8_verification_run_shows_no_donation_warning(stories):
   assert not donated, donated
 
 
+def test_only_a_method_that_drops_the_dense_cache_has_the_donation_warning_hidden(stories):
+  """init_method hides jax's donation warning only where it is expected: QuantSpec with int8
+  verification returns no dense K/V (donated buffers without an output to become); with full
+  verification and for dense decoding every donated buffer has one, so a warning there would
+  still show."""
+  from sparsedec.decode import loop
+  from sparsedec.decode.api import start
+  cfg, params, tok = stories
+  state, run = start(cfg, params, [tok.encode("A dog ran")], max_new_tokens=8)
+  drops = lambda method: loop.drops_donated_buffers(cfg, params, state, method=method,
+                                                    ctx=run.ctx)
+  assert drops(METHOD)                                         # int8 verification
+  assert not drops(dataclasses.replace(METHOD, verify_precision="full"))
+  assert not drops(get_method("dense"))
+
+
 def test_bad_knobs_are_refused_by_name(stories):
   cfg, params, _ = stories
   with pytest.raises(InputError, match="gamma"):
