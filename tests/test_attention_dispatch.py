@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import rand
 import sparsedec
 from sparsedec.attention import attend, causal_plan
 from sparsedec.errors import UnsupportedConfigError
@@ -28,7 +29,7 @@ def _prefilled(cfg, params, prompt_lengths, capacity=128):
   ref_cfg = cfg.replace(attention="reference")
   b = len(prompt_lengths)
   t = max(prompt_lengths)
-  tokens = jax.random.randint(jax.random.key(3), (b, t), 0, cfg.vocab_size)
+  tokens = rand.randint(jax.random.key(3), (b, t), 0, cfg.vocab_size)
   positions = jnp.broadcast_to(jnp.arange(t), (b, t))
   cache = init_cache(cfg, b, capacity)
   _, kv = forward(ref_cfg, params, tokens, positions, cache)
@@ -40,7 +41,7 @@ def test_forward_with_interpreted_kernel_equals_reference(num_tokens):
   cfg = KERNEL_SHAPED
   params = cast_params(init_random(cfg, jax.random.key(0), scale=0.5), cfg.dtype)
   cache = _prefilled(cfg, params, [5, 0, 17])
-  tokens = jax.random.randint(jax.random.key(4), (3, num_tokens), 0, cfg.vocab_size)
+  tokens = rand.randint(jax.random.key(4), (3, num_tokens), 0, cfg.vocab_size)
   positions = cache.lengths[:, None] + jnp.arange(num_tokens)[None]
   run = jax.jit(forward, static_argnums=0)
   ref_logits, ref_kv = run(cfg.replace(attention="reference"), params, tokens, positions, cache)

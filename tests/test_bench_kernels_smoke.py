@@ -15,6 +15,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))   # benchmarks/ importable
 
+import rand
 from benchmarks._targets import compute_targets, format_targets  # noqa: E402
 from benchmarks._timing import max_abs_err, num_calls_for, time_loop  # noqa: E402
 
@@ -155,9 +156,9 @@ def test_sparse_reference_row_by_row_equals_the_whole_batch():
   from benchmarks.kernels import SPARSE_BATCH_AXES, _slice_rows, _sparse_ref_fn, random_table_sets
   b, hkv, hq, s, d, tq, block = 3, 2, 4, 256, 16, 2, 64
   keys = jax.random.split(jax.random.key(0), 5)
-  q = jax.random.normal(keys[0], (b, tq, hq, d))
-  k, v = (jax.random.normal(kk, (b, hkv, s, d)) for kk in keys[1:3])
-  k_new, v_new = (jax.random.normal(kk, (b, tq, hkv, d)) for kk in keys[3:5])
+  q = rand.normal(keys[0], (b, tq, hq, d))
+  k, v = (rand.normal(kk, (b, hkv, s, d)) for kk in keys[1:3])
+  k_new, v_new = (rand.normal(kk, (b, tq, hkv, d)) for kk in keys[3:5])
   sets = random_table_sets(0, b, hkv, cache_blocks=s // block, listed=2)       # [2, B, Hkv, 2]
   args = (q, k, v, sets, jnp.full((b, hkv), 2, jnp.int32), jnp.array([256, 200, 90]), k_new,
           v_new, jnp.tril(jnp.ones((tq, tq), bool)))

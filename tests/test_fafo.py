@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+import rand
 import sparsedec
 from sparsedec import prompts as prompt_sets
 from sparsedec import testing
@@ -106,13 +107,13 @@ def test_fumble_tokens_read_only_the_compressed_view(stories, policy):
   view = method.policy.view(state.extras.policy_state, cache)
   inside = view.at_layer(0).slot_mask(cache.lengths, cache.capacity)       # [B, Hkv, S]
   assert int(inside.sum()) < int(cache.lengths[0]) * cfg.num_kv_heads      # really compressed
-  noise = jax.random.normal(jax.random.key(7), cache.k[0].shape) * 5.0
+  noise = rand.normal(jax.random.key(7), cache.k[0].shape) * 5.0
   poison = lambda x: jnp.where(inside[..., None], x, noise.astype(x.dtype))  # noqa: E731
   poisoned = KVCache(k=tuple(map(poison, cache.k)), v=tuple(map(poison, cache.v)),
                      lengths=cache.lengths)
   n, k, m = method.subsequences, method.length, method.candidates
   _, offsets = fafo_layout(n, k, m)
-  tokens = jax.random.randint(jax.random.key(1), (1, len(offsets)), 0, cfg.vocab_size)
+  tokens = rand.randint(jax.random.key(1), (1, len(offsets)), 0, cfg.vocab_size)
   positions = cache.lengths[:, None] + jnp.asarray(offsets)[None]
   plan = method.plan(view)
   if view.per_layer:                    # every layer's list is compressed, and they differ

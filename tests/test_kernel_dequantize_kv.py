@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+import rand
 from pallas_kernels.dequantize_kv import dequantize_kv, dequantize_kv_reference
 from pallas_kernels.quant_attention import QuantKV, quantize_kv
 
@@ -31,9 +32,9 @@ def test_kernel_equals_the_reference_bit_for_bit(seed, batch, num_kv_heads, tile
   capacity = 64 * tiles * (group // 64)
   keys = jax.random.split(jax.random.key(seed), 4)
   shape = (batch, num_kv_heads, capacity, head_dim)
-  k = jax.random.normal(keys[0], shape) * jax.random.uniform(keys[1], shape[:2] + (1, head_dim),
+  k = rand.normal(keys[0], shape) * rand.uniform(keys[1], shape[:2] + (1, head_dim),
                                                               minval=0.1, maxval=4.0)
-  v = jax.random.normal(keys[2], shape) * 2.0 + jax.random.normal(keys[3], shape[:3] + (1,))
+  v = rand.normal(keys[2], shape) * 2.0 + rand.normal(keys[3], shape[:3] + (1,))
   qkv = quantize_kv(k, v, group=group)
   got = dequantize_kv(qkv, bits, dtype, interpret=INTERPRET)
   want = dequantize_kv_reference(qkv, bits, dtype)
@@ -43,7 +44,7 @@ def test_kernel_equals_the_reference_bit_for_bit(seed, batch, num_kv_heads, tile
 
 
 def test_4bit_read_ignores_the_lower_plane_and_8bit_reads_it():
-  k = jax.random.normal(jax.random.key(0), (1, 1, 64, 64))
+  k = rand.normal(jax.random.key(0), (1, 1, 64, 64))
   qkv = quantize_kv(k, k + 1.0, group=64)
   scrambled = dataclasses.replace(qkv, k_codes=qkv.k_codes.at[:, :, 1].set(0x12345678),
                                   v_codes=qkv.v_codes.at[:, :, 1].set(0x9ABCDEF0))
@@ -59,7 +60,7 @@ def test_lengths_bound_the_tiles_written(round_to):
   """With lengths, the tiles below round_up(length, round_to) are the reference's bit for bit and
   the rest are never written: the interpreter fills unwritten output with NaN, so a kernel that
   wrote (or read) past the bound would show here. Lengths past the capacity are clipped."""
-  k = jax.random.normal(jax.random.key(1), (3, 2, 256, 64))
+  k = rand.normal(jax.random.key(1), (3, 2, 256, 64))
   qkv = quantize_kv(k, 0.5 * k + 1.0, group=64)
   lengths = jnp.array([70, 0, 999], jnp.int32)
   got = dequantize_kv(qkv, 8, lengths=lengths, round_to=round_to, interpret=INTERPRET)

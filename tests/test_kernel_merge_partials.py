@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+import rand
 from pallas_kernels.merge_partials import (MAX_SLOTS, merge_partials, merge_partials_reference,
                                            splits_per_chunk)
 
@@ -23,11 +24,11 @@ def _partials(seed, *, b, hkv, qb, ns, d, n, empty=0.2):
   acc = 0), and column 1 of every q block sees nothing at all (when N > 1)."""
   ks = jax.random.split(jax.random.key(seed), 4)
   n_pad = max(n, 32)
-  m2 = 3.0 * jax.random.normal(ks[0], (b, hkv, qb, ns, n_pad))
-  m2 = jnp.where(jax.random.bernoulli(ks[1], empty, m2.shape), -jnp.inf, m2)
+  m2 = 3.0 * rand.normal(ks[0], (b, hkv, qb, ns, n_pad))
+  m2 = jnp.where(rand.bernoulli(ks[1], empty, m2.shape), -jnp.inf, m2)
   m2 = m2.at[..., 1].set(-jnp.inf)
-  l = jnp.where(m2 == -jnp.inf, 0.0, jnp.abs(jax.random.normal(ks[2], m2.shape)) + 0.5)
-  acc = jax.random.normal(ks[3], (b, hkv, qb, ns, d, n))
+  l = jnp.where(m2 == -jnp.inf, 0.0, jnp.abs(rand.normal(ks[2], m2.shape)) + 0.5)
+  acc = rand.normal(ks[3], (b, hkv, qb, ns, d, n))
   acc = jnp.where((m2 == -jnp.inf)[..., None, :n], 0.0, acc)
   return acc, m2, l
 

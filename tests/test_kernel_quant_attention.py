@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+import rand
 from pallas_kernels.register_operand import unpack_words
 from pallas_kernels.quant_attention import (AUTO_DEQUANT_MIN_TOKENS, AUTO_DEQUANT_ROWS,
                                             DEQUANT_MAX_BYTES, QuantAttentionConfig, QuantKV,
@@ -52,8 +53,8 @@ def _int8_reference(x, axis):
 def _kv(seed, b, hkv, s, d, dtype, spread):
   k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
   # Per-channel outliers in K (the reason keys are grouped per channel), a per-token offset in V.
-  k = jax.random.normal(k1, (b, hkv, s, d)) * jnp.exp(spread * jax.random.normal(k3, (d,)))
-  v = jax.random.normal(k2, (b, hkv, s, d)) + spread * jax.random.normal(k3, (s, 1))
+  k = rand.normal(k1, (b, hkv, s, d)) * jnp.exp(spread * rand.normal(k3, (d,)))
+  v = rand.normal(k2, (b, hkv, s, d)) + spread * rand.normal(k3, (s, 1))
   return k.astype(dtype), v.astype(dtype)
 
 
@@ -148,7 +149,7 @@ def test_bad_inputs_are_rejected_in_plain_words():
 def _inputs(seed, *, batch, num_queries, num_q_heads, num_kv_heads, head_dim, capacity,
             full_capacity, group, dtype):
   keys = jax.random.split(jax.random.key(seed), 8)
-  normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(dtype)
+  normal = lambda key, shape: rand.normal(key, shape, jnp.float32).astype(dtype)
   q = normal(keys[0], (batch, num_queries, num_q_heads, head_dim))            # [B, Tq, Hq, D]
   k, v = _kv(seed + 1, batch, num_kv_heads, capacity, head_dim, dtype, 1.0)  # [B, Hkv, S, D]
   qkv = quantize_kv(k, v, group=group)
@@ -170,6 +171,11 @@ def _exact_weights(q, k, lse, score_queries, read):
   return np.where(read[:, :, None], np.exp(s - np.asarray(lse)[:, sel, :, None]), 0.0)
 
 
+# One compiled program per shape instead of an XLA compile per op of the eager reference.
+_reference = jax.jit(quant_attention_reference,
+                     static_argnames=("bits", "return_lse", "score_queries"))
+
+
 def _check(q, qkv, bits, lq, k_full, v_full, lf, k_new, v_new, mask, config, ref_qkv=None,
            score_queries=()):
   out, lse, *probs = quant_attention(q, qkv, lq, k_full, v_full, lf, k_new, v_new, mask,
@@ -177,7 +183,7 @@ def _check(q, qkv, bits, lq, k_full, v_full, lf, k_new, v_new, mask, config, ref
                                      config=config, interpret=INTERPRET)
   # fp32 reference copies: XLA:CPU has no bf16 x bf16 -> f32 dot.
   f32 = lambda x: x.astype(jnp.float32)
-  ref_out, ref_lse, *ref_probs = quant_attention_reference(
+  ref_out, ref_lse, *ref_probs = _reference(
       f32(q), qkv if ref_qkv is None else ref_qkv, bits, lq, f32(k_full), f32(v_full), lf,
       f32(k_new), f32(v_new), mask, return_lse=True, score_queries=score_queries)
   if score_queries:
@@ -486,7 +492,7 @@ def test_key_sets_with_per_query_masks(bits):
       5, batch=b, num_queries=tq, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, capacity=128,
       full_capacity=rf, group=64, dtype=jnp.bfloat16)
   key = jax.random.key(11)
-  full_mask = jax.random.bernoulli(key, 0.5, (b, tq, rf))
+  full_mask = rand.bernoulli(key, 0.5, (b, tq, rf))
   new_mask = jnp.tril(jnp.ones((tq, tq), bool))[None] & jnp.array([True, False])[:, None, None]
   new_mask = new_mask | jnp.eye(tq, dtype=bool)[None]                      # [B, Tq, Tq]
   lq = jnp.array([128, 70])
@@ -522,17 +528,17 @@ def test_exact_keys_read_every_set_in_place_past_its_end():
       21, batch=b, num_queries=tq, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, capacity=128,
       full_capacity=64, group=64, dtype=jnp.bfloat16)
   keys = jax.random.split(jax.random.key(22), 7)
-  k_b = jax.random.normal(keys[0], (b, 128, hkv, d)).astype(jnp.bfloat16)   # [B, U, Hkv, D]
-  v_b = jax.random.normal(keys[1], (b, 128, hkv, d)).astype(jnp.bfloat16)
-  k_c = jax.random.normal(keys[4], (b, 2, hkv, d))                          # fp32: converted
-  v_c = jax.random.normal(keys[5], (b, 2, hkv, d))
+  k_b = rand.normal(keys[0], (b, 128, hkv, d)).astype(jnp.bfloat16)   # [B, U, Hkv, D]
+  v_b = rand.normal(keys[1], (b, 128, hkv, d)).astype(jnp.bfloat16)
+  k_c = rand.normal(keys[4], (b, 2, hkv, d))                          # fp32: converted
+  v_c = rand.normal(keys[5], (b, 2, hkv, d))
   empty = jnp.zeros((b, 0, hkv, d), jnp.bfloat16)
   key_sets = ((k_a.transpose(0, 2, 1, 3), v_a.transpose(0, 2, 1, 3),
-               jax.random.bernoulli(keys[2], 0.6, (b, tq, 64))),
+               rand.bernoulli(keys[2], 0.6, (b, tq, 64))),
               (k_new, v_new, jnp.tril(jnp.ones((tq, tq), bool))[None]),
               (empty, empty, jnp.zeros((1, 1, 0), bool)),
-              (k_c, v_c, jax.random.bernoulli(keys[6], 0.5, (b, 1, 2))),
-              (k_b, v_b, jax.random.bernoulli(keys[3], 0.3, (1, tq, 128))))
+              (k_c, v_c, rand.bernoulli(keys[6], 0.5, (b, 1, 2))),
+              (k_b, v_b, rand.bernoulli(keys[3], 0.3, (1, tq, 128))))
   q_rows = jnp.zeros((b, hkv, 1, 16, d), jnp.bfloat16)     # N = 16 rows, Tq * G = 6 of them real
   exact = exact_keys(q_rows, key_sets, group=hq // hkv)
   assert [k.shape[1] for k, _ in exact.sources] == [64, tq, 2, 128]

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import rand
 import sparsedec
 from sparsedec.attention import (AttentionPlan, FullView, QuantView, Segment, attend, causal_plan,
                                  kernel_choice)
@@ -40,7 +41,7 @@ KERNEL_SHAPED = ModelConfig(family="llama", vocab_size=61, hidden_size=128, inte
 
 
 def _bf16_normal(key, shape, scale=1.0):
-  return (scale * jax.random.normal(key, shape)).astype(jnp.bfloat16)
+  return (scale * rand.normal(key, shape)).astype(jnp.bfloat16)
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +248,7 @@ def test_stories260k_is_refused_by_name_in_interpret_mode():
 
 @pytest.mark.parametrize("layout", ["int4", "int4_grouped", "int4_reduce"])
 def test_weight_layouts_hold_the_same_quantized_weight(layout):
-  w = jax.random.normal(jax.random.key(0), (172, 24), jnp.float32)
+  w = rand.normal(jax.random.key(0), (172, 24), jnp.float32)
   packed = quantize_weight(w, group=64)
   qw = quantize_weight(w, group=64, layout=layout)
   assert qw.codes.dtype == jnp.int4 and qw.codes.shape == (192, 24)
@@ -257,7 +258,7 @@ def test_weight_layouts_hold_the_same_quantized_weight(layout):
                                 np.asarray(qw.codes))
   np.testing.assert_array_equal(np.asarray(qw.to_layout("packed").codes),
                                 np.asarray(packed.codes))
-  x = jax.random.normal(jax.random.key(1), (2, 3, 172))
+  x = rand.normal(jax.random.key(1), (2, 3, 172))
   want = np.asarray(linear(x, packed))
   got = np.asarray(jax.jit(linear)(x, qw))
   if layout == "int4":        # the same dequantized weight, the same dot

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import rand
 import sparsedec
 from pallas_kernels.quant_attention import code_planes, dequantize, quantize_kv
 from sparsedec import prompts as prompt_sets
@@ -164,13 +165,13 @@ def test_memory_accounting():
 # ------------------------------------------------------------------------------------------------
 
 def test_weight_quantization_round_trip_and_padding():
-  w = jax.random.normal(jax.random.key(0), (172, 24), jnp.float32)
+  w = rand.normal(jax.random.key(0), (172, 24), jnp.float32)
   qw = quantize_weight(w, group=128)
   assert qw.codes.shape == (128, 24) and qw.scale.shape == (2, 24) and qw.shape == (172, 24)
   err = np.abs(np.asarray(qw.dequantize()) - np.asarray(w))
   step = np.repeat(np.asarray(qw.scale, np.float32), 128, axis=0)[:172]
   assert (err <= step * 0.5 + 1e-6).all()
-  x = jax.random.normal(jax.random.key(1), (3, 172))
+  x = rand.normal(jax.random.key(1), (3, 172))
   from sparsedec.model.linear import linear
   np.testing.assert_allclose(np.asarray(linear(x, qw)), np.asarray(x @ qw.dequantize()),
                              rtol=1e-5, atol=1e-5)
@@ -350,7 +351,7 @@ def test_int8_view_logits_equal_the_dequantized_reference_across_a_flush(stories
   lengths = jnp.asarray([30, 25], jnp.int32)     # row 0: position 33 reads one more group
   raw = dense.replace(lengths=lengths)
   qc = qkv.from_dense(raw, g)
-  window = jax.random.randint(jax.random.key(3), (2, t), 0, cfg.vocab_size)
+  window = rand.randint(jax.random.key(3), (2, t), 0, cfg.vocab_size)
   positions = lengths[:, None] + jnp.arange(t)[None]
   assert int(qkv.quantized_length(positions[0, -1], g)) > int(qc.quant_len[0])
   plan = causal_plan(t)

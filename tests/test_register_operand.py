@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+import rand
 from pallas_kernels.register_operand import (pack_words, unpack_words, word_offset,
                                              word_tile_kernel)
 
@@ -20,7 +21,7 @@ from pallas_kernels.register_operand import (pack_words, unpack_words, word_offs
 @given(seed=st.integers(0, 2 ** 16), lead=st.integers(1, 3),
        length=st.sampled_from([8, 16, 64, 128, 192]))
 def test_pack_unpack_round_trip(seed, lead, length):
-  codes = jax.random.randint(jax.random.key(seed), (lead, 5, length), -8, 8)
+  codes = rand.randint(jax.random.key(seed), (lead, 5, length), -8, 8)
   words = pack_words(codes)
   assert words.dtype == jnp.uint32 and words.shape == (lead, 5, length // 8)
   np.testing.assert_array_equal(unpack_words(words), codes)
@@ -46,7 +47,7 @@ def test_a_64_code_row_is_stored_in_fragment_order():
 def test_word_tile_values_and_cuda_lowering(planes, centered, dtype):
   """One plane: code + offset; two: 16 upper + lower + offset, exact in the 16-bit dtype;
   centered: without the offset."""
-  codes = jax.random.randint(jax.random.key(planes), (planes, 64, 64), -8, 8)
+  codes = rand.randint(jax.random.key(planes), (planes, 64, 64), -8, 8)
   words = pack_words(codes).reshape(planes, 16, 32)
   got = word_tile_kernel(planes, dtype, plgpu.InterpretGPUParams(), centered)(words)
   value = codes[0] if planes == 1 else 16 * codes[0] + codes[1]

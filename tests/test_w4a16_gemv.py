@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+import rand
 from pallas_kernels import w4a16_gemv as w4
 from pallas_kernels.register_operand import unpack_words
 from pallas_kernels.w4a16_gemv import (CODE_OFFSET, W4A16Config, dequantize, plan, w4a16_matmul,
@@ -25,8 +26,8 @@ INTERPRET = plgpu.InterpretGPUParams()
 def _weight(seed, n_in, n_out, group=128, layout="int4_t"):
   k1, k2 = jax.random.split(jax.random.key(seed))
   # Per-output offsets and spreads, so that zeros and scales differ between columns and groups.
-  w = (jax.random.normal(k1, (n_in, n_out)) * jnp.exp(jax.random.normal(k2, (n_out,)))
-       + jax.random.normal(k2, (n_in // 2 + 1, 1)).repeat(2, 0)[:n_in])
+  w = (rand.normal(k1, (n_in, n_out)) * jnp.exp(rand.normal(k2, (n_out,)))
+       + rand.normal(k2, (n_in // 2 + 1, 1)).repeat(2, 0)[:n_in])
   return quantize_weight(w, group, layout)
 
 
@@ -66,7 +67,7 @@ SHAPES = [(1, 128, 64), (3, 256, 192), (8, 200, 64), (1, 200, 192), (3, 128, 64)
 @pytest.mark.parametrize("m,n_in,n_out", SHAPES)
 def test_kernel_matches_reference_bf16(m, n_in, n_out):
   q = _weight(m + n_in + n_out, n_in, n_out)
-  x = jax.random.normal(jax.random.key(m), (m, n_in), jnp.bfloat16)
+  x = rand.normal(jax.random.key(m), (m, n_in), jnp.bfloat16)
   _check_close(_run_kernel(x, q), x, q)
 
 
@@ -80,13 +81,13 @@ def test_kernel_matches_reference_bf16(m, n_in, n_out):
 ])
 def test_kernel_tilings(m, n_in, n_out, config):
   q = _weight(7, n_in, n_out)
-  x = jax.random.normal(jax.random.key(1), (m, n_in), jnp.bfloat16)
+  x = rand.normal(jax.random.key(1), (m, n_in), jnp.bfloat16)
   _check_close(_run_kernel(x, q, config), x, q)
 
 
 def test_kernel_fp16_group_64():
   q = _weight(3, 192, 128, group=64)
-  x = jax.random.normal(jax.random.key(2), (2, 192), jnp.float16)
+  x = rand.normal(jax.random.key(2), (2, 192), jnp.float16)
   got = _run_kernel(x, q)
   assert got.dtype == jnp.float16
   _check_close(got, x, q)
@@ -151,7 +152,7 @@ def test_lowers_to_mosaic_gpu_for_cuda(m, n_in, n_out, config, dtype):
 
 @pytest.mark.parametrize("group", [64, 128])
 def test_int4_t_layout_holds_the_same_quantized_weight(group):
-  w = jax.random.normal(jax.random.key(0), (172, 24), jnp.float32)   # In_pad 192 or 256
+  w = rand.normal(jax.random.key(0), (172, 24), jnp.float32)   # In_pad 192 or 256
   t = quantize_weight(w, group=group, layout="int4_t")
   in_pad = -(-172 // group) * group
   assert t.layout == "int4_t" and t.codes.dtype == jnp.uint32
@@ -181,10 +182,10 @@ def test_int4_t_layout_refuses_groups_that_are_not_whole_chunks():
 
 @pytest.mark.parametrize("group", [64, 128])
 def test_int4_t_matmul_equals_the_int4_layout(group):
-  w = jax.random.normal(jax.random.key(0), (172, 64), jnp.float32)
+  w = rand.normal(jax.random.key(0), (172, 64), jnp.float32)
   t = quantize_weight(w, group=group, layout="int4_t")
   int4 = t.to_layout("int4")
-  x = jax.random.normal(jax.random.key(1), (2, 3, 172))
+  x = rand.normal(jax.random.key(1), (2, 3, 172))
   hi = jax.lax.Precision.HIGHEST
   want = np.asarray(quant_matmul(x, int4, hi))
   got = np.asarray(jax.jit(quant_matmul, static_argnums=2)(x, t, hi))
