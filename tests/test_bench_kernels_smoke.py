@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))   # benchmarks/ importable
 
-import rand
+import rand  # noqa: E402
 from benchmarks._targets import compute_targets, format_targets  # noqa: E402
 from benchmarks._timing import max_abs_err, num_calls_for, time_loop  # noqa: E402
 

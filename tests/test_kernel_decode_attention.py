@@ -22,7 +22,7 @@ TOLERANCE = {jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
 
 def _inputs(seed, *, batch, num_queries, num_q_heads, num_kv_heads, head_dim, capacity, dtype):
   keys = jax.random.split(jax.random.key(seed), 5)
-  normal = lambda key, shape: rand.normal(key, shape, jnp.float32).astype(dtype)
+  normal = lambda key, shape: rand.normal(key, shape, dtype)
   q = normal(keys[0], (batch, num_queries, num_q_heads, head_dim))             # [B, Tq, Hq, D]
   k_cache = normal(keys[1], (batch, num_kv_heads, capacity, head_dim))         # [B, Hkv, S, D]
   v_cache = normal(keys[2], (batch, num_kv_heads, capacity, head_dim))         # [B, Hkv, S, D]

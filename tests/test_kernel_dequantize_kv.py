@@ -33,7 +33,7 @@ def test_kernel_equals_the_reference_bit_for_bit(seed, batch, num_kv_heads, tile
   keys = jax.random.split(jax.random.key(seed), 4)
   shape = (batch, num_kv_heads, capacity, head_dim)
   k = rand.normal(keys[0], shape) * rand.uniform(keys[1], shape[:2] + (1, head_dim),
-                                                              minval=0.1, maxval=4.0)
+                                                  minval=0.1, maxval=4.0)
   v = rand.normal(keys[2], shape) * 2.0 + rand.normal(keys[3], shape[:3] + (1,))
   qkv = quantize_kv(k, v, group=group)
   got = dequantize_kv(qkv, bits, dtype, interpret=INTERPRET)

@@ -35,13 +35,17 @@ def _rows(q, num_kv_heads):
   return rows, row_query
 
 
+# One compiled program per shape instead of an XLA compile per op of the eager reference.
+_reference = jax.jit(inflight_partials_reference, static_argnames=("rows_out",))
+
+
 def _case(seed, batch, num_kv_heads, group, tokens, head_dim, density, dtype):
   keys = jax.random.split(jax.random.key(seed), 4)
-  normal = lambda k, shape: rand.normal(k, shape, jnp.float32).astype(dtype)
+  normal = lambda k, shape: rand.normal(k, shape, dtype)
   q = normal(keys[0], (batch, tokens, num_kv_heads * group, head_dim))     # [B, T, Hq, D]
   k_new = normal(keys[1], (batch, tokens, num_kv_heads, head_dim))         # [B, T, Hkv, D]
   v_new = normal(keys[2], (batch, tokens, num_kv_heads, head_dim))         # [B, T, Hkv, D]
-  mask = np.asarray(rand.bernoulli(keys[3], density, (tokens, tokens)))  # [T, T]
+  mask = np.asarray(rand.bernoulli(keys[3], density, (tokens, tokens)))         # [T, T]
   return q, k_new, v_new, mask
 
 
@@ -66,8 +70,7 @@ def test_kernel_matches_reference(seed, batch, num_kv_heads, group, tokens, head
   args = (q_rows, pack_keys(k_new), pack_keys(v_new), mask_bias(jnp.asarray(mask), row_query))
   rows_out = BLOCK_M if q_rows.shape[2] > BLOCK_M else -(-tokens * group // 8) * 8
   got = inflight_partials(*args, rows_out=rows_out, interpret=INTERPRET)
-  ref = jax.jit(inflight_partials_reference, static_argnames=("rows_out",))(
-      *args, rows_out=rows_out)
+  ref = _reference(*args, rows_out=rows_out)
   _compare(got, ref, 2e-2 if dtype == jnp.bfloat16 else 4e-3)
 
 
@@ -93,8 +96,8 @@ def test_wrappers_match_reference_with_either_inflight_path(num_queries, infligh
   b, hkv, g, d, s = 1, 2, 2, 64, 256
   q, k_new, v_new, _ = _case(2, b, hkv, g, num_queries, d, 0.0, jnp.bfloat16)
   keys = jax.random.split(jax.random.key(3), 2)
-  k_cache = rand.normal(keys[0], (b, hkv, s, d), jnp.float32).astype(jnp.bfloat16)
-  v_cache = rand.normal(keys[1], (b, hkv, s, d), jnp.float32).astype(jnp.bfloat16)
+  k_cache = rand.normal(keys[0], (b, hkv, s, d), jnp.bfloat16)
+  v_cache = rand.normal(keys[1], (b, hkv, s, d), jnp.bfloat16)
   lengths = jnp.array([200])
   mask = jnp.asarray(np.tril(np.ones((num_queries, num_queries), bool)))
   out = decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, mask,

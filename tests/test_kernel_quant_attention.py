@@ -149,7 +149,7 @@ def test_bad_inputs_are_rejected_in_plain_words():
 def _inputs(seed, *, batch, num_queries, num_q_heads, num_kv_heads, head_dim, capacity,
             full_capacity, group, dtype):
   keys = jax.random.split(jax.random.key(seed), 8)
-  normal = lambda key, shape: rand.normal(key, shape, jnp.float32).astype(dtype)
+  normal = lambda key, shape: rand.normal(key, shape, dtype)
   q = normal(keys[0], (batch, num_queries, num_q_heads, head_dim))            # [B, Tq, Hq, D]
   k, v = _kv(seed + 1, batch, num_kv_heads, capacity, head_dim, dtype, 1.0)  # [B, Hkv, S, D]
   qkv = quantize_kv(k, v, group=group)
@@ -528,9 +528,9 @@ def test_exact_keys_read_every_set_in_place_past_its_end():
       21, batch=b, num_queries=tq, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, capacity=128,
       full_capacity=64, group=64, dtype=jnp.bfloat16)
   keys = jax.random.split(jax.random.key(22), 7)
-  k_b = rand.normal(keys[0], (b, 128, hkv, d)).astype(jnp.bfloat16)   # [B, U, Hkv, D]
-  v_b = rand.normal(keys[1], (b, 128, hkv, d)).astype(jnp.bfloat16)
-  k_c = rand.normal(keys[4], (b, 2, hkv, d))                          # fp32: converted
+  k_b = rand.normal(keys[0], (b, 128, hkv, d), jnp.bfloat16)          # [B, U, Hkv, D]
+  v_b = rand.normal(keys[1], (b, 128, hkv, d), jnp.bfloat16)
+  k_c = rand.normal(keys[4], (b, 2, hkv, d))                            # fp32: converted
   v_c = rand.normal(keys[5], (b, 2, hkv, d))
   empty = jnp.zeros((b, 0, hkv, d), jnp.bfloat16)
   key_sets = ((k_a.transpose(0, 2, 1, 3), v_a.transpose(0, 2, 1, 3),

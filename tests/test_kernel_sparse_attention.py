@@ -39,7 +39,7 @@ row_mask_reference = jax.jit(reference_attention, static_argnames=("return_lse",
 
 def _inputs(seed, *, batch, num_queries, num_q_heads, num_kv_heads, head_dim, capacity, dtype):
   keys = jax.random.split(jax.random.key(seed), 5)
-  normal = lambda key, shape: rand.normal(key, shape, jnp.float32).astype(dtype)
+  normal = lambda key, shape: rand.normal(key, shape, dtype)
   q = normal(keys[0], (batch, num_queries, num_q_heads, head_dim))             # [B, Tq, Hq, D]
   k_cache = normal(keys[1], (batch, num_kv_heads, capacity, head_dim))         # [B, Hkv, S, D]
   v_cache = normal(keys[2], (batch, num_kv_heads, capacity, head_dim))         # [B, Hkv, S, D]
