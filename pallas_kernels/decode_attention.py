@@ -37,6 +37,11 @@ Two steps:
      them. QK^T and PV run on wgmma; the online softmax keeps (acc, m, l) in registers. Each block
      writes its un-normalised partial acc [R, D] and its row max m and sum l (fp32), and, with
      score_queries, q block 0's blocks the selected rows' scores of each tile they visit.
+     Wide calls (from PAIR_MIN_Q_BLOCKS q blocks per KV head on, 64-key tiles;
+     `DecodeConfig.pair_q_blocks`) run two warpgroups a thread block, q blocks 2j and 2j + 1 of
+     the same KV head and split, over ONE K/V ring: warpgroup 0 issues the TMAs and refills a
+     slot once both warpgroups have arrived on its "consumed" barrier, so each tile is read into
+     SMEM once for 128 query rows (H100: 3-15% less time per call at Tq 64-256, the same bits).
   2. The in-flight part (Tq x Tq under the mask): from 2 queries on (`DecodeConfig.inflight`,
      `combine.inflight_choice`) its own Mosaic GPU kernel (`pallas_kernels.inflight_attention`,
      one more partial per q block), else jnp inside the combine; then
@@ -89,6 +94,21 @@ def smem_bytes(block_kv: int, num_stages: int, head_dim: int, itemsize: int = 2)
   return BLOCK_M * head_dim * itemsize + max(rings, out) + 2 * BLOCK_M * 4 + 4096
 
 
+# Paired thread blocks from this many q blocks per KV head on (the calls with 64-key tiles).
+# H100, device us per call, one warpgroup a block -> paired, outputs bit-identical
+# (`benchmarks/results/s26/decode_pair_s26_h100.json`): B 8 16K Tq 256 1341.6 -> 1301.2;
+# B 1 16K Tq 256 165.3 -> 149.0; B 8 16K Tq 64 350.5 -> 326.1; B 1 64K Tq 64 178.1 -> 151.3.
+PAIR_MIN_Q_BLOCKS = 3
+
+
+def paired_smem_bytes(block_kv: int, num_stages: int, head_dim: int, itemsize: int = 2) -> int:
+  """SMEM of a paired block (two q tiles, one K/V ring, two fp32 output tiles outside the
+  ring: the other warpgroup may still read it; m, l; 4 KiB for barriers and alignment):
+  D = 128, bf16, 64-key tiles: 165 KiB with 2 stages, 197 KiB with 3."""
+  return (2 * BLOCK_M * head_dim * itemsize + 2 * num_stages * block_kv * head_dim * itemsize
+          + 2 * BLOCK_M * head_dim * 4 + 4 * BLOCK_M * 4 + 4096)
+
+
 def resident_blocks(block_kv: int, num_stages: int, head_dim: int) -> int:
   """Thread blocks the split plan counts per SM: two with 64-key tiles when two fit in its SMEM
   (measured on an H200 at D = 128: 12-20% faster on the wide path), else one (128-key tiles
@@ -118,7 +138,8 @@ class DecodeConfig:
     blocks per SM are 14-20% faster (one 195-register warpgroup per SM leaves the tensor cores
     waiting on its own softmax; a second block fills those gaps).
   target_blocks: resident thread blocks `num_splits=None` plans for (`pallas_kernels.split_plan`,
-    the shortest simulated launch). None: SM_COUNT * `resident_blocks`.
+    the shortest simulated launch). None: SM_COUNT * `resident_blocks` (one paired block per SM).
+  pair_q_blocks: two warpgroups a block sharing the K/V tiles where `paired` says so.
   """
   block_kv: int | None = None
   num_stages: int = 2             # SMEM ring depth for K/V tiles
@@ -126,6 +147,12 @@ class DecodeConfig:
   target_blocks: int | None = None
   min_tiles_per_split: int = 2
   inflight: str = "auto"          # the in-flight part: "kernel", "jnp" or "auto" (combine.py)
+  # Two warpgroups per thread block, each with its own q block, sharing every K/V tile load
+  # (`paired`: from PAIR_MIN_Q_BLOCKS q blocks on, 64-key tiles, where the SMEM fits); one
+  # such block per SM. None: so on the GPU, not in the Mosaic GPU interpreter (it runs a block's
+  # warpgroups as concurrent threads, which deadlock on their barriers where XLA:CPU runs one
+  # thread, e.g. a test worker pinned to one core); True: also in the interpreter; False: never.
+  pair_q_blocks: bool | None = None
 
   def __post_init__(self):
     check_inflight_mode(self.inflight)
@@ -138,24 +165,37 @@ class DecodeConfig:
     if self.target_blocks is not None and self.target_blocks < 1:
       raise ValueError(f"target_blocks must be >= 1, got {self.target_blocks}")
 
-  def resolve(self, q_blocks: int, capacity: int, head_dim: int = 128) -> "DecodeConfig":
+  def resolve(self, q_blocks: int, capacity: int, head_dim: int = 128,
+              interpret: bool = False) -> "DecodeConfig":
     """This config with block_kv and target_blocks filled in for a call with `q_blocks` 64-row
-    q blocks per KV head over a cache of `capacity` slots (a multiple of 64)."""
+    q blocks per KV head over a cache of `capacity` slots (a multiple of 64); `interpret`: for
+    the Mosaic GPU interpreter (pair_q_blocks None then means unpaired)."""
     block_kv = self.block_kv
     if block_kv is None:
       block_kv = 128 if q_blocks <= 2 and capacity % 128 == 0 else 64
     target = self.target_blocks
     if target is None:
-      target = SM_COUNT * resident_blocks(block_kv, self.num_stages, head_dim)
+      pairs = dataclasses.replace(self, block_kv=block_kv).paired(q_blocks, head_dim, interpret)
+      per_sm = 1 if pairs else resident_blocks(block_kv, self.num_stages, head_dim)
+      target = SM_COUNT * per_sm
     return dataclasses.replace(self, block_kv=block_kv, target_blocks=target)
+
+  def paired(self, q_blocks: int, head_dim: int, interpret: bool = False) -> bool:
+    """Whether a call with `q_blocks` q blocks per KV head runs two warpgroups a block (this
+    config resolved: block_kv set)."""
+    wanted = self.pair_q_blocks if self.pair_q_blocks is not None else not interpret
+    return (wanted and q_blocks >= PAIR_MIN_Q_BLOCKS and self.block_kv == 64
+            and paired_smem_bytes(self.block_kv, self.num_stages, head_dim) <= SMEM_PER_SM)
 
 
 def _pick_num_splits(cfg: DecodeConfig, batch: int, num_kv_heads: int, q_blocks: int,
-                     capacity: int) -> int:
+                     capacity: int, head_dim: int, interpret: bool = False) -> int:
   """Splits per (row, KV head, q block); cfg resolved."""
   if cfg.num_splits is not None:
     return cfg.num_splits
   tiles = max(1, capacity // cfg.block_kv)
+  if cfg.paired(q_blocks, head_dim, interpret):
+    q_blocks = -(-q_blocks // 2)                   # thread blocks: pairs of q blocks
   return split_counts(((q_blocks, tiles, None),), copies=batch * num_kv_heads,
                       slots=cfg.target_blocks, min_tiles=cfg.min_tiles_per_split)[0]
 
@@ -182,6 +222,8 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   batch, num_kv_heads, m_total, head_dim = q_rows.shape
   capacity = k_cache.shape[2]
   q_blocks = -(-m_total // BLOCK_M)
+  paired = cfg.paired(q_blocks, head_dim, interpret is not None)
+  pairs = -(-q_blocks // 2)                        # thread blocks per KV head when paired
   block_kv, num_stages = cfg.block_kv, cfg.num_stages
   dtype = q_rows.dtype
   score_scale = head_dim ** -0.5 * LOG2E       # scores kept in log2 units (exp2 in the loop)
@@ -204,12 +246,20 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
            v_barriers,      # [num_stages] barriers
            scores_ref=None,  # [B, Hkv, score_rows, S] fp32               GMEM (score_rows > 0)
            s_smem=None,     # [64, block_kv] fp32 (score_rows > 0)      SMEM
-           a_smem=None):    # [64, block_kv] (interpret mode only)      SMEM (tiled, swizzled)
+           a_smem=None,     # [64, block_kv] (interpret mode only)      SMEM (tiled, swizzled)
+           wg=None,         # paired: this warpgroup (0 or 1); None: one warpgroup a block
+           consumed=None):  # paired: [num_stages] barriers, 2 arrivals (both done with a slot)
     split = lax.axis_index("split")
     head_qblock = lax.axis_index("head_qblock")
     b = lax.axis_index("batch")
-    h = lax.div(head_qblock, jnp.int32(q_blocks))
-    qb = lax.rem(head_qblock, jnp.int32(q_blocks))
+    if wg is None:
+      h = lax.div(head_qblock, jnp.int32(q_blocks))
+      qb = lax.rem(head_qblock, jnp.int32(q_blocks))
+      issuer = True                                # this warpgroup issues the K/V TMAs
+    else:                                          # warpgroup wg takes q block 2 * pair + wg
+      h = lax.div(head_qblock, jnp.int32(pairs))
+      qb = lax.rem(head_qblock, jnp.int32(pairs)) * 2 + wg
+      issuer = wg == 0
 
     # The valid tiles of this row are shared out among the splits at run time.
     length = jnp.minimum(jnp.maximum(lengths_ref[b], 0), capacity)     # clipped to [0, S]
@@ -235,9 +285,11 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       plgpu.copy_smem_to_gmem(s_smem.at[pl.ds(0, score_rows)],
                               scores_ref.at[b, h, :, pl.ds(start, block_kv)])
 
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(qb * BLOCK_M, BLOCK_M)], q_smem, q_barrier)
+    # (An odd count's last warpgroup reads the last q block again and writes nothing.)
+    q_first = jnp.minimum(qb, q_blocks - 1) * BLOCK_M
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(q_first, BLOCK_M)], q_smem, q_barrier)
     for step in range(num_stages):                 # prologue: fill the ring
-      pl.when(step < my_tiles)(functools.partial(fetch, step, step))
+      pl.when(jnp.logical_and(step < my_tiles, issuer))(functools.partial(fetch, step, step))
     plgpu.barrier_wait(q_barrier)
 
     acc = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), jnp.float32), plgpu.Layout.WGMMA)
@@ -280,9 +332,17 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       pv = pl.run_scoped(pv_scope, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
 
-      # Both wgmmas that read this slot are done: refill it with the tile num_stages ahead.
+      # Both wgmmas that read this slot are done: refill it with the tile num_stages ahead
+      # (paired: once the other warpgroup is done with it too).
       nxt = step + num_stages
-      pl.when(nxt < my_tiles)(lambda: fetch(nxt, slot))
+      if consumed is None:
+        pl.when(nxt < my_tiles)(lambda: fetch(nxt, slot))
+      else:
+        plgpu.barrier_arrive(consumed.at[slot])
+        def refill():
+          plgpu.barrier_wait(consumed.at[slot])
+          fetch(nxt, slot)
+        pl.when(jnp.logical_and(nxt < my_tiles, issuer))(refill)
       return acc, m_new, l_i
 
     acc, m_i, l_i = lax.fori_loop(0, my_tiles, kv_step, (acc, m_i, l_i))
@@ -293,10 +353,13 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     m_smem[...] = m_i
     l_smem[...] = l_i
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows_out)], acc_out_ref.at[b, h, qb, split])
-    plgpu.copy_smem_to_gmem(m_smem, m_out_ref.at[b, h, qb, split])
-    plgpu.copy_smem_to_gmem(l_smem, l_out_ref.at[b, h, qb, split])
-    plgpu.wait_smem_to_gmem(0)
+
+    def write_out():
+      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows_out)], acc_out_ref.at[b, h, qb, split])
+      plgpu.copy_smem_to_gmem(m_smem, m_out_ref.at[b, h, qb, split])
+      plgpu.copy_smem_to_gmem(l_smem, l_out_ref.at[b, h, qb, split])
+      plgpu.wait_smem_to_gmem(0)
+    pl.when(qb < q_blocks)(write_out)
 
   scratch = [
       plgpu.SMEM((BLOCK_M, head_dim), dtype, **SWIZZLED),
@@ -328,11 +391,37 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     pl.run_scoped(scoped, *scratch,
                   **a_staging((BLOCK_M, block_kv), dtype, interpret, **SWIZZLED))
 
+  def decode_attention_kernel_paired(lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
+                                     *scores_ref):
+    """Two warpgroups: per-warpgroup q, output and statistics tiles (the output tile is not
+    in a union with the rings: the other warpgroup may still read them), one K/V ring."""
+    def scoped(q_smem, k_smem, v_smem, o_smem, m_smem, l_smem, q_bar, k_bars, v_bars, consumed,
+               *s_smem, a_smem=None):
+      wg = lax.axis_index("wg")
+      extra = (scores_ref[0], s_smem[0]) if score_rows else ()
+      body(lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
+           q_smem.at[wg], k_smem, v_smem, o_smem.at[wg], m_smem.at[wg], l_smem.at[wg],
+           q_bar.at[wg], k_bars, v_bars, *extra,
+           a_smem=None if a_smem is None else a_smem.at[wg], wg=wg, consumed=consumed)
+    ring = lambda: plgpu.SMEM((num_stages, block_kv, head_dim), dtype, **SWIZZLED)
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((2, BLOCK_M, head_dim), dtype, **SWIZZLED), ring(), ring(),
+        plgpu.SMEM((2, BLOCK_M, head_dim), jnp.float32),
+        plgpu.SMEM((2, BLOCK_M), jnp.float32), plgpu.SMEM((2, BLOCK_M), jnp.float32),
+        plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
+        *([plgpu.SMEM((BLOCK_M, block_kv), jnp.float32)] if score_rows else []),
+        **a_staging((2, BLOCK_M, block_kv), dtype, interpret, **SWIZZLED),
+        collective_axes="wg")
+
   return plgpu.kernel(
-      decode_attention_kernel,
+      decode_attention_kernel_paired if paired else decode_attention_kernel,
       out_type=tuple(out_type),
-      grid=(num_splits, num_kv_heads * q_blocks, batch),
+      grid=(num_splits, num_kv_heads * (pairs if paired else q_blocks), batch),
       grid_names=("split", "head_qblock", "batch"),
+      **(dict(num_threads=2, thread_name="wg") if paired else {}),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
   )(lengths, q_rows, k_cache, v_cache)
@@ -418,9 +507,10 @@ def _rows_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   b, hkv, m_total, _ = q_rows.shape
   capacity = k_cache.shape[2]
   q_blocks = -(-m_total // BLOCK_M)
-  config = config.resolve(q_blocks, capacity, q_rows.shape[3])
+  config = config.resolve(q_blocks, capacity, q_rows.shape[3], interpret is not None)
   rows_out = BLOCK_M if q_blocks > 1 else -(-num_queries * group // 8) * 8
-  num_splits = _pick_num_splits(config, b, hkv, q_blocks, capacity)
+  num_splits = _pick_num_splits(config, b, hkv, q_blocks, capacity, q_rows.shape[3],
+                                interpret is not None)
   return _cache_partials(q_rows, k_cache, v_cache, lengths.astype(jnp.int32), rows_out=rows_out,
                          num_splits=num_splits, cfg=config,
                          score_rows=score_rows(num_score_queries, group), interpret=interpret)

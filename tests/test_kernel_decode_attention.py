@@ -247,8 +247,19 @@ def test_default_tiling_follows_the_query_rows():
   blocks per SM from three on, or when the capacity is not a multiple of 128."""
   narrow = DecodeConfig().resolve(q_blocks=2, capacity=4096)
   assert (narrow.block_kv, narrow.target_blocks) == (128, 132)
+  assert not narrow.paired(2, 128)
   wide = DecodeConfig().resolve(q_blocks=3, capacity=4096)
-  assert (wide.block_kv, wide.target_blocks) == (64, 264)
+  assert (wide.block_kv, wide.target_blocks) == (64, 132) and wide.paired(3, 128)
+  unpaired = DecodeConfig(pair_q_blocks=False).resolve(q_blocks=3, capacity=4096)
+  assert (unpaired.block_kv, unpaired.target_blocks) == (64, 264)
+  # The interpreter runs pairs only when asked to (pair_q_blocks=True).
+  interpreted = DecodeConfig().resolve(q_blocks=3, capacity=4096, interpret=True)
+  assert interpreted.target_blocks == 264 and not interpreted.paired(3, 128, interpret=True)
+  assert DecodeConfig(pair_q_blocks=True).resolve(q_blocks=3, capacity=4096).paired(3, 128, True)
+  # Paired blocks need their SMEM: not with 4 stages, 128-key tiles or D = 256.
+  assert not DecodeConfig(num_stages=4).resolve(q_blocks=3, capacity=4096).paired(3, 128)
+  assert not DecodeConfig(block_kv=128).resolve(q_blocks=3, capacity=4096).paired(3, 128)
+  assert not DecodeConfig().resolve(q_blocks=3, capacity=4096, head_dim=256).paired(3, 256)
   assert DecodeConfig().resolve(q_blocks=1, capacity=192).block_kv == 64
   assert DecodeConfig(num_stages=3).resolve(q_blocks=3, capacity=4096).target_blocks == 132
   fixed = DecodeConfig(block_kv=128, target_blocks=7).resolve(q_blocks=4, capacity=4096)
@@ -256,7 +267,8 @@ def test_default_tiling_follows_the_query_rows():
 
 
 @pytest.mark.parametrize("num_queries,score_queries",
-                         [(1, ()), (16, ()), (1, (0,)), (16, (9, 2)), (43, ()), (43, (0, 5))])
+                         [(1, ()), (16, ()), (1, (0,)), (16, (9, 2)), (43, ()), (43, (0, 5)),
+                          (256, ())])
 def test_lowers_to_mosaic_gpu_custom_call_for_cuda(num_queries, score_queries):
   """The H100 benchmark shape lowers (Pallas -> Mosaic GPU MLIR -> stablehlo custom call) on a
   CPU-only machine, also with the score output (its SMEM, with the default tiling, must fit:
@@ -271,3 +283,5 @@ def test_lowers_to_mosaic_gpu_custom_call_for_cuda(num_queries, score_queries):
   lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
   text = lowered.as_text()
   assert "stablehlo.custom_call @mosaic_gpu_v2" in text
+  # From three q blocks per KV head on (Tq * G > 128) the kernel runs paired warpgroups.
+  assert ("decode_attention_kernel_paired" in text) == (num_queries * hq // hkv > 128)
