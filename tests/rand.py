@@ -3,8 +3,8 @@
 `jax.random.normal` and friends compile a threefry (+ inverse-erf) program for every new shape:
 246 of them, 344 s of compilation (~1.4 s each) in a profiled run of the suite that shared the
 2-core machine with other work (the kernel tests draw inputs of hypothesis-chosen shapes). numpy
-draws the same distributions without compiling anything. The key only seeds the draw: the values differ from jax.random's, and
-are as deterministic.
+draws the same distributions without compiling anything. The key only seeds the draw: the values
+differ from jax.random's, and are as deterministic.
 """
 
 from __future__ import annotations

@@ -243,8 +243,9 @@ def test_two_blocks_per_sm_only_where_two_fit():
 
 
 def test_default_tiling_follows_the_query_rows():
-  """128-key tiles, one block per SM, while the rows fit two q blocks; 64-key tiles and two
-  blocks per SM from three on, or when the capacity is not a multiple of 128."""
+  """128-key tiles, one block per SM, while the rows fit two q blocks; 64-key tiles from three
+  on (or when the capacity is not a multiple of 128), there on the GPU one paired block (two
+  warpgroups) per SM where its SMEM fits, else two blocks per SM."""
   narrow = DecodeConfig().resolve(q_blocks=2, capacity=4096)
   assert (narrow.block_kv, narrow.target_blocks) == (128, 132)
   assert not narrow.paired(2, 128)
