@@ -37,11 +37,16 @@ Two steps:
      them. QK^T and PV run on wgmma; the online softmax keeps (acc, m, l) in registers. Each block
      writes its un-normalised partial acc [R, D] and its row max m and sum l (fp32), and, with
      score_queries, q block 0's blocks the selected rows' scores of each tile they visit.
-     Wide calls (from PAIR_MIN_Q_BLOCKS q blocks per KV head on, 64-key tiles;
-     `DecodeConfig.pair_q_blocks`) run two warpgroups a thread block, q blocks 2j and 2j + 1 of
-     the same KV head and split, over ONE K/V ring: warpgroup 0 issues the TMAs and refills a
-     slot once both warpgroups have arrived on its "consumed" barrier, so each tile is read into
-     SMEM once for 128 query rows (H100: 3-15% less time per call at Tq 64-256, the same bits).
+     Wide calls on the GPU (from WS_MIN_Q_BLOCKS q blocks per KV head on;
+     `DecodeConfig.warp_specialized`) run warp-specialized blocks, FlashAttention-3's
+     structure (`decode_attention_kernel_ws`): a producer warpgroup issues every K/V TMA into
+     one ring of 128-key tiles; two compute warpgroups take q blocks 2j and 2j + 1 of the same
+     KV head and split, release a slot's K after QK and its V after PV (barriers of two
+     arrivals), and alternate on a schedule barrier so that one's softmax runs while the
+     other's wgmmas do; PV accumulates in place. H100 (`benchmarks/results/s27/`): B 8, 16K,
+     Tq 256 1237.8 -> 930.1 us for the split kernel, Tq 64 at B 1 16K 40.2 -> 33.3 us. The
+     Mosaic GPU interpreter does not run them: CI tests them only as far as lowering; on a
+     GPU the kernel tests run them (`tests/test_kernel_decode_attention.py`).
   2. The in-flight part (Tq x Tq under the mask): from 2 queries on (`DecodeConfig.inflight`,
      `combine.inflight_choice`) its own Mosaic GPU kernel (`pallas_kernels.inflight_attention`,
      one more partial per q block), else jnp inside the combine; then
@@ -94,19 +99,29 @@ def smem_bytes(block_kv: int, num_stages: int, head_dim: int, itemsize: int = 2)
   return BLOCK_M * head_dim * itemsize + max(rings, out) + 2 * BLOCK_M * 4 + 4096
 
 
-# Paired thread blocks from this many q blocks per KV head on (the calls with 64-key tiles).
-# H100, device us per call, one warpgroup a block -> paired, outputs bit-identical
-# (`benchmarks/results/s26/decode_pair_s26_h100.json`): B 8 16K Tq 256 1341.6 -> 1301.2;
-# B 1 16K Tq 256 165.3 -> 149.0; B 8 16K Tq 64 350.5 -> 326.1; B 1 64K Tq 64 178.1 -> 151.3.
-PAIR_MIN_Q_BLOCKS = 3
+# Warp-specialized blocks (`DecodeConfig.warp_specialized`) from this many q blocks per KV head on.
+# H100, device us of the split kernel, plain -> warp-specialized (`benchmarks/results/s27/`):
+# Tq 1 and 16 (one q block) even (25.4 -> 25.6 at B 1 16K Tq 1, 92.3 -> 92.6 at B 1 64K Tq 16);
+# Tq 32 (two) mixed (B 1 16K 28.3 -> 31.1, B 8 16K 193.3 -> 185.6); Tq 64 at B 1 16K
+# 40.2 -> 33.3; Tq 256 at B 8 16K 1237.8 -> 930.1.
+WS_MIN_Q_BLOCKS = 3
 
 
-def paired_smem_bytes(block_kv: int, num_stages: int, head_dim: int, itemsize: int = 2) -> int:
-  """SMEM of a paired block (two q tiles, one K/V ring, two fp32 output tiles outside the
-  ring: the other warpgroup may still read it; m, l; 4 KiB for barriers and alignment):
-  D = 128, bf16, 64-key tiles: 165 KiB with 2 stages, 197 KiB with 3."""
-  return (2 * BLOCK_M * head_dim * itemsize + 2 * num_stages * block_kv * head_dim * itemsize
-          + 2 * BLOCK_M * head_dim * 4 + 4 * BLOCK_M * 4 + 4096)
+def compute_warpgroups(q_blocks: int) -> int:
+  """Compute warpgroups of a warp-specialized block: two (q blocks 2j and 2j + 1 of one KV
+  head) from two q blocks on, else one."""
+  return 2 if q_blocks >= 2 else 1
+
+
+def ws_smem_bytes(block_kv: int, num_stages: int, head_dim: int, compute_wgs: int = 2,
+                  itemsize: int = 2) -> int:
+  """SMEM of a warp-specialized block (a q tile per compute warpgroup; the K/V ring in a union
+  with their fp32 output tiles; m, l; 4 KiB for barriers and alignment): D = 128, bf16, two
+  compute warpgroups: 165 KiB with 128-key tiles x 2 stages (or 64-key tiles x 3)."""
+  rings = 2 * num_stages * block_kv * head_dim * itemsize
+  return (compute_wgs * BLOCK_M * head_dim * itemsize
+          + max(rings, compute_wgs * BLOCK_M * head_dim * 4) + 2 * compute_wgs * BLOCK_M * 4
+          + 4096)
 
 
 def resident_blocks(block_kv: int, num_stages: int, head_dim: int) -> int:
@@ -132,14 +147,17 @@ def loop_scratch(num_stages: int, block_kv: int, head_dim: int, dtype, score_row
 class DecodeConfig:
   """Tiling of the kernel; `resolve` fills the fields left None for one call.
 
-  block_kv: KV rows per tile, a multiple of 64. None: 128 while the query rows (Tq * G) fit in
-    two 64-row q blocks, else 64. H200, S = 16K..64K (`attention_tiling_s11_h200.json`): at Tq * G
-    <= 64 the 128-key tiles are 3-7% faster; from Tq * G = 172 on, 64-key tiles with two thread
-    blocks per SM are 14-20% faster (one 195-register warpgroup per SM leaves the tensor cores
-    waiting on its own softmax; a second block fills those gaps).
+  block_kv: KV rows per tile, a multiple of 64. None: 128 where the capacity is a multiple of
+    128, except plain blocks with three or more q blocks: 64 there. H200, S = 16K..64K
+    (`attention_tiling_s11_h200.json`): plain blocks at Tq * G <= 64 are 3-7% faster with 128-key
+    tiles; from Tq * G = 172 on, 64-key tiles with two thread blocks per SM are 14-20% faster
+    (one warpgroup per SM leaves the tensor cores waiting on its own softmax). Warp-specialized
+    blocks fill those gaps themselves: 128-key tiles, one block per SM (H100, B 8 16K Tq 256:
+    928 us against 1058 with 64-key tiles).
   target_blocks: resident thread blocks `num_splits=None` plans for (`pallas_kernels.split_plan`,
-    the shortest simulated launch). None: SM_COUNT * `resident_blocks` (one paired block per SM).
-  pair_q_blocks: two warpgroups a block sharing the K/V tiles where `paired` says so.
+    the shortest simulated launch). None: SM_COUNT * `resident_blocks`, or SM_COUNT for
+    warp-specialized blocks.
+  warp_specialized: see the field.
   """
   block_kv: int | None = None
   num_stages: int = 2             # SMEM ring depth for K/V tiles
@@ -147,12 +165,13 @@ class DecodeConfig:
   target_blocks: int | None = None
   min_tiles_per_split: int = 2
   inflight: str = "auto"          # the in-flight part: "kernel", "jnp" or "auto" (combine.py)
-  # Two warpgroups per thread block, each with its own q block, sharing every K/V tile load
-  # (`paired`: from PAIR_MIN_Q_BLOCKS q blocks on, 64-key tiles, where the SMEM fits); one
-  # such block per SM. None: so on the GPU, not in the Mosaic GPU interpreter (it runs a block's
-  # warpgroups as concurrent threads, which deadlock on their barriers where XLA:CPU runs one
-  # thread, e.g. a test worker pinned to one core); True: also in the interpreter; False: never.
-  pair_q_blocks: bool | None = None
+  # Warp-specialized blocks (FlashAttention-3's structure): a producer warpgroup issues the
+  # K/V TMAs, one or two compute warpgroups (`compute_warpgroups`) take a q block each and
+  # alternate their softmax with the other's wgmmas. None: on the GPU from WS_MIN_Q_BLOCKS q
+  # blocks on; True: on the GPU; False: never. The Mosaic GPU interpreter never runs them (it
+  # runs a block's warpgroups as threads, which deadlock on their barriers in a test worker
+  # pinned to one core, and has no in-place wgmma accumulator).
+  warp_specialized: bool | None = None
 
   def __post_init__(self):
     check_inflight_mode(self.inflight)
@@ -169,23 +188,28 @@ class DecodeConfig:
               interpret: bool = False) -> "DecodeConfig":
     """This config with block_kv and target_blocks filled in for a call with `q_blocks` 64-row
     q blocks per KV head over a cache of `capacity` slots (a multiple of 64); `interpret`: for
-    the Mosaic GPU interpreter (pair_q_blocks None then means unpaired)."""
+    the Mosaic GPU interpreter (no warp-specialized blocks there)."""
     block_kv = self.block_kv
     if block_kv is None:
-      block_kv = 128 if q_blocks <= 2 and capacity % 128 == 0 else 64
+      wide = (q_blocks > 2 and not dataclasses.replace(self, block_kv=128).specialized(
+          q_blocks, head_dim, interpret))
+      block_kv = 128 if capacity % 128 == 0 and not wide else 64
     target = self.target_blocks
     if target is None:
-      pairs = dataclasses.replace(self, block_kv=block_kv).paired(q_blocks, head_dim, interpret)
-      per_sm = 1 if pairs else resident_blocks(block_kv, self.num_stages, head_dim)
+      resolved = dataclasses.replace(self, block_kv=block_kv)
+      per_sm = (1 if resolved.specialized(q_blocks, head_dim, interpret)
+                else resident_blocks(block_kv, self.num_stages, head_dim))
       target = SM_COUNT * per_sm
     return dataclasses.replace(self, block_kv=block_kv, target_blocks=target)
 
-  def paired(self, q_blocks: int, head_dim: int, interpret: bool = False) -> bool:
-    """Whether a call with `q_blocks` q blocks per KV head runs two warpgroups a block (this
-    config resolved: block_kv set)."""
-    wanted = self.pair_q_blocks if self.pair_q_blocks is not None else not interpret
-    return (wanted and q_blocks >= PAIR_MIN_Q_BLOCKS and self.block_kv == 64
-            and paired_smem_bytes(self.block_kv, self.num_stages, head_dim) <= SMEM_PER_SM)
+  def specialized(self, q_blocks: int, head_dim: int, interpret: bool = False) -> bool:
+    """Whether a call with `q_blocks` q blocks per KV head runs warp-specialized blocks (this
+    config resolved: block_kv set): on the GPU, where wanted and the SMEM fits."""
+    wanted = (self.warp_specialized if self.warp_specialized is not None
+              else q_blocks >= WS_MIN_Q_BLOCKS)
+    wgs = compute_warpgroups(q_blocks)
+    return (wanted and not interpret
+            and ws_smem_bytes(self.block_kv, self.num_stages, head_dim, wgs) <= SMEM_PER_SM)
 
 
 def _pick_num_splits(cfg: DecodeConfig, batch: int, num_kv_heads: int, q_blocks: int,
@@ -194,8 +218,8 @@ def _pick_num_splits(cfg: DecodeConfig, batch: int, num_kv_heads: int, q_blocks:
   if cfg.num_splits is not None:
     return cfg.num_splits
   tiles = max(1, capacity // cfg.block_kv)
-  if cfg.paired(q_blocks, head_dim, interpret):
-    q_blocks = -(-q_blocks // 2)                   # thread blocks: pairs of q blocks
+  if cfg.specialized(q_blocks, head_dim, interpret):
+    q_blocks = -(-q_blocks // compute_warpgroups(q_blocks))   # thread blocks per KV head
   return split_counts(((q_blocks, tiles, None),), copies=batch * num_kv_heads,
                       slots=cfg.target_blocks, min_tiles=cfg.min_tiles_per_split)[0]
 
@@ -222,11 +246,45 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   batch, num_kv_heads, m_total, head_dim = q_rows.shape
   capacity = k_cache.shape[2]
   q_blocks = -(-m_total // BLOCK_M)
-  paired = cfg.paired(q_blocks, head_dim, interpret is not None)
-  pairs = -(-q_blocks // 2)                        # thread blocks per KV head when paired
+  ws = cfg.specialized(q_blocks, head_dim, interpret is not None)
+  wgs = compute_warpgroups(q_blocks) if ws else 1  # compute warpgroups a block
+  groups = -(-q_blocks // wgs)                     # thread blocks per KV head
   block_kv, num_stages = cfg.block_kv, cfg.num_stages
   dtype = q_rows.dtype
   score_scale = head_dim ** -0.5 * LOG2E       # scores kept in log2 units (exp2 in the loop)
+
+  def sync(barrier):
+    """Arrive on and wait for a barrier of one arrival per compute warpgroup."""
+    plgpu.barrier_arrive(barrier)
+    plgpu.barrier_wait(barrier)
+
+  def row_tiles(lengths_ref, b, split):
+    """(length, first tile, tile count) of this split: the valid tiles of row b are shared
+    out among the splits at run time."""
+    length = jnp.minimum(jnp.maximum(lengths_ref[b], 0), capacity)     # clipped to [0, S]
+    num_tiles = lax.div(length + (block_kv - 1), jnp.int32(block_kv))
+    tiles_per_split = lax.div(num_tiles + (num_splits - 1), jnp.int32(num_splits))
+    first_tile = split * tiles_per_split
+    my_tiles = jnp.maximum(jnp.minimum(tiles_per_split, num_tiles - first_tile), 0)
+    return length, first_tile, my_tiles
+
+  def producer(lengths_ref, k_ref, v_ref, k_smem, v_smem, k_barriers, v_barriers, k_consumed,
+               v_consumed):
+    """The producer warpgroup of a warp-specialized block: every K/V tile of the split by TMA,
+    a slot refilled once the compute warpgroups released it (K after QK, V after PV)."""
+    split, b = lax.axis_index("split"), lax.axis_index("batch")
+    h = lax.div(lax.axis_index("head_qblock"), jnp.int32(groups))
+    _, first_tile, my_tiles = row_tiles(lengths_ref, b, split)
+
+    @pl.loop(0, my_tiles)
+    def _(step):
+      slot = lax.rem(step, jnp.int32(num_stages))
+      rows = pl.ds((first_tile + step) * block_kv, block_kv)
+      reuse = step >= num_stages
+      pl.when(reuse)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
+      plgpu.copy_gmem_to_smem(k_ref.at[b, h, rows], k_smem.at[slot], k_barriers.at[slot])
+      pl.when(reuse)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
+      plgpu.copy_gmem_to_smem(v_ref.at[b, h, rows], v_smem.at[slot], v_barriers.at[slot])
 
   def body(lengths_ref,     # [B] int32                                 GMEM
            q_ref,           # [B, Hkv, NQB * 64, D]                     GMEM
@@ -247,26 +305,15 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
            scores_ref=None,  # [B, Hkv, score_rows, S] fp32               GMEM (score_rows > 0)
            s_smem=None,     # [64, block_kv] fp32 (score_rows > 0)      SMEM
            a_smem=None,     # [64, block_kv] (interpret mode only)      SMEM (tiled, swizzled)
-           wg=None,         # paired: this warpgroup (0 or 1); None: one warpgroup a block
-           consumed=None):  # paired: [num_stages] barriers, 2 arrivals (both done with a slot)
+           wg=0,            # this compute warpgroup (warp-specialized: 0 or 1)
+           ws=None):        # warp-specialized: (k_consumed, v_consumed, schedule, done)
     split = lax.axis_index("split")
     head_qblock = lax.axis_index("head_qblock")
     b = lax.axis_index("batch")
-    if wg is None:
-      h = lax.div(head_qblock, jnp.int32(q_blocks))
-      qb = lax.rem(head_qblock, jnp.int32(q_blocks))
-      issuer = True                                # this warpgroup issues the K/V TMAs
-    else:                                          # warpgroup wg takes q block 2 * pair + wg
-      h = lax.div(head_qblock, jnp.int32(pairs))
-      qb = lax.rem(head_qblock, jnp.int32(pairs)) * 2 + wg
-      issuer = wg == 0
+    h = lax.div(head_qblock, jnp.int32(groups))    # warpgroup wg takes q block wgs * j + wg
+    qb = lax.rem(head_qblock, jnp.int32(groups)) * wgs + wg
 
-    # The valid tiles of this row are shared out among the splits at run time.
-    length = jnp.minimum(jnp.maximum(lengths_ref[b], 0), capacity)     # clipped to [0, S]
-    num_tiles = lax.div(length + (block_kv - 1), jnp.int32(block_kv))
-    tiles_per_split = lax.div(num_tiles + (num_splits - 1), jnp.int32(num_splits))
-    first_tile = split * tiles_per_split
-    my_tiles = jnp.maximum(jnp.minimum(tiles_per_split, num_tiles - first_tile), 0)
+    length, first_tile, my_tiles = row_tiles(lengths_ref, b, split)
 
     def fetch(step, slot):
       rows = pl.ds((first_tile + step) * block_kv, block_kv)
@@ -288,8 +335,9 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     # (An odd count's last warpgroup reads the last q block again and writes nothing.)
     q_first = jnp.minimum(qb, q_blocks - 1) * BLOCK_M
     plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(q_first, BLOCK_M)], q_smem, q_barrier)
-    for step in range(num_stages):                 # prologue: fill the ring
-      pl.when(jnp.logical_and(step < my_tiles, issuer))(functools.partial(fetch, step, step))
+    if ws is None:
+      for step in range(num_stages):               # prologue: fill the ring
+        pl.when(step < my_tiles)(functools.partial(fetch, step, step))
     plgpu.barrier_wait(q_barrier)
 
     acc = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), jnp.float32), plgpu.Layout.WGMMA)
@@ -332,20 +380,69 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       pv = pl.run_scoped(pv_scope, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
 
-      # Both wgmmas that read this slot are done: refill it with the tile num_stages ahead
-      # (paired: once the other warpgroup is done with it too).
+      # Both wgmmas that read this slot are done: refill it with the tile num_stages ahead.
       nxt = step + num_stages
-      if consumed is None:
-        pl.when(nxt < my_tiles)(lambda: fetch(nxt, slot))
-      else:
-        plgpu.barrier_arrive(consumed.at[slot])
-        def refill():
-          plgpu.barrier_wait(consumed.at[slot])
-          fetch(nxt, slot)
-        pl.when(jnp.logical_and(nxt < my_tiles, issuer))(refill)
+      pl.when(nxt < my_tiles)(lambda: fetch(nxt, slot))
       return acc, m_new, l_i
 
-    acc, m_i, l_i = lax.fori_loop(0, my_tiles, kv_step, (acc, m_i, l_i))
+    def ws_step(step, carry, masked=False):
+      """One tile with a producer warpgroup (FlashAttention-3's schedule): the K slot is
+      released after QK, the V slot after PV; the schedule barrier alternates the two compute
+      warpgroups so that one's softmax runs while the other's wgmmas do. Only the split's last
+      tile (`masked`) compares slots with the length."""
+      acc, m_i, l_i = carry
+      k_consumed, v_consumed, schedule, _ = ws
+      slot = lax.rem(step, jnp.int32(num_stages))
+      def qk_scope(s_ref):                         # [64, block_kv] fp32 accumulator
+        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+        if wgs == 2:
+          sync(schedule)
+        return s_ref[...]
+      s = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_M, block_kv), jnp.float32))
+      plgpu.barrier_arrive(k_consumed.at[slot])
+      if masked:
+        slot_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, block_kv), 1,
+                                          layout=plgpu.Layout.WGMMA)
+        s = jnp.where(slot_ids + (first_tile + step) * block_kv < length, s, -jnp.inf)
+      if score_rows:
+        pl.when(qb == 0)(lambda: store_scores(s * score_scale,
+                                              (first_tile + step) * block_kv))
+      # Raw scores in the max; the scale folded into the exponent (one FMA a score).
+      m_new = jnp.maximum(m_i, s.max(axis=1) * score_scale)
+      alpha = jnp.exp2(m_i - m_new)
+      p = jnp.exp2(s * score_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      l_i = l_i * alpha + p.sum(axis=1)
+      p16 = p.astype(dtype)
+      acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+      if wgs == 2:
+        plgpu.barrier_arrive(schedule)             # done with the softmax
+      plgpu.barrier_wait(v_barriers.at[slot])
+      if wgs == 2:
+        plgpu.barrier_wait(schedule)               # the other warpgroup's wgmmas are issued
+      nxt = step + 1
+      def pv_scope(acc_ref):                       # acc += P V, then wait for the next K
+        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+        pl.when(nxt < my_tiles)(
+            lambda: plgpu.barrier_wait(k_barriers.at[lax.rem(nxt, jnp.int32(num_stages))]))
+      acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_consumed.at[slot])
+      return acc, m_new, l_i
+
+    if ws is None:
+      acc, m_i, l_i = lax.fori_loop(0, my_tiles, kv_step, (acc, m_i, l_i))
+    else:
+      pl.when(my_tiles > 0)(lambda: plgpu.barrier_wait(k_barriers.at[0]))
+      if wgs == 2:
+        pl.when(wg == 1)(lambda: sync(ws[2]))      # warpgroup 1 starts half a step behind
+      last = jnp.maximum(my_tiles - 1, 0)
+      carry = lax.fori_loop(0, last, ws_step, (acc, m_i, l_i))
+      acc, m_i, l_i = lax.fori_loop(last, my_tiles, functools.partial(ws_step, masked=True),
+                                    carry)
+      if wgs == 2:
+        pl.when(wg == 0)(lambda: sync(ws[2]))
+        # Both warpgroups' wgmmas are done with the ring: the output tiles may take its memory.
+        sync(ws[3])
 
     if score_rows:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last score TMA has read s_smem
@@ -391,37 +488,49 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     pl.run_scoped(scoped, *scratch,
                   **a_staging((BLOCK_M, block_kv), dtype, interpret, **SWIZZLED))
 
-  def decode_attention_kernel_paired(lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
-                                     *scores_ref):
-    """Two warpgroups: per-warpgroup q, output and statistics tiles (the output tile is not
-    in a union with the rings: the other warpgroup may still read them), one K/V ring."""
-    def scoped(q_smem, k_smem, v_smem, o_smem, m_smem, l_smem, q_bar, k_bars, v_bars, consumed,
-               *s_smem, a_smem=None):
+  def decode_attention_kernel_ws(lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
+                                 *scores_ref):
+    """Warp-specialized: warpgroups 0 .. wgs - 1 compute, each on its own q block (with two,
+    on FlashAttention-3's alternating schedule); warpgroup `wgs` issues every K/V TMA. The
+    fp32 output tiles share the ring's memory (with two, written once both passed `done`)."""
+    def scoped(q_smem, union, m_smem, l_smem, q_bar, k_bars, v_bars, k_consumed, v_consumed,
+               schedule, done, *s_smem):
+      (k_smem, v_smem), o_smem = union
       wg = lax.axis_index("wg")
-      extra = (scores_ref[0], s_smem[0]) if score_rows else ()
-      body(lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
-           q_smem.at[wg], k_smem, v_smem, o_smem.at[wg], m_smem.at[wg], l_smem.at[wg],
-           q_bar.at[wg], k_bars, v_bars, *extra,
-           a_smem=None if a_smem is None else a_smem.at[wg], wg=wg, consumed=consumed)
+
+      @pl.when(wg < wgs)
+      def _compute():
+        plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+        extra = (scores_ref[0], s_smem[0]) if score_rows else ()
+        body(lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
+             q_smem.at[wg], k_smem, v_smem, o_smem.at[wg], m_smem.at[wg], l_smem.at[wg],
+             q_bar.at[wg], k_bars, v_bars, *extra, wg=wg,
+             ws=(k_consumed, v_consumed, schedule, done))
+
+      @pl.when(wg == wgs)
+      def _produce():
+        plgpu.set_max_registers(40, action="decrease")
+        producer(lengths_ref, k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, k_consumed,
+                 v_consumed)
     ring = lambda: plgpu.SMEM((num_stages, block_kv, head_dim), dtype, **SWIZZLED)
+    consumed = lambda: plgpu.Barrier(num_arrivals=wgs, num_barriers=num_stages)
     pl.run_scoped(
         scoped,
-        plgpu.SMEM((2, BLOCK_M, head_dim), dtype, **SWIZZLED), ring(), ring(),
-        plgpu.SMEM((2, BLOCK_M, head_dim), jnp.float32),
-        plgpu.SMEM((2, BLOCK_M), jnp.float32), plgpu.SMEM((2, BLOCK_M), jnp.float32),
-        plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=num_stages),
-        plgpu.Barrier(num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
+        plgpu.SMEM((wgs, BLOCK_M, head_dim), dtype, **SWIZZLED),
+        plgpu.RefUnion((ring(), ring()), plgpu.SMEM((wgs, BLOCK_M, head_dim), jnp.float32)),
+        plgpu.SMEM((wgs, BLOCK_M), jnp.float32), plgpu.SMEM((wgs, BLOCK_M), jnp.float32),
+        plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages), consumed(), consumed(),
+        plgpu.Barrier(num_arrivals=wgs), plgpu.Barrier(num_arrivals=wgs),
         *([plgpu.SMEM((BLOCK_M, block_kv), jnp.float32)] if score_rows else []),
-        **a_staging((2, BLOCK_M, block_kv), dtype, interpret, **SWIZZLED),
         collective_axes="wg")
 
   return plgpu.kernel(
-      decode_attention_kernel_paired if paired else decode_attention_kernel,
+      decode_attention_kernel_ws if ws else decode_attention_kernel,
       out_type=tuple(out_type),
-      grid=(num_splits, num_kv_heads * (pairs if paired else q_blocks), batch),
+      grid=(num_splits, num_kv_heads * groups, batch),
       grid_names=("split", "head_qblock", "batch"),
-      **(dict(num_threads=2, thread_name="wg") if paired else {}),
+      **(dict(num_threads=wgs + 1, thread_name="wg") if ws else {}),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
   )(lengths, q_rows, k_cache, v_cache)

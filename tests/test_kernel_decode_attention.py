@@ -1,6 +1,8 @@
 """The Mosaic GPU decode-attention kernel against its jnp reference, in GPU interpret mode (CPU),
 including the selected queries' per-slot softmax weights (score_queries), plus a check that it
-lowers to the Mosaic GPU custom call for the cuda platform."""
+lowers to the Mosaic GPU custom call for the cuda platform. On a GPU backend the same tests run
+the compiled kernels (the warp-specialized blocks included, which the interpreter does not run):
+`python -m pytest tests/test_kernel_decode_attention.py` on the GPU machine."""
 
 from __future__ import annotations
 
@@ -14,9 +16,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import rand
 from pallas_kernels.decode_attention import (DecodeConfig, decode_attention, resident_blocks,
-                                             decode_attention_reference)
+                                             decode_attention_reference, ws_smem_bytes)
 
-INTERPRET = plgpu.InterpretGPUParams()
+INTERPRET = None if jax.default_backend() == "gpu" else plgpu.InterpretGPUParams()
 TOLERANCE = {jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
 
 
@@ -119,8 +121,11 @@ def _cases(draw):
                  capacity=capacity, dtype=draw(st.sampled_from([jnp.bfloat16, jnp.float16]))),
       lengths=np.array(lengths, np.int32),
       mask=mask,
+      # warp_specialized=True: on a GPU, one compute warpgroup and a producer (the interpreter
+      # runs plain blocks either way).
       config=DecodeConfig(block_kv=block_kv, num_stages=draw(st.sampled_from([1, 2, 3])),
-                          num_splits=draw(st.sampled_from([1, 2, 3]))),
+                          num_splits=draw(st.sampled_from([1, 2, 3])),
+                          warp_specialized=draw(st.sampled_from([None, True]))),
       score_queries=score_queries,
       seed=draw(st.integers(0, 2 ** 16)),
   )
@@ -243,34 +248,54 @@ def test_two_blocks_per_sm_only_where_two_fit():
 
 
 def test_default_tiling_follows_the_query_rows():
-  """128-key tiles, one block per SM, while the rows fit two q blocks; 64-key tiles from three
-  on (or when the capacity is not a multiple of 128), there on the GPU one paired block (two
-  warpgroups) per SM where its SMEM fits, else two blocks per SM."""
-  narrow = DecodeConfig().resolve(q_blocks=2, capacity=4096)
-  assert (narrow.block_kv, narrow.target_blocks) == (128, 132)
-  assert not narrow.paired(2, 128)
-  wide = DecodeConfig().resolve(q_blocks=3, capacity=4096)
-  assert (wide.block_kv, wide.target_blocks) == (64, 132) and wide.paired(3, 128)
-  unpaired = DecodeConfig(pair_q_blocks=False).resolve(q_blocks=3, capacity=4096)
-  assert (unpaired.block_kv, unpaired.target_blocks) == (64, 264)
-  # The interpreter runs pairs only when asked to (pair_q_blocks=True).
-  interpreted = DecodeConfig().resolve(q_blocks=3, capacity=4096, interpret=True)
-  assert interpreted.target_blocks == 264 and not interpreted.paired(3, 128, interpret=True)
-  assert DecodeConfig(pair_q_blocks=True).resolve(q_blocks=3, capacity=4096).paired(3, 128, True)
-  # Paired blocks need their SMEM: not with 4 stages, 128-key tiles or D = 256.
-  assert not DecodeConfig(num_stages=4).resolve(q_blocks=3, capacity=4096).paired(3, 128)
-  assert not DecodeConfig(block_kv=128).resolve(q_blocks=3, capacity=4096).paired(3, 128)
-  assert not DecodeConfig().resolve(q_blocks=3, capacity=4096, head_dim=256).paired(3, 256)
+  """Plain blocks with 128-key tiles, one per SM, while the rows fit two q blocks; from three
+  on, on the GPU warp-specialized blocks (one per SM, 128-key tiles where the capacity allows,
+  else 64), in the interpreter (and with warp_specialized=False) 64-key tiles and two plain
+  blocks per SM."""
+  for q_blocks in (1, 2, 3, 16):
+    gpu = DecodeConfig().resolve(q_blocks=q_blocks, capacity=4096)
+    assert (gpu.block_kv, gpu.target_blocks) == (128, 132)
+    assert gpu.specialized(q_blocks, 128) == (q_blocks >= 3)
+  odd = DecodeConfig().resolve(q_blocks=3, capacity=4160)               # not whole 128-key tiles
+  assert (odd.block_kv, odd.target_blocks) == (64, 132) and odd.specialized(3, 128)
+  for interpret, cfg in ((True, DecodeConfig()), (False, DecodeConfig(warp_specialized=False))):
+    narrow = cfg.resolve(q_blocks=2, capacity=4096, interpret=interpret)
+    assert (narrow.block_kv, narrow.target_blocks) == (128, 132)
+    assert not narrow.specialized(2, 128, interpret)
+    wide = cfg.resolve(q_blocks=3, capacity=4096, interpret=interpret)
+    assert (wide.block_kv, wide.target_blocks) == (64, 264)
+    assert not wide.specialized(3, 128, interpret)
+  # The SMEM rule: two compute warpgroups with 128-key tiles fit 2 stages, not 3 (3 stages
+  # default to 64-key tiles then).
+  assert ws_smem_bytes(128, 2, 128) == 165 * 1024
+  deep = DecodeConfig(num_stages=3).resolve(q_blocks=3, capacity=4096)
+  assert deep.block_kv == 64 and deep.specialized(3, 128)
+  assert not DecodeConfig(block_kv=128, num_stages=3).specialized(3, 128)
+  one = DecodeConfig(num_stages=3, warp_specialized=True).resolve(q_blocks=1, capacity=4096)
+  assert one.specialized(1, 128) and one.target_blocks == 132   # one compute warpgroup
+  d256 = DecodeConfig().resolve(q_blocks=3, capacity=4096, head_dim=256)  # 128 keys: no room
+  assert d256.block_kv == 64 and d256.specialized(3, 256)
   assert DecodeConfig().resolve(q_blocks=1, capacity=192).block_kv == 64
-  assert DecodeConfig(num_stages=3).resolve(q_blocks=3, capacity=4096).target_blocks == 132
   fixed = DecodeConfig(block_kv=128, target_blocks=7).resolve(q_blocks=4, capacity=4096)
   assert (fixed.block_kv, fixed.target_blocks) == (128, 7)
 
 
-@pytest.mark.parametrize("num_queries,score_queries",
-                         [(1, ()), (16, ()), (1, (0,)), (16, (9, 2)), (43, ()), (43, (0, 5)),
-                          (256, ())])
-def test_lowers_to_mosaic_gpu_custom_call_for_cuda(num_queries, score_queries):
+def test_wide_call_ragged_rows_odd_q_blocks_and_scores():
+  """43 queries x GQA 4:1 = 172 rows: three q blocks (on the GPU: warp-specialized pairs, the
+  second pair's second warpgroup idle), two splits, an empty row and a partial last tile, two
+  selected queries' scores."""
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      11, batch=2, num_queries=43, num_q_heads=4, num_kv_heads=1, head_dim=64, capacity=384,
+      dtype=jnp.bfloat16)
+  _check(q, k_cache, v_cache, jnp.array([0, 300], jnp.int32), k_new, v_new,
+         jnp.tril(jnp.ones((43, 43), bool)), DecodeConfig(num_splits=2), score_queries=(5, 0))
+
+
+@pytest.mark.parametrize("num_queries,score_queries,ws",
+                         [(1, (), None), (16, (), None), (1, (0,), None), (16, (9, 2), None),
+                          (43, (), None), (43, (0, 5), None), (256, (), None), (1, (0,), True),
+                          (16, (9, 2), True), (256, (0,), False)])
+def test_lowers_to_mosaic_gpu_custom_call_for_cuda(num_queries, score_queries, ws):
   """The H100 benchmark shape lowers (Pallas -> Mosaic GPU MLIR -> stablehlo custom call) on a
   CPU-only machine, also with the score output (its SMEM, with the default tiling, must fit:
   checked here); PTX generation happens later, in XLA:GPU's compile of the custom call."""
@@ -280,9 +305,12 @@ def test_lowers_to_mosaic_gpu_custom_call_for_cuda(num_queries, score_queries):
           sds((b, hkv, s, d), jnp.bfloat16), sds((b,), jnp.int32),
           sds((b, num_queries, hkv, d), jnp.bfloat16), sds((b, num_queries, hkv, d), jnp.bfloat16),
           sds((num_queries, num_queries), jnp.bool_))
-  fn = lambda *a: decode_attention(*a, score_queries=score_queries)
+  fn = lambda *a: decode_attention(*a, score_queries=score_queries,
+                                   config=DecodeConfig(warp_specialized=ws))
   lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
   text = lowered.as_text()
   assert "stablehlo.custom_call @mosaic_gpu_v2" in text
-  # From three q blocks per KV head on (Tq * G > 128) the kernel runs paired warpgroups.
-  assert ("decode_attention_kernel_paired" in text) == (num_queries * hq // hkv > 128)
+  # Warp-specialized blocks (a producer warpgroup, one or two compute ones) by default from
+  # three q blocks per KV head on (Tq * G > 128 rows), or when asked for.
+  wanted = num_queries * hq // hkv > 128 if ws is None else ws
+  assert ("decode_attention_kernel_ws" in text) == wanted
