@@ -81,7 +81,15 @@ from pallas_kernels.split_plan import split_counts
 
 from pallas_kernels.decode_attention import _q_rows as decode_q_rows
 from pallas_kernels.decode_attention import (_SUPPORTED_DTYPES, BLOCK_M, LOG2E, SM_COUNT,
-                                             SWIZZLED, loop_scratch, resident_blocks)
+                                             SMEM_PER_SM, SWIZZLED, WS_MIN_Q_BLOCKS,
+                                             loop_scratch, resident_blocks, ws_smem_bytes)
+
+
+# Warp-specialized blocks only where a segment may run this many tiles or more. H100, device us
+# of the sparse kernel, plain -> warp-specialized (`benchmarks/results/s27/sparse_ws_s27_h100.json`):
+# FAFO's 8B call (240 queries on 16 listed blocks, 43 on the full cache) 23.1 -> 22.1 at 4K,
+# 151.7 -> 118.4 at 32K; 4 listed 64-slot blocks at Tq 64 / 256 4.0 -> 5.3 / 7.0 -> 7.7 (B 1).
+WS_MIN_TILES = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +101,13 @@ class SparseConfig:
     segment / the full segment (None: the counts with the shortest simulated launch on
     `target_blocks` resident thread blocks, `pallas_kernels.split_plan`, at least
     `min_tiles_per_split` tiles each). target_blocks None: SM_COUNT * `resident_blocks` (two
-    per SM with 64-key tiles and at most 2 stages, as in decode_attention).
+    per SM with 64-key tiles and at most 2 stages, as in decode_attention; SM_COUNT for
+    warp-specialized blocks).
+  warp_specialized: on the GPU, blocks of a producer warpgroup and two compute warpgroups
+    (q blocks 2j and 2j + 1 of one segment and split; decode_attention's FlashAttention-3
+    structure). None: where a segment has WS_MIN_Q_BLOCKS q blocks or more and one may run
+    WS_MIN_TILES tiles or more; True: always (on the GPU); False: never. The Mosaic GPU
+    interpreter runs plain blocks.
   """
   block_kv: int | None = None
   num_stages: int = 2
@@ -102,6 +116,7 @@ class SparseConfig:
   target_blocks: int | None = None
   min_tiles_per_split: int = 1    # a 2-block list on 16 thread blocks beats one on 8: latency
   inflight: str = "auto"          # the in-flight part: "kernel", "jnp" or "auto" (combine.py)
+  warp_specialized: bool | None = None
 
   def __post_init__(self):
     check_inflight_mode(self.inflight)
@@ -123,11 +138,23 @@ class SparseConfig:
       return self.block_kv
     return 128 if block_size % 128 == 0 else 64
 
-  def slots(self, block_size: int, head_dim: int = 128) -> int:
-    """Resident thread blocks the split plan fills."""
+  def slots(self, block_size: int, head_dim: int = 128, ws: bool = False) -> int:
+    """Resident thread blocks the split plan fills (ws: warp-specialized blocks)."""
     if self.target_blocks is not None:
       return self.target_blocks
+    if ws:
+      return SM_COUNT
     return SM_COUNT * resident_blocks(self.tile_rows(block_size), self.num_stages, head_dim)
+
+  def specialized(self, max_q_blocks: int, block_size: int, head_dim: int,
+                  interpret: bool = False, max_tiles: int = WS_MIN_TILES) -> bool:
+    """Whether a call whose largest segment has `max_q_blocks` q blocks, and whose longest
+    segment at most `max_tiles` tiles, runs warp-specialized blocks: on the GPU, where wanted
+    and the SMEM fits."""
+    wanted = (self.warp_specialized if self.warp_specialized is not None
+              else max_q_blocks >= WS_MIN_Q_BLOCKS and max_tiles >= WS_MIN_TILES)
+    return (wanted and not interpret and ws_smem_bytes(
+        self.tile_rows(block_size), self.num_stages, head_dim) <= SMEM_PER_SM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,14 +173,25 @@ class _Segment:
   def num_work(self) -> int:
     return self.q_blocks * self.num_splits
 
+  @property
+  def num_pair_work(self) -> int:
+    """Thread blocks of a warp-specialized launch: (pair of q blocks, split) items."""
+    return -(-self.q_blocks // 2) * self.num_splits
+
+
+def _segment_q_blocks(group: int, num_queries: int, sparse_queries: int) -> list[int]:
+  """64-row q blocks of the list and full segments (those with queries), in that order."""
+  return [-(-n * group // BLOCK_M) for n in (sparse_queries, num_queries - sparse_queries) if n]
+
 
 def _plan_segments(cfg: SparseConfig, *, batch, num_kv_heads, group, num_queries, sparse_queries,
-                   list_tiles, full_tiles, slots) -> tuple[_Segment, ...]:
-  """Segments in query order, with q blocks and split counts (static)."""
+                   list_tiles, full_tiles, slots, ws=False) -> tuple[_Segment, ...]:
+  """Segments in query order, with q blocks and split counts (static); ws: the thread blocks
+  are pairs of q blocks."""
   parts = [(False, 0, sparse_queries), (True, sparse_queries, num_queries - sparse_queries)]
   parts = [p for p in parts if p[2] > 0]
-  q_blocks = [-(-n * group // BLOCK_M) for _, _, n in parts]
-  plan = tuple((qb, max(1, full_tiles if full else list_tiles),
+  q_blocks = _segment_q_blocks(group, num_queries, sparse_queries)
+  plan = tuple((-(-qb // 2) if ws else qb, max(1, full_tiles if full else list_tiles),
                 cfg.num_splits_full if full else cfg.num_splits)
                for (full, _, _), qb in zip(parts, q_blocks))
   splits = split_counts(plan, copies=batch * num_kv_heads, slots=slots,
@@ -172,7 +210,8 @@ def _plan_segments(cfg: SparseConfig, *, batch, num_kv_heads, group, num_queries
 
 def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths, *,
                     segments: tuple[_Segment, ...], rows_out: int, block_size: int,
-                    cfg: SparseConfig, score_rows: int = 0, interpret: Any = None):
+                    cfg: SparseConfig, score_rows: int = 0, ws: bool = False,
+                    interpret: Any = None):
   """Split partials of the cache part, all segments in one launch.
 
   q_rows [B, Hkv, QB * 64, D] (at Tq = 1 [B, Hkv, G, D]: rows past G read as zeros);
@@ -185,6 +224,9 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
   NSS = the segments with score_slot >= 0: rows [0, score_rows) of the segment's first q block,
   the scaled scores (log2 units) of the slots its tiles visit, -inf for those >= lengths[b];
   the other slots are never written (undefined).
+  ws: warp-specialized blocks (GPU only): grid items are (pair of q blocks, split) per segment,
+  a producer warpgroup issues the K/V TMAs, two compute warpgroups take the pair's q blocks
+  (decode_attention's `decode_attention_kernel_ws`); the outputs are laid out as above.
   """
   batch, num_kv_heads, _, head_dim = q_rows.shape
   capacity = k_cache.shape[2]
@@ -210,6 +252,72 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
       split = jnp.where(mine, lax.rem(local, i32(seg.num_splits)), split)
       splits = jnp.where(mine, i32(seg.num_splits), splits)
     return full, qblock, split, splits
+
+  pair_starts = np.cumsum([0] + [seg.num_pair_work for seg in segments])
+
+  def locate_ws(item, wg):
+    """Warp-specialized: (full?, q block to load, split, num_splits, output work item, writes?)
+    of compute warpgroup wg in grid item `item` (pair j, split): q block 2j + wg of the
+    segment; past the segment's last q block it loads that one again and writes nothing."""
+    full = jnp.bool_(segments[0].full)
+    qblock, split, splits, out, valid = i32(0), i32(0), i32(segments[0].num_splits), i32(0), \
+        jnp.bool_(False)
+    for seg, start in zip(segments, pair_starts):
+      local = item - int(start)
+      mine = jnp.logical_and(local >= 0, local < seg.num_pair_work)
+      seg_split = lax.rem(local, i32(seg.num_splits))
+      q_local = lax.div(local, i32(seg.num_splits)) * 2 + wg
+      full = jnp.where(mine, jnp.bool_(seg.full), full)
+      qblock = jnp.where(mine, seg.first_qblock + jnp.minimum(q_local, seg.q_blocks - 1), qblock)
+      split = jnp.where(mine, seg_split, split)
+      splits = jnp.where(mine, i32(seg.num_splits), splits)
+      out = jnp.where(mine, seg.first_work + q_local * seg.num_splits + seg_split, out)
+      valid = jnp.where(mine, q_local < seg.q_blocks, valid)
+    return full, qblock, split, splits, out, valid
+
+  def split_tiles(tables_ref, counts_ref, lengths_ref, b, h, full, split, num_splits):
+    """(length, first tile, tile count, tile_start) of one split. The lengths, counts and table
+    entries are clipped here (to their valid ranges), not by XLA ops before the launch;
+    tile_start(step) is the first cache slot of the split's tile `step` (a scalar)."""
+    length = jnp.clip(lengths_ref[b], 0, capacity)
+    list_tiles = jnp.clip(counts_ref[b, h], 0, table_len) * tiles_per_block
+    full_tiles = lax.div(length + (block_kv - 1), i32(block_kv))
+    num_tiles = jnp.where(full, full_tiles, list_tiles)
+    tiles_per_split = lax.div(num_tiles + (num_splits - 1), num_splits)
+    first_tile = split * tiles_per_split
+    my_tiles = jnp.maximum(jnp.minimum(tiles_per_split, num_tiles - first_tile), 0)
+
+    def tile_start(step):
+      tile = first_tile + step
+      if tiles_per_block == 1:
+        entry, within = tile, i32(0)
+      else:
+        entry = lax.div(tile, i32(tiles_per_block))
+        within = lax.rem(tile, i32(tiles_per_block)) * block_kv
+      # The full segment never reads the table; the index is clamped so the load stays in bounds.
+      block = jnp.clip(tables_ref[b, h, jnp.minimum(entry, i32(table_len - 1))], 0,
+                       capacity // block_size - 1)
+      return jnp.where(full, tile * block_kv, block * block_size + within)
+    return length, first_tile, my_tiles, tile_start
+
+  def producer(tables_ref, counts_ref, lengths_ref, k_ref, v_ref, k_smem, v_smem, k_barriers,
+               v_barriers, k_consumed, v_consumed):
+    """The producer warpgroup: every K/V tile of the item's split by TMA, a slot refilled once
+    both compute warpgroups released it (K after QK, V after PV)."""
+    h, b = lax.axis_index("head"), lax.axis_index("batch")
+    full, _, split, num_splits, _, _ = locate_ws(lax.axis_index("work"), 0)
+    _, _, my_tiles, tile_start = split_tiles(tables_ref, counts_ref, lengths_ref, b, h, full,
+                                             split, num_splits)
+
+    @pl.loop(0, my_tiles)
+    def _(step):
+      slot = lax.rem(step, i32(num_stages))
+      rows = pl.ds(tile_start(step), block_kv)
+      reuse = step >= num_stages
+      pl.when(reuse)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
+      plgpu.copy_gmem_to_smem(k_ref.at[b, h, rows], k_smem.at[slot], k_barriers.at[slot])
+      pl.when(reuse)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
+      plgpu.copy_gmem_to_smem(v_ref.at[b, h, rows], v_smem.at[slot], v_barriers.at[slot])
 
   def score_slot_of(work):
     """The score output slot a work item writes (a scalar), -1 for none: the work items of the
@@ -240,34 +348,19 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
            q_barrier, k_barriers, v_barriers,
            scores_ref=None,  # [B, Hkv, NSS, score_rows, S] fp32          GMEM (score_rows > 0)
            s_smem=None,     # [64, block_kv] fp32 (score_rows > 0)      SMEM
-           a_smem=None):    # [64, block_kv] (interpret mode only)      SMEM (tiled, swizzled)
-    work = lax.axis_index("work")
+           a_smem=None,     # [64, block_kv] (interpret mode only)      SMEM (tiled, swizzled)
+           wg=0,            # warp-specialized: this compute warpgroup (0 or 1)
+           ws_barriers=None):  # warp-specialized: (k_consumed, v_consumed, schedule, done)
     h = lax.axis_index("head")
     b = lax.axis_index("batch")
-    full, qb, split, num_splits = locate(work)
-
-    # The lengths, counts and table entries are clipped here (to their valid ranges), not by
-    # XLA ops before the launch.
-    length = jnp.clip(lengths_ref[b], 0, capacity)
-    list_tiles = jnp.clip(counts_ref[b, h], 0, table_len) * tiles_per_block
-    full_tiles = lax.div(length + (block_kv - 1), i32(block_kv))
-    num_tiles = jnp.where(full, full_tiles, list_tiles)
-    tiles_per_split = lax.div(num_tiles + (num_splits - 1), num_splits)
-    first_tile = split * tiles_per_split
-    my_tiles = jnp.maximum(jnp.minimum(tiles_per_split, num_tiles - first_tile), 0)
-
-    def tile_start(step):
-      """First cache slot of this split's tile `step` (a scalar)."""
-      tile = first_tile + step
-      if tiles_per_block == 1:
-        entry, within = tile, i32(0)
-      else:
-        entry = lax.div(tile, i32(tiles_per_block))
-        within = lax.rem(tile, i32(tiles_per_block)) * block_kv
-      # The full segment never reads the table; the index is clamped so the load stays in bounds.
-      block = jnp.clip(tables_ref[b, h, jnp.minimum(entry, i32(table_len - 1))], 0,
-                       capacity // block_size - 1)
-      return jnp.where(full, tile * block_kv, block * block_size + within)
+    if ws_barriers is None:
+      work = lax.axis_index("work")
+      full, qb, split, num_splits = locate(work)
+      writes = None
+    else:
+      full, qb, split, num_splits, work, writes = locate_ws(lax.axis_index("work"), wg)
+    length, first_tile, my_tiles, tile_start = split_tiles(
+        tables_ref, counts_ref, lengths_ref, b, h, full, split, num_splits)
 
     def fetch(step, slot):
       rows = pl.ds(tile_start(step), block_kv)
@@ -285,9 +378,12 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
                               scores_ref.at[b, h, slot, :, pl.ds(start, block_kv)])
 
     score_slot = score_slot_of(work) if score_rows else None
+    if writes is not None and score_rows:          # an idle warpgroup writes no scores
+      score_slot = jnp.where(writes, score_slot, -1)
     plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(qb * BLOCK_M, BLOCK_M)], q_smem, q_barrier)
-    for step in range(num_stages):                 # prologue: fill the ring
-      pl.when(step < my_tiles)(functools.partial(fetch, step, step))
+    if ws_barriers is None:
+      for step in range(num_stages):               # prologue: fill the ring
+        pl.when(step < my_tiles)(functools.partial(fetch, step, step))
     plgpu.barrier_wait(q_barrier)
 
     acc = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), jnp.float32), plgpu.Layout.WGMMA)
@@ -334,7 +430,56 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
       pl.when(nxt < my_tiles)(lambda: fetch(nxt, slot))
       return acc, m_new, l_i
 
-    acc, m_i, l_i = lax.fori_loop(0, my_tiles, kv_step, (acc, m_i, l_i))
+    def sync(barrier):
+      plgpu.barrier_arrive(barrier)
+      plgpu.barrier_wait(barrier)
+
+    def ws_step(step, carry):
+      """One tile of a warp-specialized block (as decode_attention's `ws_step`; every tile is
+      masked: a listed block may straddle or pass the length)."""
+      acc, m_i, l_i = carry
+      k_consumed, v_consumed, schedule, _ = ws_barriers
+      slot = lax.rem(step, i32(num_stages))
+      start = tile_start(step)
+      def qk_scope(s_ref):                         # [64, block_kv] fp32 accumulator
+        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+        sync(schedule)
+        return s_ref[...]
+      s = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_M, block_kv), jnp.float32))
+      plgpu.barrier_arrive(k_consumed.at[slot])
+      slot_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, block_kv), 1,
+                                        layout=plgpu.Layout.WGMMA)
+      s = jnp.where(slot_ids + start < length, s, -jnp.inf)
+      if score_rows:
+        pl.when(score_slot >= 0)(lambda: store_scores(s * score_scale, start, score_slot))
+      m_new = jnp.maximum(m_i, s.max(axis=1) * score_scale)
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp2(m_i - m_use)
+      p = jnp.exp2(s * score_scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      l_i = l_i * alpha + p.sum(axis=1)
+      p16 = p.astype(dtype)
+      acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+      plgpu.barrier_arrive(schedule)               # done with the softmax
+      plgpu.barrier_wait(v_barriers.at[slot])
+      plgpu.barrier_wait(schedule)                 # the other warpgroup's wgmmas are issued
+      nxt = step + 1
+      def pv_scope(acc_ref):                       # acc += P V, then wait for the next K
+        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+        pl.when(nxt < my_tiles)(
+            lambda: plgpu.barrier_wait(k_barriers.at[lax.rem(nxt, i32(num_stages))]))
+      acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_consumed.at[slot])
+      return acc, m_new, l_i
+
+    if ws_barriers is None:
+      acc, m_i, l_i = lax.fori_loop(0, my_tiles, kv_step, (acc, m_i, l_i))
+    else:
+      pl.when(my_tiles > 0)(lambda: plgpu.barrier_wait(k_barriers.at[0]))
+      pl.when(wg == 1)(lambda: sync(ws_barriers[2]))   # warpgroup 1 starts half a step behind
+      acc, m_i, l_i = lax.fori_loop(0, my_tiles, ws_step, (acc, m_i, l_i))
+      pl.when(wg == 0)(lambda: sync(ws_barriers[2]))
+      sync(ws_barriers[3])       # both are done with the ring: the output tiles take its memory
 
     if score_rows:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last score TMA has read s_smem
@@ -342,10 +487,16 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
     m_smem[...] = m_i
     l_smem[...] = l_i
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows_out)], acc_out_ref.at[b, h, work])
-    plgpu.copy_smem_to_gmem(m_smem, m_out_ref.at[b, h, work])
-    plgpu.copy_smem_to_gmem(l_smem, l_out_ref.at[b, h, work])
-    plgpu.wait_smem_to_gmem(0)
+
+    def write_out():
+      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows_out)], acc_out_ref.at[b, h, work])
+      plgpu.copy_smem_to_gmem(m_smem, m_out_ref.at[b, h, work])
+      plgpu.copy_smem_to_gmem(l_smem, l_out_ref.at[b, h, work])
+      plgpu.wait_smem_to_gmem(0)
+    if writes is None:
+      write_out()
+    else:
+      pl.when(writes)(write_out)
 
   scratch = [
       plgpu.SMEM((BLOCK_M, head_dim), dtype, **SWIZZLED),
@@ -376,11 +527,47 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
     pl.run_scoped(scoped, *scratch,
                   **a_staging((BLOCK_M, block_kv), dtype, interpret, **SWIZZLED))
 
+  def sparse_attention_kernel_ws(tables_ref, counts_ref, lengths_ref, q_ref, k_ref, v_ref,
+                                 acc_ref, m_ref, l_ref, *scores_ref):
+    """Warp-specialized (as decode_attention's): warpgroups 0 and 1 compute, 2 produces."""
+    def scoped(q_smem, union, m_smem, l_smem, q_bar, k_bars, v_bars, k_consumed, v_consumed,
+               schedule, done, *s_smem):
+      (k_smem, v_smem), o_smem = union
+      wg = lax.axis_index("wg")
+
+      @pl.when(wg < 2)
+      def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        extra = (scores_ref[0], s_smem[0]) if score_rows else ()
+        body(tables_ref, counts_ref, lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
+             q_smem.at[wg], k_smem, v_smem, o_smem.at[wg], m_smem.at[wg], l_smem.at[wg],
+             q_bar.at[wg], k_bars, v_bars, *extra, wg=wg,
+             ws_barriers=(k_consumed, v_consumed, schedule, done))
+
+      @pl.when(wg == 2)
+      def _produce():
+        plgpu.set_max_registers(40, action="decrease")
+        producer(tables_ref, counts_ref, lengths_ref, k_ref, v_ref, k_smem, v_smem, k_bars,
+                 v_bars, k_consumed, v_consumed)
+    ring = lambda: plgpu.SMEM((num_stages, block_kv, head_dim), dtype, **SWIZZLED)
+    consumed = lambda: plgpu.Barrier(num_arrivals=2, num_barriers=num_stages)
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((2, BLOCK_M, head_dim), dtype, **SWIZZLED),
+        plgpu.RefUnion((ring(), ring()), plgpu.SMEM((2, BLOCK_M, head_dim), jnp.float32)),
+        plgpu.SMEM((2, BLOCK_M), jnp.float32), plgpu.SMEM((2, BLOCK_M), jnp.float32),
+        plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages), consumed(), consumed(),
+        plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2),
+        *([plgpu.SMEM((BLOCK_M, block_kv), jnp.float32)] if score_rows else []),
+        collective_axes="wg")
+
   return plgpu.kernel(
-      sparse_attention_kernel,
+      sparse_attention_kernel_ws if ws else sparse_attention_kernel,
       out_type=tuple(out_type),
-      grid=(num_work, num_kv_heads, batch),
+      grid=(int(pair_starts[-1]) if ws else num_work, num_kv_heads, batch),
       grid_names=("work", "head", "batch"),
+      **(dict(num_threads=3, thread_name="wg") if ws else {}),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
   )(block_tables, num_blocks, lengths, q_rows, k_cache, v_cache)
@@ -474,24 +661,30 @@ def split_partials(q, k_cache, v_cache, block_tables, num_blocks, lengths, *, bl
   segments[i].score_slot; rows r = t * G + g < n * G; R the larger n * G rounded up to 8)."""
   layout = _layout(q.shape, k_cache.shape, block_tables.shape[2], block_size=block_size,
                    sparse_queries=sparse_queries, config=config,
-                   num_score_queries=num_score_queries)
+                   num_score_queries=num_score_queries, interpret=interpret is not None)
   return (layout[0],) + _rows_partials(
       _q_rows(q, layout[0], k_cache.shape[1]), k_cache, v_cache, block_tables, num_blocks,
       lengths, layout, block_size=block_size, config=config, interpret=interpret)
 
 
 def _layout(q_shape, cache_shape, table_len: int, *, block_size: int, sparse_queries: int,
-            config: SparseConfig, num_score_queries: tuple[int, int]
-            ) -> tuple[tuple[_Segment, ...], int, int]:
-  """The static layout of a call: (segments with their score slots, rows_out, score rows)."""
-  b, tq, hq, _ = q_shape
+            config: SparseConfig, num_score_queries: tuple[int, int], interpret: bool = False
+            ) -> tuple[tuple[_Segment, ...], int, int, bool]:
+  """The static layout of a call: (segments with their score slots, rows_out, score rows,
+  warp-specialized?)."""
+  b, tq, hq, d = q_shape
   hkv, capacity = cache_shape[1], cache_shape[2]
   group = hq // hkv
   block_kv = config.tile_rows(block_size)
+  list_tiles = table_len * (block_size // block_kv)
+  full_tiles = capacity // block_kv
+  max_tiles = max(list_tiles if sparse_queries else 0, full_tiles if sparse_queries < tq else 0)
+  ws = config.specialized(max(_segment_q_blocks(group, tq, sparse_queries)), block_size, d,
+                          interpret, max_tiles)
   segments = _plan_segments(
       config, batch=b, num_kv_heads=hkv, group=group, num_queries=tq,
-      sparse_queries=sparse_queries, list_tiles=table_len * (block_size // block_kv),
-      full_tiles=capacity // block_kv, slots=config.slots(block_size, q_shape[3]))
+      sparse_queries=sparse_queries, list_tiles=list_tiles, full_tiles=full_tiles,
+      slots=config.slots(block_size, d, ws), ws=ws)
   selected = dict(zip((False, True), num_score_queries))       # full? -> selected queries
   slot_ids = iter(range(len(segments)))
   segments = tuple(dataclasses.replace(seg, score_slot=next(slot_ids)) if selected[seg.full]
@@ -499,13 +692,13 @@ def _layout(q_shape, cache_shape, table_len: int, *, block_size: int, sparse_que
   rows_out = BLOCK_M
   if all(seg.q_blocks == 1 for seg in segments):
     rows_out = max(-(-seg.num_queries * group // 8) * 8 for seg in segments)
-  return segments, rows_out, score_rows(max(num_score_queries), group)
+  return segments, rows_out, score_rows(max(num_score_queries), group), ws
 
 
 def _rows_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths, layout, *,
                    block_size: int, config: SparseConfig, interpret: Any) -> tuple:
   """The kernel's outputs (acc, m, l, *scores) from q rows packed by `_q_rows` for `layout`."""
-  segments, rows_out, rows_score = layout
+  segments, rows_out, rows_score, ws = layout
   b, hkv = k_cache.shape[0], k_cache.shape[1]
   if block_tables.shape[2] == 0:              # one (never used) entry for the loads, no blocks
     block_tables = jnp.zeros((b, hkv, 1), jnp.int32)
@@ -514,7 +707,7 @@ def _rows_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths, 
   return tuple(_cache_partials(
       q_rows, k_cache, v_cache, block_tables.astype(jnp.int32), num_blocks.astype(jnp.int32),
       lengths.astype(jnp.int32), segments=segments,
-      rows_out=rows_out, block_size=block_size, cfg=config, score_rows=rows_score,
+      rows_out=rows_out, block_size=block_size, cfg=config, score_rows=rows_score, ws=ws,
       interpret=interpret))
 
 
@@ -568,7 +761,8 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   q, mask = permute_queries(order, q, mask)
   layout = _layout(q.shape, k_cache.shape, block_tables.shape[2], block_size=block_size,
                    sparse_queries=sparse_queries, config=config,
-                   num_score_queries=(len(sel_list), len(sel_full)))
+                   num_score_queries=(len(sel_list), len(sel_full)),
+                   interpret=interpret is not None)
   segments = layout[0]
   use_kernel = inflight_choice(config.inflight, tq)
   q_rows = _q_rows(q, segments, k_cache.shape[1], whole_blocks=use_kernel)

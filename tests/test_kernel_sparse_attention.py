@@ -1,7 +1,9 @@
 """The Mosaic GPU block-sparse attention kernel against its jnp reference, in GPU interpret mode
 (CPU), including the selected queries' per-slot softmax weights (score_queries); the reference
 against `sparsedec.attention.reference_attention` and `decode_attention`; and a check that the
-kernel lowers to the Mosaic GPU custom call for the cuda platform."""
+kernel lowers to the Mosaic GPU custom call for the cuda platform. On a GPU backend the same
+tests run the compiled kernels (warp-specialized blocks included, which the interpreter does
+not run)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from pallas_kernels.sparse_attention import (
 )
 from sparsedec.attention import reference_attention
 
-INTERPRET = plgpu.InterpretGPUParams()
+INTERPRET = None if jax.default_backend() == "gpu" else plgpu.InterpretGPUParams()
 TOLERANCE = {jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
 f32 = lambda x: x.astype(jnp.float32)
 # The references run jitted: one compile per shape instead of an XLA:CPU compile per eager op.
@@ -174,7 +176,9 @@ def _cases(draw):
       lengths=np.array(lengths, np.int32), mask=mask, sparse_queries=sparse_queries,
       config=SparseConfig(block_kv=block_kv, num_stages=draw(st.sampled_from([2, 1, 3])),
                           num_splits=draw(st.sampled_from([2, None, 1])),
-                          num_splits_full=draw(st.sampled_from([None, 1, 2]))),
+                          num_splits_full=draw(st.sampled_from([None, 1, 2])),
+                          # on a GPU: True runs warp-specialized blocks (the interpreter: plain)
+                          warp_specialized=draw(st.sampled_from([None, True]))),
       seed=draw(st.integers(0, 2 ** 16)),
   )
 
@@ -284,6 +288,21 @@ def test_segment_split_fumble_and_verification_queries():
   assert np.abs(np.asarray(out[:, :2], np.float32) - np.asarray(dense[:, :2])).max() > 0.1
 
 
+def test_wide_segments_in_pairs_of_q_blocks():
+  """FAFO's shape, small: 40 fumble queries on a 3-block list (one block past the length of
+  row 1), 11 on the full cache, GQA 4:1 (160 and 44 rows: three q blocks and one; on the GPU
+  warp-specialized pairs, the odd blocks' second warpgroups idle), two rows, selected queries
+  in both segments."""
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      12, batch=2, num_queries=51, num_q_heads=4, num_kv_heads=1, head_dim=64, capacity=512,
+      dtype=jnp.bfloat16)
+  tables = jnp.array([[[0, 5, 7]], [[1, 6, 2]]], jnp.int32)
+  _check(q, k_cache, v_cache, tables, jnp.array([[3], [3]], jnp.int32),
+         jnp.array([512, 300], jnp.int32), k_new, v_new, jnp.tril(jnp.ones((51, 51), bool)),
+         block_size=64, sparse_queries=40, config=SparseConfig(num_splits=1, num_splits_full=2),
+         score_queries=(41, 2))
+
+
 def test_score_queries_probs_in_both_segments():
   """Selected queries (3, 1, 0) out of order: 1 and 0 read the list (queries [0, 2)), 3 the full
   cache. Head 0 lists block 1 only, head 1 block 3 (wholly past the length 180) and block 0.
@@ -389,6 +408,12 @@ def test_split_plan_fills_two_blocks_per_sm_with_64_key_tiles():
   assert SparseConfig(num_stages=3).slots(block_size=64) == 132
   assert SparseConfig(block_kv=64).slots(block_size=128) == 264
   assert SparseConfig(target_blocks=5).slots(block_size=64) == 5
+  # Warp-specialized blocks (the GPU, a segment of three q blocks or more): one per SM.
+  assert SparseConfig().slots(block_size=64, ws=True) == 132
+  assert SparseConfig().specialized(3, 64, 128) and not SparseConfig().specialized(2, 64, 128)
+  assert not SparseConfig().specialized(3, 64, 128, max_tiles=4)          # a short list
+  assert not SparseConfig().specialized(3, 64, 128, interpret=True)
+  assert SparseConfig(warp_specialized=True).specialized(1, 64, 128)
 
 
 @pytest.mark.parametrize("num_queries,sparse_queries,block_size,table_len,score_queries",
@@ -412,3 +437,8 @@ def test_lowers_to_mosaic_gpu_custom_call_for_cuda(num_queries, sparse_queries, 
                                    score_queries=score_queries)
   text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "stablehlo.custom_call @mosaic_gpu_v2" in text
+  # Warp-specialized blocks where a segment has three q blocks or more (Tq * G > 128 rows) and
+  # one may run 8 tiles or more (FAFO's 8B call; not 4 listed blocks).
+  wide = max(sparse_queries or tq, tq - (sparse_queries or tq)) * hq // hkv > 128
+  long = max(table_len, s // block_size if (sparse_queries or tq) < tq else 0) >= 8
+  assert ("sparse_attention_kernel_ws" in text) == (wide and long)
