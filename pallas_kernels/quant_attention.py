@@ -5,7 +5,7 @@ asymmetric grid: zero z (= group min, rounded *down* to fp16) and 4-bit step s4 
 rounded *up* to fp16), so every x of the group lies in [z, z + 15 * s4]. The 8-bit step is
 s8 = s4 / 16 and the 8-bit code is the plain asymmetric round-to-nearest code
 
-    c8 = clip(round_half_even((x - z) / s8), 0, 240)                (fp32 arithmetic)
+    c8 = clip(round_half_even((x - z) / s8), 0, 240)     (x - z in fp32, the quotient exact)
 
 It is split into an upper 4-bit code u = (c8 + 8) >> 4 in [0, 15] (round-to-nearest of x on the
 s4 grid; it rounds up from 15/32 instead of 16/32 of a step, so |x - (z + u s4)| <= 17/32 s4) and a
@@ -201,13 +201,30 @@ class QuantKV:
     return self.k_codes.shape[3] * self.k_codes.shape[5] * CODES_PER_WORD
 
 
+def _meta_neighbour(r, direction):
+  """The META_DTYPE (fp16) value next to r towards -inf (direction < 0) or +inf, by its bits
+  (integer ops only: no fp16 arithmetic for XLA:GPU to carry out in fp32)."""
+  bits = lax.bitcast_convert_type(r, jnp.uint16).astype(jnp.int32)
+  negative, magnitude = bits >> 15, bits & 0x7FFF
+  away = negative == (1 if direction < 0 else 0)          # the step grows the magnitude
+  magnitude = jnp.where(away, magnitude + 1, jnp.maximum(magnitude - 1, 0))
+  crosses = jnp.logical_and(~away, (bits & 0x7FFF) == 0)  # a zero steps to the other sign
+  negative = jnp.where(crosses, 1 - negative, negative)
+  magnitude = jnp.where(crosses, 1, magnitude)
+  out = ((negative << 15) | magnitude).astype(jnp.uint16)
+  return lax.bitcast_convert_type(out, META_DTYPE)
+
+
 def _round_to_meta(x, direction):
-  """fp32 -> META_DTYPE, rounded down (direction < 0) or up (> 0), never to nearest."""
-  r = x.astype(META_DTYPE)
+  """fp32 -> META_DTYPE, rounded down (direction < 0) or up (> 0), never to nearest. The
+  optimization barrier keeps XLA from dropping the fp32 -> fp16 -> fp32 round trip the
+  comparison needs (XLA:GPU allows excess precision by default). On an H100 the zeros and steps
+  differed from the numpy reference's until this barrier and `_meta_neighbour` were in."""
+  r = lax.optimization_barrier(x.astype(META_DTYPE))
   rf = r.astype(jnp.float32)
   if direction < 0:
-    return jnp.where(rf > x, jnp.nextafter(r, jnp.array(-jnp.inf, META_DTYPE)), r)
-  return jnp.where(rf < x, jnp.nextafter(r, jnp.array(jnp.inf, META_DTYPE)), r)
+    return jnp.where(rf > x, _meta_neighbour(r, -1), r)
+  return jnp.where(rf < x, _meta_neighbour(r, +1), r)
 
 
 def _grid(lo, hi):
@@ -221,9 +238,19 @@ def _grid(lo, hi):
 
 
 def _codes8(x, zero, step4):
-  """The 8-bit code c8 in [0, 240] (int32) of x on the grid (zero, step4 / 16); all fp32."""
+  """The 8-bit code c8 in [0, 240] (int32) of x on the grid (zero, step4 / 16): d = x - zero
+  (one fp32 subtraction) rounded half-to-even at the exact quotient d / step8. The quotient is
+  only guessed (the fp32 quotient XLA:GPU computes is not always IEEE's: on an H100 codes came
+  out one off numpy's); the guess g is then settled by comparing d with (g +- 1/2) * step8,
+  products that are exact in fp32 (a 10-bit by an 11-bit significand), so every backend gives
+  the same codes."""
   step8 = step4.astype(jnp.float32) * (1.0 / 16.0)
-  c = jnp.round((x - zero.astype(jnp.float32)) / step8)
+  d = x - zero.astype(jnp.float32)
+  g = jnp.round(d * (1.0 / step8))
+  above, below = (g + 0.5) * step8, (g - 0.5) * step8
+  odd = jnp.mod(g, 2.0) == 1.0
+  c = (g + (d > above).astype(jnp.float32) - (d < below).astype(jnp.float32)
+       + ((d == above) & odd).astype(jnp.float32) - ((d == below) & odd).astype(jnp.float32))
   return jnp.clip(c, 0, CODE8_MAX).astype(jnp.int32)
 
 
@@ -1154,7 +1181,13 @@ def exact_keys(q_rows, key_sets, *, group: int) -> ExactKeys:
     num_keys = k.shape[1]
     if num_keys == 0:
       continue
-    sources.append((k.astype(dtype), v.astype(dtype)))        # no copy when already in dtype
+    k, v = k.astype(dtype), v.astype(dtype)                   # no copy when already in dtype
+    if num_keys > 8 and num_keys % 8:
+      # The TMA of a tiled SMEM tile takes a GMEM key dimension below 8 or a multiple of it
+      # (Mosaic GPU's lowering rejects 9..15, 17..23, ...): such a set gets a few zero keys.
+      extra = ((0, 0), (0, -num_keys % 8), (0, 0), (0, 0))
+      k, v = jnp.pad(k, extra), jnp.pad(v, extra)
+    sources.append((k, v))
     pad = -(-num_keys // KEY_TILE) * KEY_TILE - num_keys
     masks.append(jnp.pad(jnp.broadcast_to(mask, (bm, tq, num_keys)), ((0, 0), (0, 0), (0, pad))))
   mask = (jnp.concatenate(masks, axis=2) if masks

@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import rand
+from kernel_mode import INTERPRET
 from pallas_kernels.decode_attention import (DecodeConfig, decode_attention, resident_blocks,
                                              decode_attention_reference, ws_smem_bytes)
 
-INTERPRET = None if jax.default_backend() == "gpu" else plgpu.InterpretGPUParams()
 TOLERANCE = {jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
 
 

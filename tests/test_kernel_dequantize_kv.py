@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import rand
+from kernel_mode import INTERPRET
 from pallas_kernels.dequantize_kv import dequantize_kv, dequantize_kv_reference
 from pallas_kernels.quant_attention import QuantKV, quantize_kv
 
-INTERPRET = plgpu.InterpretGPUParams()
 
 
 @settings(max_examples=6, deadline=None, derandomize=True)
@@ -59,7 +58,8 @@ def test_4bit_read_ignores_the_lower_plane_and_8bit_reads_it():
 def test_lengths_bound_the_tiles_written(round_to):
   """With lengths, the tiles below round_up(length, round_to) are the reference's bit for bit and
   the rest are never written: the interpreter fills unwritten output with NaN, so a kernel that
-  wrote (or read) past the bound would show here. Lengths past the capacity are clipped."""
+  wrote (or read) past the bound would show here (on a GPU unwritten memory holds anything, so
+  there only the written part is checked). Lengths past the capacity are clipped."""
   k = rand.normal(jax.random.key(1), (3, 2, 256, 64))
   qkv = quantize_kv(k, 0.5 * k + 1.0, group=64)
   lengths = jnp.array([70, 0, 999], jnp.int32)
@@ -69,7 +69,8 @@ def test_lengths_bound_the_tiles_written(round_to):
     x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
     for row, bound in enumerate((-(-70 // round_to) * round_to, 0, 256)):
       np.testing.assert_array_equal(x[row, :, :bound], y[row, :, :bound])
-      assert np.isnan(x[row, :, bound:]).all(), (row, bound)
+      if INTERPRET is not None:
+        assert np.isnan(x[row, :, bound:]).all(), (row, bound)
 
 
 @pytest.mark.parametrize("bits,head_dim,dtype", [(4, 128, jnp.bfloat16), (8, 128, jnp.bfloat16),

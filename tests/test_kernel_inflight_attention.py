@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import rand
+from kernel_mode import INTERPRET
 from pallas_kernels.decode_attention import (DecodeConfig, decode_attention,
                                              decode_attention_reference)
 from pallas_kernels.inflight_attention import (BLOCK_M, inflight_partials,
@@ -19,7 +19,6 @@ from pallas_kernels.inflight_attention import (BLOCK_M, inflight_partials,
 from pallas_kernels.sparse_attention import (SparseConfig, sparse_attention,
                                              sparse_attention_reference)
 
-INTERPRET = plgpu.InterpretGPUParams()
 
 
 def _rows(q, num_kv_heads):

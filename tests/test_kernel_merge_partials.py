@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import rand
+from kernel_mode import INTERPRET
 from pallas_kernels.merge_partials import (MAX_SLOTS, merge_partials, merge_partials_reference,
                                            splits_per_chunk)
 
-INTERPRET = plgpu.InterpretGPUParams()
 
 
 def _partials(seed, *, b, hkv, qb, ns, d, n, empty=0.2):

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import rand
+from kernel_mode import INTERPRET
 from pallas_kernels.register_operand import unpack_words
 from pallas_kernels.quant_attention import (AUTO_DEQUANT_MIN_TOKENS, AUTO_DEQUANT_ROWS,
                                             DEQUANT_MAX_BYTES, QuantAttentionConfig, QuantKV,
@@ -24,7 +24,6 @@ from pallas_kernels.quant_attention import (AUTO_DEQUANT_MIN_TOKENS, AUTO_DEQUAN
                                             quant_attention_reference, quant_attention_with_keys,
                                             quantize_kv)
 
-INTERPRET = plgpu.InterpretGPUParams()
 TOLERANCE = {jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
 
 
@@ -36,7 +35,9 @@ def _int8_reference(x, axis):
   """Independent plain asymmetric 8-bit quantizer (numpy), groups reduced over `axis`:
   zero = group min rounded down to fp16; step = (max - zero) / 240 rounded up to fp16 (computed
   as the fp16 4-bit step / 16, exact); code = clip(round_half_even((x - zero) / step), 0, 240),
-  all fp32 (the 1/15 as an fp32 constant multiply). Returns (code int32, zero fp16, 4-bit step fp16)."""
+  x - zero in fp32 (the 1/15 as an fp32 constant multiply), the quotient in float64 (exact
+  enough: its ties and roundings are the exact quotient's). Returns (code int32, zero fp16,
+  4-bit step fp16)."""
   x = np.asarray(x, np.float32)
   lo, hi = x.min(axis, keepdims=True), x.max(axis, keepdims=True)
   zero = lo.astype(np.float16)
@@ -46,7 +47,8 @@ def _int8_reference(x, axis):
   step4 = np.where(step4.astype(np.float32) < want, np.nextafter(step4, np.float16(np.inf)), step4)
   step4 = np.where(step4 > 0, step4, np.float16(1))
   step8 = step4.astype(np.float32) * np.float32(1 / 16)
-  code = np.clip(np.rint((x - zero.astype(np.float32)) / step8), 0, 240).astype(np.int32)
+  diff = (x - zero.astype(np.float32)).astype(np.float64)
+  code = np.clip(np.rint(diff / step8.astype(np.float64)), 0, 240).astype(np.int32)
   return code, zero, step4
 
 
@@ -584,12 +586,16 @@ def test_kernel_rejects_bad_inputs_in_plain_words():
                           (4, 1, (0,), None, "fused"), (8, 16, (9, 2), None, "fused"),
                           (8, 5, (), None, "fused"), (4, 1, (0,), 256, "fused"),
                           (8, 5, (1,), 256, "fused"), (4, 64, (), None, "auto"),
-                          (8, 16, (3,), None, "dequantize")])
+                          (8, 16, (3,), None, "dequantize"), (8, 9, (), None, "fused"),
+                          (4, 12, (11, 0, 2, 3, 4, 5, 6, 7, 8, 9), None, "fused")])
 def test_lowers_to_mosaic_gpu_custom_call_for_cuda(bits, num_queries, score_queries, block_kv,
                                                    path):
   """The benchmark shape (Hq 32, Hkv 8, D 128, G 128) lowers to the Mosaic GPU custom call, also
   with the score output and at every stage size (SMEM fits); the dequantize path (which "auto"
-  takes at Tq = 64) lowers to decode_attention's kernel and no quant_attention kernel."""
+  takes at Tq = 64) lowers to decode_attention's kernel and no quant_attention kernel. Tq = 9
+  and 12: in-flight key sets of 9 and 12 keys, which Mosaic GPU's TMA lowering rejected read in
+  place (a key dimension above 8 must be a multiple of 8: found by running the kernel tests on an
+  H100); 10 selected queries make one 40-row q block."""
   b, hq, hkv, d, s, r = 1, 32, 8, 128, 4096, 128
   sds = jax.ShapeDtypeStruct
   qkv = QuantKV.abstract(b, hkv, s, d, group=128)

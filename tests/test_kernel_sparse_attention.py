@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import rand
+from kernel_mode import INTERPRET
 from pallas_kernels.decode_attention import (
   DecodeConfig,
   decode_attention,
@@ -28,7 +28,6 @@ from pallas_kernels.sparse_attention import (
 )
 from sparsedec.attention import reference_attention
 
-INTERPRET = None if jax.default_backend() == "gpu" else plgpu.InterpretGPUParams()
 TOLERANCE = {jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
 f32 = lambda x: x.astype(jnp.float32)
 # The references run jitted: one compile per shape instead of an XLA:CPU compile per eager op.

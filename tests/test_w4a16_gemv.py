@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import rand
+from kernel_mode import INTERPRET
 from pallas_kernels import w4a16_gemv as w4
 from pallas_kernels.register_operand import unpack_words
 from pallas_kernels.w4a16_gemv import (CODE_OFFSET, W4A16Config, dequantize, plan, w4a16_matmul,
@@ -20,7 +20,6 @@ from sparsedec.errors import InputError
 from sparsedec.model import quant_weights as qw_mod
 from sparsedec.model.quant_weights import LAYOUTS, quant_matmul, quantize_weight
 
-INTERPRET = plgpu.InterpretGPUParams()
 
 
 def _weight(seed, n_in, n_out, group=128, layout="int4_t"):
