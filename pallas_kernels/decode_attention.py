@@ -143,6 +143,52 @@ def loop_scratch(num_stages: int, block_kv: int, head_dim: int, dtype, score_row
   return plgpu.RefUnion(loop_refs, plgpu.SMEM((BLOCK_M, head_dim), jnp.float32))
 
 
+def ws_scores(q_smem, k_tile, k_consumed, schedule=None):
+  """QK^T [64, block_kv] fp32 of one tile in a warp-specialized block; with two compute
+  warpgroups, `schedule` (a barrier of two arrivals) is passed once the wgmma is issued, so the
+  other warpgroup's softmax overlaps it. Releases the K slot (`k_consumed`) afterwards."""
+  def qk_scope(s_ref):
+    plgpu.wgmma(s_ref, q_smem, k_tile.transpose((1, 0)))
+    if schedule is not None:
+      plgpu.barrier_arrive(schedule)
+      plgpu.barrier_wait(schedule)
+    return s_ref[...]
+  s = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_M, k_tile.shape[0]), jnp.float32))
+  plgpu.barrier_arrive(k_consumed)
+  return s
+
+
+def ws_softmax_pv(s, carry, *, scale, v_tile, v_barrier, v_consumed, schedule=None,
+                  wait_next=None, empty_rows=False):
+  """The rest of a warp-specialized tile: the online softmax of the raw scores s [64, N]
+  (scale folded into the exp2: one FMA a score), then acc += P V in place, released V slot.
+  carry = (acc [64, D] fp32, m [64] (log2 units), l [64]); with two compute warpgroups the
+  `schedule` barrier hands the tensor cores over after the softmax; `wait_next()` runs inside
+  the PV scope (the next K tile's barrier); `empty_rows`: a row may have seen only -inf so far
+  (a finite stand-in keeps alpha and p at 0, not NaN)."""
+  acc, m_i, l_i = carry
+  m_new = jnp.maximum(m_i, s.max(axis=1) * scale)
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if empty_rows else m_new
+  alpha = jnp.exp2(m_i - m_use)
+  p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
+  acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+  l_i = l_i * alpha + p.sum(axis=1)
+  p16 = p.astype(v_tile.dtype)
+  acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+  if schedule is not None:
+    plgpu.barrier_arrive(schedule)                 # done with the softmax
+  plgpu.barrier_wait(v_barrier)
+  if schedule is not None:
+    plgpu.barrier_wait(schedule)                   # the other warpgroup's wgmmas are issued
+  def pv_scope(acc_ref):                           # acc += P V, then wait for the next K
+    plgpu.wgmma(acc_ref, p16, v_tile)
+    if wait_next is not None:
+      wait_next()
+  acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
+  plgpu.barrier_arrive(v_consumed)
+  return acc, m_new, l_i
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
   """Tiling of the kernel; `resolve` fills the fields left None for one call.
@@ -386,20 +432,12 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       return acc, m_new, l_i
 
     def ws_step(step, carry, masked=False):
-      """One tile with a producer warpgroup (FlashAttention-3's schedule): the K slot is
-      released after QK, the V slot after PV; the schedule barrier alternates the two compute
-      warpgroups so that one's softmax runs while the other's wgmmas do. Only the split's last
-      tile (`masked`) compares slots with the length."""
-      acc, m_i, l_i = carry
+      """One tile with a producer warpgroup (FlashAttention-3's schedule, `ws_scores` and
+      `ws_softmax_pv`). Only the split's last tile (`masked`) compares slots with the length."""
       k_consumed, v_consumed, schedule, _ = ws
+      schedule = schedule if wgs == 2 else None
       slot = lax.rem(step, jnp.int32(num_stages))
-      def qk_scope(s_ref):                         # [64, block_kv] fp32 accumulator
-        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-        if wgs == 2:
-          sync(schedule)
-        return s_ref[...]
-      s = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_M, block_kv), jnp.float32))
-      plgpu.barrier_arrive(k_consumed.at[slot])
+      s = ws_scores(q_smem, k_smem.at[slot], k_consumed.at[slot], schedule)
       if masked:
         slot_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, block_kv), 1,
                                           layout=plgpu.Layout.WGMMA)
@@ -407,27 +445,12 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       if score_rows:
         pl.when(qb == 0)(lambda: store_scores(s * score_scale,
                                               (first_tile + step) * block_kv))
-      # Raw scores in the max; the scale folded into the exponent (one FMA a score).
-      m_new = jnp.maximum(m_i, s.max(axis=1) * score_scale)
-      alpha = jnp.exp2(m_i - m_new)
-      p = jnp.exp2(s * score_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      l_i = l_i * alpha + p.sum(axis=1)
-      p16 = p.astype(dtype)
-      acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-      if wgs == 2:
-        plgpu.barrier_arrive(schedule)             # done with the softmax
-      plgpu.barrier_wait(v_barriers.at[slot])
-      if wgs == 2:
-        plgpu.barrier_wait(schedule)               # the other warpgroup's wgmmas are issued
       nxt = step + 1
-      def pv_scope(acc_ref):                       # acc += P V, then wait for the next K
-        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-        pl.when(nxt < my_tiles)(
-            lambda: plgpu.barrier_wait(k_barriers.at[lax.rem(nxt, jnp.int32(num_stages))]))
-      acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
-      plgpu.barrier_arrive(v_consumed.at[slot])
-      return acc, m_new, l_i
+      wait_next = lambda: pl.when(nxt < my_tiles)(
+          lambda: plgpu.barrier_wait(k_barriers.at[lax.rem(nxt, jnp.int32(num_stages))]))
+      return ws_softmax_pv(s, carry, scale=score_scale, v_tile=v_smem.at[slot],
+                           v_barrier=v_barriers.at[slot], v_consumed=v_consumed.at[slot],
+                           schedule=schedule, wait_next=wait_next)
 
     if ws is None:
       acc, m_i, l_i = lax.fori_loop(0, my_tiles, kv_step, (acc, m_i, l_i))

@@ -82,7 +82,8 @@ from pallas_kernels.split_plan import split_counts
 from pallas_kernels.decode_attention import _q_rows as decode_q_rows
 from pallas_kernels.decode_attention import (_SUPPORTED_DTYPES, BLOCK_M, LOG2E, SM_COUNT,
                                              SMEM_PER_SM, SWIZZLED, WS_MIN_Q_BLOCKS,
-                                             loop_scratch, resident_blocks, ws_smem_bytes)
+                                             loop_scratch, resident_blocks, ws_scores,
+                                             ws_smem_bytes, ws_softmax_pv)
 
 
 # Warp-specialized blocks only where a segment may run this many tiles or more. H100, device us
@@ -435,42 +436,23 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
       plgpu.barrier_wait(barrier)
 
     def ws_step(step, carry):
-      """One tile of a warp-specialized block (as decode_attention's `ws_step`; every tile is
-      masked: a listed block may straddle or pass the length)."""
-      acc, m_i, l_i = carry
+      """One tile of a warp-specialized block (decode_attention's `ws_scores` and
+      `ws_softmax_pv`); every tile is masked: a listed block may straddle or pass the length."""
       k_consumed, v_consumed, schedule, _ = ws_barriers
       slot = lax.rem(step, i32(num_stages))
       start = tile_start(step)
-      def qk_scope(s_ref):                         # [64, block_kv] fp32 accumulator
-        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-        sync(schedule)
-        return s_ref[...]
-      s = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_M, block_kv), jnp.float32))
-      plgpu.barrier_arrive(k_consumed.at[slot])
+      s = ws_scores(q_smem, k_smem.at[slot], k_consumed.at[slot], schedule)
       slot_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, block_kv), 1,
                                         layout=plgpu.Layout.WGMMA)
       s = jnp.where(slot_ids + start < length, s, -jnp.inf)
       if score_rows:
         pl.when(score_slot >= 0)(lambda: store_scores(s * score_scale, start, score_slot))
-      m_new = jnp.maximum(m_i, s.max(axis=1) * score_scale)
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp2(m_i - m_use)
-      p = jnp.exp2(s * score_scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      l_i = l_i * alpha + p.sum(axis=1)
-      p16 = p.astype(dtype)
-      acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-      plgpu.barrier_arrive(schedule)               # done with the softmax
-      plgpu.barrier_wait(v_barriers.at[slot])
-      plgpu.barrier_wait(schedule)                 # the other warpgroup's wgmmas are issued
       nxt = step + 1
-      def pv_scope(acc_ref):                       # acc += P V, then wait for the next K
-        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-        pl.when(nxt < my_tiles)(
-            lambda: plgpu.barrier_wait(k_barriers.at[lax.rem(nxt, i32(num_stages))]))
-      acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
-      plgpu.barrier_arrive(v_consumed.at[slot])
-      return acc, m_new, l_i
+      wait_next = lambda: pl.when(nxt < my_tiles)(
+          lambda: plgpu.barrier_wait(k_barriers.at[lax.rem(nxt, i32(num_stages))]))
+      return ws_softmax_pv(s, carry, scale=score_scale, v_tile=v_smem.at[slot],
+                           v_barrier=v_barriers.at[slot], v_consumed=v_consumed.at[slot],
+                           schedule=schedule, wait_next=wait_next, empty_rows=True)
 
     if ws_barriers is None:
       acc, m_i, l_i = lax.fori_loop(0, my_tiles, kv_step, (acc, m_i, l_i))
