@@ -143,6 +143,95 @@ def loop_scratch(num_stages: int, block_kv: int, head_dim: int, dtype, score_row
   return plgpu.RefUnion(loop_refs, plgpu.SMEM((BLOCK_M, head_dim), jnp.float32))
 
 
+# ----------------------------------------------------------------------------------------------
+# Warp-specialized blocks (decode_attention and sparse_attention): a producer warpgroup and one
+# or two compute warpgroups, FlashAttention-3's structure.
+# ----------------------------------------------------------------------------------------------
+
+def sync(barrier):
+  """Arrive on a barrier of one arrival per compute warpgroup and wait for the others."""
+  plgpu.barrier_arrive(barrier)
+  plgpu.barrier_wait(barrier)
+
+
+def ws_produce(my_tiles, tile_start, k_rows, v_rows, k_smem, v_smem, k_barriers, v_barriers,
+               k_consumed, v_consumed):
+  """The producer warpgroup: tile `step` of a split (first slot `tile_start(step)`) of k_rows,
+  v_rows [S, D] (GMEM views of one row and KV head) by TMA into ring slot step % stages, a slot
+  refilled once the compute warpgroups released it (K after QK, V after PV)."""
+  num_stages, block_kv = k_smem.shape[0], k_smem.shape[1]
+
+  @pl.loop(0, my_tiles)
+  def _(step):
+    slot = lax.rem(step, jnp.int32(num_stages))
+    rows = pl.ds(tile_start(step), block_kv)
+    reuse = step >= num_stages
+    pl.when(reuse)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
+    plgpu.copy_gmem_to_smem(k_rows.at[rows], k_smem.at[slot], k_barriers.at[slot])
+    pl.when(reuse)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
+    plgpu.copy_gmem_to_smem(v_rows.at[rows], v_smem.at[slot], v_barriers.at[slot])
+
+
+def ws_loop(tile_step, carry, my_tiles, k_barriers, ws_barriers, wg, wgs, peel_last=False):
+  """The compute warpgroups' tile loop: `tile_step(step, carry, masked)` over the split's
+  my_tiles tiles, the first K tile awaited before it (later ones inside the PV scope); with two
+  warpgroups, warpgroup 1 starts half a step behind on the schedule barrier, and both pass
+  `done` at the end (the ring is free: the output tiles may take its memory). peel_last: only
+  the last tile gets masked=True (else every tile does)."""
+  _, _, schedule, done = ws_barriers
+  pl.when(my_tiles > 0)(lambda: plgpu.barrier_wait(k_barriers.at[0]))
+  if wgs == 2:
+    pl.when(wg == 1)(lambda: sync(schedule))
+  if peel_last:
+    last = jnp.maximum(my_tiles - 1, 0)
+    carry = lax.fori_loop(0, last, functools.partial(tile_step, masked=False), carry)
+    carry = lax.fori_loop(last, my_tiles, functools.partial(tile_step, masked=True), carry)
+  else:
+    carry = lax.fori_loop(0, my_tiles, functools.partial(tile_step, masked=True), carry)
+  if wgs == 2:
+    pl.when(wg == 0)(lambda: sync(schedule))
+    sync(done)
+  return carry
+
+
+def run_ws_block(wgs, num_stages, block_kv, head_dim, dtype, score_rows, compute, produce):
+  """A warp-specialized block's scratch and warpgroups (inside a `plgpu.kernel` with
+  num_threads=wgs + 1, thread_name="wg"): warpgroups 0 .. wgs - 1 run
+  compute(wg, q_smem [64, D], k_smem, v_smem [stages, block_kv, D], o_smem [64, D] fp32,
+  m_smem, l_smem [64], q_barrier, k_barriers, v_barriers, ws_barriers, s_smem or None) with
+  232 / 240 registers, warpgroup wgs runs produce(k_smem, v_smem, k_barriers, v_barriers,
+  k_consumed, v_consumed) with 40. ws_barriers = (k_consumed, v_consumed, schedule, done),
+  each of wgs arrivals; the fp32 output tiles share the K/V ring's memory."""
+  def scoped(q_smem, union, m_smem, l_smem, q_bar, k_bars, v_bars, k_consumed, v_consumed,
+             schedule, done, *s_smem):
+    (k_smem, v_smem), o_smem = union
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg < wgs)
+    def _compute():
+      plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+      compute(wg, q_smem.at[wg], k_smem, v_smem, o_smem.at[wg], m_smem.at[wg], l_smem.at[wg],
+              q_bar.at[wg], k_bars, v_bars, (k_consumed, v_consumed, schedule, done),
+              s_smem[0] if s_smem else None)
+
+    @pl.when(wg == wgs)
+    def _produce():
+      plgpu.set_max_registers(40, action="decrease")
+      produce(k_smem, v_smem, k_bars, v_bars, k_consumed, v_consumed)
+  ring = lambda: plgpu.SMEM((num_stages, block_kv, head_dim), dtype, **SWIZZLED)
+  consumed = lambda: plgpu.Barrier(num_arrivals=wgs, num_barriers=num_stages)
+  pl.run_scoped(
+      scoped,
+      plgpu.SMEM((wgs, BLOCK_M, head_dim), dtype, **SWIZZLED),
+      plgpu.RefUnion((ring(), ring()), plgpu.SMEM((wgs, BLOCK_M, head_dim), jnp.float32)),
+      plgpu.SMEM((wgs, BLOCK_M), jnp.float32), plgpu.SMEM((wgs, BLOCK_M), jnp.float32),
+      plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=num_stages),
+      plgpu.Barrier(num_barriers=num_stages), consumed(), consumed(),
+      plgpu.Barrier(num_arrivals=wgs), plgpu.Barrier(num_arrivals=wgs),
+      *([plgpu.SMEM((BLOCK_M, block_kv), jnp.float32)] if score_rows else []),
+      collective_axes="wg")
+
+
 def ws_scores(q_smem, k_tile, k_consumed, schedule=None):
   """QK^T [64, block_kv] fp32 of one tile in a warp-specialized block; with two compute
   warpgroups, `schedule` (a barrier of two arrivals) is passed once the wgmma is issued, so the
@@ -150,8 +239,7 @@ def ws_scores(q_smem, k_tile, k_consumed, schedule=None):
   def qk_scope(s_ref):
     plgpu.wgmma(s_ref, q_smem, k_tile.transpose((1, 0)))
     if schedule is not None:
-      plgpu.barrier_arrive(schedule)
-      plgpu.barrier_wait(schedule)
+      sync(schedule)
     return s_ref[...]
   s = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_M, k_tile.shape[0]), jnp.float32))
   plgpu.barrier_arrive(k_consumed)
@@ -299,11 +387,6 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   dtype = q_rows.dtype
   score_scale = head_dim ** -0.5 * LOG2E       # scores kept in log2 units (exp2 in the loop)
 
-  def sync(barrier):
-    """Arrive on and wait for a barrier of one arrival per compute warpgroup."""
-    plgpu.barrier_arrive(barrier)
-    plgpu.barrier_wait(barrier)
-
   def row_tiles(lengths_ref, b, split):
     """(length, first tile, tile count) of this split: the valid tiles of row b are shared
     out among the splits at run time."""
@@ -313,24 +396,6 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     first_tile = split * tiles_per_split
     my_tiles = jnp.maximum(jnp.minimum(tiles_per_split, num_tiles - first_tile), 0)
     return length, first_tile, my_tiles
-
-  def producer(lengths_ref, k_ref, v_ref, k_smem, v_smem, k_barriers, v_barriers, k_consumed,
-               v_consumed):
-    """The producer warpgroup of a warp-specialized block: every K/V tile of the split by TMA,
-    a slot refilled once the compute warpgroups released it (K after QK, V after PV)."""
-    split, b = lax.axis_index("split"), lax.axis_index("batch")
-    h = lax.div(lax.axis_index("head_qblock"), jnp.int32(groups))
-    _, first_tile, my_tiles = row_tiles(lengths_ref, b, split)
-
-    @pl.loop(0, my_tiles)
-    def _(step):
-      slot = lax.rem(step, jnp.int32(num_stages))
-      rows = pl.ds((first_tile + step) * block_kv, block_kv)
-      reuse = step >= num_stages
-      pl.when(reuse)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
-      plgpu.copy_gmem_to_smem(k_ref.at[b, h, rows], k_smem.at[slot], k_barriers.at[slot])
-      pl.when(reuse)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
-      plgpu.copy_gmem_to_smem(v_ref.at[b, h, rows], v_smem.at[slot], v_barriers.at[slot])
 
   def body(lengths_ref,     # [B] int32                                 GMEM
            q_ref,           # [B, Hkv, NQB * 64, D]                     GMEM
@@ -431,7 +496,7 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       pl.when(nxt < my_tiles)(lambda: fetch(nxt, slot))
       return acc, m_new, l_i
 
-    def ws_step(step, carry, masked=False):
+    def ws_step(step, carry, masked):
       """One tile with a producer warpgroup (FlashAttention-3's schedule, `ws_scores` and
       `ws_softmax_pv`). Only the split's last tile (`masked`) compares slots with the length."""
       k_consumed, v_consumed, schedule, _ = ws
@@ -445,9 +510,10 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       if score_rows:
         pl.when(qb == 0)(lambda: store_scores(s * score_scale,
                                               (first_tile + step) * block_kv))
-      nxt = step + 1
-      wait_next = lambda: pl.when(nxt < my_tiles)(
-          lambda: plgpu.barrier_wait(k_barriers.at[lax.rem(nxt, jnp.int32(num_stages))]))
+      def wait_next():                             # the next K tile (inside the PV scope)
+        nxt = step + 1
+        pl.when(nxt < my_tiles)(
+            lambda: plgpu.barrier_wait(k_barriers.at[lax.rem(nxt, jnp.int32(num_stages))]))
       return ws_softmax_pv(s, carry, scale=score_scale, v_tile=v_smem.at[slot],
                            v_barrier=v_barriers.at[slot], v_consumed=v_consumed.at[slot],
                            schedule=schedule, wait_next=wait_next)
@@ -455,17 +521,8 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     if ws is None:
       acc, m_i, l_i = lax.fori_loop(0, my_tiles, kv_step, (acc, m_i, l_i))
     else:
-      pl.when(my_tiles > 0)(lambda: plgpu.barrier_wait(k_barriers.at[0]))
-      if wgs == 2:
-        pl.when(wg == 1)(lambda: sync(ws[2]))      # warpgroup 1 starts half a step behind
-      last = jnp.maximum(my_tiles - 1, 0)
-      carry = lax.fori_loop(0, last, ws_step, (acc, m_i, l_i))
-      acc, m_i, l_i = lax.fori_loop(last, my_tiles, functools.partial(ws_step, masked=True),
-                                    carry)
-      if wgs == 2:
-        pl.when(wg == 0)(lambda: sync(ws[2]))
-        # Both warpgroups' wgmmas are done with the ring: the output tiles may take its memory.
-        sync(ws[3])
+      acc, m_i, l_i = ws_loop(ws_step, (acc, m_i, l_i), my_tiles, k_barriers, ws, wg, wgs,
+                              peel_last=True)
 
     if score_rows:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last score TMA has read s_smem
@@ -513,40 +570,21 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 
   def decode_attention_kernel_ws(lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
                                  *scores_ref):
-    """Warp-specialized: warpgroups 0 .. wgs - 1 compute, each on its own q block (with two,
-    on FlashAttention-3's alternating schedule); warpgroup `wgs` issues every K/V TMA. The
-    fp32 output tiles share the ring's memory (with two, written once both passed `done`)."""
-    def scoped(q_smem, union, m_smem, l_smem, q_bar, k_bars, v_bars, k_consumed, v_consumed,
-               schedule, done, *s_smem):
-      (k_smem, v_smem), o_smem = union
-      wg = lax.axis_index("wg")
+    """Warp-specialized (`run_ws_block`): warpgroups 0 .. wgs - 1 compute, each on its own q
+    block, warpgroup `wgs` issues every K/V TMA."""
+    def compute(wg, q_smem, k_smem, v_smem, o_smem, m_smem, l_smem, q_bar, k_bars, v_bars,
+                ws_barriers, s_smem):
+      extra = (scores_ref[0], s_smem) if score_rows else ()
+      body(lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, q_smem, k_smem, v_smem,
+           o_smem, m_smem, l_smem, q_bar, k_bars, v_bars, *extra, wg=wg, ws=ws_barriers)
 
-      @pl.when(wg < wgs)
-      def _compute():
-        plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
-        extra = (scores_ref[0], s_smem[0]) if score_rows else ()
-        body(lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
-             q_smem.at[wg], k_smem, v_smem, o_smem.at[wg], m_smem.at[wg], l_smem.at[wg],
-             q_bar.at[wg], k_bars, v_bars, *extra, wg=wg,
-             ws=(k_consumed, v_consumed, schedule, done))
-
-      @pl.when(wg == wgs)
-      def _produce():
-        plgpu.set_max_registers(40, action="decrease")
-        producer(lengths_ref, k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, k_consumed,
-                 v_consumed)
-    ring = lambda: plgpu.SMEM((num_stages, block_kv, head_dim), dtype, **SWIZZLED)
-    consumed = lambda: plgpu.Barrier(num_arrivals=wgs, num_barriers=num_stages)
-    pl.run_scoped(
-        scoped,
-        plgpu.SMEM((wgs, BLOCK_M, head_dim), dtype, **SWIZZLED),
-        plgpu.RefUnion((ring(), ring()), plgpu.SMEM((wgs, BLOCK_M, head_dim), jnp.float32)),
-        plgpu.SMEM((wgs, BLOCK_M), jnp.float32), plgpu.SMEM((wgs, BLOCK_M), jnp.float32),
-        plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=num_stages),
-        plgpu.Barrier(num_barriers=num_stages), consumed(), consumed(),
-        plgpu.Barrier(num_arrivals=wgs), plgpu.Barrier(num_arrivals=wgs),
-        *([plgpu.SMEM((BLOCK_M, block_kv), jnp.float32)] if score_rows else []),
-        collective_axes="wg")
+    def produce(k_smem, v_smem, k_bars, v_bars, k_consumed, v_consumed):
+      split, b = lax.axis_index("split"), lax.axis_index("batch")
+      h = lax.div(lax.axis_index("head_qblock"), jnp.int32(groups))
+      _, first_tile, my_tiles = row_tiles(lengths_ref, b, split)
+      ws_produce(my_tiles, lambda step: (first_tile + step) * block_kv, k_ref.at[b, h],
+                 v_ref.at[b, h], k_smem, v_smem, k_bars, v_bars, k_consumed, v_consumed)
+    run_ws_block(wgs, num_stages, block_kv, head_dim, dtype, score_rows, compute, produce)
 
   return plgpu.kernel(
       decode_attention_kernel_ws if ws else decode_attention_kernel,

@@ -82,8 +82,9 @@ from pallas_kernels.split_plan import split_counts
 from pallas_kernels.decode_attention import _q_rows as decode_q_rows
 from pallas_kernels.decode_attention import (_SUPPORTED_DTYPES, BLOCK_M, LOG2E, SM_COUNT,
                                              SMEM_PER_SM, SWIZZLED, WS_MIN_Q_BLOCKS,
-                                             loop_scratch, resident_blocks, ws_scores,
-                                             ws_smem_bytes, ws_softmax_pv)
+                                             loop_scratch, resident_blocks, run_ws_block,
+                                             ws_loop, ws_produce, ws_scores, ws_smem_bytes,
+                                             ws_softmax_pv)
 
 
 # Warp-specialized blocks only where a segment may run this many tiles or more. H100, device us
@@ -301,25 +302,6 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
       return jnp.where(full, tile * block_kv, block * block_size + within)
     return length, first_tile, my_tiles, tile_start
 
-  def producer(tables_ref, counts_ref, lengths_ref, k_ref, v_ref, k_smem, v_smem, k_barriers,
-               v_barriers, k_consumed, v_consumed):
-    """The producer warpgroup: every K/V tile of the item's split by TMA, a slot refilled once
-    both compute warpgroups released it (K after QK, V after PV)."""
-    h, b = lax.axis_index("head"), lax.axis_index("batch")
-    full, _, split, num_splits, _, _ = locate_ws(lax.axis_index("work"), 0)
-    _, _, my_tiles, tile_start = split_tiles(tables_ref, counts_ref, lengths_ref, b, h, full,
-                                             split, num_splits)
-
-    @pl.loop(0, my_tiles)
-    def _(step):
-      slot = lax.rem(step, i32(num_stages))
-      rows = pl.ds(tile_start(step), block_kv)
-      reuse = step >= num_stages
-      pl.when(reuse)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
-      plgpu.copy_gmem_to_smem(k_ref.at[b, h, rows], k_smem.at[slot], k_barriers.at[slot])
-      pl.when(reuse)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
-      plgpu.copy_gmem_to_smem(v_ref.at[b, h, rows], v_smem.at[slot], v_barriers.at[slot])
-
   def score_slot_of(work):
     """The score output slot a work item writes (a scalar), -1 for none: the work items of the
     first q block of a segment with selected queries (local work index < num_splits)."""
@@ -431,13 +413,10 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
       pl.when(nxt < my_tiles)(lambda: fetch(nxt, slot))
       return acc, m_new, l_i
 
-    def sync(barrier):
-      plgpu.barrier_arrive(barrier)
-      plgpu.barrier_wait(barrier)
-
-    def ws_step(step, carry):
+    def ws_step(step, carry, masked):
       """One tile of a warp-specialized block (decode_attention's `ws_scores` and
-      `ws_softmax_pv`); every tile is masked: a listed block may straddle or pass the length."""
+      `ws_softmax_pv`); every tile is masked (`masked` is always True here): a listed block may
+      straddle or pass the length."""
       k_consumed, v_consumed, schedule, _ = ws_barriers
       slot = lax.rem(step, i32(num_stages))
       start = tile_start(step)
@@ -447,9 +426,10 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
       s = jnp.where(slot_ids + start < length, s, -jnp.inf)
       if score_rows:
         pl.when(score_slot >= 0)(lambda: store_scores(s * score_scale, start, score_slot))
-      nxt = step + 1
-      wait_next = lambda: pl.when(nxt < my_tiles)(
-          lambda: plgpu.barrier_wait(k_barriers.at[lax.rem(nxt, i32(num_stages))]))
+      def wait_next():                             # the next K tile (inside the PV scope)
+        nxt = step + 1
+        pl.when(nxt < my_tiles)(
+            lambda: plgpu.barrier_wait(k_barriers.at[lax.rem(nxt, i32(num_stages))]))
       return ws_softmax_pv(s, carry, scale=score_scale, v_tile=v_smem.at[slot],
                            v_barrier=v_barriers.at[slot], v_consumed=v_consumed.at[slot],
                            schedule=schedule, wait_next=wait_next, empty_rows=True)
@@ -457,11 +437,8 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
     if ws_barriers is None:
       acc, m_i, l_i = lax.fori_loop(0, my_tiles, kv_step, (acc, m_i, l_i))
     else:
-      pl.when(my_tiles > 0)(lambda: plgpu.barrier_wait(k_barriers.at[0]))
-      pl.when(wg == 1)(lambda: sync(ws_barriers[2]))   # warpgroup 1 starts half a step behind
-      acc, m_i, l_i = lax.fori_loop(0, my_tiles, ws_step, (acc, m_i, l_i))
-      pl.when(wg == 0)(lambda: sync(ws_barriers[2]))
-      sync(ws_barriers[3])       # both are done with the ring: the output tiles take its memory
+      acc, m_i, l_i = ws_loop(ws_step, (acc, m_i, l_i), my_tiles, k_barriers, ws_barriers, wg,
+                              2)
 
     if score_rows:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last score TMA has read s_smem
@@ -511,38 +488,23 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
 
   def sparse_attention_kernel_ws(tables_ref, counts_ref, lengths_ref, q_ref, k_ref, v_ref,
                                  acc_ref, m_ref, l_ref, *scores_ref):
-    """Warp-specialized (as decode_attention's): warpgroups 0 and 1 compute, 2 produces."""
-    def scoped(q_smem, union, m_smem, l_smem, q_bar, k_bars, v_bars, k_consumed, v_consumed,
-               schedule, done, *s_smem):
-      (k_smem, v_smem), o_smem = union
-      wg = lax.axis_index("wg")
+    """Warp-specialized (decode_attention's `run_ws_block`): warpgroups 0 and 1 compute, 2
+    produces."""
+    def compute(wg, q_smem, k_smem, v_smem, o_smem, m_smem, l_smem, q_bar, k_bars, v_bars,
+                ws_barriers, s_smem):
+      extra = (scores_ref[0], s_smem) if score_rows else ()
+      body(tables_ref, counts_ref, lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
+           q_smem, k_smem, v_smem, o_smem, m_smem, l_smem, q_bar, k_bars, v_bars, *extra,
+           wg=wg, ws_barriers=ws_barriers)
 
-      @pl.when(wg < 2)
-      def _compute():
-        plgpu.set_max_registers(232, action="increase")
-        extra = (scores_ref[0], s_smem[0]) if score_rows else ()
-        body(tables_ref, counts_ref, lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
-             q_smem.at[wg], k_smem, v_smem, o_smem.at[wg], m_smem.at[wg], l_smem.at[wg],
-             q_bar.at[wg], k_bars, v_bars, *extra, wg=wg,
-             ws_barriers=(k_consumed, v_consumed, schedule, done))
-
-      @pl.when(wg == 2)
-      def _produce():
-        plgpu.set_max_registers(40, action="decrease")
-        producer(tables_ref, counts_ref, lengths_ref, k_ref, v_ref, k_smem, v_smem, k_bars,
+    def produce(k_smem, v_smem, k_bars, v_bars, k_consumed, v_consumed):
+      h, b = lax.axis_index("head"), lax.axis_index("batch")
+      full, _, split, num_splits, _, _ = locate_ws(lax.axis_index("work"), 0)
+      _, _, my_tiles, tile_start = split_tiles(tables_ref, counts_ref, lengths_ref, b, h, full,
+                                               split, num_splits)
+      ws_produce(my_tiles, tile_start, k_ref.at[b, h], v_ref.at[b, h], k_smem, v_smem, k_bars,
                  v_bars, k_consumed, v_consumed)
-    ring = lambda: plgpu.SMEM((num_stages, block_kv, head_dim), dtype, **SWIZZLED)
-    consumed = lambda: plgpu.Barrier(num_arrivals=2, num_barriers=num_stages)
-    pl.run_scoped(
-        scoped,
-        plgpu.SMEM((2, BLOCK_M, head_dim), dtype, **SWIZZLED),
-        plgpu.RefUnion((ring(), ring()), plgpu.SMEM((2, BLOCK_M, head_dim), jnp.float32)),
-        plgpu.SMEM((2, BLOCK_M), jnp.float32), plgpu.SMEM((2, BLOCK_M), jnp.float32),
-        plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=num_stages),
-        plgpu.Barrier(num_barriers=num_stages), consumed(), consumed(),
-        plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2),
-        *([plgpu.SMEM((BLOCK_M, block_kv), jnp.float32)] if score_rows else []),
-        collective_axes="wg")
+    run_ws_block(2, num_stages, block_kv, head_dim, dtype, score_rows, compute, produce)
 
   return plgpu.kernel(
       sparse_attention_kernel_ws if ws else sparse_attention_kernel,
