@@ -14,8 +14,9 @@ import rand
 from kernel_mode import INTERPRET
 from pallas_kernels.decode_attention import (DecodeConfig, decode_attention,
                                              decode_attention_reference)
-from pallas_kernels.inflight_attention import (BLOCK_M, inflight_partials,
-                                               inflight_partials_reference, mask_bias, pack_keys)
+from pallas_kernels.inflight_attention import (BLOCK_M, InflightMask, inflight_partials,
+                                               inflight_partials_reference, mask_bias, pack_keys,
+                                               tile_lists)
 from pallas_kernels.sparse_attention import (SparseConfig, sparse_attention,
                                              sparse_attention_reference)
 
@@ -39,12 +40,16 @@ _reference = jax.jit(inflight_partials_reference, static_argnames=("rows_out",))
 
 
 def _case(seed, batch, num_kv_heads, group, tokens, head_dim, density, dtype):
+  """density: the chance a query sees a key, or "causal"."""
   keys = jax.random.split(jax.random.key(seed), 4)
   normal = lambda k, shape: rand.normal(k, shape, dtype)
   q = normal(keys[0], (batch, tokens, num_kv_heads * group, head_dim))     # [B, T, Hq, D]
   k_new = normal(keys[1], (batch, tokens, num_kv_heads, head_dim))         # [B, T, Hkv, D]
   v_new = normal(keys[2], (batch, tokens, num_kv_heads, head_dim))         # [B, T, Hkv, D]
-  mask = np.asarray(rand.bernoulli(keys[3], density, (tokens, tokens)))         # [T, T]
+  if density == "causal":
+    mask = np.tril(np.ones((tokens, tokens), bool))                         # [T, T]
+  else:
+    mask = np.asarray(rand.bernoulli(keys[3], density, (tokens, tokens)))   # [T, T]
   return q, k_new, v_new, mask
 
 
@@ -60,7 +65,7 @@ def _compare(got, ref, atol):
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2 ** 16), batch=st.integers(1, 2), num_kv_heads=st.integers(1, 2),
        group=st.sampled_from([1, 3, 4]), tokens=st.integers(1, 90),
-       head_dim=st.sampled_from([64, 128]), density=st.sampled_from([0.0, 0.3, 1.0]),
+       head_dim=st.sampled_from([64, 128]), density=st.sampled_from([0.0, 0.3, 1.0, "causal"]),
        dtype=st.sampled_from([jnp.bfloat16, jnp.float16]))
 def test_kernel_matches_reference(seed, batch, num_kv_heads, group, tokens, head_dim, density,
                                   dtype):
@@ -71,6 +76,19 @@ def test_kernel_matches_reference(seed, batch, num_kv_heads, group, tokens, head
   got = inflight_partials(*args, rows_out=rows_out, interpret=INTERPRET)
   ref = _reference(*args, rows_out=rows_out)
   _compare(got, ref, 2e-2 if dtype == jnp.bfloat16 else 4e-3)
+
+
+@pytest.mark.parametrize("tokens,group,density", [(90, 1, "causal"), (70, 2, 1.0)])
+def test_fully_seen_tiles_skip_the_bias(tokens, group, density):
+  """Cases with fully seen (bias-free), partly seen and unseen tiles in one call."""
+  q, k_new, v_new, mask = _case(5, 1, 2, group, tokens, 64, density, jnp.bfloat16)
+  q_rows, row_query = _rows(q, 2)
+  masks = mask_bias(jnp.asarray(mask), row_query)
+  counts = np.asarray(masks.counts)
+  assert counts[:, 0].max() >= 1 and (counts[:, 1] > counts[:, 0]).any()
+  args = (q_rows, pack_keys(k_new), pack_keys(v_new), masks)
+  _compare(inflight_partials(*args, rows_out=BLOCK_M, interpret=INTERPRET),
+           _reference(*args, rows_out=BLOCK_M), 2e-2)
 
 
 def test_rows_that_see_nothing_give_empty_partials():
@@ -84,7 +102,30 @@ def test_rows_that_see_nothing_give_empty_partials():
   rows = np.arange(12, 16)                                     # query 3's four heads
   assert np.all(np.isneginf(np.asarray(m)[0, 0, 0, rows]))
   assert np.all(np.asarray(l)[0, 0, 0, rows] == 0) and np.all(np.asarray(acc)[0, 0, 0, rows] == 0)
-  assert np.all(np.asarray(l)[0, 0, 0, :12] > 0) and np.all(np.isneginf(np.asarray(m)[0, 0, 0, 40:]))
+  assert np.all(np.asarray(l)[0, 0, 0, :12] > 0)
+  # Padding rows (40 of them past the 10 queries x 4 heads) see every real key: never read, and
+  # so they never force a bias on a tile every query sees.
+  assert np.all(np.isfinite(np.asarray(m)[0, 0, 0, 40:]))
+
+
+def test_tile_lists_visit_seen_tiles_fully_seen_first():
+  """Causal at T = 256 with G = 4 (16 queries a q block): q block j sees tiles 0 ..
+  (16 j + 15) // 64, all of them fully but the last (the diagonal's)."""
+  row_query = np.repeat(np.arange(256), 4)
+  mask = mask_bias(jnp.asarray(np.tril(np.ones((256, 256), bool))), row_query)
+  tiles, counts = np.asarray(mask.tiles), np.asarray(mask.counts)
+  for j in range(16):
+    last = (16 * j + 15) // 64
+    assert tuple(counts[j]) == (last, last + 1), j
+    assert list(tiles[j, :last + 1]) == list(range(last + 1)), j
+  assert counts[:, 1].sum() == 40 and counts[:, 0].sum() == 24
+  # A row block that sees nothing visits nothing; jnp and a traced mask agree.
+  bias = np.zeros((128, 128), np.float32)
+  bias[:64] = -np.inf
+  bias[64:, 64:70] = -np.inf
+  tiles, counts = jax.jit(tile_lists)(jnp.asarray(bias))
+  assert np.asarray(counts).tolist() == [[0, 0], [1, 2]]
+  assert np.asarray(tiles)[1].tolist() == [0, 1]
 
 
 @pytest.mark.parametrize("num_queries", [1, 7])
@@ -122,7 +163,11 @@ def test_bad_inputs_are_rejected_in_plain_words():
   with pytest.raises(ValueError, match="rows_out"):
     inflight_partials(q_rows, pack_keys(k_new), pack_keys(v_new), bias, rows_out=12)
   with pytest.raises(ValueError, match="bias must be"):
-    inflight_partials(q_rows, pack_keys(k_new), pack_keys(v_new), bias[:, :32], rows_out=16)
+    inflight_partials(q_rows, pack_keys(k_new), pack_keys(v_new),
+                      bias._replace(bias=bias.bias[:, :32]), rows_out=16)
+  with pytest.raises(ValueError, match="tiles / counts"):
+    inflight_partials(q_rows, pack_keys(k_new), pack_keys(v_new),
+                      bias._replace(counts=bias.counts[:, :1]), rows_out=16)
   with pytest.raises(ValueError, match="k_rows / v_rows"):
     inflight_partials(q_rows, pack_keys(k_new)[:, :, :, :32], pack_keys(v_new), bias, rows_out=16)
   with pytest.raises(ValueError, match="inflight must be one of"):
@@ -142,7 +187,9 @@ def test_lowers_to_mosaic_gpu_custom_call_for_cuda(tokens, num_kv_heads, group, 
   args = (sds((1, num_kv_heads, q_rows_n, head_dim), jnp.bfloat16),
           sds((1, num_kv_heads, u_pad, head_dim), jnp.bfloat16),
           sds((1, num_kv_heads, u_pad, head_dim), jnp.bfloat16),
-          sds((q_rows_n, u_pad), jnp.float32))
+          InflightMask(sds((q_rows_n, u_pad), jnp.bfloat16),
+                       sds((q_rows_n // BLOCK_M, u_pad // 64), jnp.int32),
+                       sds((q_rows_n // BLOCK_M, 2), jnp.int32)))
   lowered = jax.jit(lambda *a: inflight_partials(*a, rows_out=BLOCK_M)).trace(*args).lower(
       lowering_platforms=("cuda",))
   assert "stablehlo.custom_call @mosaic_gpu_v2" in lowered.as_text()
