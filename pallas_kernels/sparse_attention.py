@@ -259,16 +259,19 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
 
   def locate_ws(item, wg):
     """Warp-specialized: (full?, q block to load, split, num_splits, output work item, writes?)
-    of compute warpgroup wg in grid item `item` (pair j, split): q block 2j + wg of the
-    segment; past the segment's last q block it loads that one again and writes nothing."""
+    of compute warpgroup wg in grid item `item` = split * pairs + j of the segment: q block
+    2j + wg; past the segment's last q block it loads that one again and writes nothing."""
     full = jnp.bool_(segments[0].full)
     qblock, split, splits, out, valid = i32(0), i32(0), i32(segments[0].num_splits), i32(0), \
         jnp.bool_(False)
     for seg, start in zip(segments, pair_starts):
       local = item - int(start)
       mine = jnp.logical_and(local >= 0, local < seg.num_pair_work)
-      seg_split = lax.rem(local, i32(seg.num_splits))
-      q_local = lax.div(local, i32(seg.num_splits)) * 2 + wg
+      # Pairs fastest: a split's pairs are launched side by side and read its K/V tiles at about
+      # the same time, so the second read hits L2 (FAFO's 8B call at 32K, 2 pairs x 29 splits:
+      # kernel 100.0 -> 91.7 us on an H200; `results/s28/fafo_pair_order_s28_h200.json`).
+      pairs = i32(-(-seg.q_blocks // 2))
+      seg_split, q_local = lax.div(local, pairs), lax.rem(local, pairs) * 2 + wg
       full = jnp.where(mine, jnp.bool_(seg.full), full)
       qblock = jnp.where(mine, seg.first_qblock + jnp.minimum(q_local, seg.q_blocks - 1), qblock)
       split = jnp.where(mine, seg_split, split)
