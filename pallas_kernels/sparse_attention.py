@@ -92,6 +92,9 @@ from pallas_kernels.decode_attention import (_SUPPORTED_DTYPES, BLOCK_M, LOG2E, 
 # FAFO's 8B call (240 queries on 16 listed blocks, 43 on the full cache) 23.1 -> 22.1 at 4K,
 # 151.7 -> 118.4 at 32K; 4 listed 64-slot blocks at Tq 64 / 256 4.0 -> 5.3 / 7.0 -> 7.7 (B 1).
 WS_MIN_TILES = 8
+# A warp-specialized segment whose splits would each still read this many keys gets exactly one
+# wave of items (`split_plan.split_counts`, wave_tiles).
+WAVE_KEYS = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,9 +190,11 @@ def _segment_q_blocks(group: int, num_queries: int, sparse_queries: int) -> list
 
 
 def _plan_segments(cfg: SparseConfig, *, batch, num_kv_heads, group, num_queries, sparse_queries,
-                   list_tiles, full_tiles, slots, ws=False) -> tuple[_Segment, ...]:
+                   list_tiles, full_tiles, slots, ws=False, tile_keys=128
+                   ) -> tuple[_Segment, ...]:
   """Segments in query order, with q blocks and split counts (static); ws: the thread blocks
-  are pairs of q blocks."""
+  are pairs of q blocks, planned a wave at a time (`split_plan.split_counts`'s wave_tiles:
+  WAVE_KEYS keys of `tile_keys`-key tiles)."""
   parts = [(False, 0, sparse_queries), (True, sparse_queries, num_queries - sparse_queries)]
   parts = [p for p in parts if p[2] > 0]
   q_blocks = _segment_q_blocks(group, num_queries, sparse_queries)
@@ -197,7 +202,8 @@ def _plan_segments(cfg: SparseConfig, *, batch, num_kv_heads, group, num_queries
                 cfg.num_splits_full if full else cfg.num_splits)
                for (full, _, _), qb in zip(parts, q_blocks))
   splits = split_counts(plan, copies=batch * num_kv_heads, slots=slots,
-                        min_tiles=cfg.min_tiles_per_split)
+                        min_tiles=cfg.min_tiles_per_split,
+                        wave_tiles=WAVE_KEYS // tile_keys if ws else 0)
   segments, qblock, work = [], 0, 0
   for (full, first, n), qb, s in zip(parts, q_blocks, splits):
     segments.append(_Segment(full, first, n, qblock, qb, s, work))
@@ -631,7 +637,7 @@ def _layout(q_shape, cache_shape, table_len: int, *, block_size: int, sparse_que
   segments = _plan_segments(
       config, batch=b, num_kv_heads=hkv, group=group, num_queries=tq,
       sparse_queries=sparse_queries, list_tiles=list_tiles, full_tiles=full_tiles,
-      slots=config.slots(block_size, d, ws), ws=ws)
+      slots=config.slots(block_size, d, ws), ws=ws, tile_keys=block_kv)
   selected = dict(zip((False, True), num_score_queries))       # full? -> selected queries
   slot_ids = iter(range(len(segments)))
   segments = tuple(dataclasses.replace(seg, score_slot=next(slot_ids)) if selected[seg.full]

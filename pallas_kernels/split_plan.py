@@ -45,17 +45,30 @@ def makespan(items: tuple[int, ...], *, copies: int, slots: int, overhead: float
 
 @functools.lru_cache(maxsize=512)
 def split_counts(segments: tuple[tuple[int, int, int | None], ...], *, copies: int, slots: int,
-                 min_tiles: int, overhead: float = OVERHEAD_TILES) -> tuple[int, ...]:
+                 min_tiles: int, overhead: float = OVERHEAD_TILES,
+                 wave_tiles: int = 0) -> tuple[int, ...]:
   """Split count per segment.
 
   segments: (q_blocks, tiles, fixed) per segment in launch order, `tiles` the static bound on
   the segment's KV tiles, `fixed` a split count to keep (None: choose). copies: (row, KV head)
   pairs; slots: thread blocks resident at once; min_tiles: the fewest tiles a split may get
   (never below one split). Items run segment by segment, q block by q block, split by split.
+
+  wave_tiles > 0 (warp-specialized launches, one block an SM, where the model alone ranks plans
+  wrongly): a segment whose W = slots // (copies * q_blocks) splits would each still get
+  `wave_tiles` tiles or more gets exactly W, one wave of items; the model plans the rest.
+  H200, FAFO's 8B call (`benchmarks/results/s28/fafo_splits_*`): the model's (1, 12) / (1, 29)
+  / (1, 30) / (3, 33) (fumble, verification) splits at 16K / 32K / 64K / 128K against (2, 8)
+  with W = 8: sparse kernel 54.9 -> 52.1, 92.4 -> 86.3, 166.8 -> 159.2, 312.6 -> 300.6 us.
+  Capping at W without fixing it is worse: the model then picks (1, 7), 63.4 / 100.9 us.
   """
   if slots < 1 or copies < 1 or min_tiles < 1:
     raise ValueError(f"slots, copies and min_tiles must be >= 1, got {slots}, {copies}, "
                      f"{min_tiles}")
+  if wave_tiles:
+    waves = [max(1, slots // (copies * qb)) for qb, _, _ in segments]
+    segments = tuple((qb, t, w if f is None and t // w >= wave_tiles else f)
+                     for (qb, t, f), w in zip(segments, waves))
 
   def cap(tiles, fixed):
     return fixed if fixed is not None else max(1, tiles // min_tiles)

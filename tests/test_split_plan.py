@@ -78,3 +78,17 @@ def test_choice_is_close_to_the_best_split_counts(qbs, tiles, copies, slots):
   best = min(makespan(_items(segments, splits), copies=copies, slots=slots, overhead=2)
              for splits in itertools.product(*[range(1, t + 1) for _, t, _ in segments]))
   assert makespan(_items(segments, chosen), copies=copies, slots=slots, overhead=2) <= 1.25 * best
+
+
+def test_wave_tiles_gives_a_long_segment_exactly_one_wave():
+  """Warp-specialized FAFO at Llama-8B shapes (8 KV heads, 8 fumble pairs on a 16-tile list,
+  2 verification pairs on the cache, 64-key tiles, 132 SMs): from 16K on the verification gets
+  132 // (8 * 2) = 8 splits (measured fastest on an H200); at 4K, where 8 splits would read
+  only 8 tiles each (< 32), the model's plan stays; a fixed count is kept."""
+  def plan(tiles, **kw):
+    return split_counts(((8, 16, None), (2, tiles, None)), copies=8, slots=132, min_tiles=1, **kw)
+  for tiles in (256, 512, 1024, 2048):                            # 16K .. 128K
+    assert plan(tiles, wave_tiles=32)[1] == 8
+    assert plan(tiles)[1] != 8                                    # what the model alone picks
+  assert plan(64, wave_tiles=32) == plan(64)                      # 4K
+  assert split_counts(((2, 512, 5),), copies=8, slots=132, min_tiles=1, wave_tiles=32) == (5,)
