@@ -52,7 +52,8 @@ def split_counts(segments: tuple[tuple[int, int, int | None], ...], *, copies: i
   segments: (q_blocks, tiles, fixed) per segment in launch order, `tiles` the static bound on
   the segment's KV tiles, `fixed` a split count to keep (None: choose). copies: (row, KV head)
   pairs; slots: thread blocks resident at once; min_tiles: the fewest tiles a split may get
-  (never below one split). Items run segment by segment, q block by q block, split by split.
+  (never below one split). Items run segment by segment, q block by q block, split by split
+  (the model's order; warp-specialized sparse launches run a segment split by split).
 
   wave_tiles > 0 (warp-specialized launches, one block an SM, where the model alone ranks plans
   wrongly): a segment whose W = slots // (copies * q_blocks) splits would each still get
