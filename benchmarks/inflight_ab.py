@@ -1,0 +1,198 @@
+"""The in-flight kernel (`pallas_kernels.inflight_attention`) against another version of it, in
+one run (GPU): the kernel alone and whole decode_attention / sparse_attention calls, device us
+from the profiler, and how far the outputs move.
+
+The other version is a copy of the module's file, e.g. session 27's kernel:
+
+  git show 05c2f35:pallas_kernels/inflight_attention.py > /tmp/inflight_base.py
+  python benchmarks/inflight_ab.py --baseline /tmp/inflight_base.py --cases kernel calls smol \
+      --out $OUT/inflight_ab.json
+
+Cases (Llama-3.1-8B heads: Hq 32, Hkv 8, D 128): `kernel` the kernel alone under causal masks
+(T 16 / 64 / 256, B 1 / 8) and FAFO's / Lookahead's 8B step masks (T 283 / 282); `calls` decode
+and sparse (4 listed 64-slot blocks) at B 8, 16K, Tq 64 / 256 and FAFO's / Lookahead's 8B calls
+at 4K / 32K; `smol` SmolLM2's FAFO and Lookahead calls (T 109 / 108), each timed twice. Whole
+calls swap the module's `inflight_partials` / `mask_bias` into the cache kernels' wrappers, so
+both versions must keep that interface (a mask_bias result passed through). Session 28's figures
+(H200): `results/s28/inflight_ab_s28_h200.json`, `inflight_ab_smol_s28_h200.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks._timing import time_loop, write_json
+import pallas_kernels.decode_attention as decode_module
+import pallas_kernels.inflight_attention as current
+import pallas_kernels.sparse_attention as sparse_module
+from sparsedec.decode.fafo import fafo_layout
+from sparsedec.decode.lookahead import lookahead_layout
+
+HQ, HKV, D = 32, 8, 128
+G = HQ // HKV
+
+
+def load_module(path: str):
+  """A module object from a file holding a version of inflight_attention.py."""
+  if not os.path.isfile(path):
+    raise SystemExit(f"--baseline: no file at {path}")
+  spec = importlib.util.spec_from_file_location("inflight_attention_baseline", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  for name in ("inflight_partials", "mask_bias", "pack_keys"):
+    if not hasattr(module, name):
+      raise SystemExit(f"--baseline {path} has no {name}: not an inflight_attention module")
+  return module
+
+
+def use(module) -> None:
+  """Route the cache kernels' wrappers to `module`'s in-flight kernel (retraced afterwards)."""
+  for wrapper in (decode_module, sparse_module):
+    wrapper.inflight_partials = module.inflight_partials
+    wrapper.mask_bias = module.mask_bias
+  jax.clear_caches()
+
+
+def normal(key, shape):
+  return jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+
+
+def arrays(b, t, hq, hkv, d, s, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 5)
+  return (normal(ks[0], (b, t, hq, d)), normal(ks[1], (b, hkv, s, d)),
+          normal(ks[2], (b, hkv, s, d)), normal(ks[3], (b, t, hkv, d)),
+          normal(ks[4], (b, t, hkv, d)))
+
+
+def timed(case, impl, fn, *args, calls):
+  try:
+    r = time_loop(fn, *args, num_calls=calls, unroll=8, profile=True)
+    return dict(case=case, impl=impl, us=r["min_s"] * 1e6, device_us=r.get("device_s", 0) * 1e6,
+                kernels={k[:40]: round(v * 1e6, 2)
+                         for k, v in r.get("device_time_by_kernel", {}).items()})
+  except Exception as e:                                             # noqa: BLE001
+    traceback.print_exc()
+    return dict(case=case, impl=impl, error=repr(e)[:500])
+
+
+def kernel_cases(versions, rows):
+  masks = {"causal256": np.tril(np.ones((256, 256), bool)),
+           "causal64": np.tril(np.ones((64, 64), bool)),
+           "causal16": np.tril(np.ones((16, 16), bool)),
+           "fafo283": fafo_layout(40, 6, 7)[0], "lookahead282": lookahead_layout(40, 7, 7)[0]}
+  for name, mask in masks.items():
+    for b in ([1] if name in ("fafo283", "lookahead282") else [1, 8]):
+      t = mask.shape[0]
+      n = t * G
+      qb = -(-n // 64)
+      ks = jax.random.split(jax.random.key(1), 3)
+      q_rows = normal(ks[0], (b, HKV, qb * 64, D))
+      k_rows = current.pack_keys(normal(ks[1], (b, t, HKV, D)))
+      v_rows = current.pack_keys(normal(ks[2], (b, t, HKV, D)))
+      row_query = np.full(qb * 64, -1)
+      row_query[:n] = np.arange(n) // G
+      real = row_query >= 0
+      m = jnp.asarray(mask)
+      outs = {}
+      for impl, mod in versions.items():
+        fn = lambda q, k, v, mod=mod: mod.inflight_partials(q, k, v, mod.mask_bias(m, row_query),
+                                                            rows_out=64)
+        acc, m2, _ = fn(q_rows, k_rows, v_rows)
+        outs[impl] = (np.asarray(acc).reshape(b, HKV, -1, D)[:, :, real],
+                      np.isneginf(np.asarray(m2).reshape(b, HKV, -1)[:, :, real]))
+        row = timed(f"kernel {name} B{b}", impl, fn, q_rows, k_rows, v_rows, calls=400)
+        if impl != "baseline" and "baseline" in outs:
+          row["acc_max_diff"] = float(np.max(np.abs(outs[impl][0] - outs["baseline"][0])))
+          row["m_inf_same"] = bool(np.array_equal(outs[impl][1], outs["baseline"][1]))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
+
+def call_cases(versions, rows, smol):
+  calls = []
+  if smol:
+    mask = jnp.asarray(fafo_layout(20, 4, 7)[0])
+    args = arrays(1, 109, 9, 3, 64, 1024)
+    lengths = jnp.array([400])
+    tables, counts = jnp.array([[[0, 4, 5, 6]] * 3], jnp.int32), jnp.full((1, 3), 4, jnp.int32)
+    calls.append(("smol fafo T109", lambda q, k, v, kn, vn: sparse_module.sparse_attention(
+        q, k, v, tables, counts, lengths, kn, vn, mask, block_size=64, sparse_queries=80), args))
+    mask2 = jnp.asarray(lookahead_layout(20, 5, 7)[0])
+    calls.append(("smol lookahead T108", lambda q, k, v, kn, vn: decode_module.decode_attention(
+        q, k, v, lengths, kn, vn, mask2), arrays(1, 108, 9, 3, 64, 1024)))
+    repeats = 2
+  else:
+    l16 = jnp.array([16384] * 8)
+    for t in (256, 64):
+      mk = jnp.asarray(np.tril(np.ones((t, t), bool)))
+      args = arrays(8, t, HQ, HKV, D, 16384)
+      calls.append((f"decode B8 16K Tq{t}", lambda q, k, v, kn, vn, mk=mk:
+                    decode_module.decode_attention(q, k, v, l16, kn, vn, mk), args))
+      tables = jnp.broadcast_to(jnp.array([0, 50, 100, 200], jnp.int32), (8, HKV, 4))
+      counts = jnp.full((8, HKV), 4, jnp.int32)
+      calls.append((f"sparse B8 16K Tq{t} 4x64", lambda q, k, v, kn, vn, mk=mk, tables=tables,
+                    counts=counts: sparse_module.sparse_attention(
+                        q, k, v, tables, counts, l16, kn, vn, mk, block_size=64), args))
+    for s in (4096, 32768):
+      length = jnp.array([s])
+      mk = jnp.asarray(fafo_layout(40, 6, 7)[0])
+      tables = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (1, 8, 16))
+      counts = jnp.full((1, 8), 16, jnp.int32)
+      calls.append((f"fafo8b S{s}", lambda q, k, v, kn, vn, mk=mk, length=length, tables=tables,
+                    counts=counts: sparse_module.sparse_attention(
+                        q, k, v, tables, counts, length, kn, vn, mk, block_size=64,
+                        sparse_queries=240), arrays(1, 283, HQ, HKV, D, s)))
+      mk2 = jnp.asarray(lookahead_layout(40, 7, 7)[0])
+      calls.append((f"lookahead8b S{s}", lambda q, k, v, kn, vn, mk2=mk2, length=length:
+                    decode_module.decode_attention(q, k, v, length, kn, vn, mk2),
+                    arrays(1, 282, HQ, HKV, D, s)))
+    repeats = 1
+  for name, fn, args in calls:
+    outs = {}
+    for _ in range(repeats):
+      for impl, mod in versions.items():
+        use(mod)
+        outs[impl] = fn(*args)
+        row = timed(name, impl, fn, *args, calls=800 if smol else 200)
+        if impl != "baseline" and "baseline" in outs:
+          row["out_max_diff"] = float(jnp.max(jnp.abs(
+              outs[impl].astype(jnp.float32) - outs["baseline"].astype(jnp.float32))))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+  use(current)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--baseline", help="a file holding another inflight_attention.py (optional)")
+  p.add_argument("--cases", nargs="+", default=["kernel", "calls"],
+                 choices=["kernel", "calls", "smol"])
+  p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
+                                               "inflight_ab.json"))
+  args = p.parse_args(argv)
+  versions = ({"baseline": load_module(args.baseline)} if args.baseline else {})
+  versions["current"] = current
+  rows = []
+  if "kernel" in args.cases:
+    kernel_cases(versions, rows)
+  for smol in (False, True):
+    if ("smol" if smol else "calls") in args.cases:
+      call_cases(versions, rows, smol)
+  result = dict(device=jax.devices()[0].device_kind, baseline=args.baseline, rows=rows)
+  write_json(args.out, result)
+  return result
+
+
+if __name__ == "__main__":
+  main()
