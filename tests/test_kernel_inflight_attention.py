@@ -193,3 +193,32 @@ def test_lowers_to_mosaic_gpu_custom_call_for_cuda(tokens, num_kv_heads, group, 
   lowered = jax.jit(lambda *a: inflight_partials(*a, rows_out=BLOCK_M)).trace(*args).lower(
       lowering_platforms=("cuda",))
   assert "stablehlo.custom_call @mosaic_gpu_v2" in lowered.as_text()
+
+
+def test_wrappers_with_fafo_and_lookahead_masks_match_reference():
+  """The methods' own masks past one tile (T = 109 / 108: SmolLM2's FAFO and Lookahead steps),
+  where the kernel visits tile lists with unseen, partly and fully seen tiles: sparse_attention
+  (fumble queries on a list, the rest on the full cache) and decode_attention equal their
+  references."""
+  from sparsedec.decode.fafo import fafo_layout
+  from sparsedec.decode.lookahead import lookahead_layout
+  b, hkv, g, d, s = 1, 2, 2, 64, 256
+  keys = jax.random.split(jax.random.key(7), 2)
+  k_cache = rand.normal(keys[0], (b, hkv, s, d), jnp.bfloat16)
+  v_cache = rand.normal(keys[1], (b, hkv, s, d), jnp.bfloat16)
+  lengths = jnp.array([150])
+  fafo_mask = jnp.asarray(fafo_layout(20, 4, 7)[0])
+  q, k_new, v_new, _ = _case(8, b, hkv, g, fafo_mask.shape[0], d, 0.0, jnp.bfloat16)
+  tables = jnp.array([[[0, 2], [1, 2]]], jnp.int32)
+  counts = jnp.array([[2, 2]], jnp.int32)
+  out = sparse_attention(q, k_cache, v_cache, tables, counts, lengths, k_new, v_new, fafo_mask,
+                         block_size=64, sparse_queries=80, interpret=INTERPRET)
+  ref = sparse_attention_reference(q, k_cache, v_cache, tables, counts, lengths, k_new, v_new,
+                                   fafo_mask, block_size=64, sparse_queries=80)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=3e-2)
+  la_mask = jnp.asarray(lookahead_layout(20, 5, 7)[0])
+  q, k_new, v_new, _ = _case(9, b, hkv, g, la_mask.shape[0], d, 0.0, jnp.bfloat16)
+  out = decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, la_mask,
+                         interpret=INTERPRET)
+  ref = decode_attention_reference(q, k_cache, v_cache, lengths, k_new, v_new, la_mask)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=3e-2)
