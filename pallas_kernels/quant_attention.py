@@ -421,6 +421,20 @@ BLOCK_KV_CHOICES = (64, 128, 256)  # keys per pipeline stage: 1, 2 or 4 key tile
 # Wider q blocks keep one tile: at 8 bits with N = 32 (two code planes a stage) 64 keys beat 128
 # (S = 128K, Tq = 16: 446 against 620 us; session 17), while N = 24 still prefers 128 (169 against
 # 201 us at Tq = 5); at 4 bits N = 32 prefers 128 (260 against 351 us).
+# A batched 4-bit decode call (N <= 8: one query with up to 8 query heads per KV head, and
+# B >= AUTO_DECODE_MIN_BATCH rows) takes four key tiles a stage: the per-stage work (the scale
+# folding, the two cross-warp reductions, the P and q * s_K stores and their barriers, ~600 of
+# the ~830 instructions a thread spends on a 128-key stage) is paid once per 256 keys. One row
+# keeps 128 (three blocks per SM instead of two), where 256 measured no faster.
+# H200, Tq = 1, call us, 128 -> 256 keys (`results/s29/quant_sweep_s29_*_h200.json`):
+#   B 8: 16K 83.5 -> 70.7, 64K 265.8 -> 216.7 (1.83x -> 2.25x decode_attention);
+#   B 4 64K 142.5 -> 116.7; B 2 128K 141.2 -> 115.5;
+#   B 1: 16K 22.9 -> 21.7, 64K 42.5 -> 42.9, 128K 65.8 -> 67.3 (QuantSpec's 8B draft forward
+#   at 128K 4.51 -> 4.64 ms).
+# 8 bits are slower with 256 (B 8 64K 408 -> 786: two code planes a stage).
+AUTO_BLOCK_KV_DECODE = 256         # bits 4, N <= AUTO_DECODE_ROWS, B >= AUTO_DECODE_MIN_BATCH
+AUTO_DECODE_ROWS = 8
+AUTO_DECODE_MIN_BATCH = 2
 AUTO_BLOCK_KV_NARROW = 128         # N <= AUTO_NARROW_ROWS[bits]
 AUTO_BLOCK_KV_WIDE = 64            # wider N
 AUTO_NARROW_ROWS = {4: 32, 8: 24}
@@ -511,13 +525,17 @@ def _fits(block_kv, group, capacity):
   return capacity % block_kv == 0 and (group % block_kv == 0 or block_kv % group == 0)
 
 
-def _block_kv(cfg, rows, group, capacity, bits=4):
-  """Keys per stage: the config's, or the largest choice up to the (N, bits)-dependent default
+def _block_kv(cfg, rows, group, capacity, bits=4, batch=1):
+  """Keys per stage: the config's, or the largest choice up to the (N, bits, B)-dependent default
   that divides the capacity and nests with the key group (64 always does, given the checks)."""
   if cfg.block_kv is not None:
     return cfg.block_kv
-  narrow = rows <= AUTO_NARROW_ROWS[bits]
-  preferred = AUTO_BLOCK_KV_NARROW if narrow else AUTO_BLOCK_KV_WIDE
+  if bits == 4 and rows <= AUTO_DECODE_ROWS and batch >= AUTO_DECODE_MIN_BATCH:
+    preferred = AUTO_BLOCK_KV_DECODE
+  elif rows <= AUTO_NARROW_ROWS[bits]:
+    preferred = AUTO_BLOCK_KV_NARROW
+  else:
+    preferred = AUTO_BLOCK_KV_WIDE
   return max(c for c in BLOCK_KV_CHOICES if c <= preferred and (c == KEY_TILE or
                                                                  _fits(c, group, capacity)))
 
@@ -1112,7 +1130,7 @@ def _with_keys(q, qkv, lengths_quantized, key_sets, *, bits, return_lse, score_q
                              order=order, return_lse=return_lse, interpret=interpret)
   # q block 0 holds every selected query's rows (its score tiles are the ones written).
   q_blocks, n = _q_blocks(n_rows, max(config.block_m, score_rows(len(sel), group)))
-  block_kv = _block_kv(config, n, qkv.group, capacity, bits)
+  block_kv = _block_kv(config, n, qkv.group, capacity, bits, batch=b)
 
   q_rows = q.reshape(b, tq, hkv, group, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, n_rows, d)
   q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, q_blocks * n - n_rows), (0, 0)))

@@ -340,10 +340,16 @@ def test_stage_sizes(block_kv, group, capacity, num_queries, bits):
 
 
 def test_auto_stage_size():
-  """block_kv=None: 128 keys for narrow steps where the capacity and key group allow, else 64;
-  narrow is N <= 32 at 4 bits, N <= 24 at 8 bits (two code planes a stage)."""
+  """block_kv=None: 256 keys for batched 4-bit decode steps (N <= 8, B >= 2), 128 for other
+  narrow steps where the capacity and key group allow, else 64; narrow is N <= 32 at 4 bits,
+  N <= 24 at 8 bits (two code planes a stage)."""
   auto = QuantAttentionConfig()
-  assert _block_kv(auto, rows=8, group=128, capacity=4096) == 128
+  assert _block_kv(auto, rows=8, group=128, capacity=4096) == 128    # one row
+  assert _block_kv(auto, rows=8, group=128, capacity=4096, batch=2) == 256
+  assert _block_kv(auto, rows=8, group=32, capacity=4096, batch=8) == 256   # groups nest
+  assert _block_kv(auto, rows=8, group=128, capacity=4096, bits=8, batch=8) == 128
+  assert _block_kv(auto, rows=16, group=128, capacity=4096, batch=8) == 128  # N > 8
+  assert _block_kv(auto, rows=8, group=128, capacity=4224, batch=8) == 128   # 256 does not divide S
   assert _block_kv(auto, rows=24, group=64, capacity=4096, bits=8) == 128
   assert _block_kv(auto, rows=32, group=128, capacity=4096, bits=4) == 128
   assert _block_kv(auto, rows=32, group=128, capacity=4096, bits=8) == 64
