@@ -71,7 +71,7 @@ def main(argv=None):
     del k, v
     nqb, n = qa._q_blocks(HQ // HKV)
     cfg = qa.QuantAttentionConfig()
-    bkv = qa._block_kv(cfg, n, GROUP, s)
+    bkv = qa._block_kv(cfg, n, GROUP, s, a.bits, batch=1)
     q_t = jax.random.normal(key[2], (1, HKV, nqb, D // 64, 64, n), jnp.float32)
     f = jax.jit(functools.partial(qa._quant_partials, bits=a.bits, dtype=jnp.bfloat16, cfg=cfg,
                                   block_kv=bkv,

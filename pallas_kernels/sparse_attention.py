@@ -190,7 +190,7 @@ def _segment_q_blocks(group: int, num_queries: int, sparse_queries: int) -> list
 
 
 def _plan_segments(cfg: SparseConfig, *, batch, num_kv_heads, group, num_queries, sparse_queries,
-                   list_tiles, full_tiles, slots, ws=False, tile_keys=128
+                   list_tiles, full_tiles, slots, tile_keys, ws=False
                    ) -> tuple[_Segment, ...]:
   """Segments in query order, with q blocks and split counts (static); ws: the thread blocks
   are pairs of q blocks, planned a wave at a time (`split_plan.split_counts`'s wave_tiles:
