@@ -11,7 +11,8 @@ The other version is a copy of the module's file, e.g. session 27's kernel:
 Cases (Llama-3.1-8B heads: Hq 32, Hkv 8, D 128): `kernel` the kernel alone under causal masks
 (T 16 / 64 / 256, B 1 / 8) and FAFO's / Lookahead's 8B step masks (T 283 / 282); `calls` decode
 and sparse (4 listed 64-slot blocks) at B 8, 16K, Tq 64 / 256 and FAFO's / Lookahead's 8B calls
-at 4K / 32K; `smol` SmolLM2's FAFO and Lookahead calls (T 109 / 108), each timed twice. Whole
+at 4K / 32K, and issue 3's Tq 16 cells; `smol` SmolLM2's FAFO and Lookahead calls (T 109 / 108),
+each timed twice. `--modes merged kernel` times every call with each in-flight mode. Whole
 calls swap the module's `inflight_partials` / `mask_bias` into the cache kernels' wrappers, so
 both versions must keep that interface (a mask_bias result passed through). Session 28's figures
 (H200): `results/s28/inflight_ab_s28_h200.json`, `inflight_ab_smol_s28_h200.json`.
@@ -119,57 +120,76 @@ def kernel_cases(versions, rows):
         rows.append(row)
 
 
-def call_cases(versions, rows, smol):
+def call_cases(versions, rows, smol, modes=("auto",)):
+  """Whole calls per version and per in-flight mode (`DecodeConfig.inflight` /
+  `SparseConfig.inflight`: "merged" the in-flight kernel merges the splits and writes the output,
+  "kernel" it leaves a partial for the combine, "auto" the rule of `combine.inflight_merges`)."""
   calls = []
   if smol:
     mask = jnp.asarray(fafo_layout(20, 4, 7)[0])
     args = arrays(1, 109, 9, 3, 64, 1024)
     lengths = jnp.array([400])
     tables, counts = jnp.array([[[0, 4, 5, 6]] * 3], jnp.int32), jnp.full((1, 3), 4, jnp.int32)
-    calls.append(("smol fafo T109", lambda q, k, v, kn, vn: sparse_module.sparse_attention(
-        q, k, v, tables, counts, lengths, kn, vn, mask, block_size=64, sparse_queries=80), args))
+    calls.append(("smol fafo T109", lambda q, k, v, kn, vn, mode: sparse_module.sparse_attention(
+        q, k, v, tables, counts, lengths, kn, vn, mask, block_size=64, sparse_queries=80,
+        config=sparse_module.SparseConfig(inflight=mode)), args))
     mask2 = jnp.asarray(lookahead_layout(20, 5, 7)[0])
-    calls.append(("smol lookahead T108", lambda q, k, v, kn, vn: decode_module.decode_attention(
-        q, k, v, lengths, kn, vn, mask2), arrays(1, 108, 9, 3, 64, 1024)))
+    calls.append(("smol lookahead T108", lambda q, k, v, kn, vn, mode:
+                  decode_module.decode_attention(q, k, v, lengths, kn, vn, mask2,
+                                                 config=decode_module.DecodeConfig(inflight=mode)),
+                  arrays(1, 108, 9, 3, 64, 1024)))
     repeats = 2
   else:
-    l16 = jnp.array([16384] * 8)
-    for t in (256, 64):
+    dcfg = lambda mode: decode_module.DecodeConfig(inflight=mode)
+    scfg = lambda mode: sparse_module.SparseConfig(inflight=mode)
+    for b, s, t in ((8, 16384, 256), (8, 16384, 64), (8, 16384, 16), (1, 16384, 16),
+                    (1, 65536, 16)):
+      lb = jnp.array([s] * b)
       mk = jnp.asarray(np.tril(np.ones((t, t), bool)))
-      args = arrays(8, t, HQ, HKV, D, 16384)
-      calls.append((f"decode B8 16K Tq{t}", lambda q, k, v, kn, vn, mk=mk:
-                    decode_module.decode_attention(q, k, v, l16, kn, vn, mk), args))
-      tables = jnp.broadcast_to(jnp.array([0, 50, 100, 200], jnp.int32), (8, HKV, 4))
-      counts = jnp.full((8, HKV), 4, jnp.int32)
-      calls.append((f"sparse B8 16K Tq{t} 4x64", lambda q, k, v, kn, vn, mk=mk, tables=tables,
-                    counts=counts: sparse_module.sparse_attention(
-                        q, k, v, tables, counts, l16, kn, vn, mk, block_size=64), args))
+      args = arrays(b, t, HQ, HKV, D, s)
+      calls.append((f"decode B{b} {s // 1024}K Tq{t}", lambda q, k, v, kn, vn, mode, mk=mk, lb=lb:
+                    decode_module.decode_attention(q, k, v, lb, kn, vn, mk, config=dcfg(mode)),
+                    args))
+      if s > 16384:
+        continue
+      tables = jnp.broadcast_to(jnp.array([0, 50, 100, 200], jnp.int32), (b, HKV, 4))
+      counts = jnp.full((b, HKV), 4, jnp.int32)
+      calls.append((f"sparse B{b} 16K Tq{t} 4x64", lambda q, k, v, kn, vn, mode, mk=mk,
+                    tables=tables, counts=counts, lb=lb: sparse_module.sparse_attention(
+                        q, k, v, tables, counts, lb, kn, vn, mk, block_size=64,
+                        config=scfg(mode)), args))
     for s in (4096, 32768):
       length = jnp.array([s])
       mk = jnp.asarray(fafo_layout(40, 6, 7)[0])
       tables = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (1, 8, 16))
       counts = jnp.full((1, 8), 16, jnp.int32)
-      calls.append((f"fafo8b S{s}", lambda q, k, v, kn, vn, mk=mk, length=length, tables=tables,
-                    counts=counts: sparse_module.sparse_attention(
+      calls.append((f"fafo8b S{s}", lambda q, k, v, kn, vn, mode, mk=mk, length=length,
+                    tables=tables, counts=counts: sparse_module.sparse_attention(
                         q, k, v, tables, counts, length, kn, vn, mk, block_size=64,
-                        sparse_queries=240), arrays(1, 283, HQ, HKV, D, s)))
+                        sparse_queries=240, config=scfg(mode)), arrays(1, 283, HQ, HKV, D, s)))
       mk2 = jnp.asarray(lookahead_layout(40, 7, 7)[0])
-      calls.append((f"lookahead8b S{s}", lambda q, k, v, kn, vn, mk2=mk2, length=length:
-                    decode_module.decode_attention(q, k, v, length, kn, vn, mk2),
+      calls.append((f"lookahead8b S{s}", lambda q, k, v, kn, vn, mode, mk2=mk2, length=length:
+                    decode_module.decode_attention(q, k, v, length, kn, vn, mk2,
+                                                   config=dcfg(mode)),
                     arrays(1, 282, HQ, HKV, D, s)))
     repeats = 1
-  for name, fn, args in calls:
+  for name, call, args in calls:
     outs = {}
     for _ in range(repeats):
-      for impl, mod in versions.items():
+      for version, mod in versions.items():
         use(mod)
-        outs[impl] = fn(*args)
-        row = timed(name, impl, fn, *args, calls=800 if smol else 200)
-        if impl != "baseline" and "baseline" in outs:
-          row["out_max_diff"] = float(jnp.max(jnp.abs(
-              outs[impl].astype(jnp.float32) - outs["baseline"].astype(jnp.float32))))
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        for mode in modes:
+          impl = version if mode == "auto" else f"{version}:{mode}"
+          fn = jax.jit(lambda *a, mode=mode, call=call: call(*a, mode))
+          outs[impl] = fn(*args)
+          row = timed(name, impl, fn, *args, calls=800 if smol else 200)
+          first = next(iter(outs))
+          if impl != first:
+            row["vs"] = first
+            row["out_max_diff"] = float(jnp.max(jnp.abs(
+                outs[impl].astype(jnp.float32) - outs[first].astype(jnp.float32))))
+          print(json.dumps(row), flush=True)
+          rows.append(row)
   use(current)
 
 
@@ -178,6 +198,9 @@ def main(argv=None):
   p.add_argument("--baseline", help="a file holding another inflight_attention.py (optional)")
   p.add_argument("--cases", nargs="+", default=["kernel", "calls"],
                  choices=["kernel", "calls", "smol"])
+  p.add_argument("--modes", nargs="+", default=["auto"],
+                 choices=["auto", "merged", "kernel", "jnp"],
+                 help="in-flight modes the whole calls run with (each its own row)")
   p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                "inflight_ab.json"))
   args = p.parse_args(argv)
@@ -188,8 +211,9 @@ def main(argv=None):
     kernel_cases(versions, rows)
   for smol in (False, True):
     if ("smol" if smol else "calls") in args.cases:
-      call_cases(versions, rows, smol)
-  result = dict(device=jax.devices()[0].device_kind, baseline=args.baseline, rows=rows)
+      call_cases(versions, rows, smol, tuple(args.modes))
+  result = dict(device=jax.devices()[0].device_kind, baseline=args.baseline,
+                modes=args.modes, rows=rows)
   write_json(args.out, result)
   return result
 

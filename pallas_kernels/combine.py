@@ -105,7 +105,20 @@ def scores_to_probs(scores: jax.Array, lse: jax.Array, weight: jax.Array, *, gro
   return probs.reshape(b, n, hkv * group, capacity)
 
 
-INFLIGHT_MODES = ("auto", "kernel", "jnp")
+INFLIGHT_MODES = ("auto", "merged", "kernel", "jnp")
+# "auto" lets the in-flight kernel merge the cache partials itself (`inflight_merged`: no combine)
+# while no segment has more than MERGE_MAX_SPLITS splits and the launch has at least
+# MERGE_MIN_BLOCKS thread blocks (B x Hkv x q blocks). Each block fetches its partials one after
+# another at its end; with few blocks (a SmolLM2 step: 3 KV heads) or many splits that latency
+# is not hidden, and the combine's XLA fusion spreads the merge over the whole GPU instead.
+# H200, device us per call, merged -> partial + combine (`results/s30/inflight_merge_s30_h200.json`):
+#   wins: sparse B 8 16K (4 listed blocks) Tq 256 / 64 / 16 82.2 / 20.6 / 14.4 against 101.6 /
+#     25.8 / 16.1; FAFO's 8B call 38.1 / 105.3 against 42.2 / 112.9 (4K / 32K), Lookahead's
+#     60.1 against 64.2 (4K);
+#   losses: B 1 16K Tq 16 decode 34.1 against 32.0 (33 splits), sparse 10.7 against 10.2
+#     (8 blocks); SmolLM2's FAFO / Lookahead calls (18 blocks) 15.9 / 13.2 against 14.7 / 12.3.
+MERGE_MAX_SPLITS = 4
+MERGE_MIN_BLOCKS = 64
 
 
 def check_inflight_mode(mode: str) -> None:
@@ -116,10 +129,22 @@ def check_inflight_mode(mode: str) -> None:
 
 def inflight_choice(mode: str, num_queries: int) -> bool:
   """Whether a cache kernel's wrapper computes the in-flight part with
-  `pallas_kernels.inflight_attention` ("kernel") or in jnp inside the combine ("jnp"); "auto":
-  the kernel from INFLIGHT_KERNEL_MIN_QUERIES queries on."""
+  `pallas_kernels.inflight_attention` ("kernel" or "merged") or in jnp inside the combine
+  ("jnp"); "auto": the kernel from INFLIGHT_KERNEL_MIN_QUERIES queries on."""
   check_inflight_mode(mode)
-  return mode == "kernel" or (mode == "auto" and num_queries >= INFLIGHT_KERNEL_MIN_QUERIES)
+  return mode in ("kernel", "merged") or (mode == "auto"
+                                          and num_queries >= INFLIGHT_KERNEL_MIN_QUERIES)
+
+
+def inflight_merges(mode: str, num_queries: int, max_splits: int, blocks: int) -> bool:
+  """Whether the in-flight kernel also merges the cache kernel's split partials and writes the
+  call's output (`inflight_attention.inflight_merged`) instead of leaving one more partial for
+  `combine_partials`: "merged" always, "auto" with the kernel, at most MERGE_MAX_SPLITS splits
+  per q block in every segment and at least MERGE_MIN_BLOCKS in-flight thread blocks (`blocks`:
+  B x Hkv x q blocks)."""
+  return inflight_choice(mode, num_queries) and (
+      mode == "merged" or (mode == "auto" and max_splits <= MERGE_MAX_SPLITS
+                           and blocks >= MERGE_MIN_BLOCKS))
 
 
 # The combine as one elementwise XLA fusion (`_combine_elementwise`) while it has at most this

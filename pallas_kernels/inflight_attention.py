@@ -36,6 +36,20 @@ B = 8 (Hkv 8, G 4, D 128): 50.4 -> 27.0; FAFO's 8B step (T = 283) 13.7 -> 9.1; L
 (T = 282) 13.8 -> 9.1; causal T = 16 / 64: 3.2 / 3.3 -> 3.1 / 3.3. Outputs identical but for
 the summation order.
 
+The merged form, `inflight_merged(q_rows, k_rows, v_rows, mask, acc, m2, l, *, segments, group)
+-> out [B, T, Hq, D] (q's dtype), lse [B, T, Hq] fp32`: the same launch also takes the cache
+kernel's split partials (its work items: acc [B, Hkv, W, rows_out, D], m2, l [B, Hkv, W, 64])
+and finishes the call, so there is no combine. After its in-flight tiles each block fetches its
+q block's partials (`segments`: which items and queries each q block's segment holds; a two-slot
+TMA ring in the ring's SMEM), folds them in by log-sum-exp, normalises and writes its rows: with
+64 % G == 0 straight into out [B, T, Hq, D] (one [G, D] TMA per query), else in the rows' layout
+[B, Hkv, QB * 64, D], which the wrapper transposes. The partials and the combine's
+read of them (fp32, 32 KiB a q block and split) are not written and read again, nor is the
+combine's fp32 output. `combine.inflight_merges` decides where the wrappers use it (few splits,
+many blocks; H200 figures there): sparse B 8 16K Tq 256 101.6 -> 82.2 us per call, FAFO's 8B call
+42.2 -> 38.1 (4K); with few blocks (SmolLM2, 3 KV heads) the fetches' latency is not hidden and
+the combine stays.
+
 `pack_keys` and `mask_bias` prepare the inputs; `inflight_partials_reference` (pure jnp, reading
 only the bias) sits at the bottom.
 """
@@ -57,6 +71,7 @@ from pallas_kernels.register_operand import a_staging, wgmma_register_a
 BLOCK_M = 64                      # q rows per thread block (one warpgroup's wgmma M)
 BLOCK_U = 64                      # in-flight keys per tile
 LOG2E = float(np.log2(np.e))
+LN2 = float(np.log(2.0))
 
 
 class InflightMask(NamedTuple):
@@ -108,6 +123,14 @@ def inflight_partials(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
                       interpret: Any = None):
   """See the module docstring. q_rows [B, Hkv, QB * 64, D] bf16/fp16; k_rows, v_rows
   [B, Hkv, U_pad, D] (q's dtype); mask from `mask_bias` (bias [QB * 64, U_pad], 0 / -inf)."""
+  _check_args(q_rows, k_rows, v_rows, mask)
+  if not 0 < rows_out <= BLOCK_M or rows_out % 8:
+    raise ValueError(f"rows_out must be a multiple of 8 in (0, 64], got {rows_out}")
+  return _inflight_kernel(q_rows, k_rows, v_rows, mask, rows_out=rows_out,
+                          num_stages=num_stages, interpret=interpret)
+
+
+def _check_args(q_rows, k_rows, v_rows, mask):
   batch, num_kv_heads, m_total, head_dim = q_rows.shape
   u_pad = k_rows.shape[2]
   bias, tiles, counts = mask
@@ -120,13 +143,23 @@ def inflight_partials(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
                      f"{v_rows.shape}")
   if bias.shape != (m_total, u_pad):
     raise ValueError(f"bias must be [QB * 64, U_pad] = {(m_total, u_pad)}, got {bias.shape}")
-  q_blocks = m_total // BLOCK_M
-  num_tiles = u_pad // BLOCK_U
+  q_blocks, num_tiles = m_total // BLOCK_M, u_pad // BLOCK_U
   if tiles.shape != (q_blocks, num_tiles) or counts.shape != (q_blocks, 2):
     raise ValueError(f"mask tiles / counts must be [QB, NT] = {(q_blocks, num_tiles)} / "
                      f"[QB, 2], got {tiles.shape} / {counts.shape}")
-  if not 0 < rows_out <= BLOCK_M or rows_out % 8:
-    raise ValueError(f"rows_out must be a multiple of 8 in (0, 64], got {rows_out}")
+
+
+def _inflight_kernel(q_rows, k_rows, v_rows, mask, *, rows_out, num_stages, interpret,
+                     merge: "_MergePlan | None" = None, partials=None):
+  """The launch. merge None: the partials of the module docstring. Else (`inflight_merged`) the
+  cache kernels' split partials (acc [B, Hkv, W, rows_out, D], m, l [B, Hkv, W, 64]) are merged
+  in and the block writes its normalised rows: out [B, T, Hq, D] in q's dtype (merge.direct) or
+  [B, Hkv, QB * 64, D], and lse [B, Hkv, QB, 64] fp32 (natural log)."""
+  batch, num_kv_heads, m_total, head_dim = q_rows.shape
+  u_pad = k_rows.shape[2]
+  bias, tiles, counts = mask
+  q_blocks = m_total // BLOCK_M
+  num_tiles = u_pad // BLOCK_U
   stages = max(1, min(num_stages, num_tiles))
   listed = num_tiles > 1           # a single tile: visited with its bias, no table read
   dtype = q_rows.dtype
@@ -138,17 +171,17 @@ def inflight_partials(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
            k_ref,           # [B, Hkv, U_pad, D]                        GMEM
            v_ref,           # [B, Hkv, U_pad, D]                        GMEM
            bias_ref,        # [QB * 64, U_pad] bf16                     GMEM
-           acc_out_ref,     # [B, Hkv, QB, rows_out, D] fp32            GMEM
-           m_out_ref,       # [B, Hkv, QB, 64] fp32                     GMEM
-           l_out_ref,       # [B, Hkv, QB, 64] fp32                     GMEM
+           outs,            # partials: acc [B, Hkv, QB, rows_out, D] fp32, m, l [B, Hkv, QB, 64]
+                            # merged: (acc, m, l) items in, out and lse out (`_merge_epilogue`)
            q_smem,          # [64, D]                                   SMEM (tiled, swizzled)
            k_smem,          # [stages, 64, D]                           SMEM (tiled, swizzled)
            v_smem,          # [stages, 64, D]                           SMEM (tiled, swizzled)
            b_smem,          # [stages, 64, 64] bf16                     SMEM (union: ring)
-           o_smem,          # [64, D] fp32                              SMEM (union: output)
+           epilogue_smem,   # partials: o [64, D] fp32; merged: `_merge_scratch`  (union: output)
            m_smem,          # [64] fp32                                 SMEM
            l_smem,          # [64] fp32                                 SMEM
            q_barrier, k_barriers, b_barriers, v_barriers,
+           merge_barriers=None,  # [2] barriers (merged only)
            a_smem=None):    # [64, 64] (interpret mode only)            SMEM (tiled, swizzled)
     qb = lax.axis_index("qblock")
     h = lax.axis_index("head")
@@ -223,6 +256,12 @@ def inflight_partials(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
     # Every fetch issued was waited for and every wgmma on the ring is done: o_smem, the ring's
     # union partner, may be written.
 
+    if merge is not None:
+      _merge_epilogue(merge, outs, epilogue_smem, merge_barriers, acc, m_i, l_i, b, h, qb,
+                      rows_out=rows_out, dtype=dtype)
+      return
+    acc_out_ref, m_out_ref, l_out_ref = outs
+    o_smem = epilogue_smem
     o_smem[...] = acc
     m_smem[...] = m_i
     l_smem[...] = l_i
@@ -236,9 +275,11 @@ def inflight_partials(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
   ring = (plgpu.SMEM((stages, BLOCK_U, head_dim), dtype, **swizzled),
           plgpu.SMEM((stages, BLOCK_U, head_dim), dtype, **swizzled),
           plgpu.SMEM((stages, BLOCK_M, BLOCK_U), jnp.bfloat16))
+  epilogue = (plgpu.SMEM((BLOCK_M, head_dim), jnp.float32) if merge is None
+              else _merge_scratch(head_dim, dtype))
   scratch = [
       plgpu.SMEM((BLOCK_M, head_dim), dtype, **swizzled),
-      plgpu.RefUnion(ring, plgpu.SMEM((BLOCK_M, head_dim), jnp.float32)),
+      plgpu.RefUnion(ring, epilogue),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.Barrier(),
@@ -246,17 +287,26 @@ def inflight_partials(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
       plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_barriers=stages),
   ]
+  if merge is not None:
+    scratch.append(plgpu.Barrier(num_arrivals=3, num_barriers=2))   # a partial's acc, m and l
   part = (batch, num_kv_heads, q_blocks)
-  out_type = (jax.ShapeDtypeStruct((*part, rows_out, head_dim), jnp.float32),
-              jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32),
-              jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32))
+  if merge is None:
+    out_type = (jax.ShapeDtypeStruct((*part, rows_out, head_dim), jnp.float32),
+                jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32),
+                jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32))
+    inputs = ()
+  else:
+    out_shape = ((batch, merge.num_queries, num_kv_heads * merge.group, head_dim) if merge.direct
+                 else (batch, num_kv_heads, m_total, head_dim))
+    out_type = (jax.ShapeDtypeStruct(out_shape, dtype),
+                jax.ShapeDtypeStruct((*part, BLOCK_M), jnp.float32))
+    inputs = tuple(partials)
 
-  def inflight_attention_kernel(tiles_ref, counts_ref, q_ref, k_ref, v_ref, bias_ref, acc_ref,
-                                m_ref, l_ref):
-    def scoped(q_smem, union, *refs, a_smem=None):
-      (k_smem, v_smem, b_smem), o_smem = union     # the union's two views
-      body(tiles_ref, counts_ref, q_ref, k_ref, v_ref, bias_ref, acc_ref, m_ref, l_ref, q_smem,
-           k_smem, v_smem, b_smem, o_smem, *refs, a_smem=a_smem)
+  def inflight_attention_kernel(tiles_ref, counts_ref, q_ref, k_ref, v_ref, bias_ref, *refs):
+    def scoped(q_smem, union, *refs_smem, a_smem=None):
+      (k_smem, v_smem, b_smem), epilogue_smem = union     # the union's two views
+      body(tiles_ref, counts_ref, q_ref, k_ref, v_ref, bias_ref, refs, q_smem,
+           k_smem, v_smem, b_smem, epilogue_smem, *refs_smem, a_smem=a_smem)
     pl.run_scoped(scoped, *scratch, **a_staging((BLOCK_M, BLOCK_U), dtype, interpret, **swizzled))
 
   return plgpu.kernel(
@@ -267,7 +317,163 @@ def inflight_partials(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
   )(tiles.astype(jnp.int32), counts.astype(jnp.int32), q_rows, k_rows, v_rows,
-    bias.astype(jnp.bfloat16))
+    bias.astype(jnp.bfloat16), *inputs)
+
+
+# ----------------------------------------------------------------------------------------------
+# The merged form: the cache kernels' split partials folded in, the call's output written.
+# ----------------------------------------------------------------------------------------------
+
+class MergeSegment(NamedTuple):
+  """Where one query segment of a cache kernel's call lives (all static)."""
+  first_qblock: int    # its q blocks in the in-flight kernel's q-block axis
+  q_blocks: int
+  first_item: int      # its split partials: item first_item + j * num_splits + s (q block j)
+  num_splits: int
+  first_query: int     # its queries in out's T axis (row r = t * G + g of its q blocks)
+  num_queries: int
+
+
+class _MergePlan(NamedTuple):
+  segments: tuple[MergeSegment, ...]
+  group: int           # G query heads per KV head
+  num_queries: int     # T
+  direct: bool         # out written as [B, T, Hq, D] (64 % G == 0), else in the rows' layout
+
+
+def _merge_scratch(head_dim, dtype):
+  """The epilogue's SMEM (the ring's union partner): two slots of a split partial (acc fp32,
+  m, l), the output tile in q's dtype and the lse row."""
+  return (plgpu.SMEM((2, BLOCK_M, head_dim), jnp.float32),
+          plgpu.SMEM((2, BLOCK_M), jnp.float32),
+          plgpu.SMEM((2, BLOCK_M), jnp.float32),
+          plgpu.SMEM((BLOCK_M, head_dim), dtype),
+          plgpu.SMEM((BLOCK_M,), jnp.float32))
+
+
+def _merge_epilogue(plan: _MergePlan, refs, scratch, barriers, acc, m_i, l_i, b, h, qb, *,
+                    rows_out, dtype):
+  """Folds the block's split partials (two-slot TMA ring) into its in-flight part (acc [64, D],
+  m_i, l_i [64], log2 units), normalises and writes out and lse."""
+  acc_ref, m_ref, l_ref, out_ref, lse_ref = refs
+  pa_smem, pm_smem, pl_smem, out_smem, lse_smem = scratch
+  row = plgpu.Layout.WGMMA.reduce(1)
+  # This q block's segment (static ranges; at most a few segments).
+  first_item, n_items = jnp.int32(0), jnp.int32(0)
+  token0, seg_end = jnp.int32(0), jnp.int32(0)
+  per_block = BLOCK_M // plan.group if plan.direct else 0
+  for seg in plan.segments:
+    inside = (qb >= seg.first_qblock) & (qb < seg.first_qblock + seg.q_blocks)
+    local = qb - seg.first_qblock
+    first_item = jnp.where(inside, seg.first_item + local * seg.num_splits, first_item)
+    n_items = jnp.where(inside, seg.num_splits, n_items)
+    token0 = jnp.where(inside, seg.first_query + local * per_block, token0)
+    seg_end = jnp.where(inside, seg.first_query + seg.num_queries, seg_end)
+
+  def load(i, slot):
+    item = first_item + i
+    plgpu.copy_gmem_to_smem(acc_ref.at[b, h, item], pa_smem.at[slot, pl.ds(0, rows_out)],
+                            barriers.at[slot])
+    plgpu.copy_gmem_to_smem(m_ref.at[b, h, item], pm_smem.at[slot], barriers.at[slot])
+    plgpu.copy_gmem_to_smem(l_ref.at[b, h, item], pl_smem.at[slot], barriers.at[slot])
+
+  for slot in range(2):
+    pl.when(slot < n_items)(functools.partial(load, slot, slot))
+
+  def fold(i, carry):
+    acc, m_i, l_i = carry
+    slot = lax.rem(i, jnp.int32(2))
+    plgpu.barrier_wait(barriers.at[slot])
+    part = plgpu.load(pa_smem.at[slot], layout=plgpu.Layout.WGMMA, optimized=False)
+    m_s = plgpu.load(pm_smem.at[slot], layout=row, optimized=False)
+    l_s = plgpu.load(pl_smem.at[slot], layout=row, optimized=False)
+    m_new = jnp.maximum(m_i, m_s)
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # a row seeing nothing yet stays at 0
+    alpha, beta = jnp.exp2(m_i - m_use), jnp.exp2(m_s - m_use)
+    # Rows >= rows_out of a slot were never written: padding rows, whose outputs are not read.
+    acc = (acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+           + part * lax.broadcast_in_dim(beta, acc.shape, [0]))
+    l_i = l_i * alpha + l_s * beta
+    pl.when(i + 2 < n_items)(lambda: load(i + 2, slot))
+    return acc, m_new, l_i
+
+  acc, m_i, l_i = lax.fori_loop(0, n_items, fold, (acc, m_i, l_i))
+  seen = l_i > 0
+  inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
+  out_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+  m_use = jnp.where(m_i == -jnp.inf, 0.0, m_i)
+  lse_smem[...] = jnp.where(seen, (m_use + jnp.log2(jnp.where(seen, l_i, 1.0))) * LN2,
+                            -jnp.inf)
+  plgpu.commit_smem()
+  if plan.direct:
+    g = plan.group
+    for i in range(per_block):                     # one [G, D] box per query of the block
+      token = token0 + i
+      @pl.when(token < seg_end)
+      def _():
+        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(i * g, g)],
+                                out_ref.at[b, token, pl.ds(h * g, g)])
+  else:
+    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b, h, pl.ds(qb * BLOCK_M, BLOCK_M)])
+  plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, qb])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def merge_layout(segments: tuple[MergeSegment, ...], group: int, num_queries: int) -> _MergePlan:
+  return _MergePlan(tuple(segments), group, num_queries, BLOCK_M % group == 0)
+
+
+def _rows_to_queries(x, plan: _MergePlan):
+  """[B, Hkv, QB * 64 (, D)] per-row values -> [B, T, Hq (, D)] (each segment's real rows)."""
+  b, hkv = x.shape[:2]
+  tail = x.shape[3:]
+  g = plan.group
+  pieces = []
+  for seg in plan.segments:
+    rows = x[:, :, seg.first_qblock * BLOCK_M:seg.first_qblock * BLOCK_M
+             + seg.num_queries * g]                                       # [B, Hkv, n * G, ...]
+    rows = rows.reshape(b, hkv, seg.num_queries, g, *tail)
+    pieces.append(jnp.moveaxis(rows, 1, 2).reshape(b, seg.num_queries, hkv * g, *tail))
+  return jnp.concatenate(pieces, axis=1) if len(pieces) > 1 else pieces[0]
+
+
+@functools.partial(jax.jit, static_argnames=("segments", "group", "num_stages", "interpret"))
+def inflight_merged(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
+                    mask: InflightMask, acc: jax.Array, m2: jax.Array, l: jax.Array, *,
+                    segments: tuple[MergeSegment, ...], group: int, num_stages: int = 2,
+                    interpret: Any = None):
+  """The in-flight part with the cache kernel's split partials merged in: the whole call's
+  output in ONE launch after the cache kernel (no combine).
+
+  q_rows, k_rows, v_rows, mask as `inflight_partials`; acc [B, Hkv, W, rows_out, D] fp32,
+  m2, l [B, Hkv, W, 64] fp32: the cache kernel's work items (un-normalised, m2 in log2 units);
+  segments: which items and queries each q block's segment holds (every q block of q_rows in
+  exactly one segment; the segments' queries tile [0, T)). Returns out [B, T, Hq, D] in q's
+  dtype (query t, head h * G + g: row t * G + g of its segment) and lse [B, T, Hq] fp32."""
+  _check_args(q_rows, k_rows, v_rows, mask)
+  b, hkv, m_total, d = q_rows.shape
+  w, rows_out = acc.shape[2], acc.shape[3]
+  if acc.shape != (b, hkv, w, rows_out, d) or not 0 < rows_out <= BLOCK_M or rows_out % 8:
+    raise ValueError(f"acc must be [B, Hkv, W, rows_out, D] with rows_out a multiple of 8 in "
+                     f"(0, 64], got {acc.shape}")
+  if m2.shape != (b, hkv, w, BLOCK_M) or l.shape != m2.shape:
+    raise ValueError(f"m2 and l must be [B, Hkv, W, 64] = {(b, hkv, w, BLOCK_M)}, got "
+                     f"{m2.shape} and {l.shape}")
+  num_queries = sum(seg.num_queries for seg in segments)
+  covered = sorted((seg.first_qblock, seg.first_qblock + seg.q_blocks) for seg in segments)
+  if (covered[0][0] != 0 or covered[-1][1] != m_total // BLOCK_M
+      or any(a[1] != c[0] for a, c in zip(covered, covered[1:]))
+      or any(seg.num_queries * group > seg.q_blocks * BLOCK_M
+             or seg.first_item + seg.q_blocks * seg.num_splits > w for seg in segments)):
+    raise ValueError(f"segments {segments} must cover the {m_total // BLOCK_M} q blocks once, "
+                     f"hold their queries' rows and name items < {w}")
+  plan = merge_layout(segments, group, num_queries)
+  out, lse_rows = _inflight_kernel(q_rows, k_rows, v_rows, mask, rows_out=rows_out,
+                                   num_stages=num_stages, interpret=interpret, merge=plan,
+                                   partials=(acc.astype(jnp.float32), m2, l))
+  if not plan.direct:
+    out = _rows_to_queries(out, plan)
+  return out, _rows_to_queries(lse_rows.reshape(b, hkv, m_total), plan)
 
 
 # ----------------------------------------------------------------------------------------------

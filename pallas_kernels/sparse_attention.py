@@ -53,7 +53,11 @@ Two steps, as `pallas_kernels.decode_attention`:
      launch of `pallas_kernels.inflight_attention` (from 2 queries on, `SparseConfig.inflight`;
      else jnp inside the combine), then `pallas_kernels.combine.combine_partials` per segment
      merges it with the split partials by log-sum-exp. On an H200 a SmolLM2 FAFO step's attention
-     (T = 109) went from 24.5 to 18.8 us per call and 15.6 to 10.9 launches.
+     (T = 109) went from 24.5 to 18.8 us per call and 15.6 to 10.9 launches. With few splits and
+     many blocks (`combine.inflight_merges`) the in-flight kernel merges the split partials of
+     both segments itself and writes the output (`inflight_attention.inflight_merged`, no
+     combine): 4 listed blocks at B 8 16K, Tq 256 101.6 -> 82.2 us, Tq 16 16.1 -> 14.4; FAFO's
+     8B call 42.2 -> 38.1 (4K), 112.9 -> 105.3 (32K) (H200).
 
 The pure-jnp reference `sparse_attention_reference` (gather the listed blocks, mask, two-part
 softmax) sits at the bottom of this file.
@@ -73,9 +77,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from pallas_kernels.combine import (check_inflight_mode, check_score_queries, combine_partials,
-                                    inflight_choice, permute_queries, score_rows, scores_to_probs,
-                                    selected_first, wrapper_outputs)
-from pallas_kernels.inflight_attention import inflight_partials, mask_bias, pack_keys
+                                    inflight_choice, inflight_merges, permute_queries,
+                                    score_rows, scores_to_probs, selected_first,
+                                    wrapper_outputs)
+from pallas_kernels.inflight_attention import (MergeSegment, inflight_merged, inflight_partials,
+                                               mask_bias, pack_keys)
 from pallas_kernels.register_operand import a_staging, wgmma_register_a
 from pallas_kernels.split_plan import split_counts
 
@@ -120,7 +126,7 @@ class SparseConfig:
   num_splits_full: int | None = None
   target_blocks: int | None = None
   min_tiles_per_split: int = 1    # a 2-block list on 16 thread blocks beats one on 8: latency
-  inflight: str = "auto"          # the in-flight part: "kernel", "jnp" or "auto" (combine.py)
+  inflight: str = "auto"          # the in-flight part: "merged", "kernel", "jnp", "auto" (combine)
   warp_specialized: bool | None = None
 
   def __post_init__(self):
@@ -722,28 +728,39 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   acc, m2, l, *scores = _rows_partials(q_rows, k_cache, v_cache, block_tables, num_blocks,
                                        lengths, layout, block_size=block_size, config=config,
                                        interpret=interpret)
+  merged = use_kernel and inflight_merges(
+      config.inflight, tq, max(seg.num_splits for seg in segments),
+      q_rows.shape[0] * q_rows.shape[1] * q_rows.shape[2] // BLOCK_M)
   if use_kernel:                   # the in-flight part of every q block, one launch
-    extra = inflight_partials(
-        q_rows, pack_keys(k_new).astype(q.dtype),
-        pack_keys(v_new).astype(q.dtype), mask_bias(mask, _row_queries(segments, group)),
-        rows_out=acc.shape[3], interpret=interpret)
+    inflight = (q_rows, pack_keys(k_new).astype(q.dtype), pack_keys(v_new).astype(q.dtype),
+                mask_bias(mask, _row_queries(segments, group)))
+  if merged:                       # ... which also merges the splits and writes the output
+    plan = tuple(MergeSegment(seg.first_qblock, seg.q_blocks, seg.first_work, seg.num_splits,
+                              seg.first_query, seg.num_queries) for seg in segments)
+    out, lse = inflight_merged(*inflight, acc, m2, l, segments=plan, group=group,
+                               interpret=interpret)
+  elif use_kernel:
+    extra = inflight_partials(*inflight, rows_out=acc.shape[3], interpret=interpret)
   outs, lses, probs = [], [], []
   for seg in segments:
-    # This segment's work items [B, Hkv, W_seg, ...] -> [B, Hkv, NQB, NS, ...].
-    acc_s, m2_s, l_s = (
-        x[:, :, seg.first_work:seg.first_work + seg.num_work].reshape(
-            *x.shape[:2], seg.q_blocks, seg.num_splits, *x.shape[3:])
-        for x in (acc, m2, l))
     queries = slice(seg.first_query, seg.first_query + seg.num_queries)
-    if use_kernel:
-      blocks = slice(seg.first_qblock, seg.first_qblock + seg.q_blocks)
-      out, lse = combine_partials(acc_s, m2_s, l_s, q[:, queries], [], group=group,
-                                  extra=tuple(x[:, :, blocks] for x in extra))
+    if merged:
+      lse_s = lse[:, queries]
     else:
-      out, lse = combine_partials(acc_s, m2_s, l_s, q[:, queries],
-                                  [(k_new, v_new, mask[queries][None])], group=group)
-    outs.append(out.astype(q.dtype))               # concatenated in q's dtype: half the bytes
-    lses.append(lse)
+      # This segment's work items [B, Hkv, W_seg, ...] -> [B, Hkv, NQB, NS, ...].
+      acc_s, m2_s, l_s = (
+          x[:, :, seg.first_work:seg.first_work + seg.num_work].reshape(
+              *x.shape[:2], seg.q_blocks, seg.num_splits, *x.shape[3:])
+          for x in (acc, m2, l))
+      if use_kernel:
+        blocks = slice(seg.first_qblock, seg.first_qblock + seg.q_blocks)
+        out_s, lse_s = combine_partials(acc_s, m2_s, l_s, q[:, queries], [], group=group,
+                                        extra=tuple(x[:, :, blocks] for x in extra))
+      else:
+        out_s, lse_s = combine_partials(acc_s, m2_s, l_s, q[:, queries],
+                                        [(k_new, v_new, mask[queries][None])], group=group)
+      outs.append(out_s.astype(q.dtype))           # concatenated in q's dtype: half the bytes
+      lses.append(lse_s)
     if seg.score_slot >= 0:
       lengths_c = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
       if seg.full:
@@ -752,10 +769,11 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         reads = _read_counts(block_tables, num_blocks, lengths_c, block_size=block_size,
                              capacity=capacity)                                 # [B, Hkv, S]
       n_sel = len(sel_full if seg.full else sel_list)
-      probs.append(scores_to_probs(scores[0][:, :, seg.score_slot], lse[:, :n_sel], reads,
+      probs.append(scores_to_probs(scores[0][:, :, seg.score_slot], lse_s[:, :n_sel], reads,
                                    group=group))                          # [B, n_sel, Hq, S]
-  out = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
-  lse = jnp.concatenate(lses, axis=1) if len(lses) > 1 else lses[0]
+  if not merged:
+    out = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+    lse = jnp.concatenate(lses, axis=1) if len(lses) > 1 else lses[0]
   probs = jnp.concatenate(probs, axis=1) if len(probs) > 1 else (probs[0] if probs else None)
   computed = sel_list + sel_full                   # the segments' order -> score_queries order
   if probs is not None and computed != sel:

@@ -14,7 +14,9 @@ import rand
 from kernel_mode import INTERPRET
 from pallas_kernels.decode_attention import (DecodeConfig, decode_attention,
                                              decode_attention_reference)
-from pallas_kernels.inflight_attention import (BLOCK_M, InflightMask, inflight_partials,
+from pallas_kernels.combine import MERGE_MAX_SPLITS, MERGE_MIN_BLOCKS, inflight_merges
+from pallas_kernels.inflight_attention import (BLOCK_M, InflightMask, MergeSegment,
+                                               inflight_merged, inflight_partials,
                                                inflight_partials_reference, mask_bias, pack_keys,
                                                tile_lists)
 from pallas_kernels.sparse_attention import (SparseConfig, sparse_attention,
@@ -75,7 +77,9 @@ def test_kernel_matches_reference(seed, batch, num_kv_heads, group, tokens, head
   rows_out = BLOCK_M if q_rows.shape[2] > BLOCK_M else -(-tokens * group // 8) * 8
   got = inflight_partials(*args, rows_out=rows_out, interpret=INTERPRET)
   ref = _reference(*args, rows_out=rows_out)
-  _compare(got, ref, 2e-2 if dtype == jnp.bfloat16 else 4e-3)
+  # bf16: P is rounded to bf16 before PV, on the GPU from exp2.approx; an un-normalised sum that
+  # cancels (|acc| ~ 0.04 out of terms ~ 1) moved by 0.022 on an H200 (seed 1268, T 82, G 3).
+  _compare(got, ref, 3e-2 if dtype == jnp.bfloat16 else 4e-3)
 
 
 @pytest.mark.parametrize("tokens,group,density", [(90, 1, "causal"), (70, 2, 1.0)])
@@ -129,10 +133,11 @@ def test_tile_lists_visit_seen_tiles_fully_seen_first():
 
 
 @pytest.mark.parametrize("num_queries", [1, 7])
-@pytest.mark.parametrize("inflight", ["kernel", "jnp"])
+@pytest.mark.parametrize("inflight", ["merged", "kernel", "jnp"])
 def test_wrappers_match_reference_with_either_inflight_path(num_queries, inflight):
   """decode_attention and sparse_attention (a listed segment, then a full one) give the
-  reference's output with the in-flight part in the kernel or in jnp, at Tq = 1 and Tq > 1."""
+  reference's output with the in-flight part in the kernel (merging the splits itself, or
+  leaving a partial for the combine) or in jnp, at Tq = 1 and Tq > 1."""
   b, hkv, g, d, s = 1, 2, 2, 64, 256
   q, k_new, v_new, _ = _case(2, b, hkv, g, num_queries, d, 0.0, jnp.bfloat16)
   keys = jax.random.split(jax.random.key(3), 2)
@@ -156,6 +161,56 @@ def test_wrappers_match_reference_with_either_inflight_path(num_queries, infligh
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=3e-2)
 
 
+_sparse_reference = jax.jit(sparse_attention_reference,
+                            static_argnames=("block_size", "sparse_queries", "return_lse",
+                                             "score_queries"))
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2 ** 16), batch=st.integers(1, 2), group=st.sampled_from([1, 2, 3, 4]),
+       tokens=st.integers(2, 40), sparse_frac=st.sampled_from([0.0, 0.5, 1.0]),
+       splits=st.integers(1, 3), selected=st.booleans())
+def test_merged_inflight_matches_the_combine_and_the_reference(seed, batch, group, tokens,
+                                                               sparse_frac, splits, selected):
+  """The in-flight kernel that merges the split partials and writes the output (both layouts:
+  G dividing 64 writes [B, T, Hq, D] itself, G = 3 its rows), against the in-flight partial plus
+  the combine on the same partials, and against the reference: one or two segments, 1-3 splits
+  each, rows that see no in-flight key, lse and probs."""
+  hkv, d, s, bs = 2, 64, 512, 64
+  q, k_new, v_new, mask = _case(seed, batch, hkv, group, tokens, d, "causal", jnp.bfloat16)
+  mask[tokens // 2] = False                        # a query that sees no in-flight key
+  keys = jax.random.split(jax.random.key(seed + 1), 3)
+  k_cache = rand.normal(keys[0], (batch, hkv, s, d), jnp.bfloat16)
+  v_cache = rand.normal(keys[1], (batch, hkv, s, d), jnp.bfloat16)
+  lengths = jnp.array([s - 61 * i for i in range(batch)], jnp.int32)
+  tables = jnp.asarray(np.random.default_rng(seed).integers(0, s // bs, (batch, hkv, 3)),
+                       jnp.int32)
+  counts = jnp.asarray(np.random.default_rng(seed + 1).integers(0, 4, (batch, hkv)), jnp.int32)
+  sparse = int(tokens * sparse_frac)
+  score = (0, tokens - 1) if selected else ()
+  args = (q, k_cache, v_cache, tables, counts, lengths, k_new, v_new, jnp.asarray(mask))
+  kw = dict(block_size=bs, sparse_queries=sparse, return_lse=True, score_queries=score)
+  got, combined = (sparse_attention(*args, **kw, config=SparseConfig(
+      inflight=mode, num_splits=splits, num_splits_full=splits), interpret=INTERPRET)
+      for mode in ("merged", "kernel"))
+  ref = _sparse_reference(*(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x
+                           for x in args), **kw)     # XLA:CPU has no bf16 x bf16 -> fp32 dot
+  for name, g, c, r in zip(("out", "lse", "probs"), got, combined, ref):
+    g, c, r = (np.asarray(x, np.float32) for x in (g, c, r))
+    np.testing.assert_allclose(g, c, atol=1e-2 if name == "out" else 1e-5, err_msg=name)
+    np.testing.assert_allclose(g, r, atol=3e-2 if name == "out" else 2e-3, err_msg=name)
+
+
+def test_auto_merges_in_the_inflight_kernel_with_few_splits_and_many_blocks():
+  many = MERGE_MIN_BLOCKS
+  assert not inflight_merges("auto", 1, 1, many)     # Tq = 1: jnp in the combine
+  assert inflight_merges("auto", 16, MERGE_MAX_SPLITS, many)
+  assert not inflight_merges("auto", 16, MERGE_MAX_SPLITS + 1, many)
+  assert not inflight_merges("auto", 16, 1, many - 1)
+  assert inflight_merges("merged", 2, 64, 1) and not inflight_merges("kernel", 16, 1, many)
+  assert not inflight_merges("jnp", 16, 1, many)
+
+
 def test_bad_inputs_are_rejected_in_plain_words():
   q, k_new, v_new, mask = _case(0, 1, 1, 2, 5, 64, 1.0, jnp.bfloat16)
   q_rows, row_query = _rows(q, 1)
@@ -170,6 +225,14 @@ def test_bad_inputs_are_rejected_in_plain_words():
                       bias._replace(counts=bias.counts[:, :1]), rows_out=16)
   with pytest.raises(ValueError, match="k_rows / v_rows"):
     inflight_partials(q_rows, pack_keys(k_new)[:, :, :, :32], pack_keys(v_new), bias, rows_out=16)
+  acc = jnp.zeros((1, 1, 2, 16, 64), jnp.float32)
+  ml = jnp.zeros((1, 1, 2, 64), jnp.float32)
+  with pytest.raises(ValueError, match="must cover the 1 q blocks"):
+    inflight_merged(q_rows, pack_keys(k_new), pack_keys(v_new), bias, acc, ml, ml, group=2,
+                    segments=(MergeSegment(0, 1, 0, 3, 0, 5),))    # items 0..2 of 2
+  with pytest.raises(ValueError, match="m2 and l"):
+    inflight_merged(q_rows, pack_keys(k_new), pack_keys(v_new), bias, acc, ml[..., :32], ml,
+                    group=2, segments=(MergeSegment(0, 1, 0, 2, 0, 5),))
   with pytest.raises(ValueError, match="inflight must be one of"):
     DecodeConfig(inflight="sometimes")
   with pytest.raises(ValueError, match="inflight must be one of"):
@@ -192,6 +255,20 @@ def test_lowers_to_mosaic_gpu_custom_call_for_cuda(tokens, num_kv_heads, group, 
                        sds((q_rows_n // BLOCK_M, 2), jnp.int32)))
   lowered = jax.jit(lambda *a: inflight_partials(*a, rows_out=BLOCK_M)).trace(*args).lower(
       lowering_platforms=("cuda",))
+  assert "stablehlo.custom_call @mosaic_gpu_v2" in lowered.as_text()
+  # The merged form (G = 3 writes its rows, G = 4 the [B, T, Hq, D] output), two segments of
+  # 2 and 1 splits as FAFO's call has them.
+  q_blocks = q_rows_n // BLOCK_M
+  first = q_blocks // 2
+  fumble = first * BLOCK_M // group
+  segments = (MergeSegment(0, first, 0, 2, 0, fumble),
+              MergeSegment(first, q_blocks - first, 2 * first, 1, fumble, tokens - fumble))
+  items = 2 * first + q_blocks - first
+  partials = (sds((1, num_kv_heads, items, BLOCK_M, head_dim), jnp.float32),
+              sds((1, num_kv_heads, items, BLOCK_M), jnp.float32),
+              sds((1, num_kv_heads, items, BLOCK_M), jnp.float32))
+  lowered = jax.jit(lambda *a: inflight_merged(*a, segments=segments, group=group)).trace(
+      *args, *partials).lower(lowering_platforms=("cuda",))
   assert "stablehlo.custom_call @mosaic_gpu_v2" in lowered.as_text()
 
 
