@@ -12,9 +12,10 @@ Cases (Llama-3.1-8B heads: Hq 32, Hkv 8, D 128): `kernel` the kernel alone under
 (T 16 / 64 / 256, B 1 / 8) and FAFO's / Lookahead's 8B step masks (T 283 / 282); `calls` decode
 and sparse (4 listed 64-slot blocks) at B 8, 16K, Tq 64 / 256 and FAFO's / Lookahead's 8B calls
 at 4K / 32K, and issue 3's Tq 16 cells; `smol` SmolLM2's FAFO and Lookahead calls (T 109 / 108),
-each timed twice. `--modes merged kernel` times every call with each in-flight mode. Whole
-calls swap the module's `inflight_partials` / `mask_bias` into the cache kernels' wrappers, so
-both versions must keep that interface (a mask_bias result passed through). Session 28's figures
+each timed twice. `--modes merged kernel` times every call with each in-flight mode; `--match`
+picks calls by name. Whole calls swap the module's `inflight_partials` / `mask_bias` into the
+cache kernels' wrappers, so both versions must keep that interface (a mask_bias result passed
+through). Session 28's figures
 (H200): `results/s28/inflight_ab_s28_h200.json`, `inflight_ab_smol_s28_h200.json`.
 """
 
@@ -120,7 +121,7 @@ def kernel_cases(versions, rows):
         rows.append(row)
 
 
-def call_cases(versions, rows, smol, modes=("auto",)):
+def call_cases(versions, rows, smol, modes=("auto",), match=None):
   """Whole calls per version and per in-flight mode (`DecodeConfig.inflight` /
   `SparseConfig.inflight`: "merged" the in-flight kernel merges the splits and writes the output,
   "kernel" it leaves a partial for the combine, "auto" the rule of `combine.inflight_merges`)."""
@@ -174,6 +175,8 @@ def call_cases(versions, rows, smol, modes=("auto",)):
                     arrays(1, 282, HQ, HKV, D, s)))
     repeats = 1
   for name, call, args in calls:
+    if match and not any(m in name for m in match):
+      continue
     outs = {}
     for _ in range(repeats):
       for version, mod in versions.items():
@@ -201,6 +204,7 @@ def main(argv=None):
   p.add_argument("--modes", nargs="+", default=["auto"],
                  choices=["auto", "merged", "kernel", "jnp"],
                  help="in-flight modes the whole calls run with (each its own row)")
+  p.add_argument("--match", nargs="+", help="only the whole calls whose name contains one of these")
   p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                "inflight_ab.json"))
   args = p.parse_args(argv)
@@ -211,7 +215,7 @@ def main(argv=None):
     kernel_cases(versions, rows)
   for smol in (False, True):
     if ("smol" if smol else "calls") in args.cases:
-      call_cases(versions, rows, smol, tuple(args.modes))
+      call_cases(versions, rows, smol, tuple(args.modes), args.match)
   result = dict(device=jax.devices()[0].device_kind, baseline=args.baseline,
                 modes=args.modes, rows=rows)
   write_json(args.out, result)
