@@ -108,9 +108,10 @@ def scores_to_probs(scores: jax.Array, lse: jax.Array, weight: jax.Array, *, gro
 INFLIGHT_MODES = ("auto", "merged", "kernel", "jnp")
 # "auto" lets the in-flight kernel merge the cache partials itself (`inflight_merged`: no combine)
 # while no segment has more than MERGE_MAX_SPLITS splits and the launch has at least
-# MERGE_MIN_BLOCKS thread blocks (B x Hkv x q blocks). Each block fetches its partials one after
-# another at its end; with few blocks (a SmolLM2 step: 3 KV heads) or many splits that latency
-# is not hidden, and the combine's XLA fusion spreads the merge over the whole GPU instead.
+# MERGE_MIN_BLOCKS thread blocks (B x Hkv x q blocks). Each block folds its partials in one
+# after another at its end (~0.25 us a split, fetched early or not); with few blocks (a SmolLM2
+# step: 3 KV heads) or many splits that chain is not hidden, and the combine's XLA fusion spreads
+# the merge over the whole GPU instead.
 # H200, device us per call, merged -> partial + combine (`results/s30/inflight_merge_s30_h200.json`):
 #   wins: sparse B 8 16K (4 listed blocks) Tq 256 / 64 / 16 82.2 / 20.6 / 14.4 against 101.6 /
 #     25.8 / 16.1; FAFO's 8B call 38.1 / 105.3 against 42.2 / 112.9 (4K / 32K), Lookahead's

@@ -47,8 +47,9 @@ TMA ring in the ring's SMEM), folds them in by log-sum-exp, normalises and write
 read of them (fp32, 32 KiB a q block and split) are not written and read again, nor is the
 combine's fp32 output. `combine.inflight_merges` decides where the wrappers use it (few splits,
 many blocks; H200 figures there): sparse B 8 16K Tq 256 101.6 -> 82.2 us per call, FAFO's 8B call
-42.2 -> 38.1 (4K); with few blocks (SmolLM2, 3 KV heads) the fetches' latency is not hidden and
-the combine stays.
+42.2 -> 38.1 (4K). Each split costs its block one fold step (~0.25 us, measured with its fetch
+issued early or not: the step itself, likely the unswizzled fp32 tile's bank conflicts), so with
+few blocks or many splits (SmolLM2's 16-split full segment, B 1 decode's 33) the combine stays.
 
 `pack_keys` and `mask_bias` prepare the inputs; `inflight_partials_reference` (pure jnp, reading
 only the bias) sits at the bottom.
@@ -124,10 +125,14 @@ def inflight_partials(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
   """See the module docstring. q_rows [B, Hkv, QB * 64, D] bf16/fp16; k_rows, v_rows
   [B, Hkv, U_pad, D] (q's dtype); mask from `mask_bias` (bias [QB * 64, U_pad], 0 / -inf)."""
   _check_args(q_rows, k_rows, v_rows, mask)
-  if not 0 < rows_out <= BLOCK_M or rows_out % 8:
-    raise ValueError(f"rows_out must be a multiple of 8 in (0, 64], got {rows_out}")
+  _check_rows_out(rows_out)
   return _inflight_kernel(q_rows, k_rows, v_rows, mask, rows_out=rows_out,
                           num_stages=num_stages, interpret=interpret)
+
+
+def _check_rows_out(rows_out):
+  if not 0 < rows_out <= BLOCK_M or rows_out % 8:
+    raise ValueError(f"rows_out must be a multiple of 8 in (0, 64], got {rows_out}")
 
 
 def _check_args(q_rows, k_rows, v_rows, mask):
@@ -453,9 +458,12 @@ def inflight_merged(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
   _check_args(q_rows, k_rows, v_rows, mask)
   b, hkv, m_total, d = q_rows.shape
   w, rows_out = acc.shape[2], acc.shape[3]
-  if acc.shape != (b, hkv, w, rows_out, d) or not 0 < rows_out <= BLOCK_M or rows_out % 8:
-    raise ValueError(f"acc must be [B, Hkv, W, rows_out, D] with rows_out a multiple of 8 in "
-                     f"(0, 64], got {acc.shape}")
+  if acc.shape != (b, hkv, w, rows_out, d):
+    raise ValueError(f"acc must be [B, Hkv, W, rows_out, D] = {(b, hkv, w, rows_out, d)}, got "
+                     f"{acc.shape}")
+  _check_rows_out(rows_out)
+  if any(x.dtype != jnp.float32 for x in (acc, m2, l)):
+    raise ValueError(f"acc, m2 and l must be float32, got {acc.dtype}, {m2.dtype}, {l.dtype}")
   if m2.shape != (b, hkv, w, BLOCK_M) or l.shape != m2.shape:
     raise ValueError(f"m2 and l must be [B, Hkv, W, 64] = {(b, hkv, w, BLOCK_M)}, got "
                      f"{m2.shape} and {l.shape}")
@@ -470,7 +478,7 @@ def inflight_merged(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
   plan = merge_layout(segments, group, num_queries)
   out, lse_rows = _inflight_kernel(q_rows, k_rows, v_rows, mask, rows_out=rows_out,
                                    num_stages=num_stages, interpret=interpret, merge=plan,
-                                   partials=(acc.astype(jnp.float32), m2, l))
+                                   partials=(acc, m2, l))
   if not plan.direct:
     out = _rows_to_queries(out, plan)
   return out, _rows_to_queries(lse_rows.reshape(b, hkv, m_total), plan)

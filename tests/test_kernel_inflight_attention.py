@@ -230,6 +230,10 @@ def test_bad_inputs_are_rejected_in_plain_words():
   with pytest.raises(ValueError, match="must cover the 1 q blocks"):
     inflight_merged(q_rows, pack_keys(k_new), pack_keys(v_new), bias, acc, ml, ml, group=2,
                     segments=(MergeSegment(0, 1, 0, 3, 0, 5),))    # items 0..2 of 2
+  with pytest.raises(ValueError, match="must be float32"):
+    inflight_merged(q_rows, pack_keys(k_new), pack_keys(v_new), bias,
+                    acc.astype(jnp.bfloat16), ml, ml, group=2,
+                    segments=(MergeSegment(0, 1, 0, 2, 0, 5),))
   with pytest.raises(ValueError, match="m2 and l"):
     inflight_merged(q_rows, pack_keys(k_new), pack_keys(v_new), bias, acc, ml[..., :32], ml,
                     group=2, segments=(MergeSegment(0, 1, 0, 2, 0, 5),))
