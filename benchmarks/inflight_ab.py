@@ -13,8 +13,8 @@ Cases (Llama-3.1-8B heads: Hq 32, Hkv 8, D 128): `kernel` the kernel alone under
 and sparse (4 listed 64-slot blocks) at B 8, 16K, Tq 64 / 256 and FAFO's / Lookahead's 8B calls
 at 4K / 32K, and issue 3's Tq 16 cells; `smol` SmolLM2's FAFO and Lookahead calls (T 109 / 108),
 each timed twice. `--modes merged kernel` times every call with each in-flight mode; `--match`
-picks calls by name. Whole calls swap the module's `inflight_partials` / `mask_bias` into the
-cache kernels' wrappers, so both versions must keep that interface (a mask_bias result passed
+picks calls by name. Whole calls swap the module's `inflight_partials` / `mask_bias` (and
+`inflight_merged`, where it has one) into the cache kernels' wrappers, so both versions must keep that interface (a mask_bias result passed
 through). Session 28's figures
 (H200): `results/s28/inflight_ab_s28_h200.json`, `inflight_ab_smol_s28_h200.json`.
 """
@@ -63,6 +63,8 @@ def use(module) -> None:
   for wrapper in (decode_module, sparse_module):
     wrapper.inflight_partials = module.inflight_partials
     wrapper.mask_bias = module.mask_bias
+    if hasattr(module, "inflight_merged"):        # versions from session 30 on
+      wrapper.inflight_merged = module.inflight_merged
   jax.clear_caches()
 
 

@@ -107,17 +107,22 @@ def scores_to_probs(scores: jax.Array, lse: jax.Array, weight: jax.Array, *, gro
 
 INFLIGHT_MODES = ("auto", "merged", "kernel", "jnp")
 # "auto" lets the in-flight kernel merge the cache partials itself (`inflight_merged`: no combine)
-# while no segment has more than MERGE_MAX_SPLITS splits and the launch has at least
-# MERGE_MIN_BLOCKS thread blocks (B x Hkv x q blocks). Each block folds its partials in one
-# after another at its end (~0.25 us a split, fetched early or not); with few blocks (a SmolLM2
-# step: 3 KV heads) or many splits that chain is not hidden, and the combine's XLA fusion spreads
-# the merge over the whole GPU instead.
-# H200, device us per call, merged -> partial + combine (`results/s30/inflight_merge_s30_h200.json`):
-#   wins: sparse B 8 16K (4 listed blocks) Tq 256 / 64 / 16 82.2 / 20.6 / 14.4 against 101.6 /
-#     25.8 / 16.1; FAFO's 8B call 38.1 / 105.3 against 42.2 / 112.9 (4K / 32K), Lookahead's
-#     60.1 against 64.2 (4K);
-#   losses: B 1 16K Tq 16 decode 34.1 against 32.0 (33 splits), sparse 10.7 against 10.2
-#     (8 blocks); SmolLM2's FAFO / Lookahead calls (18 blocks) 15.9 / 13.2 against 14.7 / 12.3.
+#   * in a launch of at least MERGE_MIN_BLOCKS thread blocks (B x Hkv x q blocks) where no segment
+#     has more than MERGE_MAX_SPLITS splits: each block folds its partials in one after another at
+#     its end, and with many splits that chain is not hidden;
+#   * in a smaller launch (whose q blocks split D over 2-4 blocks, `merge_chunks`, so the folds
+#     spread over more SMs) when it writes [B, T, Hq, D] itself (64 % G == 0) or some segment
+#     has more than MERGE_MAX_SPLITS splits. Left to the combine: small launches writing the
+#     rows' layout (G = 3: SmolLM2) with few splits, where the wrapper's transpose costs what the
+#     combine does.
+# H200, device us per call, merged -> partial + combine (session 30,
+# `results/s30/inflight_merge_s30_h200.json`): sparse B 8 16K (4 listed blocks) Tq 256 / 64 / 16
+# 82.2 / 20.6 / 14.4 against 101.6 / 25.8 / 16.1; FAFO's 8B call 38.1 / 105.3 against 42.2 /
+# 112.9 (4K / 32K), Lookahead's 60.1 against 64.2 (4K). With D split over blocks (session 31,
+# `results/s31/inflight_chunks_s31_h200.json`): decode B 1 16K / 64K Tq 16 (8 blocks, 4 chunks,
+# many splits) 29.9 / 74.7 against 32.1 / 76.9; sparse B 1 16K Tq 16 9.1 against 10.1; SmolLM2's
+# FAFO call (18 blocks, G 3, 16 splits) 14.35 against 14.61, its Lookahead call (4 splits) 12.64
+# against 12.29 (left to the combine).
 MERGE_MAX_SPLITS = 4
 MERGE_MIN_BLOCKS = 64
 
@@ -137,15 +142,20 @@ def inflight_choice(mode: str, num_queries: int) -> bool:
                                           and num_queries >= INFLIGHT_KERNEL_MIN_QUERIES)
 
 
-def inflight_merges(mode: str, num_queries: int, max_splits: int, blocks: int) -> bool:
+def inflight_merges(mode: str, num_queries: int, max_splits: int, blocks: int,
+                    group: int) -> bool:
   """Whether the in-flight kernel also merges the cache kernel's split partials and writes the
   call's output (`inflight_attention.inflight_merged`) instead of leaving one more partial for
-  `combine_partials`: "merged" always, "auto" with the kernel, at most MERGE_MAX_SPLITS splits
-  per q block in every segment and at least MERGE_MIN_BLOCKS in-flight thread blocks (`blocks`:
-  B x Hkv x q blocks)."""
-  return inflight_choice(mode, num_queries) and (
-      mode == "merged" or (mode == "auto" and max_splits <= MERGE_MAX_SPLITS
-                           and blocks >= MERGE_MIN_BLOCKS))
+  `combine_partials`: "merged" always, "auto" with the kernel by the rule above (`max_splits`:
+  per q block, the most of any segment; `blocks`: B x Hkv x q blocks; `group`: G)."""
+  if not inflight_choice(mode, num_queries) or mode == "kernel":
+    return False
+  if mode == "merged":
+    return True
+  few_splits = max_splits <= MERGE_MAX_SPLITS
+  if blocks >= MERGE_MIN_BLOCKS:
+    return few_splits
+  return 64 % group == 0 or not few_splits
 
 
 # The combine as one elementwise XLA fusion (`_combine_elementwise`) while it has at most this

@@ -53,9 +53,10 @@ Two steps:
      `pallas_kernels.combine.combine_partials` merges everything by log-sum-exp. On an H200 the
      kernel path took a SmolLM2 Lookahead step's attention (Tq = 108) from 17.0 to 13.5 us per
      call and 9.4 to 6.6 launches; at Tq = 1 jnp is cheaper (7.0 against 9.8 us), hence "auto".
-     With few splits and many blocks (`combine.inflight_merges`) the in-flight kernel merges
-     the split partials itself and writes the output (`inflight_attention.inflight_merged`, no
-     combine): Lookahead's 8B call at 4K 64.2 -> 60.1 us, B 8 16K Tq 64 259.0 -> 249.2 (H200).
+     Where `combine.inflight_merges` says so (few splits and many blocks; or few blocks, then
+     splitting D over blocks) the in-flight kernel merges the split partials itself and writes
+     the output (`inflight_attention.inflight_merged`, no combine): Lookahead's 8B call at 4K
+     64.2 -> 60.1 us, B 8 16K Tq 64 259.0 -> 249.2, B 1 16K Tq 16 32.1 -> 30.1 (H200).
 
 The pure-jnp reference `decode_attention_reference` sits at the bottom of this file.
 """
@@ -726,7 +727,8 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
     row_query[:tq * group] = np.arange(tq * group) // group
     inflight = (q_rows, pack_keys(k_new).astype(q.dtype), pack_keys(v_new).astype(q.dtype),
                 mask_bias(mask, row_query))
-  if use_kernel and inflight_merges(config.inflight, tq, num_splits, b * hkv * q_blocks):
+  if use_kernel and inflight_merges(config.inflight, tq, num_splits, b * hkv * q_blocks,
+                                  group):
     items = lambda x: x.reshape(b, hkv, q_blocks * num_splits, *x.shape[4:])
     segment = MergeSegment(0, q_blocks, 0, num_splits, 0, tq)
     out, lse = inflight_merged(*inflight, items(acc), items(m2), items(l), segments=(segment,),

@@ -45,11 +45,17 @@ TMA ring in the ring's SMEM), folds them in by log-sum-exp, normalises and write
 64 % G == 0 straight into out [B, T, Hq, D] (one [G, D] TMA per query), else in the rows' layout
 [B, Hkv, QB * 64, D], which the wrapper transposes. The partials and the combine's
 read of them (fp32, 32 KiB a q block and split) are not written and read again, nor is the
-combine's fp32 output. `combine.inflight_merges` decides where the wrappers use it (few splits,
-many blocks; H200 figures there): sparse B 8 16K Tq 256 101.6 -> 82.2 us per call, FAFO's 8B call
-42.2 -> 38.1 (4K). Each split costs its block one fold step (~0.25 us, measured with its fetch
-issued early or not: the step itself, likely the unswizzled fp32 tile's bank conflicts), so with
-few blocks or many splits (SmolLM2's 16-split full segment, B 1 decode's 33) the combine stays.
+combine's fp32 output. `combine.inflight_merges` decides where the wrappers use it (the rule and
+H200 figures there): sparse B 8 16K Tq 256 101.6 -> 82.2 us per call, FAFO's 8B call
+42.2 -> 38.1 (4K). Each split costs its block one fold step: the partial's fetch, ~32 KiB at
+D = 128, read in the WGMMA layout from an SMEM tile stored swizzled (an unswizzled fp32 tile
+put a warp's 8 rows on the same banks; swizzling it made the merged kernel 6-12% faster, session
+31). With few blocks those fetches queue on few SMs (B 1 decode: 8 blocks of 33 splits, ~1 MiB
+each), so a launch of fewer than MERGE_FILL_BLOCKS blocks splits each q block's D columns over 2
+or 4 blocks (`merge_chunks`, `d_chunks`; each recomputes the q block's scores, which is cheap,
+and reads and writes only its columns of V, the partials and out). H200, merged in-flight
+kernel us (`benchmarks/results/s31/inflight_chunks_s31_h200.json`): B 1 16K decode Tq 16 (4
+chunks) 10.8 -> 6.6, SmolLM2's FAFO call (2 chunks) 8.1 -> 6.6.
 
 `pack_keys` and `mask_bias` prepare the inputs; `inflight_partials_reference` (pure jnp, reading
 only the bias) sits at the bottom.
@@ -164,6 +170,8 @@ def _inflight_kernel(q_rows, k_rows, v_rows, mask, *, rows_out, num_stages, inte
   u_pad = k_rows.shape[2]
   bias, tiles, counts = mask
   q_blocks = m_total // BLOCK_M
+  chunks = 1 if merge is None else merge.d_chunks   # blocks per q block, each D / chunks columns
+  d_out = head_dim // chunks                          # the columns of V, acc and out a block owns
   num_tiles = u_pad // BLOCK_U
   stages = max(1, min(num_stages, num_tiles))
   listed = num_tiles > 1           # a single tile: visited with its bias, no table read
@@ -180,7 +188,7 @@ def _inflight_kernel(q_rows, k_rows, v_rows, mask, *, rows_out, num_stages, inte
                             # merged: (acc, m, l) items in, out and lse out (`_merge_epilogue`)
            q_smem,          # [64, D]                                   SMEM (tiled, swizzled)
            k_smem,          # [stages, 64, D]                           SMEM (tiled, swizzled)
-           v_smem,          # [stages, 64, D]                           SMEM (tiled, swizzled)
+           v_smem,          # [stages, 64, D / chunks]                  SMEM (tiled, swizzled)
            b_smem,          # [stages, 64, 64] bf16                     SMEM (union: ring)
            epilogue_smem,   # partials: o [64, D] fp32; merged: `_merge_scratch`  (union: output)
            m_smem,          # [64] fp32                                 SMEM
@@ -189,6 +197,9 @@ def _inflight_kernel(q_rows, k_rows, v_rows, mask, *, rows_out, num_stages, inte
            merge_barriers=None,  # [2] barriers (merged only)
            a_smem=None):    # [64, 64] (interpret mode only)            SMEM (tiled, swizzled)
     qb = lax.axis_index("qblock")
+    chunk = None
+    if chunks > 1:                                 # chunk-minor: a q block's chunks run together
+      qb, chunk = lax.div(qb, jnp.int32(chunks)), lax.rem(qb, jnp.int32(chunks))
     h = lax.axis_index("head")
     b = lax.axis_index("batch")
     if listed:
@@ -206,14 +217,16 @@ def _inflight_kernel(q_rows, k_rows, v_rows, mask, *, rows_out, num_stages, inte
       def _():
         plgpu.copy_gmem_to_smem(bias_ref.at[pl.ds(qb * BLOCK_M, BLOCK_M), keys],
                                 b_smem.at[slot], b_barriers.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[b, h, keys], v_smem.at[slot], v_barriers.at[slot])
+      v_src = v_ref.at[b, h, keys] if chunk is None else v_ref.at[b, h, keys, pl.ds(chunk * d_out,
+                                                                                 d_out)]
+      plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], v_barriers.at[slot])
 
     plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(qb * BLOCK_M, BLOCK_M)], q_smem, q_barrier)
     for step in range(stages):                     # prologue: fill the ring
       pl.when(step < num_seen)(functools.partial(fetch, step, step))
     plgpu.barrier_wait(q_barrier)
 
-    acc = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    acc = plgpu.layout_cast(jnp.zeros((BLOCK_M, d_out), jnp.float32), plgpu.Layout.WGMMA)
     m_i = plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32),
                             plgpu.Layout.WGMMA.reduce(1))
     l_i = plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -240,11 +253,11 @@ def _inflight_kernel(q_rows, k_rows, v_rows, mask, *, rows_out, num_stages, inte
       l_i = l_i * alpha + p.sum(axis=1)
 
       plgpu.barrier_wait(v_barriers.at[slot])
-      def pv_scope(pv_ref):                        # [64, D] fp32 accumulator
+      def pv_scope(pv_ref):                        # [64, D / chunks] fp32 accumulator
         # P as the registers operand (as decode_attention; through a_smem in interpret mode)
         wgmma_register_a(pv_ref, p.astype(dtype), v_smem.at[slot], a_smem=a_smem)
         return pv_ref[...]
-      pv = pl.run_scoped(pv_scope, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
+      pv = pl.run_scoped(pv_scope, plgpu.ACC((BLOCK_M, d_out), jnp.float32))
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
 
       nxt = step + stages
@@ -262,7 +275,7 @@ def _inflight_kernel(q_rows, k_rows, v_rows, mask, *, rows_out, num_stages, inte
     # union partner, may be written.
 
     if merge is not None:
-      _merge_epilogue(merge, outs, epilogue_smem, merge_barriers, acc, m_i, l_i, b, h, qb,
+      _merge_epilogue(merge, outs, epilogue_smem, merge_barriers, acc, m_i, l_i, b, h, qb, chunk,
                       rows_out=rows_out, dtype=dtype)
       return
     acc_out_ref, m_out_ref, l_out_ref = outs
@@ -278,10 +291,10 @@ def _inflight_kernel(q_rows, k_rows, v_rows, mask, *, rows_out, num_stages, inte
 
   swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
   ring = (plgpu.SMEM((stages, BLOCK_U, head_dim), dtype, **swizzled),
-          plgpu.SMEM((stages, BLOCK_U, head_dim), dtype, **swizzled),
+          plgpu.SMEM((stages, BLOCK_U, d_out), dtype, **_swizzled(d_out, dtype)),
           plgpu.SMEM((stages, BLOCK_M, BLOCK_U), jnp.bfloat16))
   epilogue = (plgpu.SMEM((BLOCK_M, head_dim), jnp.float32) if merge is None
-              else _merge_scratch(head_dim, dtype))
+              else _merge_scratch(d_out, dtype))
   scratch = [
       plgpu.SMEM((BLOCK_M, head_dim), dtype, **swizzled),
       plgpu.RefUnion(ring, epilogue),
@@ -317,7 +330,7 @@ def _inflight_kernel(q_rows, k_rows, v_rows, mask, *, rows_out, num_stages, inte
   return plgpu.kernel(
       inflight_attention_kernel,
       out_type=out_type,
-      grid=(q_blocks, num_kv_heads, batch),
+      grid=(q_blocks * chunks, num_kv_heads, batch),
       grid_names=("qblock", "head", "batch"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
@@ -344,22 +357,34 @@ class _MergePlan(NamedTuple):
   group: int           # G query heads per KV head
   num_queries: int     # T
   direct: bool         # out written as [B, T, Hq, D] (64 % G == 0), else in the rows' layout
+  d_chunks: int        # blocks per q block, each merging and writing D / d_chunks columns
 
 
-def _merge_scratch(head_dim, dtype):
+def _swizzled(columns: int, dtype) -> dict:
+  """SMEM transforms for a [rows, columns] tile: 8-row tiles of the widest swizzle (<= 128 B) a
+  row fills, so a warp's WGMMA-layout reads and TMA writes spread over the banks."""
+  row_bytes = columns * jnp.dtype(dtype).itemsize
+  swizzle = next(s for s in (128, 64, 32) if row_bytes % s == 0)
+  return dict(transforms=(plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+                          plgpu.SwizzleTransform(swizzle)))
+
+
+def _merge_scratch(d_out, dtype):
   """The epilogue's SMEM (the ring's union partner): two slots of a split partial (acc fp32,
-  m, l), the output tile in q's dtype and the lse row."""
-  return (plgpu.SMEM((2, BLOCK_M, head_dim), jnp.float32),
+  swizzled: the fold reads it in the WGMMA layout; m, l), the output tile in q's dtype and the
+  lse row. d_out: the block's columns."""
+  return (plgpu.SMEM((2, BLOCK_M, d_out), jnp.float32, **_swizzled(d_out, jnp.float32)),
           plgpu.SMEM((2, BLOCK_M), jnp.float32),
           plgpu.SMEM((2, BLOCK_M), jnp.float32),
-          plgpu.SMEM((BLOCK_M, head_dim), dtype),
+          plgpu.SMEM((BLOCK_M, d_out), dtype),
           plgpu.SMEM((BLOCK_M,), jnp.float32))
 
 
-def _merge_epilogue(plan: _MergePlan, refs, scratch, barriers, acc, m_i, l_i, b, h, qb, *,
-                    rows_out, dtype):
-  """Folds the block's split partials (two-slot TMA ring) into its in-flight part (acc [64, D],
-  m_i, l_i [64], log2 units), normalises and writes out and lse."""
+def _merge_epilogue(plan: _MergePlan, refs, scratch, barriers, acc, m_i, l_i, b, h, qb, chunk,
+                    *, rows_out, dtype):
+  """Folds the block's split partials (two-slot TMA ring) into its in-flight part (acc
+  [64, D / chunks]: columns chunk * D / chunks on, all of them when chunk is None; m_i, l_i [64],
+  log2 units), normalises and writes its columns of out (and, chunk 0 or None, lse)."""
   acc_ref, m_ref, l_ref, out_ref, lse_ref = refs
   pa_smem, pm_smem, pl_smem, out_smem, lse_smem = scratch
   row = plgpu.Layout.WGMMA.reduce(1)
@@ -375,9 +400,13 @@ def _merge_epilogue(plan: _MergePlan, refs, scratch, barriers, acc, m_i, l_i, b,
     token0 = jnp.where(inside, seg.first_query + local * per_block, token0)
     seg_end = jnp.where(inside, seg.first_query + seg.num_queries, seg_end)
 
+  d_out = acc.shape[1]
+  cols = ((lambda ref: ref) if chunk is None                     # [rows, D] -> the block's columns
+          else (lambda ref: ref.at[:, pl.ds(chunk * d_out, d_out)]))
+
   def load(i, slot):
     item = first_item + i
-    plgpu.copy_gmem_to_smem(acc_ref.at[b, h, item], pa_smem.at[slot, pl.ds(0, rows_out)],
+    plgpu.copy_gmem_to_smem(cols(acc_ref.at[b, h, item]), pa_smem.at[slot, pl.ds(0, rows_out)],
                             barriers.at[slot])
     plgpu.copy_gmem_to_smem(m_ref.at[b, h, item], pm_smem.at[slot], barriers.at[slot])
     plgpu.copy_gmem_to_smem(l_ref.at[b, h, item], pl_smem.at[slot], barriers.at[slot])
@@ -389,7 +418,7 @@ def _merge_epilogue(plan: _MergePlan, refs, scratch, barriers, acc, m_i, l_i, b,
     acc, m_i, l_i = carry
     slot = lax.rem(i, jnp.int32(2))
     plgpu.barrier_wait(barriers.at[slot])
-    part = plgpu.load(pa_smem.at[slot], layout=plgpu.Layout.WGMMA, optimized=False)
+    part = plgpu.load(pa_smem.at[slot], layout=plgpu.Layout.WGMMA)
     m_s = plgpu.load(pm_smem.at[slot], layout=row, optimized=False)
     l_s = plgpu.load(pl_smem.at[slot], layout=row, optimized=False)
     m_new = jnp.maximum(m_i, m_s)
@@ -417,15 +446,43 @@ def _merge_epilogue(plan: _MergePlan, refs, scratch, barriers, acc, m_i, l_i, b,
       @pl.when(token < seg_end)
       def _():
         plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(i * g, g)],
-                                out_ref.at[b, token, pl.ds(h * g, g)])
+                                cols(out_ref.at[b, token, pl.ds(h * g, g)]))
   else:
-    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b, h, pl.ds(qb * BLOCK_M, BLOCK_M)])
-  plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, qb])
+    plgpu.copy_smem_to_gmem(out_smem, cols(out_ref.at[b, h, pl.ds(qb * BLOCK_M, BLOCK_M)]))
+  if chunk is None:
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, qb])
+  else:
+    pl.when(chunk == 0)(lambda: plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, qb]))
   plgpu.wait_smem_to_gmem(0)
 
 
-def merge_layout(segments: tuple[MergeSegment, ...], group: int, num_queries: int) -> _MergePlan:
-  return _MergePlan(tuple(segments), group, num_queries, BLOCK_M % group == 0)
+MERGE_FILL_BLOCKS = 128   # merged launches with fewer blocks split D over up to 4 blocks a q block
+
+
+def chunks_fit(chunks: int, head_dim: int, group: int, itemsize: int) -> bool:
+  """Whether a merged launch can split D over `chunks` blocks: >= 32 columns a block, and with the
+  direct output write, each query's [G, D / chunks] box starting 128-byte aligned in SMEM (a
+  TMA's requirement: G = 1 at D = 64 in 2 chunks is 64 bytes and faults)."""
+  direct = BLOCK_M % group == 0
+  return (chunks in (1, 2, 4) and head_dim % (32 * chunks) == 0
+          and (not direct or group * head_dim // chunks * itemsize % 128 == 0))
+
+
+def merge_chunks(blocks: int, head_dim: int, group: int, itemsize: int = 2) -> int:
+  """Blocks per q block of a merged launch of `blocks` q blocks (B * Hkv * QB): with few blocks,
+  the partials' reads (32 KiB a split at D = 128) queue on few SMs, so each q block's columns are
+  split over 2 or 4 blocks (<= MERGE_FILL_BLOCKS blocks in all, as `chunks_fit` allows), which
+  recompute its scores (cheap: T keys) and read only their columns of V and of the partials."""
+  chunks = 1
+  while (chunks < 4 and chunks_fit(2 * chunks, head_dim, group, itemsize)
+         and blocks * chunks * 2 <= MERGE_FILL_BLOCKS):
+    chunks *= 2
+  return chunks
+
+
+def merge_layout(segments: tuple[MergeSegment, ...], group: int, num_queries: int,
+                 d_chunks: int = 1) -> _MergePlan:
+  return _MergePlan(tuple(segments), group, num_queries, BLOCK_M % group == 0, d_chunks)
 
 
 def _rows_to_queries(x, plan: _MergePlan):
@@ -442,11 +499,12 @@ def _rows_to_queries(x, plan: _MergePlan):
   return jnp.concatenate(pieces, axis=1) if len(pieces) > 1 else pieces[0]
 
 
-@functools.partial(jax.jit, static_argnames=("segments", "group", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("segments", "group", "num_stages", "d_chunks",
+                                             "interpret"))
 def inflight_merged(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
                     mask: InflightMask, acc: jax.Array, m2: jax.Array, l: jax.Array, *,
                     segments: tuple[MergeSegment, ...], group: int, num_stages: int = 2,
-                    interpret: Any = None):
+                    d_chunks: int | None = None, interpret: Any = None):
   """The in-flight part with the cache kernel's split partials merged in: the whole call's
   output in ONE launch after the cache kernel (no combine).
 
@@ -454,7 +512,9 @@ def inflight_merged(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
   m2, l [B, Hkv, W, 64] fp32: the cache kernel's work items (un-normalised, m2 in log2 units);
   segments: which items and queries each q block's segment holds (every q block of q_rows in
   exactly one segment; the segments' queries tile [0, T)). Returns out [B, T, Hq, D] in q's
-  dtype (query t, head h * G + g: row t * G + g of its segment) and lse [B, T, Hq] fp32."""
+  dtype (query t, head h * G + g: row t * G + g of its segment) and lse [B, T, Hq] fp32.
+  d_chunks: blocks per q block, each merging and writing D / d_chunks (>= 32) columns (None:
+  `merge_chunks`; `chunks_fit` says which are allowed)."""
   _check_args(q_rows, k_rows, v_rows, mask)
   b, hkv, m_total, d = q_rows.shape
   w, rows_out = acc.shape[2], acc.shape[3]
@@ -475,7 +535,14 @@ def inflight_merged(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
              or seg.first_item + seg.q_blocks * seg.num_splits > w for seg in segments)):
     raise ValueError(f"segments {segments} must cover the {m_total // BLOCK_M} q blocks once, "
                      f"hold their queries' rows and name items < {w}")
-  plan = merge_layout(segments, group, num_queries)
+  itemsize = jnp.dtype(q_rows.dtype).itemsize
+  if d_chunks is None:
+    d_chunks = merge_chunks(b * hkv * (m_total // BLOCK_M), d, group, itemsize)
+  if not chunks_fit(d_chunks, d, group, itemsize):
+    raise ValueError(f"d_chunks must be 1, 2 or 4 with D / d_chunks a multiple of 32 and, where "
+                     f"64 % G == 0, G * D / d_chunks * itemsize a multiple of 128 bytes; got "
+                     f"{d_chunks} at D = {d}, G = {group}")
+  plan = merge_layout(segments, group, num_queries, d_chunks)
   out, lse_rows = _inflight_kernel(q_rows, k_rows, v_rows, mask, rows_out=rows_out,
                                    num_stages=num_stages, interpret=interpret, merge=plan,
                                    partials=(acc, m2, l))

@@ -53,11 +53,12 @@ Two steps, as `pallas_kernels.decode_attention`:
      launch of `pallas_kernels.inflight_attention` (from 2 queries on, `SparseConfig.inflight`;
      else jnp inside the combine), then `pallas_kernels.combine.combine_partials` per segment
      merges it with the split partials by log-sum-exp. On an H200 a SmolLM2 FAFO step's attention
-     (T = 109) went from 24.5 to 18.8 us per call and 15.6 to 10.9 launches. With few splits and
-     many blocks (`combine.inflight_merges`) the in-flight kernel merges the split partials of
-     both segments itself and writes the output (`inflight_attention.inflight_merged`, no
-     combine): 4 listed blocks at B 8 16K, Tq 256 101.6 -> 82.2 us, Tq 16 16.1 -> 14.4; FAFO's
-     8B call 42.2 -> 38.1 (4K), 112.9 -> 105.3 (32K) (H200).
+     (T = 109) went from 24.5 to 18.8 us per call and 15.6 to 10.9 launches. Where
+     `combine.inflight_merges` says so (few splits and many blocks, or few blocks) the in-flight
+     kernel merges the split partials of both segments itself and writes the output
+     (`inflight_attention.inflight_merged`, no combine): 4 listed blocks at B 8 16K, Tq 256
+     101.6 -> 82.2 us, Tq 16 16.1 -> 13.2, B 1 Tq 16 10.1 -> 9.3; FAFO's 8B call 42.2 -> 37.4
+     (4K), 112.9 -> 105.3 (32K); SmolLM2's FAFO call 14.6 -> 14.4 (H200).
 
 The pure-jnp reference `sparse_attention_reference` (gather the listed blocks, mask, two-part
 softmax) sits at the bottom of this file.
@@ -730,7 +731,7 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                                        interpret=interpret)
   merged = use_kernel and inflight_merges(
       config.inflight, tq, max(seg.num_splits for seg in segments),
-      q_rows.shape[0] * q_rows.shape[1] * q_rows.shape[2] // BLOCK_M)
+      q_rows.shape[0] * q_rows.shape[1] * q_rows.shape[2] // BLOCK_M, group)
   if use_kernel:                   # the in-flight part of every q block, one launch
     inflight = (q_rows, pack_keys(k_new).astype(q.dtype), pack_keys(v_new).astype(q.dtype),
                 mask_bias(mask, _row_queries(segments, group)))

@@ -15,10 +15,11 @@ from kernel_mode import INTERPRET
 from pallas_kernels.decode_attention import (DecodeConfig, decode_attention,
                                              decode_attention_reference)
 from pallas_kernels.combine import MERGE_MAX_SPLITS, MERGE_MIN_BLOCKS, inflight_merges
+import pallas_kernels.inflight_attention as inflight_module
 from pallas_kernels.inflight_attention import (BLOCK_M, InflightMask, MergeSegment,
                                                inflight_merged, inflight_partials,
-                                               inflight_partials_reference, mask_bias, pack_keys,
-                                               tile_lists)
+                                               inflight_partials_reference, mask_bias,
+                                               merge_chunks, pack_keys, tile_lists)
 from pallas_kernels.sparse_attention import (SparseConfig, sparse_attention,
                                              sparse_attention_reference)
 
@@ -201,14 +202,64 @@ def test_merged_inflight_matches_the_combine_and_the_reference(seed, batch, grou
     np.testing.assert_allclose(g, r, atol=3e-2 if name == "out" else 2e-3, err_msg=name)
 
 
-def test_auto_merges_in_the_inflight_kernel_with_few_splits_and_many_blocks():
-  many = MERGE_MIN_BLOCKS
-  assert not inflight_merges("auto", 1, 1, many)     # Tq = 1: jnp in the combine
-  assert inflight_merges("auto", 16, MERGE_MAX_SPLITS, many)
-  assert not inflight_merges("auto", 16, MERGE_MAX_SPLITS + 1, many)
-  assert not inflight_merges("auto", 16, 1, many - 1)
-  assert inflight_merges("merged", 2, 64, 1) and not inflight_merges("kernel", 16, 1, many)
-  assert not inflight_merges("jnp", 16, 1, many)
+@pytest.mark.parametrize("group", [3, 4])
+def test_merged_columns_split_over_blocks_give_the_same_output(group, monkeypatch):
+  """A merged launch with few blocks splits each q block's D columns over 2 or 4 blocks
+  (`merge_chunks`): D = 128, both output layouts, two segments of 2 splits. Every split gives the
+  unsplit output and lse to rounding, and all equal the reference."""
+  batch, hkv, d, s, bs, tokens = 1, 2, 128, 256, 64, 20
+  q, k_new, v_new, mask = _case(5, batch, hkv, group, tokens, d, "causal", jnp.bfloat16)
+  keys = jax.random.split(jax.random.key(6), 2)
+  k_cache = rand.normal(keys[0], (batch, hkv, s, d), jnp.bfloat16)
+  v_cache = rand.normal(keys[1], (batch, hkv, s, d), jnp.bfloat16)
+  lengths = jnp.array([s - 37], jnp.int32)
+  tables = jnp.array([[[0, 2], [3, 1]]], jnp.int32)
+  counts = jnp.array([[2, 1]], jnp.int32)
+  args = (q, k_cache, v_cache, tables, counts, lengths, k_new, v_new, jnp.asarray(mask))
+  kw = dict(block_size=bs, sparse_queries=tokens // 2, return_lse=True)
+  blocks = batch * hkv * 2                       # 10 * G rows per segment: one q block each
+  results = {}
+  for fill in (0, 2 * blocks, 4 * blocks):
+    monkeypatch.setattr(inflight_module, "MERGE_FILL_BLOCKS", fill)
+    jax.clear_caches()                             # the chunk count is read at trace time
+    chunks = merge_chunks(blocks, d, group)
+    results[chunks] = [np.asarray(x, np.float32) for x in sparse_attention(
+        *args, **kw, config=SparseConfig(inflight="merged", num_splits=2, num_splits_full=2),
+        interpret=INTERPRET)]
+  assert sorted(results) == [1, 2, 4]
+  ref = _sparse_reference(*(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x
+                           for x in args), **kw)
+  for chunks, (out, lse) in results.items():
+    np.testing.assert_allclose(out, results[1][0], atol=1e-6, err_msg=f"{chunks} chunks")
+    np.testing.assert_allclose(lse, results[1][1], atol=1e-6, err_msg=f"{chunks} chunks")
+    np.testing.assert_allclose(out, np.asarray(ref[0]), atol=3e-2)
+    np.testing.assert_allclose(lse, np.asarray(ref[1]), atol=2e-3)
+
+
+def test_merge_chunks_fill_the_gpu_with_at_least_32_columns_a_block():
+  assert merge_chunks(8, 128, 4) == 4 and merge_chunks(18, 64, 3) == 2
+  assert merge_chunks(64, 128, 4) == 2 and merge_chunks(40, 128, 4) == 2
+  assert merge_chunks(144, 128, 4) == 1 and merge_chunks(65, 128, 4) == 1
+  assert merge_chunks(8, 32, 4) == 1                 # a block keeps >= 32 columns
+  # The direct write's [G, D / chunks] boxes start 128-byte aligned: G = 1 at D = 64 cannot split
+  # (a GPU fault, not an interpreter one), G = 1 at D = 128 splits in 2, G = 2 at D = 128 in 4.
+  assert merge_chunks(8, 64, 1) == 1 and merge_chunks(8, 128, 1) == 2
+  assert merge_chunks(8, 128, 2) == 4 and merge_chunks(8, 64, 3) == 2   # G = 3: the rows' layout
+
+
+def test_auto_merges_in_the_inflight_kernel_by_splits_blocks_and_layout():
+  many, few = MERGE_MIN_BLOCKS, MERGE_MIN_BLOCKS - 1
+  assert not inflight_merges("auto", 1, 1, many, 4)            # Tq = 1: jnp in the combine
+  assert inflight_merges("auto", 16, MERGE_MAX_SPLITS, many, 4)
+  assert inflight_merges("auto", 16, MERGE_MAX_SPLITS, many, 3)
+  assert not inflight_merges("auto", 16, MERGE_MAX_SPLITS + 1, many, 4)
+  # Small launches (D split over blocks): merged where the kernel writes [B, T, Hq, D] itself or
+  # the splits are many; the rows' layout (G = 3) with few splits stays with the combine.
+  assert inflight_merges("auto", 16, 1, few, 4) and inflight_merges("auto", 16, 33, few, 4)
+  assert inflight_merges("auto", 109, 16, 18, 3)               # SmolLM2's FAFO call
+  assert not inflight_merges("auto", 108, MERGE_MAX_SPLITS, 18, 3)   # its Lookahead call
+  assert inflight_merges("merged", 2, 64, 1, 3) and not inflight_merges("kernel", 16, 1, many, 4)
+  assert not inflight_merges("jnp", 16, 1, many, 4)
 
 
 def test_bad_inputs_are_rejected_in_plain_words():
@@ -237,6 +288,15 @@ def test_bad_inputs_are_rejected_in_plain_words():
   with pytest.raises(ValueError, match="m2 and l"):
     inflight_merged(q_rows, pack_keys(k_new), pack_keys(v_new), bias, acc, ml[..., :32], ml,
                     group=2, segments=(MergeSegment(0, 1, 0, 2, 0, 5),))
+  with pytest.raises(ValueError, match="d_chunks must be"):
+    inflight_merged(q_rows, pack_keys(k_new), pack_keys(v_new), bias, acc, ml, ml, group=2,
+                    segments=(MergeSegment(0, 1, 0, 2, 0, 5),), d_chunks=4)   # D = 64
+  with pytest.raises(ValueError, match="multiple of 128 bytes"):
+    g1 = _case(0, 1, 1, 1, 5, 64, 1.0, jnp.bfloat16)
+    q1_rows, row_query1 = _rows(g1[0], 1)
+    inflight_merged(q1_rows, pack_keys(g1[1]), pack_keys(g1[2]),
+                    mask_bias(jnp.asarray(g1[3]), row_query1), acc, ml, ml, group=1,
+                    segments=(MergeSegment(0, 1, 0, 2, 0, 5),), d_chunks=2)
   with pytest.raises(ValueError, match="inflight must be one of"):
     DecodeConfig(inflight="sometimes")
   with pytest.raises(ValueError, match="inflight must be one of"):
@@ -271,9 +331,11 @@ def test_lowers_to_mosaic_gpu_custom_call_for_cuda(tokens, num_kv_heads, group, 
   partials = (sds((1, num_kv_heads, items, BLOCK_M, head_dim), jnp.float32),
               sds((1, num_kv_heads, items, BLOCK_M), jnp.float32),
               sds((1, num_kv_heads, items, BLOCK_M), jnp.float32))
-  lowered = jax.jit(lambda *a: inflight_merged(*a, segments=segments, group=group)).trace(
-      *args, *partials).lower(lowering_platforms=("cuda",))
-  assert "stablehlo.custom_call @mosaic_gpu_v2" in lowered.as_text()
+  for d_chunks in (1, 2, 4)[:head_dim // 32 - 1]:   # D split over 1, 2 (and 4) blocks
+    lowered = jax.jit(lambda *a, c=d_chunks: inflight_merged(
+        *a, segments=segments, group=group, d_chunks=c)).trace(*args, *partials).lower(
+            lowering_platforms=("cuda",))
+    assert "stablehlo.custom_call @mosaic_gpu_v2" in lowered.as_text()
 
 
 def test_wrappers_with_fafo_and_lookahead_masks_match_reference():
