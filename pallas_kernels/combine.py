@@ -142,12 +142,14 @@ def inflight_choice(mode: str, num_queries: int) -> bool:
                                           and num_queries >= INFLIGHT_KERNEL_MIN_QUERIES)
 
 
-def inflight_merges(mode: str, num_queries: int, max_splits: int, blocks: int,
-                    group: int) -> bool:
+def inflight_merges(mode: str, num_queries: int, max_splits: int, blocks: int, group: int,
+                    chunked: bool) -> bool:
   """Whether the in-flight kernel also merges the cache kernel's split partials and writes the
   call's output (`inflight_attention.inflight_merged`) instead of leaving one more partial for
   `combine_partials`: "merged" always, "auto" with the kernel by the rule above (`max_splits`:
-  per q block, the most of any segment; `blocks`: B x Hkv x q blocks; `group`: G)."""
+  per q block, the most of any segment; `blocks`: B x Hkv x q blocks; `group`: G; `chunked`:
+  whether the merged launch would split D over blocks, `inflight_attention.merge_chunks` > 1;
+  a small launch that cannot is left to the combine)."""
   if not inflight_choice(mode, num_queries) or mode == "kernel":
     return False
   if mode == "merged":
@@ -155,7 +157,7 @@ def inflight_merges(mode: str, num_queries: int, max_splits: int, blocks: int,
   few_splits = max_splits <= MERGE_MAX_SPLITS
   if blocks >= MERGE_MIN_BLOCKS:
     return few_splits
-  return 64 % group == 0 or not few_splits
+  return chunked and (64 % group == 0 or not few_splits)
 
 
 # The combine as one elementwise XLA fusion (`_combine_elementwise`) while it has at most this

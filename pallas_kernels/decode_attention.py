@@ -80,7 +80,7 @@ from pallas_kernels.combine import (check_inflight_mode, check_score_queries, co
                                     score_rows, scores_to_probs, selected_first,
                                     wrapper_outputs)
 from pallas_kernels.inflight_attention import (MergeSegment, inflight_merged, inflight_partials,
-                                               mask_bias, pack_keys)
+                                               mask_bias, merge_chunks, pack_keys)
 from pallas_kernels.register_operand import a_staging, wgmma_register_a
 from pallas_kernels.split_plan import split_counts
 
@@ -727,8 +727,10 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
     row_query[:tq * group] = np.arange(tq * group) // group
     inflight = (q_rows, pack_keys(k_new).astype(q.dtype), pack_keys(v_new).astype(q.dtype),
                 mask_bias(mask, row_query))
-  if use_kernel and inflight_merges(config.inflight, tq, num_splits, b * hkv * q_blocks,
-                                  group):
+  launch_blocks = b * hkv * q_blocks
+  chunked = merge_chunks(launch_blocks, q.shape[3], group, q.dtype.itemsize) > 1
+  if use_kernel and inflight_merges(config.inflight, tq, num_splits, launch_blocks, group,
+                                    chunked):
     items = lambda x: x.reshape(b, hkv, q_blocks * num_splits, *x.shape[4:])
     segment = MergeSegment(0, q_blocks, 0, num_splits, 0, tq)
     out, lse = inflight_merged(*inflight, items(acc), items(m2), items(l), segments=(segment,),

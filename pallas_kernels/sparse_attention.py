@@ -82,7 +82,7 @@ from pallas_kernels.combine import (check_inflight_mode, check_score_queries, co
                                     score_rows, scores_to_probs, selected_first,
                                     wrapper_outputs)
 from pallas_kernels.inflight_attention import (MergeSegment, inflight_merged, inflight_partials,
-                                               mask_bias, pack_keys)
+                                               mask_bias, merge_chunks, pack_keys)
 from pallas_kernels.register_operand import a_staging, wgmma_register_a
 from pallas_kernels.split_plan import split_counts
 
@@ -729,9 +729,10 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   acc, m2, l, *scores = _rows_partials(q_rows, k_cache, v_cache, block_tables, num_blocks,
                                        lengths, layout, block_size=block_size, config=config,
                                        interpret=interpret)
+  launch_blocks = q_rows.shape[0] * q_rows.shape[1] * q_rows.shape[2] // BLOCK_M
   merged = use_kernel and inflight_merges(
-      config.inflight, tq, max(seg.num_splits for seg in segments),
-      q_rows.shape[0] * q_rows.shape[1] * q_rows.shape[2] // BLOCK_M, group)
+      config.inflight, tq, max(seg.num_splits for seg in segments), launch_blocks, group,
+      merge_chunks(launch_blocks, q.shape[3], group, q.dtype.itemsize) > 1)
   if use_kernel:                   # the in-flight part of every q block, one launch
     inflight = (q_rows, pack_keys(k_new).astype(q.dtype), pack_keys(v_new).astype(q.dtype),
                 mask_bias(mask, _row_queries(segments, group)))

@@ -249,17 +249,21 @@ def test_merge_chunks_fill_the_gpu_with_at_least_32_columns_a_block():
 
 def test_auto_merges_in_the_inflight_kernel_by_splits_blocks_and_layout():
   many, few = MERGE_MIN_BLOCKS, MERGE_MIN_BLOCKS - 1
-  assert not inflight_merges("auto", 1, 1, many, 4)            # Tq = 1: jnp in the combine
-  assert inflight_merges("auto", 16, MERGE_MAX_SPLITS, many, 4)
-  assert inflight_merges("auto", 16, MERGE_MAX_SPLITS, many, 3)
-  assert not inflight_merges("auto", 16, MERGE_MAX_SPLITS + 1, many, 4)
+  auto = lambda tq, splits, blocks, group, chunked=True: inflight_merges(
+      "auto", tq, splits, blocks, group, chunked)
+  assert not auto(1, 1, many, 4)                     # Tq = 1: jnp in the combine
+  assert auto(16, MERGE_MAX_SPLITS, many, 4) and auto(16, MERGE_MAX_SPLITS, many, 3)
+  assert not auto(16, MERGE_MAX_SPLITS + 1, many, 4)
   # Small launches (D split over blocks): merged where the kernel writes [B, T, Hq, D] itself or
-  # the splits are many; the rows' layout (G = 3) with few splits stays with the combine.
-  assert inflight_merges("auto", 16, 1, few, 4) and inflight_merges("auto", 16, 33, few, 4)
-  assert inflight_merges("auto", 109, 16, 18, 3)               # SmolLM2's FAFO call
-  assert not inflight_merges("auto", 108, MERGE_MAX_SPLITS, 18, 3)   # its Lookahead call
-  assert inflight_merges("merged", 2, 64, 1, 3) and not inflight_merges("kernel", 16, 1, many, 4)
-  assert not inflight_merges("jnp", 16, 1, many, 4)
+  # the splits are many; the rows' layout (G = 3) with few splits stays with the combine, and so
+  # does a small launch that cannot split D (G = 1 at D = 64).
+  assert auto(16, 1, few, 4) and auto(16, 33, few, 4)
+  assert auto(109, 16, 18, 3)                        # SmolLM2's FAFO call
+  assert not auto(108, MERGE_MAX_SPLITS, 18, 3)      # its Lookahead call
+  assert not auto(16, 33, few, 1, chunked=merge_chunks(few, 64, 1) > 1)
+  assert inflight_merges("merged", 2, 64, 1, 3, False)
+  assert not inflight_merges("kernel", 16, 1, many, 4, True)
+  assert not inflight_merges("jnp", 16, 1, many, 4, True)
 
 
 def test_bad_inputs_are_rejected_in_plain_words():
