@@ -81,7 +81,7 @@ from pallas_kernels.combine import (check_inflight_mode, check_score_queries, co
                                     wrapper_outputs)
 from pallas_kernels.inflight_attention import (MergeSegment, inflight_merged, inflight_partials,
                                                mask_bias, merge_chunks, pack_keys)
-from pallas_kernels.register_operand import a_staging, wgmma_register_a
+from pallas_kernels.register_operand import a_staging, swizzled, wgmma_register_a
 from pallas_kernels.split_plan import split_counts
 
 LOG2E = math.log2(math.e)
@@ -91,7 +91,7 @@ _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 SM_COUNT = 132                    # H100 SXM / H200
 # The SMEM layout of every wgmma operand tile: (8, 64) tiles, 128-byte swizzle.
-SWIZZLED = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+SWIZZLED = swizzled(128, 16)     # bf16 / fp16 tiles of 64-column (128-byte) rows
 SMEM_PER_SM = 227 * 1024          # shared memory one SM gives its resident blocks
 
 
@@ -728,13 +728,13 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
     inflight = (q_rows, pack_keys(k_new).astype(q.dtype), pack_keys(v_new).astype(q.dtype),
                 mask_bias(mask, row_query))
   launch_blocks = b * hkv * q_blocks
-  chunked = merge_chunks(launch_blocks, q.shape[3], group, q.dtype.itemsize) > 1
+  d_chunks = merge_chunks(launch_blocks, q.shape[3], group, q.dtype.itemsize)
   if use_kernel and inflight_merges(config.inflight, tq, num_splits, launch_blocks, group,
-                                    chunked):
+                                    d_chunks > 1):
     items = lambda x: x.reshape(b, hkv, q_blocks * num_splits, *x.shape[4:])
     segment = MergeSegment(0, q_blocks, 0, num_splits, 0, tq)
     out, lse = inflight_merged(*inflight, items(acc), items(m2), items(l), segments=(segment,),
-                               group=group, interpret=interpret)
+                               group=group, d_chunks=d_chunks, interpret=interpret)
   elif use_kernel:
     extra = inflight_partials(*inflight, rows_out=acc.shape[4], interpret=interpret)
     out, lse = combine_partials(acc, m2, l, q, [], group=group, extra=extra)

@@ -49,8 +49,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.quant_attention import (KEY_TILE, META_DTYPE, TILE_ROWS, QuantKV,
-                                            _SUPPORTED_DTYPES, _swizzled, dequantize)
-from pallas_kernels.register_operand import SMEM_ROW_WORDS, word_offset, word_tile
+                                            _SUPPORTED_DTYPES, dequantize)
+from pallas_kernels.register_operand import SMEM_ROW_WORDS, swizzled, word_offset, word_tile
 
 CHUNK = 64                        # channels per K chunk / V channel tile
 
@@ -146,7 +146,7 @@ def dequantize_kv(qkv: QuantKV, bits: int, dtype=jnp.bfloat16, lengths: jax.Arra
         plgpu.copy_smem_to_gmem(vo_smem.at[hf], v_out.at[b, h, pl.ds(start, KEY_TILE), channels])
       plgpu.wait_smem_to_gmem(0)
 
-  sw = _swizzled(CHUNK * dtype.itemsize, 8 * dtype.itemsize)
+  sw = swizzled(CHUNK * dtype.itemsize, 8 * dtype.itemsize)
   scratch = (
       plgpu.SMEM((n_chunks, KEY_TILE, CHUNK), dtype, **sw),
       plgpu.SMEM((n_chunks, KEY_TILE, CHUNK), dtype, **sw),

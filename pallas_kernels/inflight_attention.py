@@ -73,7 +73,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.register_operand import a_staging, wgmma_register_a
+from pallas_kernels.register_operand import a_staging, swizzled, wgmma_register_a
 
 BLOCK_M = 64                      # q rows per thread block (one warpgroup's wgmma M)
 BLOCK_U = 64                      # in-flight keys per tile
@@ -289,14 +289,14 @@ def _inflight_kernel(q_rows, k_rows, v_rows, mask, *, rows_out, num_stages, inte
     plgpu.copy_smem_to_gmem(l_smem, l_out_ref.at[b, h, qb])
     plgpu.wait_smem_to_gmem(0)
 
-  swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
-  ring = (plgpu.SMEM((stages, BLOCK_U, head_dim), dtype, **swizzled),
-          plgpu.SMEM((stages, BLOCK_U, d_out), dtype, **_swizzled(d_out, dtype)),
+  operand_layout = _swizzled_rows(BLOCK_U, dtype)   # q, K and the staged P: 64-column rows
+  ring = (plgpu.SMEM((stages, BLOCK_U, head_dim), dtype, **operand_layout),
+          plgpu.SMEM((stages, BLOCK_U, d_out), dtype, **_swizzled_rows(d_out, dtype)),
           plgpu.SMEM((stages, BLOCK_M, BLOCK_U), jnp.bfloat16))
   epilogue = (plgpu.SMEM((BLOCK_M, head_dim), jnp.float32) if merge is None
               else _merge_scratch(d_out, dtype))
   scratch = [
-      plgpu.SMEM((BLOCK_M, head_dim), dtype, **swizzled),
+      plgpu.SMEM((BLOCK_M, head_dim), dtype, **operand_layout),
       plgpu.RefUnion(ring, epilogue),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
@@ -325,7 +325,8 @@ def _inflight_kernel(q_rows, k_rows, v_rows, mask, *, rows_out, num_stages, inte
       (k_smem, v_smem, b_smem), epilogue_smem = union     # the union's two views
       body(tiles_ref, counts_ref, q_ref, k_ref, v_ref, bias_ref, refs, q_smem,
            k_smem, v_smem, b_smem, epilogue_smem, *refs_smem, a_smem=a_smem)
-    pl.run_scoped(scoped, *scratch, **a_staging((BLOCK_M, BLOCK_U), dtype, interpret, **swizzled))
+    pl.run_scoped(scoped, *scratch,
+                  **a_staging((BLOCK_M, BLOCK_U), dtype, interpret, **operand_layout))
 
   return plgpu.kernel(
       inflight_attention_kernel,
@@ -360,20 +361,18 @@ class _MergePlan(NamedTuple):
   d_chunks: int        # blocks per q block, each merging and writing D / d_chunks columns
 
 
-def _swizzled(columns: int, dtype) -> dict:
-  """SMEM transforms for a [rows, columns] tile: 8-row tiles of the widest swizzle (<= 128 B) a
-  row fills, so a warp's WGMMA-layout reads and TMA writes spread over the banks."""
-  row_bytes = columns * jnp.dtype(dtype).itemsize
-  swizzle = next(s for s in (128, 64, 32) if row_bytes % s == 0)
-  return dict(transforms=(plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-                          plgpu.SwizzleTransform(swizzle)))
+def _swizzled_rows(columns: int, dtype) -> dict:
+  """`swizzled` for a [rows, columns] tile: the widest swizzle (<= 128 bytes) its rows fill
+  (columns * itemsize is 64 bytes or a multiple of 128 here: D / chunks >= 32)."""
+  itemsize = jnp.dtype(dtype).itemsize
+  return swizzled(min(128, columns * itemsize), 8 * itemsize)
 
 
 def _merge_scratch(d_out, dtype):
   """The epilogue's SMEM (the ring's union partner): two slots of a split partial (acc fp32,
   swizzled: the fold reads it in the WGMMA layout; m, l), the output tile in q's dtype and the
   lse row. d_out: the block's columns."""
-  return (plgpu.SMEM((2, BLOCK_M, d_out), jnp.float32, **_swizzled(d_out, jnp.float32)),
+  return (plgpu.SMEM((2, BLOCK_M, d_out), jnp.float32, **_swizzled_rows(d_out, jnp.float32)),
           plgpu.SMEM((2, BLOCK_M), jnp.float32),
           plgpu.SMEM((2, BLOCK_M), jnp.float32),
           plgpu.SMEM((BLOCK_M, d_out), dtype),
@@ -481,7 +480,7 @@ def merge_chunks(blocks: int, head_dim: int, group: int, itemsize: int = 2) -> i
 
 
 def merge_layout(segments: tuple[MergeSegment, ...], group: int, num_queries: int,
-                 d_chunks: int = 1) -> _MergePlan:
+                 d_chunks: int) -> _MergePlan:
   return _MergePlan(tuple(segments), group, num_queries, BLOCK_M % group == 0, d_chunks)
 
 

@@ -150,8 +150,8 @@ from pallas_kernels.decode_attention import (BLOCK_M, LOG2E, DecodeConfig, num_q
                                              split_partials)
 from pallas_kernels.merge_partials import merge_partials
 from pallas_kernels.register_operand import (CODES_PER_WORD, SMEM_ROW_WORDS, a_staging,
-                                             pack_words, unpack_words, wgmma_register_a,
-                                             word_offset, word_tile)
+                                             pack_words, swizzled, unpack_words,
+                                             wgmma_register_a, word_offset, word_tile)
 from pallas_kernels.sync import compiler_params, warpgroup_barrier
 
 META_DTYPE = jnp.float16
@@ -566,12 +566,6 @@ def _num_splits(cfg, block_kv, batch, num_kv_heads, q_blocks, capacity, *, bits,
   return max(1, min(per_head, (capacity // block_kv) // cfg.min_tiles_per_split))
 
 
-def _swizzled(minor_bytes, bits):
-  """Tiling + swizzle of an SMEM tile whose rows are `minor_bytes` long (16..128, power of 2)."""
-  return dict(transforms=(plgpu.TilingTransform((8, minor_bytes * 8 // bits)),
-                          plgpu.SwizzleTransform(minor_bytes)))
-
-
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=("q_cols", "sources", "bias"), meta_fields=())
 @dataclasses.dataclass(frozen=True)
@@ -892,7 +886,7 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, *, bits, num_splits, dtype,
     plgpu.wait_smem_to_gmem(0)
 
   itemsize = jnp.dtype(dtype).itemsize
-  mma_sw = _swizzled(chunk * itemsize, 8 * itemsize)
+  mma_sw = swizzled(chunk * itemsize, 8 * itemsize)
   # TMA SMEM ends must be 128-byte aligned: the small per-row vectors are padded to 32 floats.
   # Swizzled buffers first (they need 1 KiB-aligned offsets; all are multiples of 1 KiB).
   scratch = dict(
@@ -901,7 +895,7 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, *, bits, num_splits, dtype,
       vc_smem=plgpu.SMEM((num_stages, planes, tiles, head_dim // 4, SMEM_ROW_WORDS),
                          jnp.uint32),
       p_smem=plgpu.SMEM((tiles, n, KEY_TILE), dtype,
-                        **_swizzled(KEY_TILE * itemsize, 8 * itemsize)),
+                        **swizzled(KEY_TILE * itemsize, 8 * itemsize)),
   )
   scratch.update(a_staging((KEY_TILE, chunk), dtype, interpret, **mma_sw))
   scratch.update(
@@ -947,7 +941,7 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, *, bits, num_splits, dtype,
         plgpu.SMEM((KEY_TILE, head_dim), dtype, **mma_sw),
         plgpu.SMEM((KEY_TILE, head_dim), dtype, **mma_sw),
         plgpu.SMEM((KEY_TILE, n), jnp.float32),
-        plgpu.SMEM((n, KEY_TILE), dtype, **_swizzled(KEY_TILE * itemsize, 8 * itemsize)),
+        plgpu.SMEM((n, KEY_TILE), dtype, **swizzled(KEY_TILE * itemsize, 8 * itemsize)),
         plgpu.SMEM((head_dim, n), jnp.float32),
         plgpu.SMEM((n_pad,), jnp.float32),
         plgpu.SMEM((n_pad,), jnp.float32),

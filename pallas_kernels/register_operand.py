@@ -1,4 +1,5 @@
-"""Register A operands for Mosaic GPU wgmma, shared by quant_attention and w4a16_gemv.
+"""Register A operands for Mosaic GPU wgmma, shared by quant_attention and w4a16_gemv, and the
+SMEM tile layout every wgmma operand tile uses (`swizzled`).
 
 `word_tile`: a [64, 64] code tile stored as 32-bit words in *fragment order* (`pack_words`):
 each thread's 16 codes of a row are the two words it loads with one 8-byte shared load, their
@@ -29,6 +30,14 @@ TILE = 64                    # rows and codes per row of a word tile (wgmma M an
 CODES_PER_WORD = 8
 WORDS_PER_ROW = TILE // CODES_PER_WORD
 SMEM_ROW_WORDS = 32          # a tile's words as [16, 32] in SMEM (128-byte rows: TMA-friendly)
+
+
+def swizzled(minor_bytes: int, bits: int) -> dict:
+  """SMEM transforms (keyword scratch) of a tile read by wgmma, TMA or in the WGMMA layout:
+  8-row tiles `minor_bytes` (16..128, a power of 2) wide, swizzled over that span, so a warp's
+  rows spread over the banks. `bits`: the element width."""
+  return dict(transforms=(plgpu.TilingTransform((8, minor_bytes * 8 // bits)),
+                          plgpu.SwizzleTransform(minor_bytes)))
 
 
 def a_staging(shape: tuple[int, int], dtype, interpret, **transforms) -> dict:

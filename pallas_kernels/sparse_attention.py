@@ -730,9 +730,10 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                                        lengths, layout, block_size=block_size, config=config,
                                        interpret=interpret)
   launch_blocks = q_rows.shape[0] * q_rows.shape[1] * q_rows.shape[2] // BLOCK_M
+  d_chunks = merge_chunks(launch_blocks, q.shape[3], group, q.dtype.itemsize)
   merged = use_kernel and inflight_merges(
       config.inflight, tq, max(seg.num_splits for seg in segments), launch_blocks, group,
-      merge_chunks(launch_blocks, q.shape[3], group, q.dtype.itemsize) > 1)
+      d_chunks > 1)
   if use_kernel:                   # the in-flight part of every q block, one launch
     inflight = (q_rows, pack_keys(k_new).astype(q.dtype), pack_keys(v_new).astype(q.dtype),
                 mask_bias(mask, _row_queries(segments, group)))
@@ -740,7 +741,7 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     plan = tuple(MergeSegment(seg.first_qblock, seg.q_blocks, seg.first_work, seg.num_splits,
                               seg.first_query, seg.num_queries) for seg in segments)
     out, lse = inflight_merged(*inflight, acc, m2, l, segments=plan, group=group,
-                               interpret=interpret)
+                               d_chunks=d_chunks, interpret=interpret)
   elif use_kernel:
     extra = inflight_partials(*inflight, rows_out=acc.shape[3], interpret=interpret)
   outs, lses, probs = [], [], []

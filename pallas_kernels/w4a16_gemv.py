@@ -78,8 +78,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.register_operand import (CODES_PER_WORD, SMEM_ROW_WORDS, a_staging,
-                                             pack_words, unpack_words, wgmma_register_a,
-                                             word_tile)
+                                             pack_words, swizzled, unpack_words,
+                                             wgmma_register_a, word_tile)
 from sparsedec.errors import InputError
 
 CHUNK = 64              # inputs per stored code chunk: one 128-byte bf16 wgmma K step
@@ -222,12 +222,6 @@ def plan(n_rows: int, n_out: int, n_groups: int, group: int, cfg: W4A16Config,
               smem(block_out=block_out, groups_per_stage=gps, num_stages=stages))
 
 
-def _swizzled(minor_bytes, bits):
-  """Tiling + swizzle of an SMEM tile whose rows are `minor_bytes` long (16..128, power of 2)."""
-  return dict(transforms=(plgpu.TilingTransform((8, minor_bytes * 8 // bits)),
-                          plgpu.SwizzleTransform(minor_bytes)))
-
-
 # ----------------------------------------------------------------------------------------------
 # The kernel.
 # ----------------------------------------------------------------------------------------------
@@ -336,7 +330,7 @@ def _partials(xc, codes_t, scale, zero, *, group: int, p: Plan, interpret: Any =
     plgpu.wait_smem_to_gmem(0)
 
   itemsize = jnp.dtype(dtype).itemsize
-  mma_sw = _swizzled(CHUNK * itemsize, 8 * itemsize)
+  mma_sw = swizzled(CHUNK * itemsize, 8 * itemsize)
   # TMA SMEM ends must be 128-byte aligned, swizzled buffers 1 KiB-aligned: the swizzled
   # buffers go first (every tile a multiple of 1 KiB), the small ones after (multiples of 128 B).
   scratch = dict(
