@@ -52,9 +52,16 @@ four TMAs on one barrier (its codes [G/64 * gps, block_out / 4, 32] words, x chu
 before every TMA issue, so they are few and large), `num_stages` steps in flight. Split-K: the
 steps are dealt to `splits` blocks per output tile (contiguous ranges), each writing fp32
 partials [splits, Out, N] that the wrapper sums (XLA, fused with the transpose to [M, Out] and
-the cast); the number of splits is chosen so that there are about `target_blocks` blocks
-(several per SM of an H100 / H200: Llama-8B's Out / 64 tiles alone are 64..448 blocks). A call
-is thus three launches: the x relayout, the kernel, the split sum.
+the cast). By default the number of splits fills ONE wave of resident blocks and no more
+(`wave_blocks`: 8 blocks per SM at the default tiling's 63 registers and ~28 KiB of SMEM, x 132
+SMs = 1056; splits = wave // out tiles, rounded down): Llama-8B's Out / 64 tiles alone are 64..448
+blocks, and shorter chains of steps per block, more of them resident, hide each step's load
+latency better. H200, M = 1, device us per call against the earlier rule (about 528 blocks,
+splits rounded up; `benchmarks/w4a16_gemv.py --sweep`, session 32): w_down 17.27 -> 15.58 (16
+splits of 7 steps instead of 9 of 13), wqkv 10.27 -> 9.41 (11 of 3 instead of 6 of 6), wo 7.95
+-> 8.10 (16 of 2 instead of 8 of 4), w_gate_up 26.19 / 26.26 (the same plan). An int
+`target_blocks` restores the earlier rule. A call is thus three launches: the x relayout, the
+kernel, the split sum.
 
 Limits (InputError otherwise): x bf16 or fp16 with 1..64 rows; Out a multiple of 64; G a multiple
 of 64; codes uint32 [In_pad / 64, Out, 8] with In_pad = (In_pad / G) * G >= in_features.
@@ -90,6 +97,10 @@ MAX_BLOCK_OUT = 256     # a TMA box dimension holds at most 256 elements
 CODE_OFFSET = 8         # the int4 codes store c - 8
 META_DTYPE = jnp.float16
 SMEM_BYTES = 227 * 1024  # an H100 / H200 block's shared memory
+SMEM_PER_SM = 228 * 1024  # an H100 / H200 SM's shared memory, of which each block reserves
+SMEM_RESERVED = 1024      # this much for the system
+NUM_SMS = 132             # H100 SXM / H200
+MAX_BLOCKS_PER_SM = 8     # 128 threads x 63 registers (ncu, session 9): 8 blocks fill 64K registers
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -101,7 +112,8 @@ class W4A16Config:
   groups_per_stage: int = 1      # quant groups per pipeline step
   num_stages: int = 4            # pipeline steps in flight
   num_splits: int | None = None  # split-K blocks per output tile (None: from target_blocks)
-  target_blocks: int = 528       # 4 blocks per SM of an H100 / H200 (132 SMs)
+  target_blocks: int | None = None  # None: one wave of resident blocks (`wave_blocks`), splits
+                                    # rounded down; an int: about that many, splits rounded up
   min_steps_per_split: int = 2
 
   def __post_init__(self):
@@ -111,7 +123,11 @@ class W4A16Config:
                        f"{MAX_BLOCK_OUT}], got {self.block_out!r}")
     for name in ("groups_per_stage", "num_stages", "target_blocks", "min_steps_per_split"):
       v = getattr(self, name)
+      if name == "target_blocks" and v is None:
+        continue
       if not isinstance(v, int) or v < 1:
+        if name == "target_blocks":
+          raise InputError(f"target_blocks must be None or a positive integer, got {v!r}")
         raise InputError(f"{name} must be a positive integer, got {v!r}")
     if self.num_splits is not None and (not isinstance(self.num_splits, int)
                                         or self.num_splits < 1):
@@ -166,6 +182,14 @@ def smem_bytes(n_rows: int, group: int, *, block_out: int, groups_per_stage: int
   return num_stages * (per_stage + 8) + block_out * n * 4                # + barriers, o_smem
 
 
+def wave_blocks(block_smem: int) -> int:
+  """Blocks resident at once on the whole GPU for a block of `block_smem` bytes of SMEM: per SM
+  at most MAX_BLOCKS_PER_SM (registers) and what SMEM_PER_SM holds (each block also reserves
+  SMEM_RESERVED), times NUM_SMS."""
+  per_sm = min(MAX_BLOCKS_PER_SM, SMEM_PER_SM // (block_smem + SMEM_RESERVED))
+  return NUM_SMS * max(1, per_sm)
+
+
 def _largest_divisor(n: int, at_most: int, step: int = 1) -> int:
   """The largest multiple of `step` dividing n and <= at_most (>= step: n % step == 0)."""
   best = step
@@ -210,8 +234,11 @@ def plan(n_rows: int, n_out: int, n_groups: int, group: int, cfg: W4A16Config,
                        f"{SMEM_BYTES} bytes of shared memory per block")
   steps = n_groups // gps
   out_tiles = n_out // block_out
+  smem_now = smem(block_out=block_out, groups_per_stage=gps, num_stages=stages)
   if cfg.num_splits is not None:
     splits = min(cfg.num_splits, steps)
+  elif cfg.target_blocks is None:
+    splits = min(wave_blocks(smem_now) // out_tiles, steps // cfg.min_steps_per_split)
   else:
     splits = min(-(-cfg.target_blocks // out_tiles), steps // cfg.min_steps_per_split)
   splits = max(1, splits)

@@ -100,7 +100,18 @@ def test_plan():
   p = plan(1, 4096, 32, 128, W4A16Config())          # wo: 64 tiles, 32 steps
   assert (p.block_out, p.out_tiles, p.steps) == (64, 64, 32)
   assert p.splits * p.steps_per_split >= 32 > (p.splits - 1) * p.steps_per_split
-  assert p.out_tiles * p.splits >= W4A16Config().target_blocks // 2
+  # The default fills one wave of resident blocks (8 per SM at this tiling) and no more.
+  wave = w4.wave_blocks(p.smem_bytes)
+  assert wave == 8 * w4.NUM_SMS
+  for n_in, n_out in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)):
+    p = plan(1, n_out, n_in // 128, 128, W4A16Config())
+    assert p.out_tiles * p.splits <= wave, (n_in, n_out, p)
+    assert p.out_tiles * (p.splits + 1) > wave or p.steps_per_split <= 2, (n_in, n_out, p)
+  assert plan(1, 4096, 112, 128, W4A16Config()).splits == 16        # w_down: 7 steps a split
+  assert plan(1, 28672, 32, 128, W4A16Config()).splits == 2         # w_gate_up: 448 tiles
+  assert plan(1, 128256, 32, 128, W4A16Config()).splits == 1        # lm_head: 2004 tiles
+  # An explicit target_blocks keeps the older rule (about that many blocks, rounded up).
+  assert plan(1, 4096, 112, 128, W4A16Config(target_blocks=528)).splits == 9
   p = plan(4, 192, 3, 128, W4A16Config(block_out=128, groups_per_stage=2, num_stages=8))
   assert (p.block_out, p.groups_per_stage, p.num_stages) == (64, 1, 3)   # divisors; <= steps
   p = plan(64, 4096, 8, 1024, W4A16Config(block_out=256, groups_per_stage=4, num_stages=8))
@@ -131,6 +142,8 @@ def test_refuses_unsupported_shapes():
     W4A16Config(block_out=512)
   with pytest.raises(InputError, match="num_stages"):
     W4A16Config(num_stages=0)
+  with pytest.raises(InputError, match="target_blocks must be None or a positive integer"):
+    W4A16Config(target_blocks=0)
 
 
 @pytest.mark.parametrize("m,n_in,n_out,config,dtype", [
