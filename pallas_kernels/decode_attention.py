@@ -81,6 +81,7 @@ from pallas_kernels.combine import (check_inflight_mode, check_score_queries, co
                                     wrapper_outputs)
 from pallas_kernels.inflight_attention import (MergeSegment, inflight_merged, inflight_partials,
                                                mask_bias, merge_chunks, pack_keys)
+from pallas_kernels.hopper import SM_COUNT, SMEM_PER_SM
 from pallas_kernels.register_operand import a_staging, swizzled, wgmma_register_a
 from pallas_kernels.split_plan import split_counts
 
@@ -89,10 +90,8 @@ BLOCK_M = 64                      # wgmma M of one warpgroup
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-SM_COUNT = 132                    # H100 SXM / H200
 # The SMEM layout of every wgmma operand tile: (8, 64) tiles, 128-byte swizzle.
 SWIZZLED = swizzled(128, 16)     # bf16 / fp16 tiles of 64-column (128-byte) rows
-SMEM_PER_SM = 227 * 1024          # shared memory one SM gives its resident blocks
 
 
 def smem_bytes(block_kv: int, num_stages: int, head_dim: int, itemsize: int = 2) -> int:

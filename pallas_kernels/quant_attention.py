@@ -148,6 +148,7 @@ from pallas_kernels.combine import (check_score_queries, combine_partials, score
 
 from pallas_kernels.decode_attention import (BLOCK_M, LOG2E, DecodeConfig, num_q_blocks,
                                              split_partials)
+from pallas_kernels.hopper import SM_COUNT
 from pallas_kernels.merge_partials import merge_partials
 from pallas_kernels.register_operand import (CODES_PER_WORD, SMEM_ROW_WORDS, a_staging,
                                              pack_words, swizzled, unpack_words,
@@ -500,9 +501,6 @@ class QuantAttentionConfig:
       raise ValueError(f"target_blocks must be >= 1 or None, got {self.target_blocks}")
 
 
-NUM_SMS = 132                     # H100 SXM and H200
-
-
 def _one_wave(bits, block_kv, rows):
   """Thread blocks an H100 / H200 runs at once: SMs x blocks resident per SM, as registers and
   SMEM bound them (ptxas / ncu, session 8: 163-167 registers a thread and 52 KiB of SMEM at
@@ -518,7 +516,7 @@ def _one_wave(bits, block_kv, rows):
     per_sm = 4 if bits == 4 else 3
   else:
     per_sm = 3 if bits == 4 else 2
-  return NUM_SMS * per_sm
+  return SM_COUNT * per_sm
 
 
 def _fits(block_kv, group, capacity):

@@ -84,6 +84,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.hopper import SM_COUNT, SMEM_PER_SM, SMEM_RESERVED_PER_BLOCK
 from pallas_kernels.register_operand import (CODES_PER_WORD, SMEM_ROW_WORDS, a_staging,
                                              pack_words, swizzled, unpack_words,
                                              wgmma_register_a, word_tile)
@@ -96,10 +97,6 @@ MAX_ROWS = 64           # x rows per call (the wgmma N dimension)
 MAX_BLOCK_OUT = 256     # a TMA box dimension holds at most 256 elements
 CODE_OFFSET = 8         # the int4 codes store c - 8
 META_DTYPE = jnp.float16
-SMEM_BYTES = 227 * 1024  # an H100 / H200 block's shared memory
-SMEM_PER_SM = 228 * 1024  # an H100 / H200 SM's shared memory, of which each block reserves
-SMEM_RESERVED = 1024      # this much for the system
-NUM_SMS = 132             # H100 SXM / H200
 MAX_BLOCKS_PER_SM = 8     # 128 threads x 63 registers (ncu, session 9): 8 blocks fill 64K registers
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -166,9 +163,9 @@ def unsupported_reason(n_rows: int, n_out: int, group: int, dtype) -> str | None
     return f"quant group {group} must be a multiple of {CHUNK} (the code chunk)"
   smallest = smem_bytes(n_rows, group, block_out=TILE_OUT, groups_per_stage=1, num_stages=1,
                         itemsize=jnp.dtype(dtype).itemsize)
-  if smallest > SMEM_BYTES:
+  if smallest > SMEM_PER_SM:
     return (f"quant group {group} needs {smallest} bytes of shared memory per block even with "
-            f"one stage (> {SMEM_BYTES})")
+            f"one stage (> {SMEM_PER_SM})")
   return None
 
 
@@ -185,9 +182,9 @@ def smem_bytes(n_rows: int, group: int, *, block_out: int, groups_per_stage: int
 def wave_blocks(block_smem: int) -> int:
   """Blocks resident at once on the whole GPU for a block of `block_smem` bytes of SMEM: per SM
   at most MAX_BLOCKS_PER_SM (registers) and what SMEM_PER_SM holds (each block also reserves
-  SMEM_RESERVED), times NUM_SMS."""
-  per_sm = min(MAX_BLOCKS_PER_SM, SMEM_PER_SM // (block_smem + SMEM_RESERVED))
-  return NUM_SMS * max(1, per_sm)
+  SMEM_RESERVED_PER_BLOCK), times SM_COUNT."""
+  per_sm = min(MAX_BLOCKS_PER_SM, SMEM_PER_SM // (block_smem + SMEM_RESERVED_PER_BLOCK))
+  return SM_COUNT * max(1, per_sm)
 
 
 def _largest_divisor(n: int, at_most: int, step: int = 1) -> int:
@@ -217,12 +214,12 @@ def plan(n_rows: int, n_out: int, n_groups: int, group: int, cfg: W4A16Config,
   """The tiling the kernel uses for x [n_rows, In], Out outputs and In_pad / G groups: the
   config's block_out / groups_per_stage reduced to divisors, no more stages than a split has
   steps, and stages, then groups per stage, then block_out reduced while the block's shared
-  memory is over SMEM_BYTES (InputError when even the smallest tiling is)."""
+  memory is over SMEM_PER_SM (InputError when even the smallest tiling is)."""
   block_out = _largest_divisor(n_out, cfg.block_out, TILE_OUT)
   gps = _largest_divisor(n_groups, cfg.groups_per_stage)
   stages = cfg.num_stages
   smem = functools.partial(smem_bytes, n_rows, group, itemsize=itemsize)
-  while smem(block_out=block_out, groups_per_stage=gps, num_stages=stages) > SMEM_BYTES:
+  while smem(block_out=block_out, groups_per_stage=gps, num_stages=stages) > SMEM_PER_SM:
     if stages > 1:
       stages -= 1
     elif gps > 1:
@@ -231,7 +228,7 @@ def plan(n_rows: int, n_out: int, n_groups: int, group: int, cfg: W4A16Config,
       block_out = _largest_divisor(n_out, block_out - TILE_OUT, TILE_OUT)
     else:
       raise InputError(f"w4a16_matmul: quant group {group} with {n_rows} rows needs more than "
-                       f"{SMEM_BYTES} bytes of shared memory per block")
+                       f"{SMEM_PER_SM} bytes of shared memory per block")
   steps = n_groups // gps
   out_tiles = n_out // block_out
   smem_now = smem(block_out=block_out, groups_per_stage=gps, num_stages=stages)

@@ -102,7 +102,7 @@ def test_plan():
   assert p.splits * p.steps_per_split >= 32 > (p.splits - 1) * p.steps_per_split
   # The default fills one wave of resident blocks (8 per SM at this tiling) and no more.
   wave = w4.wave_blocks(p.smem_bytes)
-  assert wave == 8 * w4.NUM_SMS
+  assert wave == 8 * w4.SM_COUNT
   for n_in, n_out in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)):
     p = plan(1, n_out, n_in // 128, 128, W4A16Config())
     assert p.out_tiles * p.splits <= wave, (n_in, n_out, p)
@@ -115,7 +115,7 @@ def test_plan():
   p = plan(4, 192, 3, 128, W4A16Config(block_out=128, groups_per_stage=2, num_stages=8))
   assert (p.block_out, p.groups_per_stage, p.num_stages) == (64, 1, 3)   # divisors; <= steps
   p = plan(64, 4096, 8, 1024, W4A16Config(block_out=256, groups_per_stage=4, num_stages=8))
-  assert p.smem_bytes <= w4.SMEM_BYTES
+  assert p.smem_bytes <= w4.SMEM_PER_SM
   with pytest.raises(InputError, match="shared memory"):
     plan(64, 4096, 1, 4096, W4A16Config())
 
