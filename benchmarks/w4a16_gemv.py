@@ -59,9 +59,8 @@ LLAMA_8B = {"wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 28672)
             "w_down": (14336, 4096), "lm_head": (4096, 128256)}   # lm_head: the largest GEMV shape
 TINY = {"tiny_a": (256, 128), "tiny_b": (200, 192)}          # --interpret (CPU)
 IMPLS = ("pallas", "int4_reduce", "dense_bf16")
-# --sweep: (block_out, groups_per_stage, num_stages, target_blocks) beside the default; the first
-# is the default before session 32 (about 528 blocks, splits rounded up).
-SWEEP = ((64, 1, 4, 528), (64, 1, 2, 528), (64, 1, 8, 528), (64, 2, 4, 528), (64, 4, 4, 528), (128, 1, 4, 528),
+# --sweep: (block_out, groups_per_stage, num_stages, target_blocks) beside the default.
+SWEEP = ((64, 1, 2, 528), (64, 1, 8, 528), (64, 2, 4, 528), (64, 4, 4, 528), (128, 1, 4, 528),
          (128, 2, 3, 528), (128, 2, 4, 264), (256, 1, 4, 528), (256, 2, 3, 132), (64, 1, 4, 264),
          (64, 1, 4, 1056), (64, 1, 4, 132))
 

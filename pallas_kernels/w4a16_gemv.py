@@ -60,8 +60,8 @@ latency better. H200, M = 1, device us per call against the earlier rule (about 
 splits rounded up; `benchmarks/w4a16_gemv.py --sweep`, session 32): w_down 17.27 -> 15.58 (16
 splits of 7 steps instead of 9 of 13), wqkv 10.27 -> 9.41 (11 of 3 instead of 6 of 6), wo 7.95
 -> 8.10 (16 of 2 instead of 8 of 4), w_gate_up 26.19 / 26.26 (the same plan). An int
-`target_blocks` restores the earlier rule. A call is thus three launches: the x relayout, the
-kernel, the split sum.
+`target_blocks` replaces the wave as the budget. A call is thus three launches: the x relayout,
+the kernel, the split sum.
 
 Limits (InputError otherwise): x bf16 or fp16 with 1..64 rows; Out a multiple of 64; G a multiple
 of 64; codes uint32 [In_pad / 64, Out, 8] with In_pad = (In_pad / G) * G >= in_features.
@@ -109,8 +109,8 @@ class W4A16Config:
   groups_per_stage: int = 1      # quant groups per pipeline step
   num_stages: int = 4            # pipeline steps in flight
   num_splits: int | None = None  # split-K blocks per output tile (None: from target_blocks)
-  target_blocks: int | None = None  # None: one wave of resident blocks (`wave_blocks`), splits
-                                    # rounded down; an int: about that many, splits rounded up
+  target_blocks: int | None = None  # at most this many blocks (splits rounded down); None: one
+                                    # wave of resident blocks (`wave_blocks`)
   min_steps_per_split: int = 2
 
   def __post_init__(self):
@@ -231,13 +231,12 @@ def plan(n_rows: int, n_out: int, n_groups: int, group: int, cfg: W4A16Config,
                        f"{SMEM_PER_SM} bytes of shared memory per block")
   steps = n_groups // gps
   out_tiles = n_out // block_out
-  smem_now = smem(block_out=block_out, groups_per_stage=gps, num_stages=stages)
   if cfg.num_splits is not None:
     splits = min(cfg.num_splits, steps)
-  elif cfg.target_blocks is None:
-    splits = min(wave_blocks(smem_now) // out_tiles, steps // cfg.min_steps_per_split)
   else:
-    splits = min(-(-cfg.target_blocks // out_tiles), steps // cfg.min_steps_per_split)
+    budget = cfg.target_blocks or wave_blocks(
+        smem(block_out=block_out, groups_per_stage=gps, num_stages=stages))
+    splits = min(budget // out_tiles, steps // cfg.min_steps_per_split)
   splits = max(1, splits)
   per_split = -(-steps // splits)
   splits = -(-steps // per_split)             # no empty split

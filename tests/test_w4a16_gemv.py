@@ -110,8 +110,9 @@ def test_plan():
   assert plan(1, 4096, 112, 128, W4A16Config()).splits == 16        # w_down: 7 steps a split
   assert plan(1, 28672, 32, 128, W4A16Config()).splits == 2         # w_gate_up: 448 tiles
   assert plan(1, 128256, 32, 128, W4A16Config()).splits == 1        # lm_head: 2004 tiles
-  # An explicit target_blocks keeps the older rule (about that many blocks, rounded up).
-  assert plan(1, 4096, 112, 128, W4A16Config(target_blocks=528)).splits == 9
+  # An explicit target_blocks is the budget instead of the wave: at most that many blocks.
+  assert plan(1, 4096, 112, 128, W4A16Config(target_blocks=528)).splits == 8
+  assert plan(1, 28672, 32, 128, W4A16Config(target_blocks=132)).splits == 1
   p = plan(4, 192, 3, 128, W4A16Config(block_out=128, groups_per_stage=2, num_stages=8))
   assert (p.block_out, p.groups_per_stage, p.num_stages) == (64, 1, 3)   # divisors; <= steps
   p = plan(64, 4096, 8, 1024, W4A16Config(block_out=256, groups_per_stage=4, num_stages=8))
