@@ -13,10 +13,11 @@ Cases (Llama-3.1-8B heads: Hq 32, Hkv 8, D 128): `kernel` the kernel alone under
 and sparse (4 listed 64-slot blocks) at B 8, 16K, Tq 64 / 256 and FAFO's / Lookahead's 8B calls
 at 4K / 32K, and issue 3's Tq 16 cells; `smol` SmolLM2's FAFO and Lookahead calls (T 109 / 108),
 each timed twice. `--modes merged kernel` times every call with each in-flight mode; `--match`
-picks calls by name. Whole calls swap the module's `inflight_partials` / `mask_bias` (and
-`inflight_merged`, where it has one) into the cache kernels' wrappers, so both versions must keep that interface (a mask_bias result passed
-through). Session 28's figures
-(H200): `results/s28/inflight_ab_s28_h200.json`, `inflight_ab_smol_s28_h200.json`.
+picks calls by name; `--variant MERGE_MAX_CHUNKS=4` adds the current file with constants
+set. Whole calls swap the module's `inflight_partials` / `mask_bias` (and `inflight_merged`,
+`merge_chunks`, where it has them) into the cache kernels' wrappers, so every version must keep
+that interface (a mask_bias result passed through). Session 28's figures (H200):
+`results/s28/inflight_ab_s28_h200.json`, `inflight_ab_smol_s28_h200.json`.
 """
 
 from __future__ import annotations
@@ -45,11 +46,11 @@ HQ, HKV, D = 32, 8, 128
 G = HQ // HKV
 
 
-def load_module(path: str):
+def load_module(path: str, name: str = "inflight_attention_baseline"):
   """A module object from a file holding a version of inflight_attention.py."""
   if not os.path.isfile(path):
     raise SystemExit(f"--baseline: no file at {path}")
-  spec = importlib.util.spec_from_file_location("inflight_attention_baseline", path)
+  spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   for name in ("inflight_partials", "mask_bias", "pack_keys"):
@@ -65,6 +66,8 @@ def use(module) -> None:
     wrapper.mask_bias = module.mask_bias
     if hasattr(module, "inflight_merged"):        # versions from session 30 on
       wrapper.inflight_merged = module.inflight_merged
+    if hasattr(module, "merge_chunks"):           # versions from session 31 on
+      wrapper.merge_chunks = module.merge_chunks
   jax.clear_caches()
 
 
@@ -207,10 +210,22 @@ def main(argv=None):
                  choices=["auto", "merged", "kernel", "jnp"],
                  help="in-flight modes the whole calls run with (each its own row)")
   p.add_argument("--match", nargs="+", help="only the whole calls whose name contains one of these")
+  p.add_argument("--variant", action="append", default=[], metavar="NAME=INT[,NAME=INT]",
+                 help="also time the current file with module constants set, e.g. "
+                      "MERGE_MAX_CHUNKS=4 (repeatable: one version each)")
   p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                "inflight_ab.json"))
   args = p.parse_args(argv)
   versions = ({"baseline": load_module(args.baseline)} if args.baseline else {})
+  for i, variant in enumerate(args.variant):
+    module = load_module(current.__file__, f"inflight_attention_variant{i}")
+    for setting in variant.split(","):
+      name, _, value = setting.partition("=")
+      if not hasattr(module, name) or not value.lstrip("-").isdigit():
+        raise SystemExit(f"--variant {variant}: not NAME=INT[,NAME=INT] of constants of "
+                         f"{current.__file__}")
+      setattr(module, name, int(value))
+    versions[variant] = module
   versions["current"] = current
   rows = []
   if "kernel" in args.cases:

@@ -110,7 +110,7 @@ INFLIGHT_MODES = ("auto", "merged", "kernel", "jnp")
 #   * in a launch of at least MERGE_MIN_BLOCKS thread blocks (B x Hkv x q blocks) where no segment
 #     has more than MERGE_MAX_SPLITS splits: each block folds its partials in one after another at
 #     its end, and with many splits that chain is not hidden;
-#   * in a smaller launch (whose q blocks split D over 2-4 blocks, `merge_chunks`, so the folds
+#   * in a smaller launch (whose q blocks split D over 2-8 blocks, `merge_chunks`, so the folds
 #     spread over more SMs) when it writes [B, T, Hq, D] itself (64 % G == 0) or some segment
 #     has more than MERGE_MAX_SPLITS splits. Left to the combine: small launches writing the
 #     rows' layout (G = 3: SmolLM2) with few splits, where the wrapper's transpose costs what the

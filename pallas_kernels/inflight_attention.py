@@ -40,22 +40,26 @@ The merged form, `inflight_merged(q_rows, k_rows, v_rows, mask, acc, m2, l, *, s
 -> out [B, T, Hq, D] (q's dtype), lse [B, T, Hq] fp32`: the same launch also takes the cache
 kernel's split partials (its work items: acc [B, Hkv, W, rows_out, D], m2, l [B, Hkv, W, 64])
 and finishes the call, so there is no combine. After its in-flight tiles each block fetches its
-q block's partials (`segments`: which items and queries each q block's segment holds; a two-slot
-TMA ring in the ring's SMEM), folds them in by log-sum-exp, normalises and writes its rows: with
-64 % G == 0 straight into out [B, T, Hq, D] (one [G, D] TMA per query), else in the rows' layout
-[B, Hkv, QB * 64, D], which the wrapper transposes. The partials and the combine's
-read of them (fp32, 32 KiB a q block and split) are not written and read again, nor is the
-combine's fp32 output. `combine.inflight_merges` decides where the wrappers use it (the rule and
-H200 figures there): sparse B 8 16K Tq 256 101.6 -> 82.2 us per call, FAFO's 8B call
-42.2 -> 38.1 (4K). Each split costs its block one fold step: the partial's fetch, ~32 KiB at
-D = 128, read in the WGMMA layout from an SMEM tile stored swizzled (an unswizzled fp32 tile
-put a warp's 8 rows on the same banks; swizzling it made the merged kernel 6-12% faster, session
-31). With few blocks those fetches queue on few SMs (B 1 decode: 8 blocks of 33 splits, ~1 MiB
-each), so a launch of fewer than MERGE_FILL_BLOCKS blocks splits each q block's D columns over 2
-or 4 blocks (`merge_chunks`, `d_chunks`; each recomputes the q block's scores, which is cheap,
-and reads and writes only its columns of V, the partials and out). H200, merged in-flight
-kernel us (`benchmarks/results/s31/inflight_chunks_s31_h200.json`): B 1 16K decode Tq 16 (4
-chunks) 10.8 -> 6.6, SmolLM2's FAFO call (2 chunks) 8.1 -> 6.6.
+q block's partials (`segments`: which items and queries each q block's segment holds; a TMA ring
+of `merge_slots` slots in the ring's SMEM), folds them in by log-sum-exp, normalises and writes
+its rows: with 64 % G == 0 straight into out [B, T, Hq, D] (one [G, D] TMA per query), else in
+the rows' layout [B, Hkv, QB * 64, D], which the wrapper transposes. The partials and the
+combine's read of them (fp32, 32 KiB a q block and split) are not written and read again, nor is
+the combine's fp32 output. `combine.inflight_merges` decides where the wrappers use it (the rule
+and H200 figures there): sparse B 8 16K Tq 256 101.6 -> 82.2 us per call, FAFO's 8B call
+42.2 -> 38.1 (4K). The partials are read in the WGMMA layout from SMEM tiles stored swizzled (an
+unswizzled fp32 tile put a warp's 8 rows on the same banks; swizzling it made the merged kernel
+6-12% faster, session 31). With few blocks the fetches queue on few SMs (B 1 decode: 8 blocks of
+33 splits, ~1 MiB each), so a launch of fewer than MERGE_FILL_BLOCKS blocks splits each q
+block's D columns over 2, 4 or 8 blocks (`merge_chunks`, `d_chunks`; each recomputes the q
+block's scores, which is cheap, and reads and writes only its columns of V, the partials and
+out). Narrower slots make a deeper ring (64 KiB: 2 slots of 128 columns, 8 of 32 or 16), and a
+fold step takes half the ring's partials at once (`merge_fold_width`: one rescale, the loads
+independent): one partial a step cost ~0.1 us of dependent latency whatever its size. H200,
+merged in-flight kernel us: B 1 16K decode Tq 16 10.8 (one block a q block) -> 6.6 (4 chunks,
+2 slots, `results/s31/inflight_chunks_s31_h200.json`) -> 5.9 (8 chunks, 8 slots, 4 a step),
+SmolLM2's FAFO call 8.1 -> 6.6 (2 chunks) -> 5.8 (4 chunks, 8 slots, 4 a step;
+`results/s33/inflight_fold_s33_h200.json`).
 
 `pack_keys` and `mask_bias` prepare the inputs; `inflight_partials_reference` (pure jnp, reading
 only the bias) sits at the bottom.
@@ -194,7 +198,7 @@ def _inflight_kernel(q_rows, k_rows, v_rows, mask, *, rows_out, num_stages, inte
            m_smem,          # [64] fp32                                 SMEM
            l_smem,          # [64] fp32                                 SMEM
            q_barrier, k_barriers, b_barriers, v_barriers,
-           merge_barriers=None,  # [2] barriers (merged only)
+           merge_barriers=None,  # [slots] barriers (merged only)
            a_smem=None):    # [64, 64] (interpret mode only)            SMEM (tiled, swizzled)
     qb = lax.axis_index("qblock")
     chunk = None
@@ -305,8 +309,8 @@ def _inflight_kernel(q_rows, k_rows, v_rows, mask, *, rows_out, num_stages, inte
       plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_barriers=stages),
   ]
-  if merge is not None:
-    scratch.append(plgpu.Barrier(num_arrivals=3, num_barriers=2))   # a partial's acc, m and l
+  if merge is not None:                            # a partial's acc, m and l, per ring slot
+    scratch.append(plgpu.Barrier(num_arrivals=3, num_barriers=merge_slots(d_out)))
   part = (batch, num_kv_heads, q_blocks)
   if merge is None:
     out_type = (jax.ShapeDtypeStruct((*part, rows_out, head_dim), jnp.float32),
@@ -363,25 +367,39 @@ class _MergePlan(NamedTuple):
 
 def _swizzled_rows(columns: int, dtype) -> dict:
   """`swizzled` for a [rows, columns] tile: the widest swizzle (<= 128 bytes) its rows fill
-  (columns * itemsize is 64 bytes or a multiple of 128 here: D / chunks >= 32)."""
+  (columns * itemsize is 32 or 64 bytes or a multiple of 128 here: D / chunks >= 16)."""
   itemsize = jnp.dtype(dtype).itemsize
   return swizzled(min(128, columns * itemsize), 8 * itemsize)
 
 
+def merge_slots(d_out: int) -> int:
+  """Depth of the merge's TMA ring of split partials for a block owning d_out columns: as many
+  [64, d_out] fp32 slots as MERGE_RING_BYTES hold, 2 to MERGE_MAX_SLOTS. A fold step is short, so
+  with narrow chunks the ring's depth (the fetches in flight) sets the fold rate."""
+  return max(2, min(MERGE_MAX_SLOTS, MERGE_RING_BYTES // (BLOCK_M * d_out * 4)))
+
+
+def merge_fold_width(slots: int) -> int:
+  """Partials folded per step of the merge: half the ring (so the next group's fetches are in
+  flight while one is folded), at most MERGE_FOLD_WIDTH."""
+  return max(1, min(MERGE_FOLD_WIDTH, slots // 2))
+
+
 def _merge_scratch(d_out, dtype):
-  """The epilogue's SMEM (the ring's union partner): two slots of a split partial (acc fp32,
-  swizzled: the fold reads it in the WGMMA layout; m, l), the output tile in q's dtype and the
-  lse row. d_out: the block's columns."""
-  return (plgpu.SMEM((2, BLOCK_M, d_out), jnp.float32, **_swizzled_rows(d_out, jnp.float32)),
-          plgpu.SMEM((2, BLOCK_M), jnp.float32),
-          plgpu.SMEM((2, BLOCK_M), jnp.float32),
+  """The epilogue's SMEM (the ring's union partner): `merge_slots` slots of a split partial
+  (acc fp32, swizzled: the fold reads it in the WGMMA layout; m, l), the output tile in q's dtype
+  and the lse row. d_out: the block's columns."""
+  slots = merge_slots(d_out)
+  return (plgpu.SMEM((slots, BLOCK_M, d_out), jnp.float32, **_swizzled_rows(d_out, jnp.float32)),
+          plgpu.SMEM((slots, BLOCK_M), jnp.float32),
+          plgpu.SMEM((slots, BLOCK_M), jnp.float32),
           plgpu.SMEM((BLOCK_M, d_out), dtype),
           plgpu.SMEM((BLOCK_M,), jnp.float32))
 
 
 def _merge_epilogue(plan: _MergePlan, refs, scratch, barriers, acc, m_i, l_i, b, h, qb, chunk,
                     *, rows_out, dtype):
-  """Folds the block's split partials (two-slot TMA ring) into its in-flight part (acc
+  """Folds the block's split partials (a `merge_slots`-deep TMA ring) into its in-flight part (acc
   [64, D / chunks]: columns chunk * D / chunks on, all of them when chunk is None; m_i, l_i [64],
   log2 units), normalises and writes its columns of out (and, chunk 0 or None, lse)."""
   acc_ref, m_ref, l_ref, out_ref, lse_ref = refs
@@ -410,27 +428,47 @@ def _merge_epilogue(plan: _MergePlan, refs, scratch, barriers, acc, m_i, l_i, b,
     plgpu.copy_gmem_to_smem(m_ref.at[b, h, item], pm_smem.at[slot], barriers.at[slot])
     plgpu.copy_gmem_to_smem(l_ref.at[b, h, item], pl_smem.at[slot], barriers.at[slot])
 
-  for slot in range(2):
+  slots = pa_smem.shape[0]
+  for slot in range(slots):
     pl.when(slot < n_items)(functools.partial(load, slot, slot))
 
-  def fold(i, carry):
+  def fold(first, width, carry):
+    """Folds partials first .. first + width - 1 (width static): their loads are independent,
+    so one step waits on, rescales by and refills `width` slots at once."""
     acc, m_i, l_i = carry
-    slot = lax.rem(i, jnp.int32(2))
-    plgpu.barrier_wait(barriers.at[slot])
-    part = plgpu.load(pa_smem.at[slot], layout=plgpu.Layout.WGMMA)
-    m_s = plgpu.load(pm_smem.at[slot], layout=row, optimized=False)
-    l_s = plgpu.load(pl_smem.at[slot], layout=row, optimized=False)
-    m_new = jnp.maximum(m_i, m_s)
+    items = []
+    for j in range(width):
+      slot = lax.rem(first + j, jnp.int32(slots))
+      plgpu.barrier_wait(barriers.at[slot])
+      items.append((plgpu.load(pa_smem.at[slot], layout=plgpu.Layout.WGMMA),
+                    plgpu.load(pm_smem.at[slot], layout=row, optimized=False),
+                    plgpu.load(pl_smem.at[slot], layout=row, optimized=False)))
+    m_new = functools.reduce(jnp.maximum, [m_s for _, m_s, _ in items], m_i)
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # a row seeing nothing yet stays at 0
-    alpha, beta = jnp.exp2(m_i - m_use), jnp.exp2(m_s - m_use)
-    # Rows >= rows_out of a slot were never written: padding rows, whose outputs are not read.
-    acc = (acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-           + part * lax.broadcast_in_dim(beta, acc.shape, [0]))
-    l_i = l_i * alpha + l_s * beta
-    pl.when(i + 2 < n_items)(lambda: load(i + 2, slot))
+    alpha = jnp.exp2(m_i - m_use)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    l_i = l_i * alpha
+    for part, m_s, l_s in items:
+      beta = jnp.exp2(m_s - m_use)
+      # Rows >= rows_out of a slot were never written: padding rows, whose outputs are not read.
+      acc = acc + part * lax.broadcast_in_dim(beta, acc.shape, [0])
+      l_i = l_i + l_s * beta
+    for j in range(width):
+      i = first + j
+      refill = functools.partial(lambda i, slot: load(i + slots, slot), i,
+                                 lax.rem(i, jnp.int32(slots)))
+      pl.when(i + slots < n_items)(refill)
     return acc, m_new, l_i
 
-  acc, m_i, l_i = lax.fori_loop(0, n_items, fold, (acc, m_i, l_i))
+  width = merge_fold_width(slots)
+  carry = (acc, m_i, l_i)
+  if width > 1:
+    groups = lax.div(n_items, jnp.int32(width))
+    carry = lax.fori_loop(0, groups, lambda g, c: fold(g * width, width, c), carry)
+    start = groups * width
+  else:
+    start = jnp.int32(0)
+  acc, m_i, l_i = lax.fori_loop(start, n_items, lambda i, c: fold(i, 1, c), carry)
   seen = l_i > 0
   inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
   out_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
@@ -455,25 +493,32 @@ def _merge_epilogue(plan: _MergePlan, refs, scratch, barriers, acc, m_i, l_i, b,
   plgpu.wait_smem_to_gmem(0)
 
 
-MERGE_FILL_BLOCKS = 128   # merged launches with fewer blocks split D over up to 4 blocks a q block
+MERGE_FILL_BLOCKS = 128   # merged launches with fewer blocks split D over up to 8 blocks a q block
+MERGE_MAX_CHUNKS = 8      # blocks per q block at most
+MERGE_MIN_COLUMNS = 16    # columns a block at least (a 64-byte fp32 row, wgmma N = 16)
+MERGE_RING_BYTES = 64 * 1024   # the merge ring's partial slots (`merge_slots`)
+MERGE_MAX_SLOTS = 8
+MERGE_FOLD_WIDTH = 4      # partials folded per step at most (`merge_fold_width`)
 
 
 def chunks_fit(chunks: int, head_dim: int, group: int, itemsize: int) -> bool:
-  """Whether a merged launch can split D over `chunks` blocks: >= 32 columns a block, and with the
-  direct output write, each query's [G, D / chunks] box starting 128-byte aligned in SMEM (a
-  TMA's requirement: G = 1 at D = 64 in 2 chunks is 64 bytes and faults)."""
+  """Whether a merged launch can split D over `chunks` blocks: a power of two up to
+  MERGE_MAX_CHUNKS with >= MERGE_MIN_COLUMNS columns a block and, with the direct output write,
+  each query's [G, D / chunks] box starting 128-byte aligned in SMEM (a TMA's requirement: G = 1
+  at D = 64 in 2 chunks is 64 bytes and faults)."""
   direct = BLOCK_M % group == 0
-  return (chunks in (1, 2, 4) and head_dim % (32 * chunks) == 0
+  return (chunks in (1, 2, 4, 8) and chunks <= MERGE_MAX_CHUNKS
+          and head_dim % (MERGE_MIN_COLUMNS * chunks) == 0
           and (not direct or group * head_dim // chunks * itemsize % 128 == 0))
 
 
 def merge_chunks(blocks: int, head_dim: int, group: int, itemsize: int = 2) -> int:
   """Blocks per q block of a merged launch of `blocks` q blocks (B * Hkv * QB): with few blocks,
   the partials' reads (32 KiB a split at D = 128) queue on few SMs, so each q block's columns are
-  split over 2 or 4 blocks (<= MERGE_FILL_BLOCKS blocks in all, as `chunks_fit` allows), which
+  split over 2, 4 or 8 blocks (<= MERGE_FILL_BLOCKS blocks in all, as `chunks_fit` allows), which
   recompute its scores (cheap: T keys) and read only their columns of V and of the partials."""
   chunks = 1
-  while (chunks < 4 and chunks_fit(2 * chunks, head_dim, group, itemsize)
+  while (chunks_fit(2 * chunks, head_dim, group, itemsize)
          and blocks * chunks * 2 <= MERGE_FILL_BLOCKS):
     chunks *= 2
   return chunks
@@ -512,7 +557,7 @@ def inflight_merged(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
   segments: which items and queries each q block's segment holds (every q block of q_rows in
   exactly one segment; the segments' queries tile [0, T)). Returns out [B, T, Hq, D] in q's
   dtype (query t, head h * G + g: row t * G + g of its segment) and lse [B, T, Hq] fp32.
-  d_chunks: blocks per q block, each merging and writing D / d_chunks (>= 32) columns (None:
+  d_chunks: blocks per q block, each merging and writing D / d_chunks (>= 16) columns (None:
   `merge_chunks`; `chunks_fit` says which are allowed)."""
   _check_args(q_rows, k_rows, v_rows, mask)
   b, hkv, m_total, d = q_rows.shape
@@ -538,7 +583,8 @@ def inflight_merged(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
   if d_chunks is None:
     d_chunks = merge_chunks(b * hkv * (m_total // BLOCK_M), d, group, itemsize)
   if not chunks_fit(d_chunks, d, group, itemsize):
-    raise ValueError(f"d_chunks must be 1, 2 or 4 with D / d_chunks a multiple of 32 and, where "
+    raise ValueError(f"d_chunks must be 1, 2, 4 or 8 with D / d_chunks a multiple of "
+                     f"{MERGE_MIN_COLUMNS} and, where "
                      f"64 % G == 0, G * D / d_chunks * itemsize a multiple of 128 bytes; got "
                      f"{d_chunks} at D = {d}, G = {group}")
   plan = merge_layout(segments, group, num_queries, d_chunks)
