@@ -53,13 +53,14 @@ unswizzled fp32 tile put a warp's 8 rows on the same banks; swizzling it made th
 33 splits, ~1 MiB each), so a launch of fewer than MERGE_FILL_BLOCKS blocks splits each q
 block's D columns over 2, 4 or 8 blocks (`merge_chunks`, `d_chunks`; each recomputes the q
 block's scores, which is cheap, and reads and writes only its columns of V, the partials and
-out). Narrower slots make a deeper ring (64 KiB: 2 slots of 128 columns, 8 of 32 or 16), and a
+out). Narrower slots make a deeper ring (64 KiB: 2 slots of 128 columns, 8 of 32 or 16), a
 fold step takes half the ring's partials at once (`merge_fold_width`: one rescale, the loads
-independent): one partial a step cost ~0.1 us of dependent latency whatever its size. H200,
-merged in-flight kernel us: B 1 16K decode Tq 16 10.8 (one block a q block) -> 6.6 (4 chunks,
-2 slots, `results/s31/inflight_chunks_s31_h200.json`) -> 5.9 (8 chunks, 8 slots, 4 a step),
-SmolLM2's FAFO call 8.1 -> 6.6 (2 chunks) -> 5.8 (4 chunks, 8 slots, 4 a step;
-`results/s33/inflight_fold_s33_h200.json`).
+independent; one partial a step cost ~0.1 us of dependent latency whatever its size), and the
+q block's m and l rows come in one copy each before its partials (`merge_stat_rows`: a third of
+the copies). H200, merged in-flight kernel us: B 1 16K decode Tq 16 10.8 (one block a q block)
+-> 6.6 (4 chunks, 2 slots, `results/s31/inflight_chunks_s31_h200.json`) -> 5.9 (8 chunks,
+8 slots, 4 a step) -> 5.2 (m and l once), SmolLM2's FAFO call 8.1 -> 6.6 (2 chunks) -> 5.8
+(4 chunks, 8 slots, 4 a step) -> 5.0 (`results/s33/inflight_{fold,stats}_s33_h200.json`).
 
 `pack_keys` and `mask_bias` prepare the inputs; `inflight_partials_reference` (pure jnp, reading
 only the bias) sits at the bottom.
@@ -198,7 +199,7 @@ def _inflight_kernel(q_rows, k_rows, v_rows, mask, *, rows_out, num_stages, inte
            m_smem,          # [64] fp32                                 SMEM
            l_smem,          # [64] fp32                                 SMEM
            q_barrier, k_barriers, b_barriers, v_barriers,
-           merge_barriers=None,  # [slots] barriers (merged only)
+           *merge_barriers,  # merged only: [slots] barriers, the stats' barrier
            a_smem=None):    # [64, 64] (interpret mode only)            SMEM (tiled, swizzled)
     qb = lax.axis_index("qblock")
     chunk = None
@@ -298,7 +299,7 @@ def _inflight_kernel(q_rows, k_rows, v_rows, mask, *, rows_out, num_stages, inte
           plgpu.SMEM((stages, BLOCK_U, d_out), dtype, **_swizzled_rows(d_out, dtype)),
           plgpu.SMEM((stages, BLOCK_M, BLOCK_U), jnp.bfloat16))
   epilogue = (plgpu.SMEM((BLOCK_M, head_dim), jnp.float32) if merge is None
-              else _merge_scratch(d_out, dtype))
+              else _merge_scratch(d_out, dtype, merge_stat_rows(merge.segments)))
   scratch = [
       plgpu.SMEM((BLOCK_M, head_dim), dtype, **operand_layout),
       plgpu.RefUnion(ring, epilogue),
@@ -309,8 +310,12 @@ def _inflight_kernel(q_rows, k_rows, v_rows, mask, *, rows_out, num_stages, inte
       plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_barriers=stages),
   ]
-  if merge is not None:                            # a partial's acc, m and l, per ring slot
-    scratch.append(plgpu.Barrier(num_arrivals=3, num_barriers=merge_slots(d_out)))
+  if merge is not None:
+    # Per ring slot: a partial's acc (and its m and l, unless they come once for the q block:
+    # one more barrier for those two copies).
+    once = merge_stat_rows(merge.segments) > 0
+    scratch.append(plgpu.Barrier(num_arrivals=1 if once else 3, num_barriers=merge_slots(d_out)))
+    scratch.append(plgpu.Barrier(num_arrivals=2))
   part = (batch, num_kv_heads, q_blocks)
   if merge is None:
     out_type = (jax.ShapeDtypeStruct((*part, rows_out, head_dim), jnp.float32),
@@ -385,14 +390,25 @@ def merge_fold_width(slots: int) -> int:
   return max(1, min(MERGE_FOLD_WIDTH, slots // 2))
 
 
-def _merge_scratch(d_out, dtype):
+def merge_stat_rows(segments) -> int:
+  """Rows of m and l a merged block fetches at once, in one copy each before its partials: the
+  most splits of any segment (a q block's items are consecutive), or 0 (each partial's m and l
+  come with its acc) when MERGE_STATS_ONCE is off or that exceeds MERGE_STATS_MAX_ROWS (64 KiB
+  of SMEM for the two; B 1 decode at Tq 16 has 33 splits a q block)."""
+  rows = max(seg.num_splits for seg in segments)
+  return rows if MERGE_STATS_ONCE and 0 < rows <= MERGE_STATS_MAX_ROWS else 0
+
+
+def _merge_scratch(d_out, dtype, stat_rows):
   """The epilogue's SMEM (the ring's union partner): `merge_slots` slots of a split partial
-  (acc fp32, swizzled: the fold reads it in the WGMMA layout; m, l), the output tile in q's dtype
-  and the lse row. d_out: the block's columns."""
+  (acc fp32, swizzled: the fold reads it in the WGMMA layout), m and l (per slot, or
+  `stat_rows` rows for all the q block's partials), the output tile in q's dtype and the lse row.
+  d_out: the block's columns."""
   slots = merge_slots(d_out)
+  stats = stat_rows or slots
   return (plgpu.SMEM((slots, BLOCK_M, d_out), jnp.float32, **_swizzled_rows(d_out, jnp.float32)),
-          plgpu.SMEM((slots, BLOCK_M), jnp.float32),
-          plgpu.SMEM((slots, BLOCK_M), jnp.float32),
+          plgpu.SMEM((stats, BLOCK_M), jnp.float32),
+          plgpu.SMEM((stats, BLOCK_M), jnp.float32),
           plgpu.SMEM((BLOCK_M, d_out), dtype),
           plgpu.SMEM((BLOCK_M,), jnp.float32))
 
@@ -404,6 +420,8 @@ def _merge_epilogue(plan: _MergePlan, refs, scratch, barriers, acc, m_i, l_i, b,
   log2 units), normalises and writes its columns of out (and, chunk 0 or None, lse)."""
   acc_ref, m_ref, l_ref, out_ref, lse_ref = refs
   pa_smem, pm_smem, pl_smem, out_smem, lse_smem = scratch
+  barriers, stats_barrier = barriers
+  stat_rows = merge_stat_rows(plan.segments)
   row = plgpu.Layout.WGMMA.reduce(1)
   # This q block's segment (static ranges; at most a few segments).
   first_item, n_items = jnp.int32(0), jnp.int32(0)
@@ -421,12 +439,21 @@ def _merge_epilogue(plan: _MergePlan, refs, scratch, barriers, acc, m_i, l_i, b,
   cols = ((lambda ref: ref) if chunk is None                     # [rows, D] -> the block's columns
           else (lambda ref: ref.at[:, pl.ds(chunk * d_out, d_out)]))
 
+  if stat_rows:
+    # m and l of the q block's items, one box each: stat_rows rows from `stat_start`, inside W
+    # (a segment with fewer splits reads some of the next q block's rows, never used).
+    stat_start = jnp.minimum(first_item, m_ref.shape[2] - stat_rows)
+    stat_offset = first_item - stat_start
+    for ref, smem in ((m_ref, pm_smem), (l_ref, pl_smem)):
+      plgpu.copy_gmem_to_smem(ref.at[b, h, pl.ds(stat_start, stat_rows)], smem, stats_barrier)
+
   def load(i, slot):
     item = first_item + i
     plgpu.copy_gmem_to_smem(cols(acc_ref.at[b, h, item]), pa_smem.at[slot, pl.ds(0, rows_out)],
                             barriers.at[slot])
-    plgpu.copy_gmem_to_smem(m_ref.at[b, h, item], pm_smem.at[slot], barriers.at[slot])
-    plgpu.copy_gmem_to_smem(l_ref.at[b, h, item], pl_smem.at[slot], barriers.at[slot])
+    if not stat_rows:
+      plgpu.copy_gmem_to_smem(m_ref.at[b, h, item], pm_smem.at[slot], barriers.at[slot])
+      plgpu.copy_gmem_to_smem(l_ref.at[b, h, item], pl_smem.at[slot], barriers.at[slot])
 
   slots = pa_smem.shape[0]
   for slot in range(slots):
@@ -439,10 +466,11 @@ def _merge_epilogue(plan: _MergePlan, refs, scratch, barriers, acc, m_i, l_i, b,
     items = []
     for j in range(width):
       slot = lax.rem(first + j, jnp.int32(slots))
+      stat = stat_offset + first + j if stat_rows else slot
       plgpu.barrier_wait(barriers.at[slot])
       items.append((plgpu.load(pa_smem.at[slot], layout=plgpu.Layout.WGMMA),
-                    plgpu.load(pm_smem.at[slot], layout=row, optimized=False),
-                    plgpu.load(pl_smem.at[slot], layout=row, optimized=False)))
+                    plgpu.load(pm_smem.at[stat], layout=row, optimized=False),
+                    plgpu.load(pl_smem.at[stat], layout=row, optimized=False)))
     m_new = functools.reduce(jnp.maximum, [m_s for _, m_s, _ in items], m_i)
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # a row seeing nothing yet stays at 0
     alpha = jnp.exp2(m_i - m_use)
@@ -462,6 +490,8 @@ def _merge_epilogue(plan: _MergePlan, refs, scratch, barriers, acc, m_i, l_i, b,
 
   width = merge_fold_width(slots)
   carry = (acc, m_i, l_i)
+  if stat_rows:
+    plgpu.barrier_wait(stats_barrier)
   if width > 1:
     groups = lax.div(n_items, jnp.int32(width))
     carry = lax.fori_loop(0, groups, lambda g, c: fold(g * width, width, c), carry)
@@ -499,6 +529,8 @@ MERGE_MIN_COLUMNS = 16    # columns a block at least (a 64-byte fp32 row, wgmma 
 MERGE_RING_BYTES = 64 * 1024   # the merge ring's partial slots (`merge_slots`)
 MERGE_MAX_SLOTS = 8
 MERGE_FOLD_WIDTH = 4      # partials folded per step at most (`merge_fold_width`)
+MERGE_STATS_ONCE = 1      # a block's m and l in one copy each (`merge_stat_rows`)
+MERGE_STATS_MAX_ROWS = 128
 
 
 def chunks_fit(chunks: int, head_dim: int, group: int, itemsize: int) -> bool:

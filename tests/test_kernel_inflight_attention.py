@@ -20,7 +20,7 @@ from pallas_kernels.inflight_attention import (BLOCK_M, InflightMask, MergeSegme
                                                inflight_merged, inflight_partials,
                                                inflight_partials_reference, mask_bias,
                                                merge_chunks, merge_fold_width, merge_slots,
-                                               pack_keys, tile_lists)
+                                               merge_stat_rows, pack_keys, tile_lists)
 from pallas_kernels.sparse_attention import (SparseConfig, sparse_attention,
                                              sparse_attention_reference)
 
@@ -208,9 +208,10 @@ def test_merged_columns_split_over_blocks_give_the_same_output(monkeypatch):
   (`merge_chunks`) and folds the partials through a ring of `merge_slots` slots: D = 128, the
   direct output write (G = 4; the rows' layout in 2 chunks is in the hypothesis test above, G = 3
   at D = 64), a segment of 2 splits and one of 6 (more than the 2, 3 or 4 slots of some rings, so
-  they wrap, folding 1 or 2 partials a step; 4 a step in the 8-slot rings). Every split gives the
-  unsplit output and lse to rounding (the fold's fp32 sums run in another order, so a bf16 output
-  may move by an ulp), and all equal the reference."""
+  they wrap, folding 1 or 2 partials a step; 4 a step in the 8-slot rings), m and l fetched once
+  per q block or with each partial. Every split gives the unsplit output and lse to rounding (the
+  fold's fp32 sums run in another order, so a bf16 output may move by an ulp), and all equal the
+  reference."""
   batch, hkv, group, d, s, bs, tokens = 1, 2, 4, 128, 384, 64, 20
   q, k_new, v_new, mask = _case(5, batch, hkv, group, tokens, d, "causal", jnp.bfloat16)
   keys = jax.random.split(jax.random.key(6), 2)
@@ -223,22 +224,30 @@ def test_merged_columns_split_over_blocks_give_the_same_output(monkeypatch):
   kw = dict(block_size=bs, sparse_queries=tokens // 2, return_lse=True)
   blocks = batch * hkv * 2                       # 10 * G rows per segment: one q block each
   results = {}
-  for fill, max_slots in ((0, 8), (2 * blocks, 8), (4 * blocks, 8), (8 * blocks, 8),
-                          (8 * blocks, 3)):
+  # The last run's full segment has 1 split, fewer than the sparse one's 2: its block's m / l box
+  # (2 rows, `merge_stat_rows`) would run past the items, so it starts one row early.
+  # One run fetches m and l with each partial (MERGE_STATS_ONCE off: the path of > 128 splits).
+  for fill, max_slots, full_splits, once in (
+      (0, 8, 6, 1), (2 * blocks, 8, 6, 1), (4 * blocks, 8, 6, 1), (8 * blocks, 8, 6, 1),
+      (8 * blocks, 3, 6, 1), (8 * blocks, 8, 1, 1), (8 * blocks, 8, 6, 0)):
     monkeypatch.setattr(inflight_module, "MERGE_FILL_BLOCKS", fill)
     monkeypatch.setattr(inflight_module, "MERGE_MAX_SLOTS", max_slots)
+    monkeypatch.setattr(inflight_module, "MERGE_STATS_ONCE", once)
     jax.clear_caches()                             # the chunk count is read at trace time
     chunks = merge_chunks(blocks, d, group)
     slots = merge_slots(d // chunks)
-    results[chunks, slots] = [np.asarray(x, np.float32) for x in sparse_attention(
-        *args, **kw, config=SparseConfig(inflight="merged", num_splits=2, num_splits_full=6),
-        interpret=INTERPRET)]
-  assert sorted(results) == [(1, 2), (2, 4), (4, 8), (8, 3), (8, 8)]
+    results[chunks, slots, full_splits, once] = [np.asarray(x, np.float32) for x in sparse_attention(
+        *args, **kw, config=SparseConfig(inflight="merged", num_splits=2,
+                                         num_splits_full=full_splits), interpret=INTERPRET)]
+  assert sorted(results) == [(1, 2, 6, 1), (2, 4, 6, 1), (4, 8, 6, 1), (8, 3, 6, 1),
+                             (8, 8, 1, 1), (8, 8, 6, 0), (8, 8, 6, 1)]
   ref = _sparse_reference(*(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x
                            for x in args), **kw)
   for key, (out, lse) in results.items():
-    np.testing.assert_allclose(out, results[1, 2][0], rtol=1e-2, atol=1e-5, err_msg=f"{key}")
-    np.testing.assert_allclose(lse, results[1, 2][1], atol=1e-5, err_msg=f"{key}")
+    if key[2] == 6:                                # the same splits as the unsplit run
+      np.testing.assert_allclose(out, results[1, 2, 6, 1][0], rtol=1e-2, atol=1e-5,
+                                 err_msg=f"{key}")
+      np.testing.assert_allclose(lse, results[1, 2, 6, 1][1], atol=1e-5, err_msg=f"{key}")
     np.testing.assert_allclose(out, np.asarray(ref[0]), atol=3e-2)
     np.testing.assert_allclose(lse, np.asarray(ref[1]), atol=2e-3)
 
@@ -258,6 +267,9 @@ def test_merge_ring_holds_64_kib_of_partials_in_2_to_8_slots_folded_half_a_ring_
   assert [merge_slots(c) for c in (128, 64, 32, 16)] == [2, 4, 8, 8]
   assert merge_slots(256) == 2                        # never fewer than 2
   assert [merge_fold_width(n) for n in (2, 3, 4, 8)] == [1, 1, 2, 4]
+  seg = lambda splits: MergeSegment(0, 1, 0, splits, 0, 16)
+  assert merge_stat_rows((seg(2), seg(6))) == 6       # m and l: one box of the most splits
+  assert merge_stat_rows((seg(128),)) == 128 and merge_stat_rows((seg(129),)) == 0   # SMEM cap
 
 
 def test_auto_merges_in_the_inflight_kernel_by_splits_blocks_and_layout():
