@@ -53,9 +53,22 @@ def load_module(path: str, name: str = "inflight_attention_baseline"):
   spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  for name in ("inflight_partials", "mask_bias", "pack_keys"):
-    if not hasattr(module, name):
-      raise SystemExit(f"--baseline {path} has no {name}: not an inflight_attention module")
+  for attr in ("inflight_partials", "mask_bias", "pack_keys"):
+    if not hasattr(module, attr):
+      raise SystemExit(f"--baseline {path} has no {attr}: not an inflight_attention module")
+  return module
+
+
+def variant(spec: str, name: str = "inflight_attention_variant"):
+  """The current inflight_attention.py loaded anew with module constants set: spec
+  "NAME=INT[,NAME=INT]" (`--variant`)."""
+  module = load_module(current.__file__, name)
+  for setting in spec.split(","):
+    attr, _, value = setting.partition("=")
+    if not hasattr(module, attr) or not value.lstrip("-").isdigit():
+      raise SystemExit(f"--variant {spec}: not NAME=INT[,NAME=INT] of constants of "
+                       f"{current.__file__}")
+    setattr(module, attr, int(value))
   return module
 
 
@@ -217,15 +230,8 @@ def main(argv=None):
                                                "inflight_ab.json"))
   args = p.parse_args(argv)
   versions = ({"baseline": load_module(args.baseline)} if args.baseline else {})
-  for i, variant in enumerate(args.variant):
-    module = load_module(current.__file__, f"inflight_attention_variant{i}")
-    for setting in variant.split(","):
-      name, _, value = setting.partition("=")
-      if not hasattr(module, name) or not value.lstrip("-").isdigit():
-        raise SystemExit(f"--variant {variant}: not NAME=INT[,NAME=INT] of constants of "
-                         f"{current.__file__}")
-      setattr(module, name, int(value))
-    versions[variant] = module
+  for i, spec in enumerate(args.variant):
+    versions[spec] = variant(spec, f"inflight_attention_variant{i}")
   versions["current"] = current
   rows = []
   if "kernel" in args.cases:

@@ -41,6 +41,7 @@ def test_baseline_module_loads_and_swaps_into_the_wrappers(tmp_path):
     inflight_ab.use(baseline)
     assert decode_module.inflight_partials is baseline.inflight_partials
     assert sparse_module.mask_bias is baseline.mask_bias
+    assert sparse_module.merge_chunks is baseline.merge_chunks    # the chunk rule travels too
   finally:
     inflight_ab.use(inflight_ab.current)
   assert decode_module.inflight_partials is inflight_ab.current.inflight_partials
@@ -49,3 +50,14 @@ def test_baseline_module_loads_and_swaps_into_the_wrappers(tmp_path):
     inflight_ab.load_module(str(tmp_path / "other.py"))
   with pytest.raises(SystemExit, match="no file"):
     inflight_ab.load_module(str(tmp_path / "missing.py"))
+
+
+def test_variant_is_the_current_file_with_constants_set():
+  fewer = inflight_ab.variant("MERGE_MAX_CHUNKS=4,MERGE_FOLD_WIDTH=1")
+  assert fewer is not inflight_ab.current
+  assert (fewer.MERGE_MAX_CHUNKS, fewer.MERGE_FOLD_WIDTH) == (4, 1)
+  assert fewer.merge_chunks(8, 128, 4) == 4 and inflight_ab.current.merge_chunks(8, 128, 4) == 8
+  assert inflight_ab.current.MERGE_FOLD_WIDTH == 4                 # the current module untouched
+  for bad in ("NO_SUCH_CONSTANT=1", "MERGE_MAX_CHUNKS=four", "MERGE_MAX_CHUNKS"):
+    with pytest.raises(SystemExit, match="not NAME=INT"):
+      inflight_ab.variant(bad)
