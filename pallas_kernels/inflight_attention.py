@@ -199,7 +199,7 @@ def _inflight_kernel(q_rows, k_rows, v_rows, mask, *, rows_out, num_stages, inte
            m_smem,          # [64] fp32                                 SMEM
            l_smem,          # [64] fp32                                 SMEM
            q_barrier, k_barriers, b_barriers, v_barriers,
-           *merge_barriers,  # merged only: [slots] barriers, the stats' barrier
+           *merge_barriers,  # merged only: [slots] barriers (+ the stats' barrier, stat_rows)
            a_smem=None):    # [64, 64] (interpret mode only)            SMEM (tiled, swizzled)
     qb = lax.axis_index("qblock")
     chunk = None
@@ -299,7 +299,7 @@ def _inflight_kernel(q_rows, k_rows, v_rows, mask, *, rows_out, num_stages, inte
           plgpu.SMEM((stages, BLOCK_U, d_out), dtype, **_swizzled_rows(d_out, dtype)),
           plgpu.SMEM((stages, BLOCK_M, BLOCK_U), jnp.bfloat16))
   epilogue = (plgpu.SMEM((BLOCK_M, head_dim), jnp.float32) if merge is None
-              else _merge_scratch(d_out, dtype, merge_stat_rows(merge.segments)))
+              else _merge_scratch(d_out, dtype, merge.stat_rows))
   scratch = [
       plgpu.SMEM((BLOCK_M, head_dim), dtype, **operand_layout),
       plgpu.RefUnion(ring, epilogue),
@@ -313,9 +313,10 @@ def _inflight_kernel(q_rows, k_rows, v_rows, mask, *, rows_out, num_stages, inte
   if merge is not None:
     # Per ring slot: a partial's acc (and its m and l, unless they come once for the q block:
     # one more barrier for those two copies).
-    once = merge_stat_rows(merge.segments) > 0
+    once = merge.stat_rows > 0
     scratch.append(plgpu.Barrier(num_arrivals=1 if once else 3, num_barriers=merge_slots(d_out)))
-    scratch.append(plgpu.Barrier(num_arrivals=2))
+    if once:
+      scratch.append(plgpu.Barrier(num_arrivals=2))
   part = (batch, num_kv_heads, q_blocks)
   if merge is None:
     out_type = (jax.ShapeDtypeStruct((*part, rows_out, head_dim), jnp.float32),
@@ -368,6 +369,7 @@ class _MergePlan(NamedTuple):
   num_queries: int     # T
   direct: bool         # out written as [B, T, Hq, D] (64 % G == 0), else in the rows' layout
   d_chunks: int        # blocks per q block, each merging and writing D / d_chunks columns
+  stat_rows: int       # m / l rows a block fetches at once (`merge_stat_rows`), 0: per partial
 
 
 def _swizzled_rows(columns: int, dtype) -> dict:
@@ -420,8 +422,8 @@ def _merge_epilogue(plan: _MergePlan, refs, scratch, barriers, acc, m_i, l_i, b,
   log2 units), normalises and writes its columns of out (and, chunk 0 or None, lse)."""
   acc_ref, m_ref, l_ref, out_ref, lse_ref = refs
   pa_smem, pm_smem, pl_smem, out_smem, lse_smem = scratch
-  barriers, stats_barrier = barriers
-  stat_rows = merge_stat_rows(plan.segments)
+  barriers, *stats_barrier = barriers             # the stats' barrier only with stat_rows
+  stat_rows = plan.stat_rows
   row = plgpu.Layout.WGMMA.reduce(1)
   # This q block's segment (static ranges; at most a few segments).
   first_item, n_items = jnp.int32(0), jnp.int32(0)
@@ -445,7 +447,7 @@ def _merge_epilogue(plan: _MergePlan, refs, scratch, barriers, acc, m_i, l_i, b,
     stat_start = jnp.minimum(first_item, m_ref.shape[2] - stat_rows)
     stat_offset = first_item - stat_start
     for ref, smem in ((m_ref, pm_smem), (l_ref, pl_smem)):
-      plgpu.copy_gmem_to_smem(ref.at[b, h, pl.ds(stat_start, stat_rows)], smem, stats_barrier)
+      plgpu.copy_gmem_to_smem(ref.at[b, h, pl.ds(stat_start, stat_rows)], smem, *stats_barrier)
 
   def load(i, slot):
     item = first_item + i
@@ -491,7 +493,7 @@ def _merge_epilogue(plan: _MergePlan, refs, scratch, barriers, acc, m_i, l_i, b,
   width = merge_fold_width(slots)
   carry = (acc, m_i, l_i)
   if stat_rows:
-    plgpu.barrier_wait(stats_barrier)
+    plgpu.barrier_wait(*stats_barrier)
   if width > 1:
     groups = lax.div(n_items, jnp.int32(width))
     carry = lax.fori_loop(0, groups, lambda g, c: fold(g * width, width, c), carry)
@@ -533,13 +535,18 @@ MERGE_STATS_ONCE = 1      # a block's m and l in one copy each (`merge_stat_rows
 MERGE_STATS_MAX_ROWS = 128
 
 
+def _chunk_counts() -> tuple[int, ...]:
+  """The chunk counts a merged launch may use: the powers of two up to MERGE_MAX_CHUNKS."""
+  return tuple(1 << i for i in range(MERGE_MAX_CHUNKS.bit_length()) if 1 << i <= MERGE_MAX_CHUNKS)
+
+
 def chunks_fit(chunks: int, head_dim: int, group: int, itemsize: int) -> bool:
   """Whether a merged launch can split D over `chunks` blocks: a power of two up to
   MERGE_MAX_CHUNKS with >= MERGE_MIN_COLUMNS columns a block and, with the direct output write,
   each query's [G, D / chunks] box starting 128-byte aligned in SMEM (a TMA's requirement: G = 1
   at D = 64 in 2 chunks is 64 bytes and faults)."""
   direct = BLOCK_M % group == 0
-  return (chunks in (1, 2, 4, 8) and chunks <= MERGE_MAX_CHUNKS
+  return (chunks in _chunk_counts()
           and head_dim % (MERGE_MIN_COLUMNS * chunks) == 0
           and (not direct or group * head_dim // chunks * itemsize % 128 == 0))
 
@@ -558,7 +565,8 @@ def merge_chunks(blocks: int, head_dim: int, group: int, itemsize: int = 2) -> i
 
 def merge_layout(segments: tuple[MergeSegment, ...], group: int, num_queries: int,
                  d_chunks: int) -> _MergePlan:
-  return _MergePlan(tuple(segments), group, num_queries, BLOCK_M % group == 0, d_chunks)
+  return _MergePlan(tuple(segments), group, num_queries, BLOCK_M % group == 0, d_chunks,
+                    merge_stat_rows(segments))
 
 
 def _rows_to_queries(x, plan: _MergePlan):
@@ -615,10 +623,9 @@ def inflight_merged(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
   if d_chunks is None:
     d_chunks = merge_chunks(b * hkv * (m_total // BLOCK_M), d, group, itemsize)
   if not chunks_fit(d_chunks, d, group, itemsize):
-    raise ValueError(f"d_chunks must be 1, 2, 4 or 8 with D / d_chunks a multiple of "
-                     f"{MERGE_MIN_COLUMNS} and, where "
-                     f"64 % G == 0, G * D / d_chunks * itemsize a multiple of 128 bytes; got "
-                     f"{d_chunks} at D = {d}, G = {group}")
+    raise ValueError(f"d_chunks must be one of {_chunk_counts()} with D / d_chunks a multiple "
+                     f"of {MERGE_MIN_COLUMNS} and, where 64 % G == 0, G * D / d_chunks * "
+                     f"itemsize a multiple of 128 bytes; got {d_chunks} at D = {d}, G = {group}")
   plan = merge_layout(segments, group, num_queries, d_chunks)
   out, lse_rows = _inflight_kernel(q_rows, k_rows, v_rows, mask, rows_out=rows_out,
                                    num_stages=num_stages, interpret=interpret, merge=plan,

@@ -87,11 +87,11 @@ from pallas_kernels.register_operand import a_staging, wgmma_register_a
 from pallas_kernels.split_plan import split_counts
 
 from pallas_kernels.decode_attention import _q_rows as decode_q_rows
-from pallas_kernels.decode_attention import (_SUPPORTED_DTYPES, BLOCK_M, LOG2E, SM_COUNT,
-                                             SMEM_PER_SM, SWIZZLED, WS_MIN_Q_BLOCKS,
-                                             loop_scratch, resident_blocks, run_ws_block,
-                                             ws_loop, ws_produce, ws_scores, ws_smem_bytes,
-                                             ws_softmax_pv)
+from pallas_kernels.decode_attention import (_SUPPORTED_DTYPES, BLOCK_M, LOG2E, SWIZZLED,
+                                             WS_MIN_Q_BLOCKS, loop_scratch, resident_blocks,
+                                             run_ws_block, ws_loop, ws_produce, ws_scores,
+                                             ws_smem_bytes, ws_softmax_pv)
+from pallas_kernels.hopper import SM_COUNT, SMEM_PER_SM
 
 
 # Warp-specialized blocks only where a segment may run this many tiles or more. H100, device us

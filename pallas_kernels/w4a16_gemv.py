@@ -118,17 +118,14 @@ class W4A16Config:
         or self.block_out % TILE_OUT:
       raise InputError(f"block_out must be a multiple of {TILE_OUT} in [{TILE_OUT}, "
                        f"{MAX_BLOCK_OUT}], got {self.block_out!r}")
-    for name in ("groups_per_stage", "num_stages", "target_blocks", "min_steps_per_split"):
+    for name in ("groups_per_stage", "num_stages", "min_steps_per_split"):
       v = getattr(self, name)
-      if name == "target_blocks" and v is None:
-        continue
       if not isinstance(v, int) or v < 1:
-        if name == "target_blocks":
-          raise InputError(f"target_blocks must be None or a positive integer, got {v!r}")
         raise InputError(f"{name} must be a positive integer, got {v!r}")
-    if self.num_splits is not None and (not isinstance(self.num_splits, int)
-                                        or self.num_splits < 1):
-      raise InputError(f"num_splits must be None or a positive integer, got {self.num_splits!r}")
+    for name in ("num_splits", "target_blocks"):
+      v = getattr(self, name)
+      if v is not None and (not isinstance(v, int) or v < 1):
+        raise InputError(f"{name} must be None or a positive integer, got {v!r}")
 
 
 # ----------------------------------------------------------------------------------------------
