@@ -203,7 +203,8 @@ def test_an_exact_draft_is_always_accepted_even_when_the_budget_cuts_the_last_st
   the draft is the target: every draft is accepted, including the last step's, which the budget
   cuts short (31 new tokens = the prefill's + 7 steps of gamma + 1 = 4 + 2 of an 8th step), so
   the acceptance rate is exactly 1 (it was 22 / 24 when the cut step's unused drafts counted as
-  proposed)."""
+  proposed), and the cut step's two appended tokens are two accepted drafts: 7 * 3 + 2 in all
+  (it counted one, as if the last appended token were the target's own)."""
   cfg, params, tok = stories
   method = QuantSpec(gamma=3, quant_group=256, weight_bits=None, verify_precision="full")
   result = testing.assert_matches_dense(cfg, params, _prompts(tok)[:1], method=method,
@@ -211,6 +212,7 @@ def test_an_exact_draft_is_always_accepted_even_when_the_budget_cuts_the_last_st
   stats = result.method_stats
   assert stats["acceptance_rate"] == 1.0, stats
   assert result.tau == pytest.approx(30 / 8), result.tau      # 7 full steps of 4, then 2 tokens
+  assert stats["accepted_drafts_per_step"] == pytest.approx((7 * 3 + 2) / 8), stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,6 +305,12 @@ def test_bad_knobs_are_refused_by_name(stories):
     QuantSpec(verify_precision="fp16")
   with pytest.raises(InputError, match="quant_group"):
     QuantSpec(gamma=8, quant_group=4)
+  # A group the 64-token value tiles cannot hold is refused when built, whatever the capacity
+  # (from_dense alone refuses it only at capacities that are a multiple of 64).
+  for group in (24, 48, 96):
+    with pytest.raises(InputError, match="quant_group must divide 64 or be a multiple of 64"):
+      QuantSpec(quant_group=group)
+  assert all(QuantSpec(quant_group=g).quant_group == g for g in (8, 64, 192))
   with pytest.raises(InputError, match="weight_bits"):
     QuantSpec(weight_bits=3)
   with pytest.raises(InputError, match="draft_sampling"):

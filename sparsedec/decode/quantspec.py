@@ -50,7 +50,7 @@ Choices where the paper leaves one:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +100,8 @@ def write_draft_kv(scratch: jax.Array, new: tuple[jax.Array, ...], i) -> jax.Arr
 
 @struct.dataclass
 class QuantSpecExtras:
+  # The draft weights are the same for every row: serving's insert_row leaves them as they are.
+  SHARED_FIELDS: ClassVar[tuple[str, ...]] = ("draft_params",)
   qcache: qkv.QuantizedCache   # the hierarchical codes + full-precision double buffer
   draft_params: Any            # the 4-bit params pytree, or None (the draft uses params)
   drafted: jax.Array           # [B] int32: draft tokens proposed, summed over steps (a step cut
@@ -132,6 +134,9 @@ class QuantSpec:
     if self.verify_precision not in VERIFY_PRECISIONS:
       raise InputError(f"quantspec verify_precision must be one of {VERIFY_PRECISIONS}, "
                        f"got {self.verify_precision!r}")
+    if not qkv.fits_value_tiles(self.quant_group):
+      raise InputError(f"quantspec quant_group must divide 64 or be a multiple of 64 (the value "
+                       f"codes are stored in 64-token tiles), got {self.quant_group}")
     if self.gamma + 1 > self.quant_group:
       raise InputError(f"quantspec commits up to gamma + 1 = {self.gamma + 1} entries per step, "
                        f"more than quant_group = {self.quant_group}")
@@ -255,11 +260,12 @@ class QuantSpec:
     verdict = self._verify(logits, drafts, q, active, step_keys, verify_u, ctx.sampling)
     state = finish_step(state.replace(keys=keys))
     state, appended = append_tokens(state, verdict.tokens, verdict.num_tokens, ctx.stop_ids)
-    accepted = jnp.maximum(jnp.minimum(verdict.accepted, appended - 1), 0)
     # A step the token budget or a stop token cut short appended fewer tokens than the verdict
-    # holds: only its appended drafts count as proposed (all of them accepted), so the last step
-    # does not count drafts that were never used as rejections.
+    # holds, all of them drafts (the verdict's accepted drafts come first): only those count as
+    # proposed, all accepted, so the last step does not count drafts never used as rejections.
+    # (An inactive row appends nothing, so it counts 0 either way.)
     cut = appended < verdict.num_tokens
+    accepted = jnp.where(cut, appended, verdict.accepted)
     proposed = jnp.where(cut, accepted, g) * active
     extras = x.replace(qcache=qkv.commit(x.qcache, kv, appended),
                        drafted=x.drafted + proposed,

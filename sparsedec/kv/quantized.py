@@ -36,8 +36,8 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from pallas_kernels.quant_attention import (QuantKV, QuantPlanes, k_layout, quantize_kv,
-                                            quantize_planes, v_layout, v_tile_tokens)
+from pallas_kernels.quant_attention import (KEY_TILE, QuantKV, QuantPlanes, k_layout,
+                                            quantize_kv, quantize_planes, v_layout, v_tile_tokens)
 from pallas_kernels.register_operand import pack_words, unpack_words
 from sparsedec.model.quant_weights import array_bytes
 from pallas_kernels.quant_attention import bytes_per_token as _quant_bytes
@@ -96,6 +96,13 @@ def _quantize_all(k: jax.Array, v: jax.Array, group: int, capacity: int) -> Quan
     pad = ((0, 0), (0, 0), (0, capacity - s), (0, 0))
     k, v = jnp.pad(k, pad), jnp.pad(v, pad)
   return quantize_kv(k[:, :, :capacity], v[:, :, :capacity], group=group)
+
+
+def fits_value_tiles(group: int) -> bool:
+  """Whether quant group `group` divides, or is a multiple of, the 64-token value tile: then every
+  quantized capacity can store it (`from_dense`); another group fits only a capacity that is not
+  a multiple of 64 (whose value codes are one tile)."""
+  return KEY_TILE % group == 0 or group % KEY_TILE == 0
 
 
 def from_dense(cache: KVCache, group: int, quant_capacity: int | None = None) -> QuantizedCache:
