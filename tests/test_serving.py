@@ -53,3 +53,65 @@ def test_insert_rejects_mismatched_states(stories):
   one, _ = api.start(cfg, params, [[5]], max_new_tokens=4, cache_size=128)
   with pytest.raises(sparsedec.InputError, match="row 2 is outside"):
     insert_row(state, one, 2)
+
+
+def test_quantspec_insert_keeps_the_shared_draft_weights(stories):
+  """QuantSpec's extras hold its 4-bit draft weights, the same for every row (not batch-major):
+  an insert leaves them as they are (a per-row copy wrote the request's row 0 into row `row` of
+  every weight), the inserted row drafts as it would alone, and an int8 state (no dense cache)
+  with another quantized capacity is refused by name."""
+  import numpy as np
+  from sparsedec.decode.quantspec import QuantSpec
+  cfg, params, tok = stories
+  method = QuantSpec(gamma=3, quant_group=16, weight_group=32)
+  kw = dict(max_new_tokens=40, stop_tokens=(), cache_size=128, method=method)
+  state, run = api.start(cfg, params, [tok.encode("Once upon a time"), tok.encode("The dog")],
+                         **kw)
+  state = run.advance(params, state)
+  before = jax.device_get(state.extras.draft_params)
+  prompt = tok.encode("Lily and Tom went to the park to play")
+  request, _ = api.start(cfg, params, [prompt], **kw)
+  state = insert_row(state, request, 1)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.extras.draft_params), before)
+  state = run.advance(params, state, 100)
+  tokens, _ = api.collect(state, ())
+  alone = sparsedec.generate(cfg, params, [prompt], **kw, return_state=True)
+  assert tokens[1] == alone.tokens[0]
+  assert int(state.extras.drafted[1]) == int(alone.state.extras.drafted[0])
+  assert int(state.extras.accepted_drafts[1]) == int(alone.state.extras.accepted_drafts[0])
+  other, _ = api.start(cfg, params, [[5, 6]], **{**kw, "cache_size": 256})
+  with pytest.raises(sparsedec.InputError,
+                     match="request state's .* build both with the same cache_size"):
+    insert_row(state, other, 0)
+
+
+@pytest.mark.parametrize("policy", ["quest", "snapkv", "lookahead"])
+def test_insert_with_per_layer_policy_states(stories, policy):
+  """FAFO's Quest and SnapKV states are per layer first ([L, B, ...]): an insert copies the
+  request's row along axis 1 (a copy along axis 0 overwrote layer `row` of every row, and the
+  shape check then refused the insert), leaving the other rows' states as they were; and the
+  inserted row generates what it would alone (Lookahead too)."""
+  import numpy as np
+  from sparsedec.compress import Quest, SnapKV
+  from sparsedec.decode.fafo import Fafo
+  from sparsedec.decode.lookahead import Lookahead
+  cfg, params, tok = stories
+  method = (Lookahead() if policy == "lookahead" else Fafo(subsequences=4, length=3, candidates=3,
+            policy=(Quest if policy == "quest" else SnapKV)(budget_blocks=3, block_size=16)))
+  kw = dict(max_new_tokens=24, stop_tokens=(), cache_size=128, method=method)
+  state, run = api.start(cfg, params, [tok.encode("Once upon a time"), tok.encode("The dog")],
+                         **kw)
+  state = run.advance(params, state)
+  prompt = tok.encode("Lily and Tom went to the park to play")
+  request, _ = api.start(cfg, params, [prompt], **kw)
+  if policy != "lookahead":
+    before = jax.device_get(state.extras.policy_state.tables)             # [L, B, Hkv, NB]
+    want = jax.device_get(request.extras.policy_state.tables)
+  state = insert_row(state, request, 1)
+  if policy != "lookahead":
+    tables = jax.device_get(state.extras.policy_state.tables)
+    np.testing.assert_array_equal(tables[:, 0], before[:, 0])
+    np.testing.assert_array_equal(tables[:, 1], want[:, 0])
+  state = run.advance(params, state, 100)
+  tokens, _ = api.collect(state, ())
+  assert tokens[1] == sparsedec.generate(cfg, params, [prompt], **kw).tokens[0]

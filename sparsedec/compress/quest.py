@@ -13,6 +13,7 @@ computed once for the prompt and then refreshed only for the pages the step's co
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,8 @@ from sparsedec.kv.dense import KVCache
 
 @struct.dataclass
 class QuestState:
+  # Per layer first ([L, B, ...]): serving's insert_row copies a row along axis 1.
+  BATCH_AXES: ClassVar[dict[str, int]] = {"page_min": 1, "page_max": 1, "tables": 1, "counts": 1}
   page_min: jax.Array      # [L, B, Hkv, P, D] channel-wise min of each page's valid keys
   page_max: jax.Array      # [L, B, Hkv, P, D]
   tables: jax.Array        # [L, B, Hkv, NB] int32 selected pages

@@ -11,6 +11,7 @@ newest blocks of the row (which slide as text is generated) are always read.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,8 @@ from sparsedec.kv.dense import KVCache
 
 @struct.dataclass
 class SnapKVState:
+  # Per layer first ([L, B, ...]): serving's insert_row copies a row along axis 1.
+  BATCH_AXES: ClassVar[dict[str, int]] = {"tables": 1, "counts": 1}
   tables: jax.Array        # [L, B, Hkv, NS] int32 selected prompt blocks
   counts: jax.Array        # [L, B, Hkv] int32
 

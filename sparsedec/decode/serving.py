@@ -1,8 +1,11 @@
 """Serving shape: prefill a request on its own, insert it into a free row of a running state.
 
-Every DecodeState field except the loop counter `step` is batch-major ([B, ...], method extras
-included), so moving a request between states is a per-leaf row copy. The row index is traced:
-inserting into any row reuses one compiled function.
+Every DecodeState leaf holds one entry per row along its batch axis: axis 0, or the axis its
+class gives the field in `BATCH_AXES` (the compression policies' per-layer states, [L, B, ...]),
+except the fields a class names in `SHARED_FIELDS`, the same for every row: the loop counter
+`step`, QuantSpec's 4-bit draft weights. Moving a request between states is a per-leaf copy
+of its row along that axis. The row index is traced: inserting into any row reuses one compiled
+function.
 
   state, run = api.start(cfg, params, prompts, cache_size=C, ...)   # the running batch
   new, _ = api.start(cfg, params, [request], cache_size=C, ...)     # B = 1, same capacity
@@ -21,13 +24,41 @@ from sparsedec.decode.state import DecodeState
 from sparsedec.errors import InputError
 
 
+def _batch_axes(state: DecodeState) -> list[int | None]:
+  """Per leaf of `state` (flattened order), its batch axis, or None for a leaf that is the same
+  for every row: walks each leaf's path from the root, taking the `SHARED_FIELDS` and
+  `BATCH_AXES` ({field: axis}) of the classes it passes."""
+  axes = []
+  for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
+    node, axis = state, 0
+    for key in path:
+      if isinstance(key, jax.tree_util.GetAttrKey):
+        if key.name in getattr(node, "SHARED_FIELDS", ()):
+          axis = None
+          break
+        axis = getattr(node, "BATCH_AXES", {}).get(key.name, axis)
+        node = getattr(node, key.name)
+      else:
+        node = node[key.idx if isinstance(key, jax.tree_util.SequenceKey) else key.key]
+    axes.append(axis)
+  return axes
+
+
+def _put_row(big: jax.Array, one: jax.Array, row: jax.Array, axis: int | None) -> jax.Array:
+  """big with its entry `row` along `axis` set to one's only entry (None: big unchanged)."""
+  if axis is None:
+    return big
+  return jax.lax.dynamic_update_slice_in_dim(big, one.astype(big.dtype), row, axis)
+
+
 @functools.partial(jax.jit, donate_argnames=("state",))
 def _insert(state: DecodeState, request: DecodeState, row: jax.Array) -> DecodeState:
-  step = state.step   # the only leaf that is not batch-major: set aside (None is no leaf)
-  merged = jax.tree.map(lambda big, one: big.at[row].set(one[0]), state.replace(step=None),
-                        request.replace(step=None))
-  # Counters of the inserted row restart; the loop counter stays the running state's.
-  return merged.replace(step=step, active_steps=merged.active_steps.at[row].set(0))
+  leaves, treedef = jax.tree.flatten(state)
+  merged = jax.tree.unflatten(treedef, [
+      _put_row(big, one, row, axis)
+      for big, one, axis in zip(leaves, jax.tree.leaves(request), _batch_axes(state))])
+  # The inserted row's counters restart.
+  return merged.replace(active_steps=merged.active_steps.at[row].set(0))
 
 
 def insert_row(state: DecodeState, request: DecodeState, row: int) -> DecodeState:
@@ -41,4 +72,14 @@ def insert_row(state: DecodeState, request: DecodeState, row: int) -> DecodeStat
     raise InputError(f"row {row} is outside the batch of {state.batch_size}")
   if jax.tree.structure(state) != jax.tree.structure(request):
     raise InputError("the request state was built for another method or config")
+  paths = jax.tree_util.tree_flatten_with_path(state)[0]
+  for (path, big), one, axis in zip(paths, jax.tree.leaves(request), _batch_axes(state)):
+    if axis is None:
+      continue
+    if (one.shape[axis] != 1 or big.shape[:axis] + big.shape[axis + 1:]
+        != one.shape[:axis] + one.shape[axis + 1:] or big.dtype != one.dtype):
+      raise InputError(f"the request state's {jax.tree_util.keystr(path)} is "
+                       f"{one.dtype}{list(one.shape)}, the running state's "
+                       f"{big.dtype}{list(big.shape)} (batch axis {axis}): build both with the "
+                       f"same cache_size, max_new_tokens and method")
   return _insert(state, request, jnp.int32(row))

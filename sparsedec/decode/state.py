@@ -6,7 +6,7 @@ but the last of them are committed (cache.lengths[b] == num_tokens[b] - 1).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,8 @@ from sparsedec.kv.dense import KVCache
 
 @struct.dataclass
 class DecodeState:
+  # The loop counter is one for the batch (serving's insert_row leaves it as it is).
+  SHARED_FIELDS: ClassVar[tuple[str, ...]] = ("step",)
   tokens: jax.Array          # [B, L] int32: prompt + generated, L = cache capacity + 1
   num_tokens: jax.Array      # [B] int32
   prompt_lengths: jax.Array  # [B] int32
