@@ -14,6 +14,7 @@ from sparsedec.decode.api import generate
 from sparsedec.decode.loop import DecodeMethod
 from sparsedec.decode.methods import method_config
 from sparsedec.decode.sampling import SamplingConfig
+from sparsedec.errors import InputError
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.params import Params, num_bytes
 from sparsedec.prompts import load_prompt_set
@@ -61,7 +62,12 @@ def run_bench(cfg: ModelConfig, params: Params, tok: Tokenizer, *, prompts: str 
               method: str | DecodeMethod = "dense",
               chat_template: bool = False, ignore_eos: bool = False,
               model_name: str = "") -> dict:
+  for name, value in (("num_prompts", num_prompts), ("batch_size", batch_size)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise InputError(f"bench {name} must be an integer >= 1, got {value!r}")
   texts = load_prompt_set(prompts)[:num_prompts]
+  if not texts:
+    raise InputError(f"prompt set {prompts!r} holds no prompts")
   ids = encode_prompts(tok, texts, chat_template)
   stop = () if ignore_eos else None
   kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, method=method,
@@ -88,7 +94,8 @@ def run_bench(cfg: ModelConfig, params: Params, tok: Tokenizer, *, prompts: str 
       "param_bytes": num_bytes(params), "prompt_set": prompts, "num_prompts": len(ids),
       "batch_size": batch_size, "max_new_tokens": max_new_tokens,
       "sampling": None if sampling is None else vars(sampling),
-      "tokens_per_second": gen / dec if dec else 0.0,
+      # The decode loop's tokens per second of it (each row's first token is prefill's).
+      "tokens_per_second": (gen - len(ids)) / dec if dec else 0.0,
       "median_tokens_per_second": float(np.median([r["tokens_per_second"] for r in runs])),
       "generated_tokens": gen, "decode_seconds": dec,
       "mean_tau": float(np.mean([r["tau"] for r in runs])),

@@ -151,6 +151,10 @@ def _prompt_ids(args, tok) -> list[int]:
 def cmd_generate(args) -> int:
   from sparsedec.decode import api
   from sparsedec.decode.methods import method_config
+  from sparsedec.errors import InputError
+  if args.system is not None and args.chat is None:
+    raise InputError("--system goes with --chat (a raw --prompt has no chat template to hold a "
+                     "system message)")
   sampling = _sampling(args)
   method = _method(args)
   cfg, params, tok = _load(args)

@@ -15,3 +15,14 @@ class CheckpointError(SparsedecError):
 
 class InputError(SparsedecError):
   """A bad argument to generation: prompt too long, bad sampling parameter, ..."""
+
+
+def read_json(path, error: type[SparsedecError] = None):
+  """The JSON document in file `path`; a file that does not parse raises `error` (default
+  CheckpointError) naming the file, not a bare JSONDecodeError."""
+  import json
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise (error or CheckpointError)(f"{path} is not valid JSON: {e}") from e

@@ -1,6 +1,7 @@
 """Tokenizer: a `tokenizers.Tokenizer` plus the HF tokenizer_config bits decoding needs.
 
-- encode/decode with the BOS/EOS policy of tokenizer_config.json (`add_bos_token`, ...);
+- encode/decode with the BOS/EOS policy of tokenizer_config.json (`add_bos_token`, ...) or,
+  where it has none, of tokenizer.json's post-processor (as transformers encodes);
 - `apply_chat_template` renders the config's Jinja chat template the way transformers does
   (sandboxed, trim_blocks, lstrip_blocks, `raise_exception`, `tojson`, `strftime_now`);
 - `StreamDecoder` turns a growing list of ids into text pieces for streaming.
@@ -18,7 +19,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
-from sparsedec.errors import CheckpointError, InputError
+from sparsedec.errors import CheckpointError, InputError, read_json
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -50,8 +51,15 @@ class Tokenizer:
     eos = self._id_of(self.special_tokens["eos_token"])
     self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(
         ([eos] if eos is not None else []) + [int(i) for i in extra_eos_ids]))
-    self.add_bos = bool(self.config.get("add_bos_token", False))
-    self.add_eos = bool(self.config.get("add_eos_token", False))
+    # The config's add_bos_token / add_eos_token where it has them; else what tokenizer.json's
+    # post-processor adds (Llama 3 ships no add_bos_token: its TemplateProcessing puts
+    # <|begin_of_text|> first, and transformers' encode runs it).
+    added = backend.encode("", add_special_tokens=True).ids
+    post_bos = self.bos_id is not None and added[:1] == [self.bos_id]
+    post_eos = bool(self.eos_ids) and added[-1:] == [self.eos_ids[0]] and (
+        len(added) > 1 or not post_bos)
+    self.add_bos = bool(self.config.get("add_bos_token", post_bos))
+    self.add_eos = bool(self.config.get("add_eos_token", post_eos))
     self.chat_template: str | None = self.config.get("chat_template")
     # Byte-fallback tokens (<0x41>) are decoded in runs: a following byte can still turn an
     # emitted character into U+FFFD, so streaming holds text that ends in one of them.
@@ -234,7 +242,4 @@ def _plain(value: Any) -> Any:
 
 
 def _read_json(path: str) -> dict:
-  if not os.path.isfile(path):
-    return {}
-  with open(path) as f:
-    return json.load(f)
+  return read_json(path) if os.path.isfile(path) else {}

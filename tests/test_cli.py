@@ -60,6 +60,7 @@ def test_sampled_generation_is_reproducible_by_seed(capsys):
     (["--cache-size", "8", "--max-new-tokens", "16"], "does not fit in the KV cache of 8"),
     (["--model", "/nonexistent/model"], "/nonexistent/model"),
     (["--chat", "hi"], "has no chat_template"),
+    (["--system", "be brief"], "--system goes with --chat"),
 ])
 def test_bad_input_is_a_clear_error(capsys, argv, message):
   base = ["generate"] + ([] if "--chat" in argv else ["--prompt", "Once"])
@@ -77,6 +78,20 @@ def test_bench_writes_json(capsys, tmp_path):
   assert result == json.loads(out)
   assert result["generated_tokens"] == 16 and result["tokens_per_second"] > 0
   assert result["device"]["platform"] == "cpu" and "host_peak_rss_bytes" in result["memory"]
+
+
+def test_bench_refuses_no_prompts_and_empty_batches(capsys, tmp_path):
+  """A negative count sliced the set from the end, 0 prompts wrote NaN into the JSON and a batch
+  size of 0 crashed: each is refused by name."""
+  for flag, value, message in (("--num-prompts", "0", "num_prompts must be an integer >= 1"),
+                               ("--num-prompts", "-1", "num_prompts must be an integer >= 1"),
+                               ("--batch-size", "0", "batch_size must be an integer >= 1")):
+    code, _, err = run_cli(capsys, "bench", flag, value, "--max-new-tokens", "2")
+    assert code == 2 and message in err, (flag, value, err)
+  empty = tmp_path / "prompts.txt"
+  empty.write_text("\n")
+  code, _, err = run_cli(capsys, "bench", "--prompts", str(empty), "--max-new-tokens", "2")
+  assert code == 2 and "holds no prompts" in err, err
 
 
 def test_convert_then_chat_with_smollm2(capsys, tmp_path, smollm2_gguf):

@@ -181,3 +181,31 @@ def test_stream_decoder_never_emits_partial_characters(stories_tok, smol_tok, da
   assert "".join(pieces) == whole
   if "\ufffd" not in whole:
     assert all("\ufffd" not in piece for piece in pieces)
+
+
+def test_bos_from_the_post_processor_when_the_config_has_no_add_bos_token():
+  """A Llama-3-style tokenizer: tokenizer_config.json without add_bos_token, <|begin_of_text|>
+  put first by tokenizer.json's TemplateProcessing post-processor (transformers' encode runs it).
+  encode adds that BOS too; an explicit add_bos_token in the config still decides."""
+  from tokenizers import Tokenizer as Backend
+  from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+  backend = Backend(models.BPE())
+  backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  backend.decoder = decoders.ByteLevel()
+  backend.train_from_iterator(["Once upon a time there was a cat."] * 4, trainers.BpeTrainer(
+      vocab_size=300, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  bos, eos = backend.token_to_id("<|begin_of_text|>"), backend.token_to_id("<|end_of_text|>")
+  config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+  plain = Tokenizer(backend, config).encode("Once upon")
+  assert bos not in plain
+  backend.post_processor = processors.TemplateProcessing(
+      single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
+  tok = Tokenizer(backend, config)
+  assert (tok.add_bos, tok.add_eos) == (True, False)
+  assert tok.encode("Once upon") == [bos] + plain
+  assert tok.encode("Once upon", add_bos=False) == plain
+  assert Tokenizer(backend, {**config, "add_bos_token": False}).encode("Once upon") == plain
+  backend.post_processor = processors.TemplateProcessing(
+      single="$A <|end_of_text|>", special_tokens=[("<|end_of_text|>", eos)])
+  assert Tokenizer(backend, config).encode("Once upon") == plain + [eos]

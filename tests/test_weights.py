@@ -202,11 +202,75 @@ def test_failed_save_cleans_temporary_dir(stories_hf_dir, tmp_path):
 
 def test_existing_checkpoint_needs_overwrite(stories_hf_dir, tmp_path):
   out = convert(stories_hf_dir, tmp_path / "ckpt", show_progress=False)
-  with pytest.raises(CheckpointError, match="already exists"):
+  with pytest.raises(CheckpointError, match="already exists .*--overwrite"):
     convert(stories_hf_dir, out, show_progress=False)
+  (tmp_path / ".ckpt.tmp-deadbeef").mkdir()            # what an interrupted save left
   convert(stories_hf_dir, out, overwrite=True, show_progress=False)
   assert leftovers(tmp_path) == ["ckpt"]
   load_checkpoint(out)
+
+
+def test_overwrite_replaces_only_a_checkpoint(hf_copy, tmp_path):
+  """overwrite deletes what it replaces: never a directory that is not a checkpoint (say, the one
+  holding the source, or the working directory), nor a plain file; and an HF directory without
+  tokenizer.json (which the checkpoint could not be loaded without) is refused before loading."""
+  notes = tmp_path / "mine"
+  notes.mkdir()
+  (notes / "notes.txt").write_text("keep me")
+  with pytest.raises(CheckpointError, match="not a sparsedec checkpoint"):
+    convert(hf_copy, notes, overwrite=True, show_progress=False)
+  assert (notes / "notes.txt").read_text() == "keep me"
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(CheckpointError, match="not a sparsedec checkpoint"):
+    convert(hf_copy, tmp_path / "file", overwrite=True, show_progress=False)
+  with pytest.raises(CheckpointError, match="not a sparsedec checkpoint"):
+    convert(hf_copy, hf_copy.parent, overwrite=True, show_progress=False)
+  (tmp_path / "empty").mkdir()
+  ckpt = convert(hf_copy, tmp_path / "empty", overwrite=True, show_progress=False)  # empty: fine
+  inner = shutil.copytree(hf_copy, pathlib.Path(ckpt) / "hf")
+  with pytest.raises(CheckpointError, match="would hold the source"):
+    convert(inner, ckpt, overwrite=True, show_progress=False)
+  assert (inner / "model.safetensors").exists() and (hf_copy / "model.safetensors").exists()
+  (hf_copy / "tokenizer.json").unlink()
+  with pytest.raises(CheckpointError, match="no tokenizer.json"):
+    convert(hf_copy, tmp_path / "untokenized", show_progress=False)
+  assert not (tmp_path / "untokenized").exists()
+
+
+def test_corrupt_files_raise_errors_that_name_them(hf_copy, tmp_path):
+  """What a broken download looks like: each raises a CheckpointError / UnsupportedConfigError
+  naming the file or key (they were SafetensorError, JSONDecodeError, KeyError, IndexError and
+  orbax's bare Exception)."""
+  ckpt = convert(hf_copy, tmp_path / "ckpt", show_progress=False)
+  weights = hf_copy / "model.safetensors"
+  data = weights.read_bytes()
+  weights.write_bytes(data[:len(data) // 2])
+  with pytest.raises(CheckpointError, match="model.safetensors"):
+    load_hf(hf_copy)
+  weights.write_bytes(data[:6])
+  with pytest.raises(CheckpointError, match="cannot read .*model.safetensors"):
+    load_hf(hf_copy)
+  weights.write_bytes(data)
+  config = hf_copy / "config.json"
+  good = json.loads(config.read_text())
+  config.write_text("{not json")
+  with pytest.raises(CheckpointError, match="config.json is not valid JSON"):
+    load_hf(hf_copy)
+  config.write_text(json.dumps({k: v for k, v in good.items() if k != "num_attention_heads"}))
+  with pytest.raises(UnsupportedConfigError, match="no 'num_attention_heads'"):
+    load_hf(hf_copy)
+  config.write_text(json.dumps(good))
+  (hf_copy / "generation_config.json").write_text("[")
+  with pytest.raises(CheckpointError, match="generation_config.json is not valid JSON"):
+    load_hf(hf_copy)
+  for i, blob in enumerate((b"GGUF", b"GGUF" + bytes(range(40)))):
+    bad = tmp_path / f"bad{i}.gguf"
+    bad.write_bytes(blob)
+    with pytest.raises(CheckpointError, match=f"cannot read GGUF file .*bad{i}.gguf"):
+      load_gguf(bad)
+  shutil.rmtree(pathlib.Path(ckpt) / "params" / "ocdbt.process_0")
+  with pytest.raises(CheckpointError, match="cannot restore params"):
+    load_checkpoint(ckpt)
 
 
 # -------------------------------------------------------------------------------------- GGUF

@@ -8,11 +8,10 @@ anything the forward pass would not honour.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, Mapping
 
-from sparsedec.errors import UnsupportedConfigError
+from sparsedec.errors import UnsupportedConfigError, read_json
 
 # HF architecture name -> our family name. The family decides which optional parts exist.
 ARCHITECTURES = {
@@ -137,14 +136,17 @@ class ModelConfig:
   @classmethod
   def from_hf(cls, hf: Mapping[str, Any], dtype: str | None = None) -> "ModelConfig":
     """Build from a Hugging Face config dict, refusing what the forward does not implement."""
-    return _from_hf(hf, dtype)
+    try:
+      return _from_hf(hf, dtype)
+    except KeyError as e:
+      raise UnsupportedConfigError(f"the model config has no {e.args[0]!r} (a required "
+                                   f"attribute of a Llama-family config)") from None
 
   @classmethod
   def from_hf_file(cls, path: str | os.PathLike, dtype: str | None = None) -> "ModelConfig":
     if not os.path.isfile(path):
       raise UnsupportedConfigError(f"config file not found: {path}")
-    with open(path) as f:
-      return _from_hf(json.load(f), dtype)
+    return cls.from_hf(read_json(path, UnsupportedConfigError), dtype)
 
 
 def _family(hf: Mapping[str, Any]) -> str:

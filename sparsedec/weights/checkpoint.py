@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from sparsedec.errors import CheckpointError
+from sparsedec.errors import CheckpointError, read_json
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.params import Params, abstract_params, cast_params, check_params
 from sparsedec.tokenizer import GENERATION_CONFIG_FILE, Tokenizer
@@ -60,27 +60,52 @@ def _write_tokenizer_files(dir_: str, tokenizer_files: TokenizerFiles) -> None:
         f.write(content)
 
 
+def check_output_dir(out_dir: str | os.PathLike, overwrite: bool) -> str:
+  """The absolute path of a checkpoint directory to write: refused when something is there and
+  overwrite is off, and, with overwrite, unless it is a sparsedec checkpoint or an empty
+  directory (replacing is deleting: never another directory's files, nor a plain file)."""
+  out_dir = os.path.abspath(os.fspath(out_dir))
+  if not os.path.lexists(out_dir):
+    return out_dir
+  if not overwrite:
+    raise CheckpointError(f"{out_dir} already exists (pass overwrite=True, or --overwrite on the "
+                          f"command line, to replace it)")
+  if not os.path.isdir(out_dir) or os.path.islink(out_dir) or not (
+      is_checkpoint(out_dir) or not os.listdir(out_dir)):
+    raise CheckpointError(f"{out_dir} exists and is not a sparsedec checkpoint: overwrite only "
+                          f"replaces a checkpoint directory (or an empty one), nothing else")
+  return out_dir
+
+
+def _remove_stale_temporaries(parent: str, name: str) -> None:
+  """`.NAME.tmp-*` / `.NAME.old-*` siblings an interrupted save left behind."""
+  for entry in os.listdir(parent):
+    if entry.startswith((f".{name}.tmp-", f".{name}.old-")):
+      shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
 def save_checkpoint(out_dir: str | os.PathLike, cfg: ModelConfig, params: Params,
                     tokenizer_files: TokenizerFiles = None, overwrite: bool = False) -> str:
   """Write a checkpoint directory atomically; returns its absolute path.
 
   tokenizer_files: a Tokenizer, or {file name: str | bytes | json-able dict}. A
   generation_config.json with cfg's bos/eos ids is added when none is given.
-  Refuses to replace an existing directory unless overwrite=True.
+  Refuses to replace an existing directory unless overwrite=True, and then replaces only a
+  checkpoint directory or an empty one (`check_output_dir`).
   """
-  out_dir = os.path.abspath(os.fspath(out_dir))
-  if os.path.exists(out_dir) and not overwrite:
-    raise CheckpointError(f"{out_dir} already exists (pass overwrite=True to replace it)")
+  out_dir = check_output_dir(out_dir, overwrite)
   check_params(cfg, params)
   parent, name = os.path.split(out_dir)
   os.makedirs(parent, exist_ok=True)
+  _remove_stale_temporaries(parent, name)
   tmp = os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
   os.makedirs(tmp)
   try:
     params = jax.tree.map(lambda x: jnp.asarray(x, cfg.dtype), params)
-    with ocp.StandardCheckpointer() as ckptr:
-      ckptr.save(os.path.join(tmp, PARAMS_DIR), params)
-      ckptr.wait_until_finished()
+    # Synchronous: when save returns or raises (Ctrl-C included), no background write into tmp
+    # is left running, so the cleanup below removes everything.
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+      ckptr.save(os.path.join(tmp, PARAMS_DIR), args=ocp.args.StandardSave(params))
     _write_tokenizer_files(tmp, tokenizer_files)
     gen_file = os.path.join(tmp, GENERATION_CONFIG_FILE)
     if not os.path.exists(gen_file):
@@ -107,8 +132,7 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
   config_file = os.path.join(path, CONFIG_NAME)
   if not os.path.isfile(config_file):
     raise CheckpointError(f"{path} is not a sparsedec checkpoint ({CONFIG_NAME} not found)")
-  with open(config_file) as f:
-    return ModelConfig.from_dict(json.load(f))
+  return ModelConfig.from_dict(read_json(config_file))
 
 
 def load_checkpoint(path: str | os.PathLike, dtype: str | None = None
@@ -128,7 +152,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None
   try:
     with ocp.StandardCheckpointer() as ckptr:
       params = ckptr.restore(params_dir, target)
-  except (ValueError, KeyError, FileNotFoundError) as e:
+  except Exception as e:                  # orbax / tensorstore raise plain Exceptions too
     raise CheckpointError(f"cannot restore params from {params_dir}: {e}") from e
   params = {**params, "layers": list(params["layers"])}
   check_params(cfg, params)
@@ -185,6 +209,14 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, dtype: str | None = 
   kind = source_kind(src)
   if kind == "checkpoint":
     raise CheckpointError(f"{src} is already a sparsedec checkpoint")
+  # Before the (long) load: where it would write, and whether the result could be loaded.
+  out = check_output_dir(out, overwrite)
+  src_abs = os.path.abspath(src)
+  if os.path.commonpath([src_abs, out]) == out:
+    raise CheckpointError(f"the output {out} would hold the source {src_abs}: write elsewhere")
+  if kind == "hf" and not os.path.isfile(os.path.join(src, "tokenizer.json")):
+    raise CheckpointError(f"{src} has no tokenizer.json: sparsedec reads tokenizers only from "
+                          f"tokenizer.json (or a GGUF file), so the checkpoint could not be loaded")
   step, close = _tqdm_progress(f"converting {os.path.basename(src)}") if show_progress else (
       None, lambda: None)
   try:

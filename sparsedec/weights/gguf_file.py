@@ -147,6 +147,15 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
   return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(d_out, *rest)
 
 
+def _reader(path: str) -> "gguf.GGUFReader":
+  """gguf.GGUFReader(path); a file it cannot parse (truncated, corrupt) raises a CheckpointError
+  naming it."""
+  try:
+    return gguf.GGUFReader(path)
+  except (ValueError, IndexError, KeyError, OSError) as e:
+    raise CheckpointError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from e
+
+
 def load_gguf(path: str | os.PathLike, dtype: str | None = None,
               progress: Callable[[str, int], None] | None = None
               ) -> tuple[ModelConfig, Params, Tokenizer]:
@@ -154,7 +163,7 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = None,
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise CheckpointError(f"GGUF file not found: {path}")
-  reader = gguf.GGUFReader(path)
+  reader = _reader(path)
   meta = read_metadata(reader)
   tensors = {t.name: t for t in reader.tensors}
   hf = hf_config_from_metadata(meta, set(tensors))
@@ -293,4 +302,4 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise CheckpointError(f"GGUF file not found: {path}")
-  return tokenizer_from_metadata(read_metadata(gguf.GGUFReader(path)))
+  return tokenizer_from_metadata(read_metadata(_reader(path)))

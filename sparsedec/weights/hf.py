@@ -6,7 +6,6 @@ w_gate_up, per-layer list). HF stores nn.Linear weights as [Out, In]; we transpo
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Callable, Mapping
@@ -15,7 +14,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors ca
 import numpy as np
 from safetensors import safe_open
 
-from sparsedec.errors import CheckpointError
+from sparsedec.errors import CheckpointError, read_json
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.params import Params, check_params
 
@@ -150,9 +149,7 @@ def load_hf_config(path: str | os.PathLike, dtype: str | None = None) -> ModelCo
   config_file = os.path.join(path, CONFIG_FILE)
   if not os.path.isfile(config_file):
     raise CheckpointError(f"{CONFIG_FILE} not found in HF checkpoint directory {path}")
-  with open(config_file) as f:
-    hf = json.load(f)
-  cfg = ModelConfig.from_hf(hf, dtype)
+  cfg = ModelConfig.from_hf(read_json(config_file), dtype)
   gen = read_generation_config(path)
   eos = _as_ids(gen.get("eos_token_id"))
   merged = tuple(dict.fromkeys(cfg.eos_token_ids + eos))
@@ -164,8 +161,16 @@ def read_generation_config(path: str | os.PathLike) -> dict:
   gen_file = os.path.join(path, GENERATION_CONFIG_FILE)
   if not os.path.isfile(gen_file):
     return {}
-  with open(gen_file) as f:
-    return json.load(f)
+  return read_json(gen_file)
+
+
+def _safetensors(file: str):
+  """safe_open(file), a file safetensors cannot read (truncated, not safetensors) raising a
+  CheckpointError that names it."""
+  try:
+    return safe_open(file, framework="numpy")
+  except Exception as e:                  # safetensors raises its own SafetensorError
+    raise CheckpointError(f"cannot read {file}: {e}") from e
 
 
 def safetensors_files(path: str | os.PathLike) -> dict[str, str]:
@@ -173,8 +178,7 @@ def safetensors_files(path: str | os.PathLike) -> dict[str, str]:
   index_file = os.path.join(path, INDEX_FILE)
   single = os.path.join(path, SINGLE_FILE)
   if os.path.isfile(index_file):
-    with open(index_file) as f:
-      weight_map = json.load(f).get("weight_map")
+    weight_map = read_json(index_file).get("weight_map")
     if not isinstance(weight_map, Mapping):
       raise CheckpointError(f"{index_file} has no 'weight_map'")
     for shard in sorted(set(weight_map.values())):
@@ -182,7 +186,7 @@ def safetensors_files(path: str | os.PathLike) -> dict[str, str]:
         raise CheckpointError(f"shard file {shard} listed in {INDEX_FILE} is missing from {path}")
     return {name: os.path.join(path, shard) for name, shard in weight_map.items()}
   if os.path.isfile(single):
-    with safe_open(single, framework="numpy") as f:
+    with _safetensors(single) as f:
       return {name: single for name in f.keys()}
   raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in HF checkpoint directory {path}")
 
@@ -223,7 +227,7 @@ class _Readers:
 
   def _handle(self, file: str):
     if file not in self._open:
-      handle = safe_open(file, framework="numpy")
+      handle = _safetensors(file)
       self._open[file] = handle.__enter__()
     return self._open[file]
 
@@ -234,7 +238,13 @@ class _Readers:
                             f"{os.path.basename(file)} but that file does not hold it")
 
   def __call__(self, name: str) -> np.ndarray:
-    return self._handle(self._files[name]).get_tensor(name)
+    file = self._files[name]
+    try:
+      return self._handle(file).get_tensor(name)
+    except CheckpointError:
+      raise
+    except Exception as e:                # a truncated file fails here, not at open
+      raise CheckpointError(f"cannot read tensor {name} from {file}: {e}") from e
 
 
 def _as_ids(value) -> tuple[int, ...]:
