@@ -138,10 +138,40 @@ def test_sampling_first_token_distribution_matches_processed_probs(stories):
     (dict(sampling_kw=dict(top_p=1.5)), "top_p"),
     (dict(sampling_kw=dict(temperature=-1.0)), "temperature"),
     (dict(sampling_kw=dict(top_k=-3)), "top_k"),
+    (dict(sampling_kw=dict(temperature=float("inf"))), "temperature"),   # top-k then kept all
+    (dict(sampling_kw=dict(temperature=1e-40)), "temperature"),          # logits / T overflowed
+    (dict(sampling_kw=dict(top_k=True)), "top_k"),
 ])
 def test_bad_sampling_parameters(kwargs, message):
   with pytest.raises(sparsedec.InputError, match=message):
     sparsedec.SamplingConfig(**kwargs["sampling_kw"])
+
+
+def test_numpy_scalars_and_wide_seeds_are_taken_and_loop_slices_checked():
+  """numpy scalars as sampling knobs (stored as Python numbers: one jit cache key); seeds past
+  int32 (2**31, a getrandbits(32) value) taken modulo 2**32 instead of an OverflowError; a
+  stream interval or advance of 0 steps refused (it looped forever); and tokens/s counts the
+  decode loop's tokens only (with max_new_tokens = 1 the loop makes none)."""
+  from sparsedec.decode import api
+  cfg = CONFIGS["llama3"]
+  params = init_random(cfg, jax.random.key(0))
+  numpy_cfg = sparsedec.SamplingConfig(temperature=np.float32(0.5), top_k=np.int64(5))
+  assert numpy_cfg == sparsedec.SamplingConfig(temperature=0.5, top_k=5)
+  sampling = sparsedec.SamplingConfig(temperature=1.0)
+  wide = sparsedec.generate(cfg, params, [[1, 2, 3]], max_new_tokens=6, sampling=sampling,
+                            seed=2 ** 32 + 7)
+  assert wide.tokens == sparsedec.generate(cfg, params, [[1, 2, 3]], max_new_tokens=6,
+                                           sampling=sampling, seed=7).tokens
+  sparsedec.generate(cfg, params, [[1, 2, 3]] * 2, max_new_tokens=2, seed=[2 ** 31, 2 ** 40])
+  with pytest.raises(sparsedec.InputError, match="seed must be an int"):
+    sparsedec.generate(cfg, params, [[1, 2, 3]], max_new_tokens=2, seed=1.5)
+  with pytest.raises(sparsedec.InputError, match="interval must be an integer >= 1"):
+    next(api.stream(cfg, params, [[1, 2, 3]], interval=0, max_new_tokens=4))
+  state, run = api.start(cfg, params, [[1, 2, 3]], max_new_tokens=4)
+  with pytest.raises(sparsedec.InputError, match="steps must be None or an integer >= 1"):
+    run.advance(params, state, 0)
+  one = sparsedec.generate(cfg, params, [[1, 2, 3]], max_new_tokens=1)
+  assert one.num_generated == 1 and one.tokens_per_second == 0.0
 
 
 def test_prompt_longer_than_cache_is_an_error():

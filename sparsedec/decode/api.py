@@ -70,7 +70,10 @@ class GenerationResult:
 
   @property
   def tokens_per_second(self) -> float:
-    return self.num_generated / self.decode_seconds if self.decode_seconds > 0 else 0.0
+    """Tokens the decode loop generated per second of it (each row's first token comes from
+    prefill, which decode_seconds does not time)."""
+    made = self.num_generated - len(self.tokens)
+    return made / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
   def stats(self) -> dict:
     return {"generated_tokens": self.num_generated, "steps": self.steps,
@@ -127,11 +130,17 @@ def _check_prompts(cfg: ModelConfig, prompts) -> list[list[int]]:
 
 
 def _seeds(seed, batch: int) -> np.ndarray:
-  if isinstance(seed, (int, np.integer)):
-    return np.full((batch,), int(seed), np.int32)
-  seeds = np.asarray(seed, np.int32)
-  if seeds.shape != (batch,):
-    raise InputError(f"seed must be an int or one per prompt ({batch}), got shape {seeds.shape}")
+  """[B] int32 seeds: any Python / numpy integer, taken modulo 2**32 (so 2**31, 2**40 or a
+  getrandbits(32) value work; seeds within int32 are unchanged)."""
+  if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+    seed = [int(seed)] * batch
+  try:
+    seeds = np.asarray([int(s) % 2 ** 32 for s in seed], np.uint32).view(np.int32)
+  except (TypeError, ValueError):
+    raise InputError(f"seed must be an int or one int per prompt ({batch}), "
+                     f"got {seed!r}") from None
+  if seeds.shape != (batch,) or any(isinstance(s, (bool, float)) for s in seed):
+    raise InputError(f"seed must be an int or one int per prompt ({batch}), got {seed!r}")
   return seeds
 
 
@@ -177,6 +186,8 @@ class Run:
     """Run the loop until every row is done, or for at most `steps` (default: max_steps) more
     iterations. The bound counts from the state's current step, so rows inserted into a running
     state (`serving.insert_row`) get a full budget."""
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+      raise InputError(f"steps must be None or an integer >= 1, got {steps!r}")
     budget = self.max_steps if steps is None else min(steps, self.max_steps)
     limit = int(jax.device_get(state.step)) + budget
     return decode(self.cfg, params, state, np.int32(limit), method=self.method, ctx=self.ctx)
@@ -230,6 +241,8 @@ def stream(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *
            interval: int = 8, **kwargs) -> Iterator[list[list[int]]]:
   """Like `generate`, yielding each row's newly generated tokens every `interval` loop steps
   (the loop runs on device in slices; no host round trip inside a slice)."""
+  if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+    raise InputError(f"interval must be an integer >= 1, got {interval!r}")
   state, run = start(cfg, params, prompts, **kwargs)
   seen = [0] * len(prompts)
   while True:

@@ -7,6 +7,8 @@ so acceptance rules preserve exactly what dense sampling would produce.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -14,21 +16,33 @@ import jax.numpy as jnp
 from sparsedec.errors import InputError
 
 
+MIN_TEMPERATURE = 1e-30   # logits / T stays finite in fp32 for |logits| < 1e8
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-  """temperature 0 means greedy (argmax); top_k 0 means off; top_p in (0, 1]."""
+  """temperature 0 means greedy (argmax), else finite and >= MIN_TEMPERATURE; top_k 0 means
+  off; top_p in (0, 1]. numpy scalars are taken (stored as Python numbers)."""
 
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
 
   def __post_init__(self):
-    if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-      raise InputError(f"temperature must be >= 0, got {self.temperature!r}")
-    if not (isinstance(self.top_k, int) and self.top_k >= 0):
+    real = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)
+    if not (real(self.temperature) and (self.temperature == 0 or (
+        MIN_TEMPERATURE <= self.temperature < math.inf))):
+      raise InputError(f"temperature must be >= 0: 0 (greedy), or finite and >= "
+                       f"{MIN_TEMPERATURE} (smaller ones overflow the scaled logits), got "
+                       f"{self.temperature!r}")
+    if not (isinstance(self.top_k, numbers.Integral) and not isinstance(self.top_k, bool)
+            and self.top_k >= 0):
       raise InputError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-    if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+    if not (real(self.top_p) and 0.0 < self.top_p <= 1.0):
       raise InputError(f"top_p must be in (0, 1], got {self.top_p!r}")
+    object.__setattr__(self, "temperature", float(self.temperature))
+    object.__setattr__(self, "top_k", int(self.top_k))
+    object.__setattr__(self, "top_p", float(self.top_p))
 
   @property
   def greedy(self) -> bool:
