@@ -1,5 +1,7 @@
 """Errors raised for the user: each names the bad value in plain words."""
 
+import json
+
 
 class SparsedecError(ValueError):
   """Base class of every error sparsedec raises for bad input."""
@@ -17,10 +19,9 @@ class InputError(SparsedecError):
   """A bad argument to generation: prompt too long, bad sampling parameter, ..."""
 
 
-def read_json(path, error: type[SparsedecError] = None):
+def read_json(path, error: type[SparsedecError] | None = None):
   """The JSON document in file `path`; a file that does not parse raises `error` (default
   CheckpointError) naming the file, not a bare JSONDecodeError."""
-  import json
   try:
     with open(path) as f:
       return json.load(f)

@@ -172,6 +172,12 @@ def test_numpy_scalars_and_wide_seeds_are_taken_and_loop_slices_checked():
     run.advance(params, state, 0)
   one = sparsedec.generate(cfg, params, [[1, 2, 3]], max_new_tokens=1)
   assert one.num_generated == 1 and one.tokens_per_second == 0.0
+  for kwargs, message in ((dict(stop_tokens=2), "stop_tokens must be a sequence of token ids"),
+                          (dict(cache_size=64.0), "cache_size must be an integer > 0"),
+                          (dict(prefill_chunk=4.0), "prefill_chunk must be a power of two")):
+    with pytest.raises(sparsedec.InputError, match=message):
+      sparsedec.generate(cfg, params, [[1, 2, 3]], max_new_tokens=2, **kwargs)
+  sparsedec.generate(cfg, params, [np.array([1, 2, 3])], max_new_tokens=2, stop_tokens={5, 6})
 
 
 def test_prompt_longer_than_cache_is_an_error():
@@ -188,6 +194,8 @@ def test_prompt_longer_than_cache_is_an_error():
     ([[]], "prompt 0 is empty"),
     ([1, 2, 3], "flat list"),
     ([[1, 2, 500]], "token id 500 outside the vocabulary"),
+    ([[1, 2.7, 3]], "prompt 0 must be a list of integer token ids"),    # was truncated to 2
+    (["hello"], "prompt 0 must be a list of integer token ids"),
 ])
 def test_bad_prompts(prompts, message):
   cfg = CONFIGS["llama3"]

@@ -168,6 +168,10 @@ def test_bad_knobs_and_unsupported_models_are_refused(stories):
     Fafo(subsequences=0)
   with pytest.raises(InputError, match="not a CompressionPolicy"):
     Fafo(policy="streaming")
+  with pytest.raises(InputError, match=r"policy object, e.g. StreamingLLM\(\)"):
+    Fafo(policy=StreamingLLM)                      # the class, not an instance
+  with pytest.raises(InputError, match="window, pool and recent_blocks must be integers"):
+    SnapKV(pool=2.5)
   with pytest.raises(InputError, match="sliding"):
     sparsedec.generate(cfg.replace(family="mistral", sliding_window=16), params,
                        [[1, 2, 3]], max_new_tokens=2, method=Fafo())

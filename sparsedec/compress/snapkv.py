@@ -64,8 +64,10 @@ class SnapKV:
     if not 1 <= self.recent_blocks < self.budget_blocks:
       raise InputError(f"SnapKV: recent_blocks must be in [1, budget_blocks="
                        f"{self.budget_blocks}), got {self.recent_blocks}")
-    if self.window < 1 or self.pool < 1:
-      raise InputError(f"SnapKV: window and pool must be >= 1, got {self.window}, {self.pool}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
+               for v in (self.window, self.pool, self.recent_blocks)):
+      raise InputError(f"SnapKV: window, pool and recent_blocks must be integers >= 1, got "
+                       f"{self.window!r}, {self.pool!r}, {self.recent_blocks!r}")
 
   def init(self, cfg, params, state) -> SnapKVState:
     cache = state.cache

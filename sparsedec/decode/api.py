@@ -98,8 +98,8 @@ def plan_capacity(cfg: ModelConfig, max_prompt: int, max_new_tokens: int,
         f"prompt ({max_prompt} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds the "
         f"model's context of {cfg.max_position_embeddings} tokens (max_position_embeddings)")
   if cache_size is not None:
-    if cache_size <= 0:
-      raise InputError(f"cache_size must be > 0, got {cache_size}")
+    if not _is_int(cache_size) or cache_size <= 0:
+      raise InputError(f"cache_size must be an integer > 0, got {cache_size!r}")
     if need > cache_size:
       raise InputError(
           f"prompt ({max_prompt} tokens) + max_new_tokens ({max_new_tokens}) = {need} does not "
@@ -118,6 +118,10 @@ def _check_prompts(cfg: ModelConfig, prompts) -> list[list[int]]:
     raise InputError("prompts must be a list of token-id lists (got a flat list: wrap it in [])")
   out = []
   for i, p in enumerate(prompts):
+    if hasattr(p, "tolist"):                      # numpy / jax arrays
+      p = p.tolist()
+    if not isinstance(p, (list, tuple, range)) or not all(_is_int(t) for t in p):
+      raise InputError(f"prompt {i} must be a list of integer token ids, got {p!r:.80}")
     p = [int(t) for t in p]
     if not p:
       raise InputError(f"prompt {i} is empty")
@@ -127,6 +131,11 @@ def _check_prompts(cfg: ModelConfig, prompts) -> list[list[int]]:
                        f"[0, {cfg.vocab_size})")
     out.append(p)
   return out
+
+
+def _is_int(x) -> bool:
+  """A Python or numpy integer (not a bool, not a float)."""
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def _seeds(seed, batch: int) -> np.ndarray:
@@ -151,13 +160,18 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
           prefill_chunk: int = 256) -> tuple[DecodeState, "Run"]:
   """Validate, prefill and attach the method: the state the decode loop starts from."""
   sampling = sampling or SamplingConfig()
-  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+  if not _is_int(max_new_tokens) or max_new_tokens < 1:
     raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-  if prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
-    raise InputError(f"prefill_chunk must be a power of two, got {prefill_chunk}")
+  if not _is_int(prefill_chunk) or prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
+    raise InputError(f"prefill_chunk must be a power of two, got {prefill_chunk!r}")
   rows = _check_prompts(cfg, prompts)
   method = get_method(method)
-  stop_ids = tuple(int(t) for t in (cfg.eos_token_ids if stop_tokens is None else stop_tokens))
+  stops = cfg.eos_token_ids if stop_tokens is None else stop_tokens
+  if (isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__")
+      or not all(_is_int(t) for t in stops)):
+    raise InputError(f"stop_tokens must be a sequence of token ids (() for none), "
+                     f"got {stop_tokens!r}")
+  stop_ids = tuple(int(t) for t in stops)
   lengths = np.array([len(p) for p in rows], np.int32)
   capacity = plan_capacity(cfg, int(lengths.max()), int(max_new_tokens), cache_size)
   bucket = prompt_bucket(int(lengths.max()))

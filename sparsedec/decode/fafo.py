@@ -119,6 +119,9 @@ class Fafo:
     if self.pool_keys % POOL_BUCKET_WAYS:
       raise InputError(f"fafo pool_keys must be a multiple of {POOL_BUCKET_WAYS}, "
                        f"got {self.pool_keys}")
+    if isinstance(self.policy, type):
+      raise InputError(f"fafo policy must be a policy object, e.g. {self.policy.__name__}(), "
+                       f"got the class {self.policy.__name__}")
     for attr in ("init", "view", "update", "block_size", "budget_blocks"):
       if not hasattr(self.policy, attr):
         raise InputError(f"fafo policy {self.policy!r} is not a CompressionPolicy (no {attr})")
