@@ -14,7 +14,7 @@ from sparsedec.decode.api import generate
 from sparsedec.decode.loop import DecodeMethod
 from sparsedec.decode.methods import method_config
 from sparsedec.decode.sampling import SamplingConfig
-from sparsedec.errors import InputError
+from sparsedec.errors import InputError, is_int
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.params import Params, num_bytes
 from sparsedec.prompts import load_prompt_set
@@ -63,7 +63,7 @@ def run_bench(cfg: ModelConfig, params: Params, tok: Tokenizer, *, prompts: str 
               chat_template: bool = False, ignore_eos: bool = False,
               model_name: str = "") -> dict:
   for name, value in (("num_prompts", num_prompts), ("batch_size", batch_size)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
       raise InputError(f"bench {name} must be an integer >= 1, got {value!r}")
   texts = load_prompt_set(prompts)[:num_prompts]
   if not texts:

@@ -2,6 +2,8 @@
 
 import json
 
+import numpy as np
+
 
 class SparsedecError(ValueError):
   """Base class of every error sparsedec raises for bad input."""
@@ -17,6 +19,12 @@ class CheckpointError(SparsedecError):
 
 class InputError(SparsedecError):
   """A bad argument to generation: prompt too long, bad sampling parameter, ..."""
+
+
+def is_int(value) -> bool:
+  """A Python or numpy integer, not a bool (nor a float holding an integer): what the integer
+  knobs accept."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def read_json(path, error: type[SparsedecError] | None = None):

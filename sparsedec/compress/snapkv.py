@@ -20,7 +20,7 @@ from flax import struct
 from sparsedec.attention import BlockListView
 from sparsedec.compress.base import check_budget, pack_tables, prompt_window_queries
 from sparsedec.compress.streaming import streaming_tables
-from sparsedec.errors import InputError
+from sparsedec.errors import InputError, is_int
 from sparsedec.kv.dense import KVCache
 
 
@@ -64,8 +64,7 @@ class SnapKV:
     if not 1 <= self.recent_blocks < self.budget_blocks:
       raise InputError(f"SnapKV: recent_blocks must be in [1, budget_blocks="
                        f"{self.budget_blocks}), got {self.recent_blocks}")
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
-               for v in (self.window, self.pool, self.recent_blocks)):
+    if not all(is_int(v) and v >= 1 for v in (self.window, self.pool, self.recent_blocks)):
       raise InputError(f"SnapKV: window, pool and recent_blocks must be integers >= 1, got "
                        f"{self.window!r}, {self.pool!r}, {self.recent_blocks!r}")
 

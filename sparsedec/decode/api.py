@@ -15,7 +15,7 @@ from sparsedec.decode.methods import get_method
 from sparsedec.decode.prefill import empty_cache, prefill
 from sparsedec.decode.sampling import SamplingConfig
 from sparsedec.decode.state import DecodeState
-from sparsedec.errors import InputError
+from sparsedec.errors import InputError, is_int
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.params import Params
 
@@ -98,7 +98,7 @@ def plan_capacity(cfg: ModelConfig, max_prompt: int, max_new_tokens: int,
         f"prompt ({max_prompt} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds the "
         f"model's context of {cfg.max_position_embeddings} tokens (max_position_embeddings)")
   if cache_size is not None:
-    if not _is_int(cache_size) or cache_size <= 0:
+    if not is_int(cache_size) or cache_size <= 0:
       raise InputError(f"cache_size must be an integer > 0, got {cache_size!r}")
     if need > cache_size:
       raise InputError(
@@ -120,7 +120,7 @@ def _check_prompts(cfg: ModelConfig, prompts) -> list[list[int]]:
   for i, p in enumerate(prompts):
     if hasattr(p, "tolist"):                      # numpy / jax arrays
       p = p.tolist()
-    if not isinstance(p, (list, tuple, range)) or not all(_is_int(t) for t in p):
+    if not isinstance(p, (list, tuple, range)) or not all(is_int(t) for t in p):
       raise InputError(f"prompt {i} must be a list of integer token ids, got {p!r:.80}")
     p = [int(t) for t in p]
     if not p:
@@ -133,15 +133,10 @@ def _check_prompts(cfg: ModelConfig, prompts) -> list[list[int]]:
   return out
 
 
-def _is_int(x) -> bool:
-  """A Python or numpy integer (not a bool, not a float)."""
-  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
 def _seeds(seed, batch: int) -> np.ndarray:
   """[B] int32 seeds: any Python / numpy integer, taken modulo 2**32 (so 2**31, 2**40 or a
   getrandbits(32) value work; seeds within int32 are unchanged)."""
-  if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+  if is_int(seed):
     seed = [int(seed)] * batch
   try:
     seeds = np.asarray([int(s) % 2 ** 32 for s in seed], np.uint32).view(np.int32)
@@ -160,15 +155,15 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
           prefill_chunk: int = 256) -> tuple[DecodeState, "Run"]:
   """Validate, prefill and attach the method: the state the decode loop starts from."""
   sampling = sampling or SamplingConfig()
-  if not _is_int(max_new_tokens) or max_new_tokens < 1:
+  if not is_int(max_new_tokens) or max_new_tokens < 1:
     raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-  if not _is_int(prefill_chunk) or prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
+  if not is_int(prefill_chunk) or prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
     raise InputError(f"prefill_chunk must be a power of two, got {prefill_chunk!r}")
   rows = _check_prompts(cfg, prompts)
   method = get_method(method)
   stops = cfg.eos_token_ids if stop_tokens is None else stop_tokens
   if (isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__")
-      or not all(_is_int(t) for t in stops)):
+      or not all(is_int(t) for t in stops)):
     raise InputError(f"stop_tokens must be a sequence of token ids (() for none), "
                      f"got {stop_tokens!r}")
   stop_ids = tuple(int(t) for t in stops)
@@ -200,7 +195,7 @@ class Run:
     """Run the loop until every row is done, or for at most `steps` (default: max_steps) more
     iterations. The bound counts from the state's current step, so rows inserted into a running
     state (`serving.insert_row`) get a full budget."""
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+    if steps is not None and (not is_int(steps) or steps < 1):
       raise InputError(f"steps must be None or an integer >= 1, got {steps!r}")
     budget = self.max_steps if steps is None else min(steps, self.max_steps)
     limit = int(jax.device_get(state.step)) + budget
@@ -255,7 +250,7 @@ def stream(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *
            interval: int = 8, **kwargs) -> Iterator[list[list[int]]]:
   """Like `generate`, yielding each row's newly generated tokens every `interval` loop steps
   (the loop runs on device in slices; no host round trip inside a slice)."""
-  if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+  if not is_int(interval) or interval < 1:
     raise InputError(f"interval must be an integer >= 1, got {interval!r}")
   state, run = start(cfg, params, prompts, **kwargs)
   seen = [0] * len(prompts)

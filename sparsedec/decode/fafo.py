@@ -51,7 +51,7 @@ from sparsedec.decode.guesses import context_tokens, row_salt
 from sparsedec.decode.sampling import split_keys
 from sparsedec.decode.state import DecodeState, append_tokens
 from sparsedec.decode.verify import verify
-from sparsedec.errors import InputError
+from sparsedec.errors import InputError, is_int
 from sparsedec.kv.dense import commit
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.forward import forward
@@ -114,7 +114,7 @@ class Fafo:
     for field, low in (("subsequences", 1), ("length", 1), ("candidates", 1),
                        ("pool_keys", POOL_BUCKET_WAYS), ("entries_per_key", 1)):
       value = getattr(self, field)
-      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+      if not is_int(value) or value < low:
         raise InputError(f"fafo {field} must be an integer >= {low}, got {value!r}")
     if self.pool_keys % POOL_BUCKET_WAYS:
       raise InputError(f"fafo pool_keys must be a multiple of {POOL_BUCKET_WAYS}, "

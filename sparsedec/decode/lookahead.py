@@ -59,7 +59,7 @@ from sparsedec.decode.loop import StepContext, finish_step
 from sparsedec.decode.sampling import split_keys
 from sparsedec.decode.state import DecodeState, append_tokens
 from sparsedec.decode.verify import verify
-from sparsedec.errors import InputError
+from sparsedec.errors import InputError, is_int
 from sparsedec.kv.dense import commit
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.forward import forward
@@ -122,7 +122,7 @@ class Lookahead:
     for field, low in (("window", 1), ("ngram", 2), ("guesses", 1),
                        ("pool_keys", POOL_BUCKET_WAYS)):
       value = getattr(self, field)
-      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+      if not is_int(value) or value < low:
         raise InputError(f"lookahead {field} must be an integer >= {low}, got {value!r}")
     if self.pool_keys % POOL_BUCKET_WAYS:
       raise InputError(f"lookahead pool_keys must be a multiple of {POOL_BUCKET_WAYS}, "

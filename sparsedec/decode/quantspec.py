@@ -62,7 +62,7 @@ from sparsedec.decode.loop import StepContext, finish_step
 from sparsedec.decode.sampling import SamplingConfig, probabilities, split_keys
 from sparsedec.decode.state import DecodeState, append_tokens
 from sparsedec.decode.verify import Verdict, draw_from, verify, verify_drafted
-from sparsedec.errors import InputError
+from sparsedec.errors import InputError, is_int
 from sparsedec.kv import quantized as qkv
 from sparsedec.kv.dense import KVCache, commit
 from sparsedec.model.config import ModelConfig
@@ -109,10 +109,6 @@ class QuantSpecExtras:
   accepted_drafts: jax.Array   # [B] int32: draft tokens accepted (and appended)
 
 
-def _is_int(value) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 @dataclasses.dataclass(frozen=True)
 class QuantSpec:
   gamma: int = 4                   # draft tokens per step
@@ -129,7 +125,7 @@ class QuantSpec:
   def __post_init__(self):
     for field, low in (("gamma", 1), ("quant_group", 2), ("weight_group", 2)):
       value = getattr(self, field)
-      if not _is_int(value) or value < low:
+      if not is_int(value) or value < low:
         raise InputError(f"quantspec {field} must be an integer >= {low}, got {value!r}")
     if self.verify_precision not in VERIFY_PRECISIONS:
       raise InputError(f"quantspec verify_precision must be one of {VERIFY_PRECISIONS}, "

@@ -13,7 +13,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from sparsedec.errors import InputError
+from sparsedec.errors import InputError, is_int
 
 
 MIN_TEMPERATURE = 1e-30   # logits / T stays finite in fp32 for |logits| < 1e8
@@ -35,8 +35,7 @@ class SamplingConfig:
       raise InputError(f"temperature must be >= 0: 0 (greedy), or finite and >= "
                        f"{MIN_TEMPERATURE} (smaller ones overflow the scaled logits), got "
                        f"{self.temperature!r}")
-    if not (isinstance(self.top_k, numbers.Integral) and not isinstance(self.top_k, bool)
-            and self.top_k >= 0):
+    if not (is_int(self.top_k) and self.top_k >= 0):
       raise InputError(f"top_k must be an integer >= 0, got {self.top_k!r}")
     if not (real(self.top_p) and 0.0 < self.top_p <= 1.0):
       raise InputError(f"top_p must be in (0, 1], got {self.top_p!r}")

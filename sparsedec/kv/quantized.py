@@ -41,7 +41,7 @@ from pallas_kernels.quant_attention import (KEY_TILE, QuantKV, QuantPlanes, k_la
 from pallas_kernels.register_operand import pack_words, unpack_words
 from sparsedec.model.quant_weights import array_bytes
 from pallas_kernels.quant_attention import bytes_per_token as _quant_bytes
-from sparsedec.errors import InputError
+from sparsedec.errors import InputError, is_int
 from sparsedec.kv.dense import InflightKV, KVCache
 
 
@@ -52,7 +52,7 @@ def quantized_length(num_tokens: jax.Array, group: int) -> jax.Array:
 
 
 def check_group(group: int, head_dim: int) -> None:
-  if not isinstance(group, int) or isinstance(group, bool) or group < 1:
+  if not is_int(group) or group < 1:
     raise InputError(f"quant group must be an integer >= 1, got {group!r}")
   if head_dim % 8:
     raise InputError(f"head_dim {head_dim} must be a multiple of 8 (the codes are stored as "

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from sparsedec.errors import InputError
+from sparsedec.errors import InputError, is_int
 
 EMPTY = -1   # padding of keys and of invalid lookup results
 
@@ -62,7 +62,7 @@ class PoolConfig:
   def __post_init__(self):
     for name in ("key_len", "value_len", "entries_per_key", "num_buckets", "bucket_ways"):
       value = getattr(self, name)
-      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+      if not is_int(value) or value < 1:
         raise InputError(f"PoolConfig.{name} must be an integer >= 1, got {value!r}")
 
   @property
