@@ -11,12 +11,13 @@ The other version is a copy of the module's file, e.g. session 27's kernel:
 Cases (Llama-3.1-8B heads: Hq 32, Hkv 8, D 128): `kernel` the kernel alone under causal masks
 (T 16 / 64 / 256, B 1 / 8) and FAFO's / Lookahead's 8B step masks (T 283 / 282); `calls` decode
 and sparse (4 listed 64-slot blocks) at B 8, 16K, Tq 64 / 256 and FAFO's / Lookahead's 8B calls
-at 4K / 32K, and issue 3's Tq 16 cells; `smol` SmolLM2's FAFO and Lookahead calls (T 109 / 108),
-each timed twice. `--modes merged kernel` times every call with each in-flight mode; `--match`
-picks calls by name; `--variant MERGE_MAX_CHUNKS=4` adds the current file with constants
-set. Whole calls swap the module's `inflight_partials` / `mask_bias` (and `inflight_merged`,
-`merge_chunks`, where it has them) into the cache kernels' wrappers, so every version must keep
-that interface (a mask_bias result passed through). Session 28's figures (H200):
+at 4K / 32K, and issue 3's Tq 16 and Tq 1 cells (`--match 'Tq1 '`: the Tq 1 ones); `smol`
+SmolLM2's FAFO and Lookahead calls (T 109 / 108), each timed twice.
+`--modes merged kernel` times every call with each in-flight mode; `--match` picks calls by
+name; `--variant MERGE_MAX_CHUNKS=4` adds the current file with constants set. Whole calls
+swap the module's `inflight_partials` / `mask_bias` (and `inflight_merged`, `merge_chunks`,
+where it has them) into the cache kernels' wrappers, so every version must keep that interface
+(a mask_bias result passed through). Session 28's figures (H200):
 `results/s28/inflight_ab_s28_h200.json`, `inflight_ab_smol_s28_h200.json`.
 """
 
@@ -162,7 +163,7 @@ def call_cases(versions, rows, smol, modes=("auto",), match=None):
     dcfg = lambda mode: decode_module.DecodeConfig(inflight=mode)
     scfg = lambda mode: sparse_module.SparseConfig(inflight=mode)
     for b, s, t in ((8, 16384, 256), (8, 16384, 64), (8, 16384, 16), (1, 16384, 16),
-                    (1, 65536, 16)):
+                    (1, 65536, 16), (8, 16384, 1), (1, 16384, 1), (1, 65536, 1)):
       lb = jnp.array([s] * b)
       mk = jnp.asarray(np.tril(np.ones((t, t), bool)))
       args = arrays(b, t, HQ, HKV, D, s)
@@ -193,7 +194,7 @@ def call_cases(versions, rows, smol, modes=("auto",), match=None):
                     arrays(1, 282, HQ, HKV, D, s)))
     repeats = 1
   for name, call, args in calls:
-    if match and not any(m in name for m in match):
+    if match and not any(m in f"{name} " for m in match):     # "Tq1 ": Tq1, not Tq16
       continue
     outs = {}
     for _ in range(repeats):
@@ -222,7 +223,9 @@ def main(argv=None):
   p.add_argument("--modes", nargs="+", default=["auto"],
                  choices=["auto", "merged", "kernel", "jnp"],
                  help="in-flight modes the whole calls run with (each its own row)")
-  p.add_argument("--match", nargs="+", help="only the whole calls whose name contains one of these")
+  p.add_argument("--match", nargs="+",
+                 help="only the whole calls whose name contains one of these (a trailing space "
+                      "ends a word: 'Tq1 ')")
   p.add_argument("--variant", action="append", default=[], metavar="NAME=INT[,NAME=INT]",
                  help="also time the current file with module constants set, e.g. "
                       "MERGE_MAX_CHUNKS=4 (repeatable: one version each)")

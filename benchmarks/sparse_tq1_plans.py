@@ -1,0 +1,70 @@
+"""Issue 3's Tq = 1 sparse cell (S = 16K, 4 listed 64-slot blocks, Llama-3.1-8B heads) under
+other launch plans, in one run (GPU): split counts (the planner's, 1, 2, 4) x in-flight modes
+("jnp": the combine's jnp term, "merged": the in-flight kernel merges the splits) x ring depths
+(2, 4), at B 8 and B 1; wall and device us per call, the costliest kernels, and how far each
+output moves from the first plan's.
+
+  python benchmarks/sparse_tq1_plans.py --out $OUT/sparse_tq1_plans.json
+
+Session 35's figures (H200): `results/s35/sparse_tq1_plans_s35_h200.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks._timing import time_loop, write_json
+from benchmarks.inflight_ab import D, HKV, HQ, arrays
+from pallas_kernels.sparse_attention import SparseConfig, sparse_attention
+
+CAPACITY = 16384
+LISTED = (0, 50, 100, 200)        # 4 of 256 blocks of 64 slots: 1.6%
+
+
+def plan_rows(batch: int) -> list[dict]:
+  """Every plan of one batch size, timed; the first plan's output is the comparison's."""
+  q, k, v, kn, vn = arrays(batch, 1, HQ, HKV, D, CAPACITY)
+  lengths = jnp.full((batch,), CAPACITY)
+  tables = jnp.broadcast_to(jnp.array(LISTED, jnp.int32), (batch, HKV, len(LISTED)))
+  counts = jnp.full((batch, HKV), len(LISTED), jnp.int32)
+  mask = jnp.ones((1, 1), bool)
+  rows, first = [], None
+  for splits in (None, 1, 2, 4):
+    for mode in ("jnp", "merged"):
+      for stages in (2, 4):
+        cfg = SparseConfig(inflight=mode, num_splits=splits, num_stages=stages)
+        fn = jax.jit(lambda q, k, v, kn, vn, cfg=cfg: sparse_attention(
+            q, k, v, tables, counts, lengths, kn, vn, mask, block_size=64, config=cfg))
+        row = dict(B=batch, splits=splits, mode=mode, stages=stages)
+        out = fn(q, k, v, kn, vn)
+        first = out if first is None else first
+        r = time_loop(fn, q, k, v, kn, vn, num_calls=800, unroll=8, profile=True)
+        row.update(us=r["min_s"] * 1e6, device_us=r.get("device_s", 0) * 1e6,
+                   out_max_diff=float(jnp.max(jnp.abs(out.astype(jnp.float32)
+                                                      - first.astype(jnp.float32)))),
+                   kernels={name[:30]: round(s * 1e6, 2)
+                            for name, s in r.get("device_time_by_kernel", {}).items()})
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+  return rows
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
+                                               "sparse_tq1_plans.json"))
+  args = p.parse_args(argv)
+  rows = [row for batch in (8, 1) for row in plan_rows(batch)]
+  write_json(args.out, dict(device=str(jax.devices()[0]), rows=rows))
+
+
+if __name__ == "__main__":
+  main()
