@@ -32,6 +32,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from sparsedec.errors import CheckpointError, UnsupportedConfigError
+from sparsedec.model.config import ModelConfig
 from sparsedec.tokenizer import Tokenizer
 from sparsedec.weights.gguf_file import load_gguf, load_gguf_tokenizer
 from sparsedec.weights.hf import load_hf, params_from_hf_tensors
@@ -390,6 +391,71 @@ def test_llama_attention_biases_are_unpermuted_like_weights(stories_hf_dir, stor
   cfg, params, _ = load_gguf(path)
   assert cfg.qkv_bias and cfg.o_bias and cfg_hf.qkv_bias and cfg_hf.o_bias
   assert_same_tree(params, params_hf)
+
+
+def llama_cpp_rope_factors(head_dim: int, theta: float, factor: float, low_freq_factor: float,
+                           high_freq_factor: float, original_max_position_embeddings: int
+                           ) -> np.ndarray:
+  """[D/2] float32: the `rope_freqs.weight` llama.cpp's converter writes for llama3 scaling
+  (convert_hf_to_gguf.py, LlamaModel.generate_extra_tensors; kept independent of the loader)."""
+  freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+  low_wavelen = original_max_position_embeddings / low_freq_factor
+  high_wavelen = original_max_position_embeddings / high_freq_factor
+  factors = []
+  for freq in freqs:
+    wavelen = 2 * np.pi / freq
+    if wavelen < high_wavelen:
+      factors.append(1.0)
+    elif wavelen > low_wavelen:
+      factors.append(factor)
+    else:
+      smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
+          high_freq_factor - low_freq_factor)
+      factors.append(1 / ((1 - smooth) / factor + smooth))
+  return np.asarray(factors, np.float32)
+
+
+def test_llama3_rope_freqs_tensor_equals_the_hf_llama3_config(stories_hf_dir, stories_hf_tensors,
+                                                               tmp_path):
+  """Llama-3.1/3.2 GGUFs carry llama3 RoPE scaling as a `rope_freqs.weight` tensor, not as
+  metadata. stories260K given llama3 scaling (original context 16: of its 4 frequencies one is
+  smoothed, three divided by 8) both ways: its logits over 40 positions equal the HF config's;
+  without the tensor they do not. The factors survive a config round trip (`convert`); factors
+  of the wrong length, or beside a rope.scaling.type, are refused, naming the tensor."""
+  scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+             "original_max_position_embeddings": 16}
+  config = json.loads((stories_hf_dir / "config.json").read_text())
+  hf_dir = tmp_path / "hf"
+  hf_dir.mkdir()
+  save_file(dict(stories_hf_tensors), str(hf_dir / "model.safetensors"))
+  (hf_dir / "config.json").write_text(json.dumps(dict(config, rope_scaling=dict(
+      scaling, rope_type="llama3"))))
+  cfg_hf, params_hf = load_hf(hf_dir)
+  factors = llama_cpp_rope_factors(8, 10000.0, **scaling)
+  assert factors[0] == pytest.approx(1.736, abs=1e-3) and factors[1:].tolist() == [8.0] * 3
+  pieces = read_sentencepiece_model(stories_hf_dir / "tokenizer.model")
+  tensors = [(g, w, Q.F32) for g, _, w, _ in stories_tensor_plan(stories_hf_tensors, 8, 4)]
+  path = write_gguf(tmp_path / "llama3.gguf", "llama", stories_kv(pieces),
+                    tensors + [("rope_freqs.weight", factors, Q.F32)])
+  cfg, params, _ = load_gguf(path)
+  assert cfg.rope_scaling.kind == "freq_factors"
+  assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+  ids = list(range(3, 43))
+  logits = hf_harness.forward_logits(cfg, params, ids)
+  ref = hf_harness.forward_logits(cfg_hf, params_hf, ids)
+  np.testing.assert_allclose(logits, ref, atol=2e-4, rtol=1e-4)
+  unscaled = hf_harness.forward_logits(cfg.replace(rope_scaling=None), params, ids)
+  assert np.abs(unscaled - ref).max() > 0.1
+  short = write_gguf(tmp_path / "short.gguf", "llama", stories_kv(pieces),
+                     tensors + [("rope_freqs.weight", factors[:3], Q.F32)])
+  with pytest.raises(UnsupportedConfigError, match=r"rope_freqs\.weight.*3 freq_factors"):
+    load_gguf(short)
+  both = write_gguf(tmp_path / "both.gguf", "llama",
+                    dict(stories_kv(pieces), add_rope_scaling_type=gguf.RopeScalingType.LINEAR,
+                         add_rope_scaling_factor=2.0),
+                    tensors + [("rope_freqs.weight", factors, Q.F32)])
+  with pytest.raises(UnsupportedConfigError, match="one RoPE scaling"):
+    load_gguf(both)
 
 
 # ------------------------------------------------------------------------ tiny Qwen2 as GGUF

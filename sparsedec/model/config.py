@@ -8,6 +8,7 @@ anything the forward pass would not honour.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Mapping
 
@@ -25,20 +26,35 @@ DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "interpret")
 
 
+ROPE_SCALING_KINDS = ("llama3", "linear", "freq_factors")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-  """RoPE frequency scaling. `kind` is "llama3" (Llama 3.1/3.2) or "linear"."""
+  """RoPE frequency scaling. `kind` is "llama3" (Llama 3.1/3.2), "linear", or "freq_factors":
+  each inverse frequency divided by its own factor, `freq_factors` [D/2] (what llama.cpp's GGUF
+  converter stores as the `rope_freqs.weight` tensor for llama3 scaling; `factor` unused)."""
 
   kind: str
-  factor: float
+  factor: float = 1.0
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_position_embeddings: int = 8192
+  freq_factors: tuple[float, ...] = ()
 
   def __post_init__(self):
-    if self.kind not in ("llama3", "linear"):
+    if self.kind not in ROPE_SCALING_KINDS:
       raise UnsupportedConfigError(
-          f"rope_scaling type {self.kind!r} is not supported (supported: llama3, linear)")
+          f"rope_scaling type {self.kind!r} is not supported (supported: "
+          f"{', '.join(ROPE_SCALING_KINDS)})")
+    object.__setattr__(self, "freq_factors", tuple(float(f) for f in self.freq_factors))
+    if (self.kind == "freq_factors") != bool(self.freq_factors):
+      raise UnsupportedConfigError(
+          "rope_scaling freq_factors are given with kind 'freq_factors' and only then, got kind "
+          f"{self.kind!r} with {len(self.freq_factors)} factors")
+    if not all(math.isfinite(f) and f > 0 for f in self.freq_factors):
+      raise UnsupportedConfigError("rope_scaling freq_factors must be finite and > 0, got "
+                                   f"{self.freq_factors}")
     if self.factor <= 0:
       raise UnsupportedConfigError(f"rope_scaling factor must be > 0, got {self.factor}")
     if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
@@ -92,6 +108,10 @@ class ModelConfig:
           f"({self.num_kv_heads})")
     if self.head_dim % 2:
       raise UnsupportedConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+    factors = self.rope_scaling.freq_factors if self.rope_scaling is not None else ()
+    if factors and len(factors) != self.head_dim // 2:
+      raise UnsupportedConfigError(f"rope_scaling has {len(factors)} freq_factors, head_dim "
+                                   f"{self.head_dim} needs {self.head_dim // 2}")
     if self.dtype not in DTYPES:
       raise UnsupportedConfigError(f"dtype {self.dtype!r} is not supported (supported: {DTYPES})")
     if self.sliding_window is not None and self.sliding_window <= 0:

@@ -20,6 +20,8 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
     return inv.astype(np.float32)
   if s.kind == "linear":
     return (inv / s.factor).astype(np.float32)
+  if s.kind == "freq_factors":                     # llama.cpp's rope_freqs: theta_i / factor_i
+    return (inv / np.asarray(s.freq_factors, np.float32)).astype(np.float32)
   # llama3: long wavelengths divided by factor, short kept, a smooth ramp between.
   low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
   high_wavelen = s.original_max_position_embeddings / s.high_freq_factor

@@ -3,7 +3,9 @@
 The metadata is turned into an HF-like config dict and goes through `ModelConfig.from_hf`, so an
 unsupported model is refused the same way as an HF checkpoint. Tensors are dequantized with
 `gguf.quants.dequantize`, renamed to HF names and assembled by `weights.hf`; llama-architecture
-files store q/k rows in interleaved RoPE order, which is undone here.
+files store q/k rows in interleaved RoPE order, which is undone here. Llama-3.1/3.2 files carry
+their llama3 RoPE scaling as the `rope_freqs.weight` tensor (per-frequency factors), which
+becomes the config's `RopeScaling("freq_factors")`.
 
 The tokenizer is rebuilt from `tokenizer.ggml.*` the way transformers builds it when it loads
 the same file (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`).
@@ -21,7 +23,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from sparsedec.errors import CheckpointError, UnsupportedConfigError
-from sparsedec.model.config import ModelConfig
+from sparsedec.model.config import ModelConfig, RopeScaling
 from sparsedec.model.params import Params
 from sparsedec.tokenizer import Tokenizer
 from sparsedec.weights.hf import params_from_hf_tensors
@@ -118,9 +120,9 @@ def hf_config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> dic
   scaling = key("rope.scaling.type", "none")
   if scaling not in ("none", None):
     hf["rope_scaling"] = {"rope_type": scaling, "factor": key("rope.scaling.factor", 1.0)}
-  if "rope_freqs.weight" in tensor_names:
-    raise UnsupportedConfigError("GGUF tensor 'rope_freqs.weight' (llama3 RoPE scaling stored as "
-                                 "per-frequency factors) is not supported")
+  if ROPE_FREQS in tensor_names and "rope_scaling" in hf:
+    raise UnsupportedConfigError(f"GGUF has both {arch}.rope.scaling.type {scaling!r} and a "
+                                 f"{ROPE_FREQS!r} tensor: one RoPE scaling is supported")
   if key("attention.sliding_window"):
     hf["sliding_window"] = int(key("attention.sliding_window"))
   if key("expert_count"):
@@ -129,6 +131,11 @@ def hf_config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> dic
 
 
 # ---------------------------------------------------------------------------------- tensors
+# llama.cpp's converter writes llama3 RoPE scaling as this tensor of per-frequency factors [D/2]
+# (theta_i / factor_i): read into the config (`RopeScaling("freq_factors")`), not a parameter.
+ROPE_FREQS = "rope_freqs.weight"
+
+
 def hf_tensor_name(gguf_name: str) -> str:
   if gguf_name in GLOBAL_NAMES:
     return GLOBAL_NAMES[gguf_name]
@@ -156,6 +163,18 @@ def _reader(path: str) -> "gguf.GGUFReader":
     raise CheckpointError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from e
 
 
+def _with_rope_freqs(cfg: ModelConfig, tensor, path: str) -> ModelConfig:
+  """cfg with the `rope_freqs.weight` tensor as its "freq_factors" RopeScaling; factors that are
+  not D/2 finite positive numbers are refused, naming the file and the tensor."""
+  factors = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type),
+                       np.float32).reshape(-1)
+  try:
+    return cfg.replace(rope_scaling=RopeScaling("freq_factors",
+                                                freq_factors=tuple(factors.tolist())))
+  except UnsupportedConfigError as e:
+    raise UnsupportedConfigError(f"{path}: tensor {ROPE_FREQS!r}: {e}") from e
+
+
 def load_gguf(path: str | os.PathLike, dtype: str | None = None,
               progress: Callable[[str, int], None] | None = None
               ) -> tuple[ModelConfig, Params, Tokenizer]:
@@ -168,7 +187,9 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = None,
   tensors = {t.name: t for t in reader.tensors}
   hf = hf_config_from_metadata(meta, set(tensors))
   cfg = ModelConfig.from_hf(hf, dtype or "float32")
-  hf_names = {hf_tensor_name(name): name for name in tensors}
+  if ROPE_FREQS in tensors:
+    cfg = _with_rope_freqs(cfg, tensors[ROPE_FREQS], path)
+  hf_names = {hf_tensor_name(name): name for name in tensors if name != ROPE_FREQS}
   arch = meta["general.architecture"]
 
   def read(hf_name: str) -> np.ndarray:
