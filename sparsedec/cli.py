@@ -164,19 +164,24 @@ def cmd_generate(args) -> int:
                 stop_tokens=() if args.ignore_eos else None)
   if args.stream and not args.json:
     decoder = tok.stream_decoder(skip_special_tokens=True)
-    tokens: list[int] = []
-    for new in api.stream(cfg, params, [ids], **kwargs):
-      tokens += new[0]
+    slices = api.stream(cfg, params, [ids], **kwargs)
+    while True:
+      try:
+        new = next(slices)
+      except StopIteration as end:       # the generator returns the run's GenerationResult
+        result = end.value
+        break
       sys.stdout.write(decoder.feed(new[0]))
       sys.stdout.flush()
     sys.stdout.write(decoder.finish() + "\n")
-    print(json.dumps({"generated_tokens": len(tokens)}), file=sys.stderr)
-    return 0
-  result = api.generate(cfg, params, [ids], **kwargs)
+  else:
+    result = api.generate(cfg, params, [ids], **kwargs)
   text = tok.decode(result.tokens[0], skip_special_tokens=True)
   stats = {"method": args.method, "method_config": method_config(method),
            "prompt_tokens": len(ids), **result.stats()}
-  if args.json:
+  if args.stream and not args.json:
+    print(json.dumps(stats), file=sys.stderr)
+  elif args.json:
     print(json.dumps({"text": text, "tokens": result.tokens[0], "stats": stats}))
   else:
     print(text)

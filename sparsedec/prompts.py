@@ -19,7 +19,8 @@ def shared_dir() -> Path:
 
 def _require(path: Path) -> Path:
   if not path.is_file():
-    raise InputError(f"prompt file not found: {path}")
+    raise InputError(f"prompt file not found: {path} (prompt sets are read from ../shared beside "
+                     f"the project; set SPARSEDEC_SHARED to another copy of shared/)")
   return path
 
 

@@ -40,9 +40,23 @@ def test_generate_text_on_stdout_stats_on_stderr_and_stream_agrees(capsys):
                            "--max-new-tokens", "40", "--ignore-eos")
   assert code == 0 and out.startswith(", there was a little girl named Lily")
   assert json.loads(err.strip().splitlines()[-1])["generated_tokens"] == 40
-  code, streamed, _ = run_cli(capsys, "generate", "--prompt", "Once upon a time",
-                              "--max-new-tokens", "40", "--ignore-eos", "--stream")
+  code, streamed, err = run_cli(capsys, "generate", "--prompt", "Once upon a time",
+                                "--max-new-tokens", "40", "--ignore-eos", "--stream")
   assert code == 0 and streamed == out
+  # The stream's stats are the same record as generate's (they were only the token count).
+  stats = json.loads(err.strip().splitlines()[-1])
+  assert stats["generated_tokens"] == 40 and stats["steps"] == 39 and stats["tau"] == 1.0
+  assert stats["tokens_per_second"] > 0 and stats["method"] == "dense"
+
+
+def test_python_dash_m_runs_the_command_line():
+  """`python -m sparsedec` is the `sparsedec` script (there was no __main__ module)."""
+  import subprocess
+  import sys
+  proc = subprocess.run([sys.executable, "-m", "sparsedec", "generate", "--help"],
+                        capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.startswith("usage: sparsedec generate") and "--method" in proc.stdout
 
 
 def test_sampled_generation_is_reproducible_by_seed(capsys):

@@ -53,6 +53,12 @@ def test_insert_rejects_mismatched_states(stories):
   one, _ = api.start(cfg, params, [[5]], max_new_tokens=4, cache_size=128)
   with pytest.raises(sparsedec.InputError, match="row 2 is outside"):
     insert_row(state, one, 2)
+  # Both rows are still decoding: inserting would drop a running request unless asked to.
+  assert not bool(state.done.any())
+  with pytest.raises(sparsedec.InputError, match=r"row 1 is still decoding.*replace_running"):
+    insert_row(state, one, 1)
+  state = insert_row(state, one, 1, replace_running=True)
+  assert state.prompt_lengths.tolist() == [2, 1]
 
 
 def test_quantspec_insert_keeps_the_shared_draft_weights(stories):

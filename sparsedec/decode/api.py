@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Iterator, Sequence
+from typing import Generator, Sequence
 
 import jax
 import numpy as np
@@ -236,28 +236,51 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     state = run.advance(params, state)
     jax.block_until_ready(state)
     t2 = time.perf_counter()
+  return _result(state, run, prefill_seconds=t1 - t0 - prefill_compile[0],
+                 decode_seconds=t2 - t1 - decode_compile[0],
+                 compile_seconds=prefill_compile[0] + decode_compile[0],
+                 return_state=return_state)
+
+
+def _result(state: DecodeState, run: Run, *, prefill_seconds: float, decode_seconds: float,
+            compile_seconds: float, return_state: bool = False) -> GenerationResult:
+  """The GenerationResult of a finished (or stopped) state."""
   generated, stopped = collect(state, run.ctx.stop_ids)
   return GenerationResult(
       tokens=generated, prompt_lengths=[int(x) for x in jax.device_get(state.prompt_lengths)],
       stopped=stopped, steps=int(jax.device_get(state.step)),
       active_steps=[int(a) for a in jax.device_get(state.active_steps)],
-      prefill_seconds=t1 - t0 - prefill_compile[0], decode_seconds=t2 - t1 - decode_compile[0],
-      compile_seconds=prefill_compile[0] + decode_compile[0],
-      state=state if return_state else None, method_stats=method_stats(run.method, state))
+      prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
+      compile_seconds=compile_seconds, state=state if return_state else None,
+      method_stats=method_stats(run.method, state))
 
 
 def stream(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
-           interval: int = 8, **kwargs) -> Iterator[list[list[int]]]:
+           interval: int = 8, **kwargs) -> Generator[list[list[int]], None, GenerationResult]:
   """Like `generate`, yielding each row's newly generated tokens every `interval` loop steps
-  (the loop runs on device in slices; no host round trip inside a slice)."""
+  (the loop runs on device in slices; no host round trip inside a slice). The generator's
+  return value (`StopIteration.value`, or `result = yield from stream(...)`) is the run's
+  GenerationResult; its decode_seconds time the slices only, not what the caller does between
+  them."""
   if not is_int(interval) or interval < 1:
     raise InputError(f"interval must be an integer >= 1, got {interval!r}")
-  state, run = start(cfg, params, prompts, **kwargs)
+  with compile_timer() as prefill_compile:
+    t0 = time.perf_counter()
+    state, run = start(cfg, params, prompts, **kwargs)
+    jax.block_until_ready(state)
+    prefill_seconds = time.perf_counter() - t0 - prefill_compile[0]
+  decode_seconds, compile_seconds = 0.0, prefill_compile[0]
   seen = [0] * len(prompts)
   while True:
     generated, _ = collect(state, run.ctx.stop_ids)
     yield [g[s:] for g, s in zip(generated, seen)]
     seen = [len(g) for g in generated]
     if bool(jax.device_get(state.done).all()) or int(jax.device_get(state.step)) >= run.max_steps:
-      return
-    state = run.advance(params, state, interval)
+      return _result(state, run, prefill_seconds=prefill_seconds,
+                     decode_seconds=decode_seconds, compile_seconds=compile_seconds)
+    with compile_timer() as slice_compile:
+      t0 = time.perf_counter()
+      state = run.advance(params, state, interval)
+      jax.block_until_ready(state)
+      decode_seconds += time.perf_counter() - t0 - slice_compile[0]
+    compile_seconds += slice_compile[0]

@@ -9,7 +9,7 @@ function.
 
   state, run = api.start(cfg, params, prompts, cache_size=C, ...)   # the running batch
   new, _ = api.start(cfg, params, [request], cache_size=C, ...)     # B = 1, same capacity
-  state = insert_row(state, new, row)                               # where state.done[row]
+  state = insert_row(state, new, row)     # a row where state.done[row] (else an InputError)
   state = run.advance(params, state, steps)
 """
 
@@ -61,8 +61,11 @@ def _insert(state: DecodeState, request: DecodeState, row: jax.Array) -> DecodeS
   return merged.replace(active_steps=merged.active_steps.at[row].set(0))
 
 
-def insert_row(state: DecodeState, request: DecodeState, row: int) -> DecodeState:
-  """Copy the single-row `request` state into row `row` of `state` (donated)."""
+def insert_row(state: DecodeState, request: DecodeState, row: int, *,
+               replace_running: bool = False) -> DecodeState:
+  """Copy the single-row `request` state into row `row` of `state` (donated). The row must have
+  finished (`state.done[row]`), so a running request is not dropped by mistake;
+  replace_running=True drops it on purpose (preemption)."""
   if request.batch_size != 1:
     raise InputError(f"the request state must have batch size 1, got {request.batch_size}")
   if request.cache.capacity != state.cache.capacity:
@@ -82,4 +85,8 @@ def insert_row(state: DecodeState, request: DecodeState, row: int) -> DecodeStat
                        f"{one.dtype}{list(one.shape)}, the running state's "
                        f"{big.dtype}{list(big.shape)} (batch axis {axis}): build both with the "
                        f"same cache_size, max_new_tokens and method")
+  if not replace_running and not bool(state.done[row]):
+    raise InputError(f"row {row} is still decoding (state.done[{row}] is False): insert into a "
+                     f"finished row, e.g. the first of numpy.flatnonzero(state.done), or pass "
+                     f"replace_running=True to drop its request")
   return _insert(state, request, jnp.int32(row))
