@@ -202,7 +202,7 @@ def main(argv=None):
         q_rows = jnp.zeros((b, HKV, nqb, n, D), jnp.bfloat16)
         key_sets = qa.full_and_inflight_keys(x["k_full"], x["v_full"], lf, x["k_new"],
                                              x["v_new"], x["mask"])
-        exact = qa.exact_keys(q_rows, key_sets, group=HQ // HKV)
+        exact = qa.exact_keys(q_rows, key_sets, group=HQ // HKV, num_queries=tq)
 
         def kernel_exact(qt, qkv, lq, exact):
           return qa._quant_partials(qt, qkv, lq, bits=bits, num_splits=ns, dtype=jnp.bfloat16,

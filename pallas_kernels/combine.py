@@ -36,6 +36,22 @@ INFLIGHT_KERNEL_MIN_QUERIES = 2
 MAX_SCORE_ROWS = 64               # the selected rows live in q block 0 (one wgmma M tile)
 
 
+def check_sizes(**sizes: int) -> None:
+  """Refuses an empty axis by name (a kernel grid or split plan has no empty form): B=0, Tq=0,
+  S=0, ..."""
+  empty = [f"{name}={size}" for name, size in sizes.items() if size < 1]
+  if empty:
+    raise ValueError(f"{', '.join(empty)}: every axis of an attention call needs size >= 1")
+
+
+def check_lengths(name: str, lengths: jax.Array, batch: int) -> None:
+  """A per-row length array: [B] and integer (a float length was silently truncated)."""
+  if lengths.shape != (batch,):
+    raise ValueError(f"{name} must be [B={batch}], got shape {lengths.shape}")
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise ValueError(f"{name} must be integer, got {lengths.dtype}")
+
+
 def check_score_queries(score_queries, num_queries: int, group: int) -> tuple[int, ...]:
   """Validates the static `score_queries` (distinct ints in [0, Tq), len * G <= 64)."""
   try:

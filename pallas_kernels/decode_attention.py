@@ -75,7 +75,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import (check_inflight_mode, check_score_queries, combine_partials,
+from pallas_kernels.combine import (check_inflight_mode, check_lengths, check_score_queries,
+                                    check_sizes, combine_partials,
                                     inflight_choice, inflight_merges, permute_queries,
                                     score_rows, scores_to_probs, selected_first,
                                     wrapper_outputs)
@@ -92,6 +93,19 @@ _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 # The SMEM layout of every wgmma operand tile: (8, 64) tiles, 128-byte swizzle.
 SWIZZLED = swizzled(128, 16)     # bf16 / fp16 tiles of 64-column (128-byte) rows
+
+
+def check_plain_smem(block_kv: int, num_stages: int, head_dim: int, *, dtype,
+                     score_rows: int = 0) -> None:
+  """Refuses, naming the knobs, a plain block whose SMEM would not fit an SM (an explicit config
+  such as 128-key tiles x 4 stages at D = 128; the defaults choose tiles that fit)."""
+  need = smem_bytes(block_kv, num_stages, head_dim, jnp.dtype(dtype).itemsize)
+  if score_rows:                                   # the score staging tile beside the rings
+    need += BLOCK_M * block_kv * 4
+  if need > SMEM_PER_SM:
+    raise ValueError(f"block_kv={block_kv} x num_stages={num_stages} at head dim D={head_dim} "
+                     f"needs ~{need} bytes of shared memory a block (> {SMEM_PER_SM}): use "
+                     f"64-key tiles or fewer stages")
 
 
 def smem_bytes(block_kv: int, num_stages: int, head_dim: int, itemsize: int = 2) -> int:
@@ -332,7 +346,8 @@ class DecodeConfig:
     if block_kv is None:
       wide = (q_blocks > 2 and not dataclasses.replace(self, block_kv=128).specialized(
           q_blocks, head_dim, interpret))
-      block_kv = 128 if capacity % 128 == 0 and not wide else 64
+      fits = smem_bytes(128, self.num_stages, head_dim) <= SMEM_PER_SM   # not at D = 256
+      block_kv = 128 if capacity % 128 == 0 and not wide and fits else 64
     target = self.target_blocks
     if target is None:
       resolved = dataclasses.replace(self, block_kv=block_kv)
@@ -390,6 +405,8 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   groups = -(-q_blocks // wgs)                     # thread blocks per KV head
   block_kv, num_stages = cfg.block_kv, cfg.num_stages
   dtype = q_rows.dtype
+  if not ws:
+    check_plain_smem(block_kv, num_stages, head_dim, dtype=dtype, score_rows=score_rows)
   score_scale = head_dim ** -0.5 * LOG2E       # scores kept in log2 units (exp2 in the loop)
 
   def row_tiles(lengths_ref, b, split):
@@ -615,10 +632,10 @@ def _check_inputs(q, k_cache, v_cache, lengths, k_new, v_new, inflight_mask, cfg
   hkv, capacity = k_cache.shape[1], k_cache.shape[2]
   if v_cache.shape != k_cache.shape:
     raise ValueError(f"v_cache shape {v_cache.shape} differs from k_cache shape {k_cache.shape}")
+  check_sizes(B=b, Tq=tq, Hq=hq, Hkv=hkv, S=capacity)
   if hq % hkv:
     raise ValueError(f"Hq={hq} query heads is not a multiple of Hkv={hkv} KV heads")
-  if lengths.shape != (b,):
-    raise ValueError(f"lengths must be [B={b}], got shape {lengths.shape}")
+  check_lengths("lengths", lengths, b)
   for name, x in (("k_new", k_new), ("v_new", v_new)):
     if x.shape != (b, tq, hkv, d):
       raise ValueError(f"{name} must be [B, Tq, Hkv, D] = {(b, tq, hkv, d)}, got {x.shape}")

@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.quant_attention import (KEY_TILE, META_DTYPE, TILE_ROWS, QuantKV,
-                                            _SUPPORTED_DTYPES, dequantize)
+                                            _SUPPORTED_DTYPES, check_meta, dequantize)
 from pallas_kernels.register_operand import SMEM_ROW_WORDS, swizzled, word_offset, word_tile
 
 CHUNK = 64                        # channels per K chunk / V channel tile
@@ -65,6 +65,11 @@ def _check(qkv: QuantKV, bits: int, dtype) -> None:
   if qkv.capacity % KEY_TILE or qkv.group % KEY_TILE:
     raise ValueError(f"capacity {qkv.capacity} and key group {qkv.group} must be multiples of "
                      f"the {KEY_TILE}-key tile")
+  codes = (jnp.dtype(qkv.k_codes.dtype), jnp.dtype(qkv.v_codes.dtype))
+  if codes != (jnp.dtype(jnp.uint32),) * 2:
+    raise ValueError(f"qkv codes must be uint32 words of 8 4-bit codes, got {codes[0]} / "
+                     f"{codes[1]}")
+  check_meta(qkv)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "dtype", "round_to", "interpret"))

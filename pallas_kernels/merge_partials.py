@@ -36,15 +36,41 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.hopper import SMEM_PER_SM
+
 LN2 = math.log(2.0)
 TILE = 64                         # channels per block (one [64, N] WGMMA-layout tile)
 CHUNK_BYTES = 48 * 1024           # split partials per TMA chunk: about this many bytes
 MAX_SLOTS = 4                     # chunks in flight (4 x 48 KiB of SMEM at most)
+SMEM_SLACK = 4096                 # barriers and buffer alignment (Mosaic counted 1.7 KiB)
+# Splits one merge takes: the kernel unrolls them, and Mosaic GPU's lowering of 203 overflowed
+# Python's recursion limit (133 lowered). Callers plan at most this many (quant_attention).
+MAX_SPLITS = 128
 
 
 def splits_per_chunk(num_splits: int, n: int) -> int:
   """Split slices ([64, N] fp32) fetched per chunk: ~CHUNK_BYTES, at least 1, at most all."""
   return max(1, min(num_splits, CHUNK_BYTES // (TILE * n * 4)))
+
+
+def merge_plan(num_splits: int, n: int, n_pad: int) -> tuple[int, int]:
+  """(splits per chunk, SMEM slots) of a merge: chunks of ~CHUNK_BYTES, up to MAX_SLOTS of them
+  in flight, fewer where the slots would not fit one block's SMEM beside the [NS, NP] tables of
+  m and l (one wave of quantized splits at 1-2 KV heads is ~200 splits: 51 KiB of tables at
+  NP = 32, and four 48 KiB slots overflowed). Raises a ValueError naming NS when the tables
+  leave no room for one [64, N] slice."""
+  if num_splits > MAX_SPLITS:
+    raise ValueError(f"merge_partials takes at most MAX_SPLITS={MAX_SPLITS} splits (it unrolls "
+                     f"them), got NS={num_splits}: use fewer splits")
+  slice_bytes = TILE * n * 4
+  room = SMEM_PER_SM - (2 * num_splits + 1) * n_pad * 4 - SMEM_SLACK
+  if room < slice_bytes:
+    raise ValueError(f"merge_partials: the statistics of NS={num_splits} splits (N={n}, "
+                     f"NP={n_pad}) leave no room in {SMEM_PER_SM} bytes of SMEM for one split's "
+                     f"[64, N] slice: use fewer splits")
+  chunk = min(splits_per_chunk(num_splits, n), room // slice_bytes)
+  n_chunks = -(-num_splits // chunk)
+  return chunk, max(1, min(n_chunks, MAX_SLOTS, room // (chunk * slice_bytes)))
 
 
 def _check(acc, m2, l):
@@ -63,16 +89,23 @@ def _check(acc, m2, l):
     raise ValueError(f"l shape {l.shape} differs from m2 shape {m2.shape}")
 
 
+def _tree_max(xs: list) -> jax.Array:
+  """The elementwise max of xs as a balanced tree (depth log2 NS: a chain of ~200 maxima
+  overflowed Python's recursion limit in Mosaic GPU's lowering)."""
+  while len(xs) > 1:
+    xs = [jnp.maximum(a, b) for a, b in zip(xs[::2], xs[1::2])] + xs[len(xs) - len(xs) % 2:]
+  return xs[0]
+
+
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def merge_partials(acc: jax.Array, m2: jax.Array, l: jax.Array, *, interpret: Any = None):
   """See the module docstring."""
   _check(acc, m2, l)
   batch, num_kv_heads, q_blocks, num_splits, head_dim, n = acc.shape
   n_pad = m2.shape[4]
-  chunk = splits_per_chunk(num_splits, n)
+  chunk, slots = merge_plan(num_splits, n, n_pad)
   full_chunks, rem = divmod(num_splits, chunk)
   n_chunks = full_chunks + (rem > 0)
-  slots = min(n_chunks, MAX_SLOTS)
   col = plgpu.Layout.WGMMA.reduce(0)           # a vector along a tile's columns (N)
 
   def body(acc_ref,          # [B, Hkv, QB, NS, D, N] fp32              GMEM
@@ -109,7 +142,7 @@ def merge_partials(acc: jax.Array, m2: jax.Array, l: jax.Array, *, interpret: An
       return lax.broadcast_in_dim(x, (TILE, n), [1])
 
     plgpu.barrier_wait(ml_barrier)
-    m_tot = functools.reduce(jnp.maximum, [stat(m_smem, s) for s in range(num_splits)])
+    m_tot = _tree_max([stat(m_smem, s) for s in range(num_splits)])
     # A row that sees nothing: a finite stand-in keeps every weight at 0 instead of NaN.
     m_use = jnp.where(m_tot == -jnp.inf, 0.0, m_tot)
 

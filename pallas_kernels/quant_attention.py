@@ -143,12 +143,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import (check_score_queries, combine_partials, score_rows,
+from pallas_kernels.combine import (check_lengths, check_score_queries, check_sizes,
+                                    combine_partials, score_rows,
                                     scores_to_probs, selected_first, wrapper_outputs)
 
 from pallas_kernels.decode_attention import (BLOCK_M, LOG2E, DecodeConfig, num_q_blocks,
                                              split_partials)
 from pallas_kernels.hopper import SM_COUNT
+from pallas_kernels.merge_partials import MAX_SPLITS as MERGE_MAX_SPLITS
 from pallas_kernels.merge_partials import merge_partials
 from pallas_kernels.register_operand import (CODES_PER_WORD, SMEM_ROW_WORDS, a_staging,
                                              pack_words, swizzled, unpack_words,
@@ -556,12 +558,16 @@ def _dequantizes(cfg, n_rows, bits, qkv: QuantKV, dtype) -> bool:
   return wide and copy_bytes <= DEQUANT_MAX_BYTES
 
 
-def _num_splits(cfg, block_kv, batch, num_kv_heads, q_blocks, capacity, *, bits, rows):
+def _num_splits(cfg, block_kv, batch, num_kv_heads, q_blocks, capacity, *, bits, rows,
+                exact_blocks: int = 0):
+  """Splits per (row, KV head, q block): one wave of blocks, at most what merge_partials takes
+  beside the `exact_blocks` partials (1-2 KV heads at long context asked for ~200)."""
   if cfg.num_splits is not None:
     return cfg.num_splits
   target = cfg.target_blocks or _one_wave(bits, block_kv, rows)
   per_head = max(1, target // (batch * num_kv_heads * q_blocks))
-  return max(1, min(per_head, (capacity // block_kv) // cfg.min_tiles_per_split))
+  return max(1, min(per_head, (capacity // block_kv) // cfg.min_tiles_per_split,
+                    MERGE_MAX_SPLITS - exact_blocks))
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -997,6 +1003,7 @@ def _check_quantized(q, qkv, bits, lengths_quantized, cfg) -> int:
     raise ValueError(f"qkv.k_codes must be [B={b}, Hkv, 2, D/64={d // c}, S, {w}], got "
                      f"{kc.shape}")
   hkv, capacity = kc.shape[1], kc.shape[4]
+  check_sizes(B=b, Tq=tq, Hq=hq, Hkv=hkv, S=capacity)
   if capacity % KEY_TILE:
     raise ValueError(f"quantized capacity S={capacity} must be a multiple of the {KEY_TILE}-key "
                      f"tile")
@@ -1014,17 +1021,34 @@ def _check_quantized(q, qkv, bits, lengths_quantized, cfg) -> int:
   if cfg.block_kv is not None and not _fits(cfg.block_kv, qkv.group, capacity):
     raise ValueError(f"block_kv={cfg.block_kv} must divide the quantized capacity S={capacity} "
                      f"and divide or be a multiple of the key group {qkv.group}")
-  if lengths_quantized.shape != (b,):
-    raise ValueError(f"lengths_quantized must be [B={b}], got shape {lengths_quantized.shape}")
+  check_lengths("lengths_quantized", lengths_quantized, b)
+  check_meta(qkv)
   return hkv
+
+
+def check_meta(qkv: QuantKV) -> None:
+  """The scales and zeros: fp16 (META_DTYPE), keys [B, Hkv, S/G, D], values [B, Hkv, S] (a
+  float32 one reached Mosaic as a raw dtype error)."""
+  b, hkv, capacity, d = (qkv.k_codes.shape[0], qkv.k_codes.shape[1], qkv.capacity,
+                         qkv.head_dim)
+  for name, x in (("k_scale", qkv.k_scale), ("k_zero", qkv.k_zero), ("v_scale", qkv.v_scale),
+                  ("v_zero", qkv.v_zero)):
+    if jnp.dtype(x.dtype) != jnp.dtype(META_DTYPE):
+      raise ValueError(f"qkv.{name} must be {jnp.dtype(META_DTYPE).name}, got {x.dtype}")
+  key_shape = (b, hkv, capacity // qkv.group, d)
+  if qkv.k_scale.shape != key_shape or qkv.k_zero.shape != key_shape:
+    raise ValueError(f"qkv.k_scale and k_zero must be [B, Hkv, S/G, D] = {key_shape}, got "
+                     f"{qkv.k_scale.shape} / {qkv.k_zero.shape}")
+  if qkv.v_scale.shape != (b, hkv, capacity) or qkv.v_zero.shape != (b, hkv, capacity):
+    raise ValueError(f"qkv.v_scale and v_zero must be [B, Hkv, S] = {(b, hkv, capacity)}, got "
+                     f"{qkv.v_scale.shape} / {qkv.v_zero.shape}")
 
 
 def _check_inputs(q, qkv, bits, lengths_quantized, k_full, v_full, lengths_full, k_new, v_new,
                   inflight_mask, cfg):
   hkv = _check_quantized(q, qkv, bits, lengths_quantized, cfg)
   b, tq, _, d = q.shape
-  if lengths_full.shape != (b,):
-    raise ValueError(f"lengths_full must be [B={b}], got shape {lengths_full.shape}")
+  check_lengths("lengths_full", lengths_full, b)
   if k_full.ndim != 4 or k_full.shape[:2] != (b, hkv) or k_full.shape[3] != d:
     raise ValueError(f"k_full must be [B={b}, Hkv={hkv}, R, D={d}], got {k_full.shape}")
   if v_full.shape != k_full.shape:
@@ -1129,8 +1153,9 @@ def _with_keys(q, qkv, lengths_quantized, key_sets, *, bits, return_lse, score_q
   q_rows = q_rows.reshape(b, hkv, q_blocks, n, d)                            # [B, Hkv, NQB, N, D]
   q_t = q_rows.reshape(b, hkv, q_blocks, n, d // CHANNEL_CHUNK, CHANNEL_CHUNK)
   q_t = q_t.transpose(0, 1, 2, 4, 5, 3).astype(jnp.float32)   # [B, Hkv, NQB, D/64, 64, N]
-  exact = exact_keys(q_rows, key_sets, group=group) if key_sets else None
-  num_splits = _num_splits(config, block_kv, b, hkv, q_blocks, capacity, bits=bits, rows=n)
+  exact = exact_keys(q_rows, key_sets, group=group, num_queries=tq) if key_sets else None
+  num_splits = _num_splits(config, block_kv, b, hkv, q_blocks, capacity, bits=bits, rows=n,
+                           exact_blocks=exact.num_blocks if exact is not None else 0)
   acc, m2, l, *scores = _quant_partials(
       q_t, qkv, lengths_quantized.astype(jnp.int32), bits=bits, num_splits=num_splits,
       dtype=q.dtype, cfg=config, block_kv=block_kv, with_scores=bool(sel), exact=exact,
@@ -1173,9 +1198,10 @@ def _dequantized_call(q, qkv, lengths_quantized, key_sets, *, bits, num_selected
   return wrapper_outputs(out.astype(q.dtype), lse, probs, order, return_lse=return_lse)
 
 
-def exact_keys(q_rows, key_sets, *, group: int) -> ExactKeys:
-  """q_rows [B, Hkv, QB, N, D] (row j * N + n holds query (j * N + n) // G) and key sets
-  (k [B, U_i, Hkv, D], v, mask [B or 1, Tq or 1, U_i] bool) -> the kernel's `ExactKeys`. Each
+def exact_keys(q_rows, key_sets, *, group: int, num_queries: int) -> ExactKeys:
+  """q_rows [B, Hkv, QB, N, D] (row j * N + n holds query (j * N + n) // G, of Tq =
+  num_queries) and key sets (k [B, U_i, Hkv, D], v, mask [B or 1, Tq or 1, U_i] bool: a mask of
+  one row holds for every query) -> the kernel's `ExactKeys`. Each
   non-empty key set is one source piece, read where it lies when it is in q's dtype (else
   converted): nothing is padded or concatenated, since the exact blocks' 64-key TMA reads past a
   piece's end, which the TMA unit (and the Mosaic GPU interpreter) fills with zeros, and the bias
@@ -1184,7 +1210,7 @@ def exact_keys(q_rows, key_sets, *, group: int) -> ExactKeys:
   whole tiles is 0 where the row's query sees key u, -inf for the keys past a piece and for
   padding rows."""
   q_blocks, rows, dtype = q_rows.shape[2], q_rows.shape[3], q_rows.dtype
-  tq = max(mask.shape[1] for _, _, mask in key_sets)
+  tq = num_queries           # not the masks' Tq: every mask may be one row, broadcast
   bm = max(mask.shape[0] for _, _, mask in key_sets)
   sources, masks = [], []
   for k, v, mask in key_sets:

@@ -77,7 +77,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import (check_inflight_mode, check_score_queries, combine_partials,
+from pallas_kernels.combine import (check_inflight_mode, check_lengths, check_score_queries,
+                                    check_sizes, combine_partials,
                                     inflight_choice, inflight_merges, permute_queries,
                                     score_rows, scores_to_probs, selected_first,
                                     wrapper_outputs)
@@ -88,7 +89,8 @@ from pallas_kernels.split_plan import split_counts
 
 from pallas_kernels.decode_attention import _q_rows as decode_q_rows
 from pallas_kernels.decode_attention import (_SUPPORTED_DTYPES, BLOCK_M, LOG2E, SWIZZLED,
-                                             WS_MIN_Q_BLOCKS, loop_scratch, resident_blocks,
+                                             WS_MIN_Q_BLOCKS, check_plain_smem, loop_scratch,
+                                             resident_blocks, smem_bytes,
                                              run_ws_block, ws_loop, ws_produce, ws_scores,
                                              ws_smem_bytes, ws_softmax_pv)
 from pallas_kernels.hopper import SM_COUNT, SMEM_PER_SM
@@ -145,10 +147,13 @@ class SparseConfig:
     if self.min_tiles_per_split < 1:
       raise ValueError(f"min_tiles_per_split must be >= 1, got {self.min_tiles_per_split}")
 
-  def tile_rows(self, block_size: int) -> int:
+  def tile_rows(self, block_size: int, head_dim: int = 128) -> int:
+    """KV rows per tile: block_kv, or 128 where the block size and a plain block's SMEM allow
+    (not at D = 256 with 2 stages: 292 KiB), else 64."""
     if self.block_kv is not None:
       return self.block_kv
-    return 128 if block_size % 128 == 0 else 64
+    fits = smem_bytes(128, self.num_stages, head_dim) <= SMEM_PER_SM
+    return 128 if block_size % 128 == 0 and fits else 64
 
   def slots(self, block_size: int, head_dim: int = 128, ws: bool = False) -> int:
     """Resident thread blocks the split plan fills (ws: warp-specialized blocks)."""
@@ -156,7 +161,8 @@ class SparseConfig:
       return self.target_blocks
     if ws:
       return SM_COUNT
-    return SM_COUNT * resident_blocks(self.tile_rows(block_size), self.num_stages, head_dim)
+    return SM_COUNT * resident_blocks(self.tile_rows(block_size, head_dim), self.num_stages,
+                                      head_dim)
 
   def specialized(self, max_q_blocks: int, block_size: int, head_dim: int,
                   interpret: bool = False, max_tiles: int = WS_MIN_TILES) -> bool:
@@ -166,7 +172,7 @@ class SparseConfig:
     wanted = (self.warp_specialized if self.warp_specialized is not None
               else max_q_blocks >= WS_MIN_Q_BLOCKS and max_tiles >= WS_MIN_TILES)
     return (wanted and not interpret and ws_smem_bytes(
-        self.tile_rows(block_size), self.num_stages, head_dim) <= SMEM_PER_SM)
+        self.tile_rows(block_size, head_dim), self.num_stages, head_dim) <= SMEM_PER_SM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,9 +252,11 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
   batch, num_kv_heads, _, head_dim = q_rows.shape
   capacity = k_cache.shape[2]
   table_len = block_tables.shape[2]
-  block_kv = cfg.tile_rows(block_size)
+  block_kv = cfg.tile_rows(block_size, head_dim)
   tiles_per_block = block_size // block_kv
   num_stages = cfg.num_stages
+  if not ws:
+    check_plain_smem(block_kv, num_stages, head_dim, dtype=q_rows.dtype, score_rows=score_rows)
   dtype = q_rows.dtype
   score_scale = head_dim ** -0.5 * LOG2E
   num_work = sum(seg.num_work for seg in segments)
@@ -547,6 +555,7 @@ def _check_inputs(q, k_cache, v_cache, block_tables, num_blocks, lengths, k_new,
   hkv, capacity = k_cache.shape[1], k_cache.shape[2]
   if v_cache.shape != k_cache.shape:
     raise ValueError(f"v_cache shape {v_cache.shape} differs from k_cache shape {k_cache.shape}")
+  check_sizes(B=b, Tq=tq, Hq=hq, Hkv=hkv, S=capacity)
   if hq % hkv:
     raise ValueError(f"Hq={hq} query heads is not a multiple of Hkv={hkv} KV heads")
   if block_tables.ndim != 3 or block_tables.shape[:2] != (b, hkv):
@@ -556,8 +565,7 @@ def _check_inputs(q, k_cache, v_cache, block_tables, num_blocks, lengths, k_new,
   for name, x in (("block_tables", block_tables), ("num_blocks", num_blocks)):
     if not jnp.issubdtype(x.dtype, jnp.integer):
       raise ValueError(f"{name} must be integer, got {x.dtype}")
-  if lengths.shape != (b,):
-    raise ValueError(f"lengths must be [B={b}], got shape {lengths.shape}")
+  check_lengths("lengths", lengths, b)
   for name, x in (("k_new", k_new), ("v_new", v_new)):
     if x.shape != (b, tq, hkv, d):
       raise ValueError(f"{name} must be [B, Tq, Hkv, D] = {(b, tq, hkv, d)}, got {x.shape}")
@@ -573,7 +581,7 @@ def _check_inputs(q, k_cache, v_cache, block_tables, num_blocks, lengths, k_new,
     raise ValueError(f"head dim D={d} must be a multiple of 64 (128-byte swizzle)")
   if block_size <= 0 or block_size % 64:
     raise ValueError(f"block_size must be a positive multiple of 64, got {block_size}")
-  block_kv = cfg.tile_rows(block_size)
+  block_kv = cfg.tile_rows(block_size, d)
   if block_size % block_kv:
     raise ValueError(f"block_kv={block_kv} must divide block_size={block_size}")
   if capacity % block_size:
@@ -635,7 +643,7 @@ def _layout(q_shape, cache_shape, table_len: int, *, block_size: int, sparse_que
   b, tq, hq, d = q_shape
   hkv, capacity = cache_shape[1], cache_shape[2]
   group = hq // hkv
-  block_kv = config.tile_rows(block_size)
+  block_kv = config.tile_rows(block_size, d)
   list_tiles = table_len * (block_size // block_kv)
   full_tiles = capacity // block_kv
   max_tiles = max(list_tiles if sparse_queries else 0, full_tiles if sparse_queries < tq else 0)

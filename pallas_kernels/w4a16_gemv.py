@@ -88,7 +88,7 @@ from pallas_kernels.hopper import SM_COUNT, SMEM_PER_SM, SMEM_RESERVED_PER_BLOCK
 from pallas_kernels.register_operand import (CODES_PER_WORD, SMEM_ROW_WORDS, a_staging,
                                              pack_words, swizzled, unpack_words,
                                              wgmma_register_a, word_tile)
-from sparsedec.errors import InputError
+from sparsedec.errors import InputError, is_int
 
 CHUNK = 64              # inputs per stored code chunk: one 128-byte bf16 wgmma K step
 TILE_OUT = 64           # wgmma M: output columns per register tile
@@ -154,9 +154,9 @@ def unsupported_reason(n_rows: int, n_out: int, group: int, dtype) -> str | None
     return f"x must be bfloat16 or float16, got {jnp.dtype(dtype)}"
   if not 1 <= n_rows <= MAX_ROWS:
     return f"x must have 1..{MAX_ROWS} rows (the wgmma N dimension), got {n_rows}"
-  if n_out % TILE_OUT:
-    return f"Out={n_out} must be a multiple of {TILE_OUT} (the wgmma M tile)"
-  if not isinstance(group, int) or group < CHUNK or group % CHUNK:
+  if n_out < 1 or n_out % TILE_OUT:
+    return f"Out={n_out} must be a positive multiple of {TILE_OUT} (the wgmma M tile)"
+  if not is_int(group) or group < CHUNK or group % CHUNK:
     return f"quant group {group} must be a multiple of {CHUNK} (the code chunk)"
   smallest = smem_bytes(n_rows, group, block_out=TILE_OUT, groups_per_stage=1, num_stages=1,
                         itemsize=jnp.dtype(dtype).itemsize)
@@ -385,8 +385,10 @@ def _partials(xc, codes_t, scale, zero, *, group: int, p: Plan, interpret: Any =
 def _check_inputs(x, codes_t, scale, zero, in_features, group):
   if x.ndim != 2:
     raise InputError(f"x must be [M, In], got shape {x.shape}")
-  if not isinstance(group, int) or group < 1:
+  if not is_int(group) or group < 1:
     raise InputError(f"group must be a positive integer, got {group!r}")
+  if not is_int(in_features) or in_features < 1:
+    raise InputError(f"in_features must be a positive integer, got {in_features!r}")
   words = CHUNK // CODES_PER_WORD
   if codes_t.ndim != 3 or codes_t.shape[2] != words:
     raise InputError(f"codes_t must be [In_pad / {CHUNK}, Out, {words}] words, got "
@@ -423,6 +425,7 @@ def w4a16_matmul(x: jax.Array, codes_t: jax.Array, scale: jax.Array, zero: jax.A
   [In_pad / G, Out] fp16; in_features = In; group = G (a multiple of 64). fp32 accumulation.
   """
   _check_inputs(x, codes_t, scale, zero, in_features, group)
+  group = int(group)                               # a numpy integer is one too
   m = x.shape[0]
   n_groups, n_out = scale.shape
   in_pad = n_groups * group

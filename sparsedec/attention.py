@@ -20,6 +20,7 @@ import numpy as np
 from flax import struct
 
 from sparsedec.errors import UnsupportedConfigError
+from sparsedec.model.config import ATTENTION_IMPLS
 
 
 @struct.dataclass
@@ -126,6 +127,18 @@ class AttentionPlan:
     segments = tuple(Segment(seg.view.at_layer(i), seg.start, seg.stop)
                      if hasattr(seg.view, "at_layer") else seg for seg in self.segments)
     return AttentionPlan(inflight_mask=self.inflight_mask, segments=segments)
+
+
+def check_segments(plan: AttentionPlan, num_tokens: int) -> None:
+  """A plan's segments must cover the queries [0, T) in order, each once and none empty (a gap
+  dropped queries on the reference path, an overlap duplicated them, and the kernels follow
+  their own layout)."""
+  bounds = [(seg.start, seg.stop) for seg in plan.segments]
+  edges = [0] + [stop for _, stop in bounds]
+  if (not bounds or [start for start, _ in bounds] != edges[:-1] or edges[-1] != num_tokens
+      or any(start >= stop for start, stop in bounds)):
+    raise ValueError(f"plan segments {bounds} must cover the queries [0, {num_tokens}) in order, "
+                     f"each query once, none empty")
 
 
 def causal_plan(num_tokens: int) -> AttentionPlan:
@@ -423,6 +436,9 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Ar
   UnsupportedConfigError naming why where none applies); "interpret" the kernel in the Mosaic GPU
   interpreter (for CPU tests; raises like "pallas").
   """
+  if impl not in ATTENTION_IMPLS:
+    raise UnsupportedConfigError(f"attention impl {impl!r} is not one of {ATTENTION_IMPLS}")
+  check_segments(plan, q.shape[1])
   if impl != "reference":
     kind, blocker = _kernel_choice(q, k_cache, plan, window)
     if impl in ("pallas", "interpret") and kind is None:

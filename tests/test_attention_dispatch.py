@@ -99,3 +99,22 @@ def test_attention_choice_is_validated_and_not_saved():
   with pytest.raises(UnsupportedConfigError, match="attention 'cuda'"):
     KERNEL_SHAPED.replace(attention="cuda")
   assert "attention" not in KERNEL_SHAPED.replace(attention="reference").to_dict()
+
+
+def test_attend_refuses_a_misspelt_impl_and_segments_that_do_not_cover_the_queries():
+  """attend's own checks: an impl typo ("interpet" ran as "pallas") and a plan whose segments
+  leave a query out (the reference dropped it) or repeat one (it returned extra rows)."""
+  from sparsedec.attention import AttentionPlan, FullView, Segment
+  b, t, hkv, d = 1, 2, 2, 64
+  q = jnp.zeros((b, t, 4, d), jnp.float32)
+  kv = jnp.zeros((b, hkv, 64, d), jnp.float32)
+  new = jnp.zeros((b, t, hkv, d), jnp.float32)
+  args = (q, kv, kv, jnp.array([3]), new, new, jnp.arange(t)[None] + 3)
+  with pytest.raises(UnsupportedConfigError, match="'interpet' is not one of"):
+    attend(*args, causal_plan(t), impl="interpet")
+  mask = causal_plan(t).inflight_mask
+  for segments in ([(0, 1)], [(0, 2), (0, 2)], [(0, 0), (0, 2)], [(1, 2)]):
+    plan = AttentionPlan(mask, tuple(Segment(FullView(), s, e) for s, e in segments))
+    with pytest.raises(ValueError, match="must cover the queries"):
+      attend(*args, plan, impl="reference")
+  assert attend(*args, causal_plan(t), impl="reference").shape == q.shape

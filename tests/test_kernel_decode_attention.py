@@ -235,6 +235,24 @@ def test_bad_inputs_are_rejected_in_plain_words():
     decode_attention(q, k_cache, v_cache, jnp.array([1]), k_new, v_new, jnp.ones((1, 1), bool))
   with pytest.raises(ValueError, match="target_blocks must be >= 1"):
     DecodeConfig(target_blocks=0)
+  mask = jnp.ones((1, 1), bool)
+  with pytest.raises(ValueError, match="lengths must be integer"):   # was silently truncated
+    decode_attention(q, k_cache, v_cache, jnp.array([1.7]), k_new, v_new, mask)
+  with pytest.raises(ValueError, match="Tq=0"):
+    decode_attention(q[:, :0], k_cache, v_cache, jnp.array([1]), k_new[:, :0], v_new[:, :0],
+                     jnp.ones((0, 0), bool))
+  with pytest.raises(ValueError, match="S=0"):
+    decode_attention(q, k_cache[:, :, :0], v_cache[:, :, :0], jnp.array([1]), k_new, v_new, mask)
+  # 128-key tiles x 4 stages do not fit an SM's shared memory: named, not a Mosaic error.
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      0, batch=1, num_queries=1, num_q_heads=2, num_kv_heads=2, head_dim=128, capacity=256,
+      dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="block_kv=128 x num_stages=4 .* shared memory"):
+    decode_attention(q, k_cache, v_cache, jnp.array([1]), k_new, v_new, mask,
+                     config=DecodeConfig(block_kv=128, num_stages=4))
+  # At head dim 256 the default tiles are 64 keys (128 x 2 stages would not fit).
+  assert DecodeConfig().resolve(1, 4096, 256).block_kv == 64
+  assert DecodeConfig().resolve(1, 4096, 128).block_kv == 128
 
 
 def test_two_blocks_per_sm_only_where_two_fit():

@@ -4,6 +4,7 @@ softmax weights, score_queries), plus the cuda lowering check."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -449,8 +450,11 @@ def test_auto_splits_fill_one_wave():
   # Never fewer than min_tiles_per_split stages a split, never below one split.
   assert _num_splits(auto, 128, 1, 8, 1, 512, bits=4, rows=8) == 2
   assert _num_splits(auto, 128, 64, 8, 1, 65536, bits=4, rows=8) == 1
+  # At most merge_partials' MAX_SPLITS = 128 with the exact blocks' partials: 1056 blocks over 8
+  # heads asked for 132; 2 KV heads at 128K for 198 (SMEM overflow, then a lowering that recursed).
   assert _num_splits(QuantAttentionConfig(target_blocks=1056), 128, **one_row, bits=4,
-                     rows=8) == 132
+                     rows=8) == 128
+  assert _num_splits(auto, 128, 1, 2, 1, 131072, bits=4, rows=8, exact_blocks=5) == 123
   with pytest.raises(ValueError, match="target_blocks must be >= 1"):
     QuantAttentionConfig(target_blocks=0)
 
@@ -548,7 +552,7 @@ def test_exact_keys_read_every_set_in_place_past_its_end():
               (k_c, v_c, rand.bernoulli(keys[6], 0.5, (b, 1, 2))),
               (k_b, v_b, rand.bernoulli(keys[3], 0.3, (1, tq, 128))))
   q_rows = jnp.zeros((b, hkv, 1, 16, d), jnp.bfloat16)     # N = 16 rows, Tq * G = 6 of them real
-  exact = exact_keys(q_rows, key_sets, group=hq // hkv)
+  exact = exact_keys(q_rows, key_sets, group=hq // hkv, num_queries=tq)
   assert [k.shape[1] for k, _ in exact.sources] == [64, tq, 2, 128]
   assert exact.sources[0][0] is key_sets[0][0] and exact.sources[1][0] is key_sets[1][0]
   assert exact.sources[3][1] is key_sets[4][1] and exact.sources[2][0].dtype == jnp.bfloat16
@@ -568,6 +572,19 @@ def test_exact_keys_read_every_set_in_place_past_its_end():
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=5e-3, rtol=3e-3)
 
 
+def test_one_row_masks_hold_for_every_query():
+  """A key set's mask may be [B or 1, 1, U], the same for every query: with every mask one row
+  and Tq = 3, the bias opens the keys to all three queries' rows (it took Tq from the masks and
+  closed every row past query 0's: a silent wrong answer for queries 1 and 2)."""
+  tq, group = 3, 2
+  k = jnp.zeros((1, 8, 1, 64), jnp.bfloat16)
+  q_rows = jnp.zeros((1, 1, 1, 8, 64), jnp.bfloat16)              # N = 8 rows, 6 real
+  exact = exact_keys(q_rows, ((k, k, jnp.ones((1, 1, 8), bool)),), group=group, num_queries=tq)
+  bias = np.asarray(exact.bias)                                    # [1, QB, U = 64, N]
+  assert (bias[0, 0, :8, :tq * group] == 0).all()
+  assert np.isneginf(bias[0, 0, :8, tq * group:]).all() and np.isneginf(bias[0, 0, 8:]).all()
+
+
 def test_kernel_rejects_bad_inputs_in_plain_words():
   q, qkv, k_full, v_full, k_new, v_new = _inputs(
       0, batch=1, num_queries=1, num_q_heads=2, num_kv_heads=1, head_dim=64, capacity=64,
@@ -584,6 +601,11 @@ def test_kernel_rejects_bad_inputs_in_plain_words():
                 qkv.v_scale, qkv.v_zero, group=qkv.group)
   with pytest.raises(ValueError, match="codes must be uint32 words"):
     quant_attention(q, bad, *args[2:], bits=4)
+  with pytest.raises(ValueError, match="lengths_quantized must be integer"):
+    quant_attention(q, qkv, jnp.array([1.5]), *args[3:], bits=4)
+  with pytest.raises(ValueError, match="qkv.k_scale must be float16"):
+    quant_attention(q, dataclasses.replace(qkv, k_scale=qkv.k_scale.astype(jnp.float32)),
+                    *args[2:], bits=4)
 
 
 @pytest.mark.parametrize("bits,num_queries,score_queries,block_kv,path",

@@ -397,6 +397,15 @@ def test_bad_inputs_are_rejected_in_plain_words():
     sparse_attention(*args(good), block_size=64, config=SparseConfig(block_kv=128))
   with pytest.raises(ValueError, match="target_blocks must be >= 1"):
     SparseConfig(target_blocks=0)
+  lengths = lambda values: (q, k_cache, v_cache, good, jnp.ones((1, 2), jnp.int32), values,
+                            k_new, v_new, jnp.ones((2, 2), bool))
+  with pytest.raises(ValueError, match="lengths must be integer"):
+    sparse_attention(*lengths(jnp.array([1.5])), block_size=64)
+  with pytest.raises(ValueError, match="B=0"):
+    sparse_attention(q[:0], k_cache[:0], v_cache[:0], good[:0], jnp.ones((0, 2), jnp.int32),
+                     jnp.zeros((0,), jnp.int32), k_new[:0], v_new[:0], jnp.ones((2, 2), bool),
+                     block_size=64)
+  assert SparseConfig().tile_rows(128, 256) == 64 and SparseConfig().tile_rows(128, 128) == 128
 
 
 def test_split_plan_fills_two_blocks_per_sm_with_64_key_tiles():

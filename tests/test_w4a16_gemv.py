@@ -145,6 +145,12 @@ def test_refuses_unsupported_shapes():
     W4A16Config(num_stages=0)
   with pytest.raises(InputError, match="target_blocks must be None or a positive integer"):
     W4A16Config(target_blocks=0)
+  with pytest.raises(InputError, match="in_features must be a positive integer"):
+    run(x, in_features=0)
+  # A numpy integer group is an integer (it was refused as "must be a positive integer").
+  sds = jax.ShapeDtypeStruct
+  jax.jit(lambda *a: w4a16_matmul(*a, in_features=128, group=np.int64(128))).trace(
+      sds((1, 128), jnp.bfloat16), q.codes, q.scale, q.zero).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.parametrize("m,n_in,n_out,config,dtype", [
