@@ -90,8 +90,9 @@ def _check(acc, m2, l):
 
 
 def _tree_max(xs: list) -> jax.Array:
-  """The elementwise max of xs as a balanced tree (depth log2 NS: a chain of ~200 maxima
-  overflowed Python's recursion limit in Mosaic GPU's lowering)."""
+  """The elementwise max of xs as a balanced tree (depth log2 NS instead of a chain of NS). Not
+  enough alone for ~200 splits, whose lowering still overflowed the recursion limit: hence
+  MAX_SPLITS."""
   while len(xs) > 1:
     xs = [jnp.maximum(a, b) for a, b in zip(xs[::2], xs[1::2])] + xs[len(xs) - len(xs) % 2:]
   return xs[0]
