@@ -48,8 +48,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.combine import check_lengths
 from pallas_kernels.quant_attention import (KEY_TILE, META_DTYPE, TILE_ROWS, QuantKV,
-                                            _SUPPORTED_DTYPES, check_meta, dequantize)
+                                            _SUPPORTED_DTYPES, check_qkv_arrays, dequantize)
 from pallas_kernels.register_operand import SMEM_ROW_WORDS, swizzled, word_offset, word_tile
 
 CHUNK = 64                        # channels per K chunk / V channel tile
@@ -65,11 +66,7 @@ def _check(qkv: QuantKV, bits: int, dtype) -> None:
   if qkv.capacity % KEY_TILE or qkv.group % KEY_TILE:
     raise ValueError(f"capacity {qkv.capacity} and key group {qkv.group} must be multiples of "
                      f"the {KEY_TILE}-key tile")
-  codes = (jnp.dtype(qkv.k_codes.dtype), jnp.dtype(qkv.v_codes.dtype))
-  if codes != (jnp.dtype(jnp.uint32),) * 2:
-    raise ValueError(f"qkv codes must be uint32 words of 8 4-bit codes, got {codes[0]} / "
-                     f"{codes[1]}")
-  check_meta(qkv)
+  check_qkv_arrays(qkv)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "dtype", "round_to", "interpret"))
@@ -86,8 +83,7 @@ def dequantize_kv(qkv: QuantKV, bits: int, dtype=jnp.bfloat16, lengths: jax.Arra
     raise ValueError(f"round_to must be a positive multiple of {KEY_TILE}, got {round_to}")
   if lengths is None:
     lengths = jnp.full((batch,), capacity, jnp.int32)
-  if lengths.shape != (batch,):
-    raise ValueError(f"lengths must be [B={batch}], got shape {lengths.shape}")
+  check_lengths("lengths", lengths, batch)
   lengths = lengths.astype(jnp.int32)
   head_dim, group = qkv.head_dim, qkv.group
   dtype = jnp.dtype(dtype)

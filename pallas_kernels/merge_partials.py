@@ -89,15 +89,6 @@ def _check(acc, m2, l):
     raise ValueError(f"l shape {l.shape} differs from m2 shape {m2.shape}")
 
 
-def _tree_max(xs: list) -> jax.Array:
-  """The elementwise max of xs as a balanced tree (depth log2 NS instead of a chain of NS). Not
-  enough alone for ~200 splits, whose lowering still overflowed the recursion limit: hence
-  MAX_SPLITS."""
-  while len(xs) > 1:
-    xs = [jnp.maximum(a, b) for a, b in zip(xs[::2], xs[1::2])] + xs[len(xs) - len(xs) % 2:]
-  return xs[0]
-
-
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def merge_partials(acc: jax.Array, m2: jax.Array, l: jax.Array, *, interpret: Any = None):
   """See the module docstring."""
@@ -143,7 +134,7 @@ def merge_partials(acc: jax.Array, m2: jax.Array, l: jax.Array, *, interpret: An
       return lax.broadcast_in_dim(x, (TILE, n), [1])
 
     plgpu.barrier_wait(ml_barrier)
-    m_tot = _tree_max([stat(m_smem, s) for s in range(num_splits)])
+    m_tot = functools.reduce(jnp.maximum, [stat(m_smem, s) for s in range(num_splits)])
     # A row that sees nothing: a finite stand-in keeps every weight at 0 instead of NaN.
     m_use = jnp.where(m_tot == -jnp.inf, 0.0, m_tot)
 

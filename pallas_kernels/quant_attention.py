@@ -1011,9 +1011,6 @@ def _check_quantized(q, qkv, bits, lengths_quantized, cfg) -> int:
     raise ValueError(f"qkv.v_codes must be [B, Hkv, 2, S/64, D, {w}] = "
                      f"{(b, hkv, 2, capacity // KEY_TILE, d, w)}, "
                      f"got {vc.shape}")
-  if jnp.dtype(kc.dtype) != jnp.dtype(jnp.uint32) or jnp.dtype(vc.dtype) != jnp.dtype(jnp.uint32):
-    raise ValueError(f"qkv codes must be uint32 words of 8 4-bit codes, got {kc.dtype} / "
-                     f"{vc.dtype}")
   if hq % hkv:
     raise ValueError(f"Hq={hq} query heads is not a multiple of Hkv={hkv} KV heads")
   if qkv.group % KEY_TILE:
@@ -1022,15 +1019,19 @@ def _check_quantized(q, qkv, bits, lengths_quantized, cfg) -> int:
     raise ValueError(f"block_kv={cfg.block_kv} must divide the quantized capacity S={capacity} "
                      f"and divide or be a multiple of the key group {qkv.group}")
   check_lengths("lengths_quantized", lengths_quantized, b)
-  check_meta(qkv)
+  check_qkv_arrays(qkv)
   return hkv
 
 
-def check_meta(qkv: QuantKV) -> None:
-  """The scales and zeros: fp16 (META_DTYPE), keys [B, Hkv, S/G, D], values [B, Hkv, S] (a
-  float32 one reached Mosaic as a raw dtype error)."""
-  b, hkv, capacity, d = (qkv.k_codes.shape[0], qkv.k_codes.shape[1], qkv.capacity,
-                         qkv.head_dim)
+def check_qkv_arrays(qkv: QuantKV) -> None:
+  """The dtypes and shapes the kernels read a QuantKV with (quant_attention, dequantize_kv):
+  uint32 code words; fp16 (META_DTYPE) scales and zeros, keys' [B, Hkv, S/G, D], values'
+  [B, Hkv, S] (a float32 one reached Mosaic as a raw dtype error)."""
+  kc, vc = qkv.k_codes, qkv.v_codes
+  if jnp.dtype(kc.dtype) != jnp.dtype(jnp.uint32) or jnp.dtype(vc.dtype) != jnp.dtype(jnp.uint32):
+    raise ValueError(f"qkv codes must be uint32 words of 8 4-bit codes, got {kc.dtype} / "
+                     f"{vc.dtype}")
+  b, hkv, capacity, d = kc.shape[0], kc.shape[1], qkv.capacity, qkv.head_dim
   for name, x in (("k_scale", qkv.k_scale), ("k_zero", qkv.k_zero), ("v_scale", qkv.v_scale),
                   ("v_zero", qkv.v_zero)):
     if jnp.dtype(x.dtype) != jnp.dtype(META_DTYPE):

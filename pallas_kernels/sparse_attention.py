@@ -255,9 +255,9 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
   block_kv = cfg.tile_rows(block_size, head_dim)
   tiles_per_block = block_size // block_kv
   num_stages = cfg.num_stages
-  if not ws:
-    check_plain_smem(block_kv, num_stages, head_dim, dtype=q_rows.dtype, score_rows=score_rows)
   dtype = q_rows.dtype
+  if not ws:
+    check_plain_smem(block_kv, num_stages, head_dim, dtype=dtype, score_rows=score_rows)
   score_scale = head_dim ** -0.5 * LOG2E
   num_work = sum(seg.num_work for seg in segments)
   score_slots = sum(seg.score_slot >= 0 for seg in segments)

@@ -95,6 +95,8 @@ def test_bad_inputs_are_rejected_in_plain_words():
     dequantize_kv(qkv, 4, lengths=jnp.array([64]), round_to=96)
   with pytest.raises(ValueError, match=r"lengths must be \[B=1\]"):
     dequantize_kv(qkv, 4, lengths=jnp.array([64, 64]))
+  with pytest.raises(ValueError, match="lengths must be integer"):
+    dequantize_kv(qkv, 4, lengths=jnp.array([64.5]))
   # Scales and zeros in another dtype reached Mosaic as a raw error.
   wide = dataclasses.replace(qkv, v_scale=qkv.v_scale.astype(jnp.float32))
   with pytest.raises(ValueError, match="qkv.v_scale must be float16"):
