@@ -19,7 +19,10 @@ Grid (Hkv * QB, D / 64, B): one warpgroup per (KV head, q block, 64 channels, ro
 the row max over every split first (all m and l arrive by one TMA each), then each split's
 weight 2**(m_s - m) and its [64, N] slice of acc (one TMA per split, in chunks of
 `splits_per_chunk` through up to MAX_SLOTS SMEM slots, every chunk that has a slot issued before
-the first wait) folded in without a dependency chain through exp2.
+the first wait) folded in without a dependency chain through exp2. Both passes are loops (over
+splits, and over chunks with a chunk's splits unrolled), so the lowering's size does not grow
+with NS; an unrolled fold of ~200 splits had overflowed Python's recursion limit in Mosaic GPU's
+lowering, and 128 took minutes to lower.
 
 `merge_partials_reference` (pure jnp) sits at the bottom.
 """
@@ -43,9 +46,9 @@ TILE = 64                         # channels per block (one [64, N] WGMMA-layout
 CHUNK_BYTES = 48 * 1024           # split partials per TMA chunk: about this many bytes
 MAX_SLOTS = 4                     # chunks in flight (4 x 48 KiB of SMEM at most)
 SMEM_SLACK = 4096                 # barriers and buffer alignment (Mosaic counted 1.7 KiB)
-# Splits one merge takes: the kernel unrolls them, and Mosaic GPU's lowering of 203 overflowed
-# Python's recursion limit (133 lowered). Callers plan at most this many (quant_attention).
-MAX_SPLITS = 128
+# Splits one merge takes: the m and l tables arrive by one TMA each, and a TMA box has at most
+# 256 rows. Callers plan at most this many (quant_attention).
+MAX_SPLITS = 256
 
 
 def splits_per_chunk(num_splits: int, n: int) -> int:
@@ -60,8 +63,8 @@ def merge_plan(num_splits: int, n: int, n_pad: int) -> tuple[int, int]:
   NP = 32, and four 48 KiB slots overflowed). Raises a ValueError naming NS when the tables
   leave no room for one [64, N] slice."""
   if num_splits > MAX_SPLITS:
-    raise ValueError(f"merge_partials takes at most MAX_SPLITS={MAX_SPLITS} splits (it unrolls "
-                     f"them), got NS={num_splits}: use fewer splits")
+    raise ValueError(f"merge_partials takes at most MAX_SPLITS={MAX_SPLITS} splits (one TMA box "
+                     f"of m and l rows), got NS={num_splits}: use fewer splits")
   slice_bytes = TILE * n * 4
   room = SMEM_PER_SM - (2 * num_splits + 1) * n_pad * 4 - SMEM_SLACK
   if room < slice_bytes:
@@ -97,7 +100,6 @@ def merge_partials(acc: jax.Array, m2: jax.Array, l: jax.Array, *, interpret: An
   n_pad = m2.shape[4]
   chunk, slots = merge_plan(num_splits, n, n_pad)
   full_chunks, rem = divmod(num_splits, chunk)
-  n_chunks = full_chunks + (rem > 0)
   col = plgpu.Layout.WGMMA.reduce(0)           # a vector along a tile's columns (N)
 
   def body(acc_ref,          # [B, Hkv, QB, NS, D, N] fp32              GMEM
@@ -116,6 +118,7 @@ def merge_partials(acc: jax.Array, m2: jax.Array, l: jax.Array, *, interpret: An
     channels = pl.ds(mt * TILE, TILE)
 
     def fetch(c, slot, count):
+      """Chunk c (static or traced) of `count` splits into SMEM slot `slot` (static or traced)."""
       barrier = chunk_barriers.at[slot] if count == chunk else rem_barrier
       # One TMA per split: a box over several splits' tiled [64, N] slices has six dimensions.
       for i in range(count):
@@ -124,21 +127,26 @@ def merge_partials(acc: jax.Array, m2: jax.Array, l: jax.Array, *, interpret: An
 
     plgpu.copy_gmem_to_smem(m_ref.at[b, h, qb], m_smem, ml_barrier)
     plgpu.copy_gmem_to_smem(l_ref.at[b, h, qb], l_smem, ml_barrier)
-    for c in range(slots):
+    for c in range(slots):                     # slots <= chunks: every slot starts filled
       fetch(c, c, chunk if c < full_chunks else rem)
 
-    def stat(ref, s):                          # split s's [N] row statistic
+    def stat(ref, s):                          # split s's [N] row statistic (s static or traced)
       return plgpu.load(ref.at[s, pl.ds(0, n)], layout=col, optimized=False)
 
     def cols(x):                               # [N] -> [64, N]
       return lax.broadcast_in_dim(x, (TILE, n), [1])
 
     plgpu.barrier_wait(ml_barrier)
-    m_tot = functools.reduce(jnp.maximum, [stat(m_smem, s) for s in range(num_splits)])
+    def chunk_max(c, m):                       # a chunk's splits unrolled: independent loads
+      return functools.reduce(jnp.maximum, [stat(m_smem, c * chunk + i) for i in range(chunk)], m)
+
+    m_tot = lax.fori_loop(0, full_chunks, chunk_max, jnp.full((n,), -jnp.inf, jnp.float32))
+    m_tot = functools.reduce(jnp.maximum, [stat(m_smem, full_chunks * chunk + i)
+                                           for i in range(rem)], m_tot)
     # A row that sees nothing: a finite stand-in keeps every weight at 0 instead of NaN.
     m_use = jnp.where(m_tot == -jnp.inf, 0.0, m_tot)
 
-    def fold(slot, first, count, carry):
+    def fold(slot, first, count, carry):       # a chunk's splits, unrolled
       acc, l_tot = carry
       for i in range(count):
         w = jnp.exp2(stat(m_smem, first + i) - m_use)
@@ -147,14 +155,22 @@ def merge_partials(acc: jax.Array, m2: jax.Array, l: jax.Array, *, interpret: An
         l_tot = l_tot + w * stat(l_smem, first + i)
       return acc, l_tot
 
+    def full_chunk(c, carry):                  # chunk c < full_chunks, traced
+      slot = lax.rem(c, jnp.int32(slots))
+      plgpu.barrier_wait(chunk_barriers.at[slot])
+      carry = fold(slot, c * chunk, chunk, carry)
+      refill = c + slots                       # the chunk that takes this slot next
+      pl.when(refill < full_chunks)(lambda: fetch(refill, slot, chunk))
+      if rem:
+        pl.when(refill == full_chunks)(lambda: fetch(refill, slot, rem))
+      return carry
+
     carry = (plgpu.layout_cast(jnp.zeros((TILE, n), jnp.float32), plgpu.Layout.WGMMA),
              jnp.zeros_like(m_use))
-    for c in range(n_chunks):                  # static: few chunks, the splits' indices static
-      slot, count = c % slots, (chunk if c < full_chunks else rem)
-      plgpu.barrier_wait(chunk_barriers.at[slot] if count == chunk else rem_barrier)
-      carry = fold(slot, c * chunk, count, carry)
-      if c + slots < n_chunks:
-        fetch(c + slots, slot, chunk if c + slots < full_chunks else rem)
+    carry = lax.fori_loop(0, full_chunks, full_chunk, carry)
+    if rem:                                    # the last, partial chunk
+      plgpu.barrier_wait(rem_barrier)
+      carry = fold(full_chunks % slots, full_chunks * chunk, rem, carry)
     acc, l_tot = carry
 
     seen = l_tot > 0

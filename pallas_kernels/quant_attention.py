@@ -448,6 +448,12 @@ AUTO_NARROW_ROWS = {4: 32, 8: 24}
 # -> 260.1, 8-bit 725.5 -> 445.9; Tq = 64 (256 rows) 4-bit 2459.6 -> 936.7, 8-bit 2710.2 ->
 # 1659.6 (16-row blocks: slower than 32 in all four but 8 bits with 128-key stages).
 AUTO_BLOCK_M = 32
+# Partials per merge the planner allows: merge_partials folds a (row, KV head, q block)'s splits
+# in one thread block, ~0.065 us a split, so past ~128 splits the merge outgrows what more
+# splits save in the kernel (H200, 4-bit, Tq = 1, 128K, device us per call at 1 / 2 KV heads:
+# 28.5 / 32.9 with 123 splits, 33.9 / 36.1 with a whole wave of 251 / 198;
+# `benchmarks/merge_splits.py`, session 36).
+AUTO_MERGE_SPLITS = 128
 # Wide calls: every q block of the fused kernel dequantizes all the codes again, so from some
 # number of query rows per KV head (Tq * Hq / Hkv) on it is cheaper to dequantize the whole
 # quantized region once into q's dtype (`pallas_kernels.dequantize_kv`: the codes read at `bits`,
@@ -560,14 +566,18 @@ def _dequantizes(cfg, n_rows, bits, qkv: QuantKV, dtype) -> bool:
 
 def _num_splits(cfg, block_kv, batch, num_kv_heads, q_blocks, capacity, *, bits, rows,
                 exact_blocks: int = 0):
-  """Splits per (row, KV head, q block): one wave of blocks, at most what merge_partials takes
-  beside the `exact_blocks` partials (1-2 KV heads at long context asked for ~200)."""
+  """Splits per (row, KV head, q block): one wave of blocks, with at most AUTO_MERGE_SPLITS
+  partials to merge beside the `exact_blocks` ones (1-2 KV heads at long context ask for
+  198-396). An explicit `num_splits` may go up to merge_partials' MAX_SPLITS."""
   if cfg.num_splits is not None:
+    if cfg.num_splits + exact_blocks > MERGE_MAX_SPLITS:
+      raise ValueError(f"num_splits={cfg.num_splits} with {exact_blocks} exact-key blocks is more "
+                       f"than merge_partials' MAX_SPLITS={MERGE_MAX_SPLITS} partials")
     return cfg.num_splits
   target = cfg.target_blocks or _one_wave(bits, block_kv, rows)
   per_head = max(1, target // (batch * num_kv_heads * q_blocks))
   return max(1, min(per_head, (capacity // block_kv) // cfg.min_tiles_per_split,
-                    MERGE_MAX_SPLITS - exact_blocks))
+                    AUTO_MERGE_SPLITS - exact_blocks))
 
 
 @functools.partial(jax.tree_util.register_dataclass,

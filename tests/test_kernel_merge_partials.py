@@ -102,17 +102,18 @@ def test_bad_inputs_are_rejected_in_plain_words():
   with pytest.raises(ValueError, match="float32"):
     merge_partials(acc.astype(jnp.bfloat16), m2, l, interpret=INTERPRET)
   sds = jax.ShapeDtypeStruct
-  stats = sds((1, 1, 1, 129, 64), jnp.float32)
-  with pytest.raises(ValueError, match="at most MAX_SPLITS=128 splits .* NS=129"):
-    jax.jit(merge_partials).trace(sds((1, 1, 1, 129, 64, 64), jnp.float32), stats, stats)
+  stats = sds((1, 1, 1, 257, 64), jnp.float32)
+  with pytest.raises(ValueError, match="at most MAX_SPLITS=256 splits .* NS=257"):
+    jax.jit(merge_partials).trace(sds((1, 1, 1, 257, 64, 64), jnp.float32), stats, stats)
 
 
 @pytest.mark.parametrize("hkv,n,ns", [
     (8, 8, 24),       # QuantSpec's draft at Llama-3.1-8B shapes (Tq = 1; 54 splits at 64K)
     (8, 24, 38),      # its verification (Tq = 5, 64K)
     (3, 64, 5),       # several q blocks of 64 rows
-    (2, 8, 128),      # the most splits (MAX_SPLITS), as a 4-bit draft call at 2 KV heads plans
-                      # them: the m and l tables leave room for 3 slots (four overflowed SMEM)
+    (2, 8, 198),      # a 4-bit draft call's wave at 2 KV heads: the m and l tables leave room
+                      # for 3 slots (four overflowed SMEM)
+    (1, 64, 256),     # the most splits (MAX_SPLITS) at the widest N
 ])
 def test_lowers_to_mosaic_gpu_custom_call_for_cuda(hkv, n, ns):
   sds = jax.ShapeDtypeStruct

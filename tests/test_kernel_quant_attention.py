@@ -450,11 +450,18 @@ def test_auto_splits_fill_one_wave():
   # Never fewer than min_tiles_per_split stages a split, never below one split.
   assert _num_splits(auto, 128, 1, 8, 1, 512, bits=4, rows=8) == 2
   assert _num_splits(auto, 128, 64, 8, 1, 65536, bits=4, rows=8) == 1
-  # At most merge_partials' MAX_SPLITS = 128 with the exact blocks' partials: 1056 blocks over 8
-  # heads asked for 132; 2 KV heads at 128K for 198 (SMEM overflow, then a lowering that recursed).
+  # At most AUTO_MERGE_SPLITS = 128 partials with the exact blocks' (the merge's serial fold
+  # outgrows the kernel's gain past that): 1056 blocks over 8 heads ask for 132, 2 and 1 KV
+  # heads at 128K for 198 and 396. An explicit split count may use up to MAX_SPLITS = 256.
   assert _num_splits(QuantAttentionConfig(target_blocks=1056), 128, **one_row, bits=4,
                      rows=8) == 128
   assert _num_splits(auto, 128, 1, 2, 1, 131072, bits=4, rows=8, exact_blocks=5) == 123
+  assert _num_splits(auto, 128, 1, 1, 1, 131072, bits=4, rows=8, exact_blocks=5) == 123
+  assert _num_splits(QuantAttentionConfig(num_splits=251), 128, 1, 1, 1, 131072, bits=4,
+                     rows=8, exact_blocks=5) == 251
+  with pytest.raises(ValueError, match="num_splits=252 with 5 exact-key blocks"):
+    _num_splits(QuantAttentionConfig(num_splits=252), 128, 1, 1, 1, 131072, bits=4, rows=8,
+                exact_blocks=5)
   with pytest.raises(ValueError, match="target_blocks must be >= 1"):
     QuantAttentionConfig(target_blocks=0)
 

@@ -1,0 +1,146 @@
+"""merge_partials' split count on a GPU: the looped merge against another merge_partials.py (e.g.
+the unrolled one it replaced, saved to a file), and quant_attention's calls with the split count
+its planner picks against a cap (the old 128-split limit), one run, one device.
+
+Cells are "Hkv:S:bits:Tq" (Hq = 4 Hkv, D = 128, bf16, B = 1, a QuantSpec-like call: a 192-token
+full-precision recent segment and Tq causal in-flight tokens, the rest quantized). For each:
+  * call rows: quant_attention with the planner's splits ("current"), with the other merge
+    module swapped in where its split cap allows ("old_merge"), with the splits capped at
+    `--cap` minus the exact blocks where the planner now picks more ("capped"), and with each
+    of `--splits` ("forced");
+  * merge rows: merge_partials alone on partials of the call's shape, current and other module.
+Device time per call from the profiler; the max error of each call against the jnp reference.
+
+  python benchmarks/merge_splits.py --old-merge /tmp/merge_partials_old.py --out $OUT/m.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._timing import loop_fields, read_bandwidth, time_loop, write_json  # noqa: E402
+from pallas_kernels import merge_partials as merge_mod  # noqa: E402
+from pallas_kernels import quant_attention as qa  # noqa: E402
+
+D, GROUP, RECENT, RECENT_CAPACITY = 128, 128, 192, 256
+CELLS = "8:65536:4:1,8:65536:8:1,8:131072:8:5,2:32768:4:1,2:131072:4:1,1:131072:4:1"
+
+
+def _normal(key, shape):
+  return jax.random.normal(jax.random.key(key), shape, jnp.float32).astype(jnp.bfloat16)
+
+
+def _load(path: str, name: str):
+  spec = importlib.util.spec_from_file_location(name, path)
+  mod = importlib.util.module_from_spec(spec)
+  sys.modules[name] = mod
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def _plan(hkv: int, s: int, bits: int, tq: int, cfg: qa.QuantAttentionConfig):
+  """(splits, exact blocks, N) the call plans: exact blocks for the recent segment and Tq."""
+  rows = tq * 4
+  nqb, n = qa._q_blocks(rows)
+  bkv = qa._block_kv(cfg, n, GROUP, s, bits)
+  exact = -(-RECENT_CAPACITY // 64) + -(-tq // 64)
+  return qa._num_splits(cfg, bkv, 1, hkv, nqb, s, bits=bits, rows=n, exact_blocks=exact), exact, n
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--cells", default=CELLS, help="Hkv:S:bits:Tq,...")
+  p.add_argument("--old-merge", help="another merge_partials.py, timed beside the current one")
+  p.add_argument("--cap", type=int, default=128, help="the split cap the 'capped' rows use")
+  p.add_argument("--splits", default="",
+                 help="further split counts timed per cell (forced; those past a cell's keys "
+                      "or past MAX_SPLITS with its exact blocks are left out)")
+  p.add_argument("--skip-merge", action="store_true", help="no merge-alone rows")
+  p.add_argument("--calls", type=int, default=200)
+  p.add_argument("--interpret", action="store_true", help="CPU dry run (Mosaic interpreter)")
+  p.add_argument("--out", required=True)
+  a = p.parse_args(argv)
+  ip = plgpu.InterpretGPUParams() if a.interpret else None
+  old = _load(a.old_merge, "old_merge_partials") if a.old_merge else None
+  res = dict(device=str(jax.devices()[0].device_kind), D=D, group=GROUP, recent=RECENT,
+             read_bandwidth=read_bandwidth(2e7 if a.interpret else 4 * 2 ** 30), rows=[])
+  bw = res["read_bandwidth"]["gb_per_s"]
+
+  def record(row, t, nbytes):
+    row.update(loop_fields(t, nbytes, bw))
+    res["rows"].append(row)
+    print({k: row[k] for k in row if k in ("cell", "impl", "part", "num_splits", "max_abs_err",
+                                           "us_per_call", "device_us_per_call")}, flush=True)
+    write_json(a.out, res)
+
+  for cell in a.cells.split(","):
+    hkv, s, bits, tq = map(int, cell.split(":"))
+    hq = 4 * hkv
+    k, v = _normal(1, (1, hkv, s, D)), _normal(2, (1, hkv, s, D))
+    qkv = qa.quantize_kv(k, v, group=GROUP)
+    del k, v
+    q = _normal(3, (1, tq, hq, D))
+    args = (qkv, jnp.array([s - RECENT], jnp.int32), _normal(6, (1, hkv, RECENT_CAPACITY, D)),
+            _normal(7, (1, hkv, RECENT_CAPACITY, D)), jnp.array([RECENT], jnp.int32),
+            _normal(4, (1, tq, hkv, D)), _normal(5, (1, tq, hkv, D)),
+            jnp.tril(jnp.ones((tq, tq), bool)))
+    ref = qa.quant_attention_reference(q.astype(jnp.float32), args[0], bits, *args[1:])
+    nbytes = hkv * ((s - RECENT) * qa.bytes_per_token(D, bits, GROUP) + RECENT * D * 4)
+    splits, exact, n = _plan(hkv, s, bits, tq, qa.QuantAttentionConfig())
+    variants = [("current", None, None)]
+    if old is not None and splits + exact <= old.MAX_SPLITS:
+      variants.append(("old_merge", old.merge_partials, None))
+    if splits + exact > a.cap:
+      variants.append(("capped", None, a.cap - exact))
+    tiles = (s - RECENT) // 128
+    variants += [("forced", None, int(x)) for x in a.splits.split(",") if x
+                 and int(x) not in (splits, a.cap - exact) and int(x) <= tiles
+                 and int(x) + exact <= merge_mod.MAX_SPLITS]
+    for impl, merge, forced in variants:
+      saved = qa.merge_partials
+      try:
+        if merge is not None:
+          qa.merge_partials = merge
+        cfg = qa.QuantAttentionConfig(num_splits=forced)
+        f = jax.jit(functools.partial(qa.quant_attention, bits=bits, config=cfg, interpret=ip))
+        err = float(jnp.max(jnp.abs(f(q, *args).astype(jnp.float32) - ref)))
+        t = time_loop(f, q, *args, num_calls=a.calls, profile=True)
+        record(dict(cell=cell, impl=impl, part="call", num_splits=forced or splits,
+                    exact_blocks=exact, max_abs_err=err), t, nbytes)
+      except Exception as e:  # noqa: BLE001 - record and go on
+        res["rows"].append(dict(cell=cell, impl=impl, part="call", error=repr(e)[:500]))
+        write_json(a.out, res)
+      finally:
+        qa.merge_partials = saved
+    if a.skip_merge:
+      continue
+    ns, n_pad = splits + exact, max(n, 32)
+    key = jax.random.split(jax.random.key(9), 3)
+    acc = jax.random.normal(key[0], (1, hkv, 1, ns, D, n), jnp.float32)
+    m2 = jax.random.normal(key[1], (1, hkv, 1, ns, n_pad), jnp.float32)
+    l = jnp.abs(jax.random.normal(key[2], (1, hkv, 1, ns, n_pad), jnp.float32)) + 1.0
+    merges = [("current", functools.partial(merge_mod.merge_partials, interpret=ip))]
+    if old is not None and ns <= old.MAX_SPLITS:
+      merges.append(("old_merge", functools.partial(old.merge_partials, interpret=ip)))
+    want = merge_mod.merge_partials_reference(acc, m2, l)[0]
+    for impl, merge in merges:
+      err = float(jnp.max(jnp.abs(merge(acc, m2, l)[0] - want)))
+      t = time_loop(lambda acc, m2, l: merge(acc, m2, l), acc, m2, l, num_calls=a.calls,
+                    profile=True)
+      record(dict(cell=cell, impl=impl, part="merge", num_splits=ns, max_abs_err=err), t,
+             acc.nbytes + m2.nbytes + l.nbytes)
+  return res
+
+
+if __name__ == "__main__":
+  main()

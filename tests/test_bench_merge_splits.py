@@ -1,0 +1,33 @@
+"""benchmarks/merge_splits.py in its --interpret mode (Mosaic GPU interpreter on the CPU, one tiny
+cell, one call per timed loop): every row kind runs (the planner's splits, another merge module
+swapped in, the capped and forced split counts, the merge alone), so the script cannot rot. The
+timings mean nothing on a CPU."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))   # benchmarks/ importable
+
+from benchmarks import merge_splits as bench  # noqa: E402
+
+
+def test_interpret_run_writes_every_row_kind(tmp_path):
+  out = tmp_path / "merge_splits.json"
+  result = bench.main(["--interpret", "--cells", "1:1024:4:1", "--splits", "1", "--cap", "8",
+                       "--calls", "1", "--old-merge",
+                       str(ROOT / "pallas_kernels" / "merge_partials.py"), "--out", str(out)])
+  assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+  rows = result["rows"]
+  assert not [r for r in rows if "error" in r], rows
+  # 1024 slots: the planner's 4 splits (2 stages of 128 keys each at least); 5 exact blocks
+  # (256 recent slots, 1 in-flight token), so the cap of 8 leaves 3.
+  assert [(r["impl"], r["part"], r["num_splits"]) for r in rows] == [
+      ("current", "call", 4), ("old_merge", "call", 4), ("capped", "call", 3),
+      ("forced", "call", 1), ("current", "merge", 9), ("old_merge", "merge", 9)]
+  for r in rows:
+    assert r["us_per_call"] > 0
+    assert r["max_abs_err"] < (1e-2 if r["part"] == "call" else 1e-5), r
