@@ -4,11 +4,13 @@ its planner picks against a cap (the old 128-split limit), one run, one device.
 
 Cells are "Hkv:S:bits:Tq" (Hq = 4 Hkv, D = 128, bf16, B = 1, a QuantSpec-like call: a 192-token
 full-precision recent segment and Tq causal in-flight tokens, the rest quantized). For each:
-  * call rows: quant_attention with the planner's splits ("current"), with the other merge
-    module swapped in where its split cap allows ("old_merge"), with the splits capped at
+  * call rows: quant_attention with the planner's splits and merge ranges ("current"), with
+    the other merge module swapped in where the plan merges in one launch within its split cap
+    ("old_merge"), with the splits capped at
     `--cap` minus the exact blocks where the planner now picks more ("capped"), and with each
     of `--splits` ("forced");
-  * merge rows: merge_partials alone on partials of the call's shape, current and other module.
+  * merge rows: the merge alone on partials of the call's shape: the current module in the
+    plan's ranges, the other module in one launch.
 Device time per call from the profiler; the max error of each call against the jnp reference.
 
   python benchmarks/merge_splits.py --old-merge /tmp/merge_partials_old.py --out $OUT/m.json
@@ -49,12 +51,14 @@ def _load(path: str, name: str):
 
 
 def _plan(hkv: int, s: int, bits: int, tq: int, cfg: qa.QuantAttentionConfig):
-  """(splits, exact blocks, N) the call plans: exact blocks for the recent segment and Tq."""
+  """(splits, merge ranges, exact blocks, N) the call plans: exact blocks for the recent
+  segment and Tq."""
   rows = tq * 4
   nqb, n = qa._q_blocks(rows)
   bkv = qa._block_kv(cfg, n, GROUP, s, bits)
   exact = -(-RECENT_CAPACITY // 64) + -(-tq // 64)
-  return qa._num_splits(cfg, bkv, 1, hkv, nqb, s, bits=bits, rows=n, exact_blocks=exact), exact, n
+  splits, ranges = qa._num_splits(cfg, bkv, 1, hkv, nqb, s, bits=bits, rows=n, exact_blocks=exact)
+  return splits, ranges, exact, n
 
 
 def main(argv=None):
@@ -96,10 +100,11 @@ def main(argv=None):
             jnp.tril(jnp.ones((tq, tq), bool)))
     ref = qa.quant_attention_reference(q.astype(jnp.float32), args[0], bits, *args[1:])
     nbytes = hkv * ((s - RECENT) * qa.bytes_per_token(D, bits, GROUP) + RECENT * D * 4)
-    splits, exact, n = _plan(hkv, s, bits, tq, qa.QuantAttentionConfig())
+    splits, ranges, exact, n = _plan(hkv, s, bits, tq, qa.QuantAttentionConfig())
     variants = [("current", None, None)]
-    if old is not None and splits + exact <= old.MAX_SPLITS:
-      variants.append(("old_merge", old.merge_partials, None))
+    if old is not None and ranges == 1 and splits + exact <= old.MAX_SPLITS:
+      variants.append(("old_merge", lambda acc, m2, l, ranges, interpret: old.merge_partials(
+          acc, m2, l, interpret=interpret), None))
     if splits + exact > a.cap:
       variants.append(("capped", None, a.cap - exact))
     tiles = (s - RECENT) // 128
@@ -107,21 +112,22 @@ def main(argv=None):
                  and int(x) not in (splits, a.cap - exact) and int(x) <= tiles
                  and int(x) + exact <= merge_mod.MAX_SPLITS]
     for impl, merge, forced in variants:
-      saved = qa.merge_partials
+      saved = qa.merge_partials_in_ranges
       try:
         if merge is not None:
-          qa.merge_partials = merge
+          qa.merge_partials_in_ranges = merge
         cfg = qa.QuantAttentionConfig(num_splits=forced)
         f = jax.jit(functools.partial(qa.quant_attention, bits=bits, config=cfg, interpret=ip))
         err = float(jnp.max(jnp.abs(f(q, *args).astype(jnp.float32) - ref)))
         t = time_loop(f, q, *args, num_calls=a.calls, profile=True)
         record(dict(cell=cell, impl=impl, part="call", num_splits=forced or splits,
-                    exact_blocks=exact, max_abs_err=err), t, nbytes)
+                    merge_ranges=1 if forced else ranges, exact_blocks=exact, max_abs_err=err),
+               t, nbytes)
       except Exception as e:  # noqa: BLE001 - record and go on
         res["rows"].append(dict(cell=cell, impl=impl, part="call", error=repr(e)[:500]))
         write_json(a.out, res)
       finally:
-        qa.merge_partials = saved
+        qa.merge_partials_in_ranges = saved
     if a.skip_merge:
       continue
     ns, n_pad = splits + exact, max(n, 32)
@@ -129,7 +135,8 @@ def main(argv=None):
     acc = jax.random.normal(key[0], (1, hkv, 1, ns, D, n), jnp.float32)
     m2 = jax.random.normal(key[1], (1, hkv, 1, ns, n_pad), jnp.float32)
     l = jnp.abs(jax.random.normal(key[2], (1, hkv, 1, ns, n_pad), jnp.float32)) + 1.0
-    merges = [("current", functools.partial(merge_mod.merge_partials, interpret=ip))]
+    merges = [("current", functools.partial(merge_mod.merge_partials_in_ranges, ranges=ranges,
+                                            interpret=ip))]
     if old is not None and ns <= old.MAX_SPLITS:
       merges.append(("old_merge", functools.partial(old.merge_partials, interpret=ip)))
     want = merge_mod.merge_partials_reference(acc, m2, l)[0]
@@ -137,7 +144,8 @@ def main(argv=None):
       err = float(jnp.max(jnp.abs(merge(acc, m2, l)[0] - want)))
       t = time_loop(lambda acc, m2, l: merge(acc, m2, l), acc, m2, l, num_calls=a.calls,
                     profile=True)
-      record(dict(cell=cell, impl=impl, part="merge", num_splits=ns, max_abs_err=err), t,
+      record(dict(cell=cell, impl=impl, part="merge", num_splits=ns,
+                  merge_ranges=ranges if impl == "current" else 1, max_abs_err=err), t,
              acc.nbytes + m2.nbytes + l.nbytes)
   return res
 

@@ -76,7 +76,7 @@ def main(argv=None):
     f = jax.jit(functools.partial(qa._quant_partials, bits=a.bits, dtype=jnp.bfloat16, cfg=cfg,
                                   block_kv=bkv,
                                   num_splits=qa._num_splits(cfg, bkv, 1, HKV, nqb, s,
-                                                            bits=a.bits, rows=n)))
+                                                            bits=a.bits, rows=n)[0]))
     args = (q_t, qkv, lengths)
   elif a.kernel == "sparse":
     q = jax.random.normal(key[2], (b, a.tq, HQ, D), jnp.float32).astype(jnp.bfloat16)

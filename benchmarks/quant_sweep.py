@@ -189,7 +189,7 @@ def main(argv=None):
         nqb, n = qa._q_blocks(tq * HQ // HKV, block_m)
         bkv = bkv or qa._block_kv(cfg, n, GROUP, s, bits, batch=b)
         q_t = jnp.zeros((b, HKV, nqb, D // 64, 64, n), jnp.float32)   # [B,Hkv,NQB,D/64,64,N]
-        ns = qa._num_splits(cfg, bkv, b, HKV, nqb, s, bits=bits, rows=n)
+        ns = qa._num_splits(cfg, bkv, b, HKV, nqb, s, bits=bits, rows=n)[0]
         kern = jax.jit(functools.partial(qa._quant_partials, bits=bits, num_splits=ns,
                                          dtype=jnp.bfloat16, cfg=cfg, block_kv=bkv,
                                          interpret=ip))

@@ -24,7 +24,8 @@ splits, and over chunks with a chunk's splits unrolled), so the lowering's size 
 with NS; an unrolled fold of ~200 splits had overflowed Python's recursion limit in Mosaic GPU's
 lowering, and 128 took minutes to lower.
 
-`merge_partials_reference` (pure jnp) sits at the bottom.
+`merge_partials_in_ranges` runs it twice for many splits (ranges of splits in parallel, then the
+ranges). `merge_partials_reference` (pure jnp) sits at the bottom.
 """
 
 from __future__ import annotations
@@ -212,6 +213,31 @@ def merge_partials(acc: jax.Array, m2: jax.Array, l: jax.Array, *, interpret: An
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
   )(acc, m2, l)
+
+
+def merge_partials_in_ranges(acc: jax.Array, m2: jax.Array, l: jax.Array, *, ranges: int,
+                             interpret: Any = None):
+  """merge_partials in two launches for many splits: the NS splits in `ranges` consecutive
+  ranges of NS / ranges, merged in parallel (the ranges are extra q blocks of the same kernel,
+  a free reshape), then the ranges' normalised outputs weighted by their log-sum-exps (m2 =
+  lse * log2 e, l = 1; an empty range has lse = -inf, so weight 0). One launch folds a q
+  block's splits in series in one thread block (~0.065 us a split on an H200), so at 1-2 KV
+  heads a few blocks carried ~200 splits alone. Same contract and outputs as merge_partials;
+  NS must be a multiple of `ranges`; ranges = 1 is merge_partials itself."""
+  _check(acc, m2, l)
+  b, hkv, qb, ns, d, n = acc.shape
+  if not isinstance(ranges, int) or ranges < 1 or ns % ranges:
+    raise ValueError(f"ranges must be a positive divisor of NS={ns}, got {ranges!r}")
+  if ranges == 1:
+    return merge_partials(acc, m2, l, interpret=interpret)
+  n_pad = m2.shape[4]
+  per_range = lambda x: x.reshape(b, hkv, qb * ranges, ns // ranges, *x.shape[4:])
+  out, lse = merge_partials(per_range(acc), per_range(m2), per_range(l), interpret=interpret)
+  lse = lse.reshape(b, hkv, qb, ranges, n_pad)     # columns >= N undefined: never read
+  seen = lse > -jnp.inf
+  return merge_partials(out.reshape(b, hkv, qb, ranges, d, n),
+                        jnp.where(seen, lse * (1.0 / LN2), -jnp.inf),
+                        seen.astype(jnp.float32), interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------

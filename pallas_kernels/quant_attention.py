@@ -62,7 +62,7 @@ both operands from SMEM, K and V read by TMA straight from token-major [B, U, Hk
 a piece's last tile past its end zero-filled by the TMA, per-query masks as a 0/-inf bias; their
 SMEM is a sibling scope of a split's and no larger, so as many blocks stay resident): they leave
 partials in the splits' format, and ONE more kernel (`pallas_kernels.merge_partials`) merges all
-partials by log-sum-exp and normalises. A call is thus two Mosaic launches plus the q / mask /
+partials by log-sum-exp and normalises (two launches of it past AUTO_MERGE_SPLITS partials). A call is thus two Mosaic launches plus the q / mask /
 output relayouts. The kernel is compiled without Mosaic's automatic barriers
 (`pallas_kernels.sync`: one `bar.sync` before each ring refill instead of 15-18 a stage; 3-6% per
 call on an H200).
@@ -134,6 +134,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from typing import Any
 
 import jax
@@ -151,7 +152,7 @@ from pallas_kernels.decode_attention import (BLOCK_M, LOG2E, DecodeConfig, num_q
                                              split_partials)
 from pallas_kernels.hopper import SM_COUNT
 from pallas_kernels.merge_partials import MAX_SPLITS as MERGE_MAX_SPLITS
-from pallas_kernels.merge_partials import merge_partials
+from pallas_kernels.merge_partials import merge_partials_in_ranges
 from pallas_kernels.register_operand import (CODES_PER_WORD, SMEM_ROW_WORDS, a_staging,
                                              pack_words, swizzled, unpack_words,
                                              wgmma_register_a, word_offset, word_tile)
@@ -448,11 +449,11 @@ AUTO_NARROW_ROWS = {4: 32, 8: 24}
 # -> 260.1, 8-bit 725.5 -> 445.9; Tq = 64 (256 rows) 4-bit 2459.6 -> 936.7, 8-bit 2710.2 ->
 # 1659.6 (16-row blocks: slower than 32 in all four but 8 bits with 128-key stages).
 AUTO_BLOCK_M = 32
-# Partials per merge the planner allows: merge_partials folds a (row, KV head, q block)'s splits
-# in one thread block, ~0.065 us a split, so past ~128 splits the merge outgrows what more
-# splits save in the kernel (H200, 4-bit, Tq = 1, 128K, device us per call at 1 / 2 KV heads:
-# 28.5 / 32.9 with 123 splits, 33.9 / 36.1 with a whole wave of 251 / 198;
-# `benchmarks/merge_splits.py`, session 36).
+# Partials the planner merges in one launch: merge_partials folds a (row, KV head, q block)'s
+# splits in one thread block, ~0.065 us a split, so past ~128 a one-launch merge outgrows what
+# more splits save in the kernel (H200, 4-bit, Tq = 1, 128K, device us per call at 1 / 2 KV
+# heads: 28.5 / 32.9 with 123 splits, 33.9 / 36.1 with a whole wave of 251 / 198 in one launch;
+# `benchmarks/merge_splits.py`, session 36). More are merged in ranges (`_num_splits`).
 AUTO_MERGE_SPLITS = 128
 # Wide calls: every q block of the fused kernel dequantizes all the codes again, so from some
 # number of query rows per KV head (Tq * Hq / Hkv) on it is cheaper to dequantize the whole
@@ -565,19 +566,28 @@ def _dequantizes(cfg, n_rows, bits, qkv: QuantKV, dtype) -> bool:
 
 
 def _num_splits(cfg, block_kv, batch, num_kv_heads, q_blocks, capacity, *, bits, rows,
-                exact_blocks: int = 0):
-  """Splits per (row, KV head, q block): one wave of blocks, with at most AUTO_MERGE_SPLITS
-  partials to merge beside the `exact_blocks` ones (1-2 KV heads at long context ask for
-  198-396). An explicit `num_splits` may go up to merge_partials' MAX_SPLITS."""
+                exact_blocks: int = 0) -> tuple[int, int]:
+  """(splits, merge ranges) per (row, KV head, q block): one wave of blocks. Up to
+  AUTO_MERGE_SPLITS partials (the splits and the `exact_blocks` ones) merge in one launch; more
+  (1-2 KV heads at long context ask for 198-396 splits) merge in ranges of ~sqrt(partials)
+  (`merge_partials_in_ranges`), the splits trimmed so the ranges are equal. An explicit
+  `num_splits` merges in one launch, so at most merge_partials' MAX_SPLITS partials."""
   if cfg.num_splits is not None:
     if cfg.num_splits + exact_blocks > MERGE_MAX_SPLITS:
       raise ValueError(f"num_splits={cfg.num_splits} with {exact_blocks} exact-key blocks is more "
                        f"than merge_partials' MAX_SPLITS={MERGE_MAX_SPLITS} partials")
-    return cfg.num_splits
+    return cfg.num_splits, 1
   target = cfg.target_blocks or _one_wave(bits, block_kv, rows)
   per_head = max(1, target // (batch * num_kv_heads * q_blocks))
-  return max(1, min(per_head, (capacity // block_kv) // cfg.min_tiles_per_split,
-                    AUTO_MERGE_SPLITS - exact_blocks))
+  splits = max(1, min(per_head, (capacity // block_kv) // cfg.min_tiles_per_split))
+  total = splits + exact_blocks
+  if total <= AUTO_MERGE_SPLITS:
+    return splits, 1
+  per_range = math.isqrt(total - 1) + 1
+  ranges = total // per_range
+  if ranges * per_range - exact_blocks < splits // 2:   # the exact blocks are most of it
+    return max(1, min(splits, AUTO_MERGE_SPLITS - exact_blocks)), 1
+  return ranges * per_range - exact_blocks, ranges
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -1165,13 +1175,15 @@ def _with_keys(q, qkv, lengths_quantized, key_sets, *, bits, return_lse, score_q
   q_t = q_rows.reshape(b, hkv, q_blocks, n, d // CHANNEL_CHUNK, CHANNEL_CHUNK)
   q_t = q_t.transpose(0, 1, 2, 4, 5, 3).astype(jnp.float32)   # [B, Hkv, NQB, D/64, 64, N]
   exact = exact_keys(q_rows, key_sets, group=group, num_queries=tq) if key_sets else None
-  num_splits = _num_splits(config, block_kv, b, hkv, q_blocks, capacity, bits=bits, rows=n,
-                           exact_blocks=exact.num_blocks if exact is not None else 0)
+  num_splits, merge_ranges = _num_splits(config, block_kv, b, hkv, q_blocks, capacity, bits=bits,
+                                         rows=n,
+                                         exact_blocks=exact.num_blocks if exact is not None else 0)
   acc, m2, l, *scores = _quant_partials(
       q_t, qkv, lengths_quantized.astype(jnp.int32), bits=bits, num_splits=num_splits,
       dtype=q.dtype, cfg=config, block_kv=block_kv, with_scores=bool(sel), exact=exact,
       interpret=interpret)
-  out_t, lse_t = merge_partials(acc, m2, l, interpret=interpret)           # [B,Hkv,NQB,D,N]
+  out_t, lse_t = merge_partials_in_ranges(acc, m2, l, ranges=merge_ranges,
+                                          interpret=interpret)             # [B,Hkv,NQB,D,N]
   out = _query_major(out_t.swapaxes(3, 4), n_rows, tq, group)              # [B, Tq, Hq, D]
   lse = _query_major(lse_t[..., :n, None], n_rows, tq, group)[..., 0]      # [B, Tq, Hq]
   probs = None

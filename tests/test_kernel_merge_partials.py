@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import rand
 from kernel_mode import INTERPRET
-from pallas_kernels.merge_partials import (MAX_SLOTS, merge_partials, merge_partials_reference,
-                                           splits_per_chunk)
+from pallas_kernels.merge_partials import (MAX_SLOTS, merge_partials, merge_partials_in_ranges,
+                                           merge_partials_reference, splits_per_chunk)
 
 
 
@@ -87,6 +87,19 @@ def test_chunks_beyond_the_slots_and_a_partial_last_chunk():
   bumped = merge_partials(acc.at[:, :, :, -1].add(10.0), m2, l, interpret=INTERPRET)[0]
   live = np.isfinite(np.asarray(m2)[0, 0, 0, -1, :n])
   assert np.abs(np.asarray(bumped - got[0])[..., live]).max() > 1e-3
+
+
+@pytest.mark.parametrize("ranges", [1, 3, 4])
+def test_merged_in_ranges_equals_one_merge(ranges):
+  """12 splits merged in ranges (two launches) equal the float64 merge; with 3 ranges, range 1
+  (splits 4-7) of row 0 of q block 0 sees nothing (its lse is -inf: weight 0)."""
+  acc, m2, l = _partials(5, b=1, hkv=2, qb=2, ns=12, d=64, n=8)
+  m2, l, acc = m2.at[0, 0, 0, 4:8].set(-jnp.inf), l.at[0, 0, 0, 4:8].set(0.0), \
+      acc.at[0, 0, 0, 4:8].set(0.0)
+  _check(merge_partials_in_ranges(acc, m2, l, ranges=ranges, interpret=INTERPRET),
+         _float64_merge(acc, m2, l))
+  with pytest.raises(ValueError, match="ranges must be a positive divisor of NS=12, got 5"):
+    merge_partials_in_ranges(acc, m2, l, ranges=5)
 
 
 def test_bad_inputs_are_rejected_in_plain_words():

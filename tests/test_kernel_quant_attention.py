@@ -281,6 +281,24 @@ def test_multi_query_gqa_causal(bits):
          QuantAttentionConfig(block_kv=64, num_splits=2, num_stages=2))
 
 
+def test_partials_merged_in_ranges_equal_the_reference(monkeypatch):
+  """Past AUTO_MERGE_SPLITS partials the planner merges in ranges (two merge launches): with the
+  threshold lowered to 4, 6 wanted splits and 2 exact blocks (16 full-precision slots, 1
+  in-flight token) become 4 splits + 2 in 2 ranges of 3; out, lse and the probs equal the
+  reference's. Rows: a full, a partial and an empty quantized length."""
+  import pallas_kernels.quant_attention as qa
+  monkeypatch.setattr(qa, "AUTO_MERGE_SPLITS", 4)
+  config = QuantAttentionConfig(block_kv=64, min_tiles_per_split=1)
+  assert qa._num_splits(config, 64, 3, 1, 1, 384, bits=4, rows=8, exact_blocks=2) == (4, 2)
+  q, qkv, k_full, v_full, k_new, v_new = _inputs(
+      17, batch=3, num_queries=1, num_q_heads=4, num_kv_heads=1, head_dim=64, capacity=384,
+      full_capacity=16, group=64, dtype=jnp.bfloat16)
+  q = q * 4.0                                     # peaked weights: the ranges' lse matter
+  _check(q, qkv, 4, jnp.array([384, 200, 0], jnp.int32), k_full, v_full,
+         jnp.array([16, 3, 0], jnp.int32), k_new, v_new, jnp.ones((1, 1), bool), config,
+         score_queries=(0,))
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_score_queries_probs(bits):
   """Queries (3, 1) of 5 (out of order, causal in-flight mask), GQA 4:1, rows of
@@ -444,21 +462,26 @@ def test_auto_splits_fill_one_wave():
   2 at 8 bits or wider steps), split over the (row, KV head, q block) work items."""
   auto = QuantAttentionConfig()
   one_row = dict(batch=1, num_kv_heads=8, q_blocks=1, capacity=65536)
-  assert _num_splits(auto, 128, **one_row, bits=4, rows=8) == 3 * 132 // 8
-  assert _num_splits(auto, 128, **one_row, bits=8, rows=8) == 2 * 132 // 8
-  assert _num_splits(auto, 128, **one_row, bits=4, rows=24) == 2 * 132 // 8
+  assert _num_splits(auto, 128, **one_row, bits=4, rows=8) == (3 * 132 // 8, 1)
+  assert _num_splits(auto, 128, **one_row, bits=8, rows=8) == (2 * 132 // 8, 1)
+  assert _num_splits(auto, 128, **one_row, bits=4, rows=24) == (2 * 132 // 8, 1)
   # Never fewer than min_tiles_per_split stages a split, never below one split.
-  assert _num_splits(auto, 128, 1, 8, 1, 512, bits=4, rows=8) == 2
-  assert _num_splits(auto, 128, 64, 8, 1, 65536, bits=4, rows=8) == 1
-  # At most AUTO_MERGE_SPLITS = 128 partials with the exact blocks' (the merge's serial fold
-  # outgrows the kernel's gain past that): 1056 blocks over 8 heads ask for 132, 2 and 1 KV
-  # heads at 128K for 198 and 396. An explicit split count may use up to MAX_SPLITS = 256.
+  assert _num_splits(auto, 128, 1, 8, 1, 512, bits=4, rows=8) == (2, 1)
+  assert _num_splits(auto, 128, 64, 8, 1, 65536, bits=4, rows=8) == (1, 1)
+  # Up to AUTO_MERGE_SPLITS = 128 partials with the exact blocks' merge in one launch; more are
+  # trimmed to equal ranges of ~sqrt(partials): 1056 blocks over 8 heads ask for 132 = 11 x 12,
+  # 2 and 1 KV heads at 128K for 198 and 396 (+ 5 exact: 203 -> 195 = 13 x 15, 401 -> 399 =
+  # 19 x 21). An explicit split count merges in one launch, up to MAX_SPLITS = 256.
   assert _num_splits(QuantAttentionConfig(target_blocks=1056), 128, **one_row, bits=4,
-                     rows=8) == 128
-  assert _num_splits(auto, 128, 1, 2, 1, 131072, bits=4, rows=8, exact_blocks=5) == 123
-  assert _num_splits(auto, 128, 1, 1, 1, 131072, bits=4, rows=8, exact_blocks=5) == 123
+                     rows=8) == (132, 11)
+  assert _num_splits(auto, 128, 1, 2, 1, 131072, bits=4, rows=8, exact_blocks=5) == (190, 13)
+  assert _num_splits(auto, 128, 1, 1, 1, 131072, bits=4, rows=8, exact_blocks=5) == (394, 19)
   assert _num_splits(QuantAttentionConfig(num_splits=251), 128, 1, 1, 1, 131072, bits=4,
-                     rows=8, exact_blocks=5) == 251
+                     rows=8, exact_blocks=5) == (251, 1)
+  # Exact blocks that are most of the partials: equal ranges would leave no split (208 -> 195
+  # = 13 x 15 < 200 exact), so one launch with the splits capped (1 here).
+  assert _num_splits(auto, 128, 1, 1, 1, 2048, bits=4, rows=8, exact_blocks=200) == (1, 1)
+  assert _num_splits(auto, 128, 1, 1, 1, 2048, bits=4, rows=8, exact_blocks=125) == (7, 11)
   with pytest.raises(ValueError, match="num_splits=252 with 5 exact-key blocks"):
     _num_splits(QuantAttentionConfig(num_splits=252), 128, 1, 1, 1, 131072, bits=4, rows=8,
                 exact_blocks=5)
