@@ -1,14 +1,14 @@
 """merge_partials' split count on a GPU: the looped merge against another merge_partials.py (e.g.
-the unrolled one it replaced, saved to a file), and quant_attention's calls with the split count
-its planner picks against a cap (the old 128-split limit), one run, one device.
+the unrolled one it replaced, saved to a file), and quant_attention's calls with the splits and
+merge ranges its planner picks against a one-launch merge of fewer splits (session 35's cap),
+one run, one device.
 
 Cells are "Hkv:S:bits:Tq" (Hq = 4 Hkv, D = 128, bf16, B = 1, a QuantSpec-like call: a 192-token
 full-precision recent segment and Tq causal in-flight tokens, the rest quantized). For each:
   * call rows: quant_attention with the planner's splits and merge ranges ("current"), with
     the other merge module swapped in where the plan merges in one launch within its split cap
-    ("old_merge"), with the splits capped at
-    `--cap` minus the exact blocks where the planner now picks more ("capped"), and with each
-    of `--splits` ("forced");
+    ("old_merge"), with `--cap` minus the exact blocks splits merged in one launch where the
+    planner picks more partials ("capped"), and with each of `--splits` ("forced", one launch);
   * merge rows: the merge alone on partials of the call's shape: the current module in the
     plan's ranges, the other module in one launch.
 Device time per call from the profiler; the max error of each call against the jnp reference.
@@ -65,7 +65,8 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--cells", default=CELLS, help="Hkv:S:bits:Tq,...")
   p.add_argument("--old-merge", help="another merge_partials.py, timed beside the current one")
-  p.add_argument("--cap", type=int, default=128, help="the split cap the 'capped' rows use")
+  p.add_argument("--cap", type=int, default=128,
+                 help="partials (splits + exact blocks) of the one-launch 'capped' rows")
   p.add_argument("--splits", default="",
                  help="further split counts timed per cell (forced; those past a cell's keys "
                       "or past MAX_SPLITS with its exact blocks are left out)")
@@ -83,7 +84,8 @@ def main(argv=None):
   def record(row, t, nbytes):
     row.update(loop_fields(t, nbytes, bw))
     res["rows"].append(row)
-    print({k: row[k] for k in row if k in ("cell", "impl", "part", "num_splits", "max_abs_err",
+    print({k: row[k] for k in row if k in ("cell", "impl", "part", "num_splits", "merge_ranges",
+                                           "max_abs_err",
                                            "us_per_call", "device_us_per_call")}, flush=True)
     write_json(a.out, res)
 

@@ -19,9 +19,8 @@ Grid (Hkv * QB, D / 64, B): one warpgroup per (KV head, q block, 64 channels, ro
 the row max over every split first (all m and l arrive by one TMA each), then each split's
 weight 2**(m_s - m) and its [64, N] slice of acc (one TMA per split, in chunks of
 `splits_per_chunk` through up to MAX_SLOTS SMEM slots, every chunk that has a slot issued before
-the first wait) folded in without a dependency chain through exp2. Both passes are loops (over
-splits, and over chunks with a chunk's splits unrolled), so the lowering's size does not grow
-with NS; an unrolled fold of ~200 splits had overflowed Python's recursion limit in Mosaic GPU's
+the first wait) folded in without a dependency chain through exp2. Both passes loop over chunks,
+a chunk's splits unrolled, so the lowering's size does not grow with NS; an unrolled fold of ~200 splits had overflowed Python's recursion limit in Mosaic GPU's
 lowering, and 128 took minutes to lower.
 
 `merge_partials_in_ranges` runs it twice for many splits (ranges of splits in parallel, then the
@@ -48,7 +47,8 @@ CHUNK_BYTES = 48 * 1024           # split partials per TMA chunk: about this man
 MAX_SLOTS = 4                     # chunks in flight (4 x 48 KiB of SMEM at most)
 SMEM_SLACK = 4096                 # barriers and buffer alignment (Mosaic counted 1.7 KiB)
 # Splits one merge takes: the m and l tables arrive by one TMA each, and a TMA box has at most
-# 256 rows. Callers plan at most this many (quant_attention).
+# 256 rows. More go through `merge_partials_in_ranges` (quant_attention's planner does so past
+# 128).
 MAX_SPLITS = 256
 
 

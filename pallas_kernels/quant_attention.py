@@ -62,8 +62,9 @@ both operands from SMEM, K and V read by TMA straight from token-major [B, U, Hk
 a piece's last tile past its end zero-filled by the TMA, per-query masks as a 0/-inf bias; their
 SMEM is a sibling scope of a split's and no larger, so as many blocks stay resident): they leave
 partials in the splits' format, and ONE more kernel (`pallas_kernels.merge_partials`) merges all
-partials by log-sum-exp and normalises (two launches of it past AUTO_MERGE_SPLITS partials). A call is thus two Mosaic launches plus the q / mask /
-output relayouts. The kernel is compiled without Mosaic's automatic barriers
+partials by log-sum-exp and normalises; past AUTO_MERGE_SPLITS partials it runs twice, ranges of
+splits in parallel and then the ranges (`merge_partials_in_ranges`). A call is thus two (or
+three) Mosaic launches plus the q / mask / output relayouts. The kernel is compiled without Mosaic's automatic barriers
 (`pallas_kernels.sync`: one `bar.sync` before each ring refill instead of 15-18 a stage; 3-6% per
 call on an H200).
 
