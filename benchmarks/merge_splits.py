@@ -72,6 +72,7 @@ def main(argv=None):
                       "or past MAX_SPLITS with its exact blocks are left out)")
   p.add_argument("--skip-merge", action="store_true", help="no merge-alone rows")
   p.add_argument("--calls", type=int, default=200)
+  p.add_argument("--repeats", type=int, default=3, help="timed runs per row (min and median)")
   p.add_argument("--interpret", action="store_true", help="CPU dry run (Mosaic interpreter)")
   p.add_argument("--out", required=True)
   a = p.parse_args(argv)
@@ -121,7 +122,7 @@ def main(argv=None):
         cfg = qa.QuantAttentionConfig(num_splits=forced)
         f = jax.jit(functools.partial(qa.quant_attention, bits=bits, config=cfg, interpret=ip))
         err = float(jnp.max(jnp.abs(f(q, *args).astype(jnp.float32) - ref)))
-        t = time_loop(f, q, *args, num_calls=a.calls, profile=True)
+        t = time_loop(f, q, *args, num_calls=a.calls, repeats=a.repeats, profile=True)
         record(dict(cell=cell, impl=impl, part="call", num_splits=forced or splits,
                     merge_ranges=1 if forced else ranges, exact_blocks=exact, max_abs_err=err),
                t, nbytes)
@@ -145,7 +146,7 @@ def main(argv=None):
     for impl, merge in merges:
       err = float(jnp.max(jnp.abs(merge(acc, m2, l)[0] - want)))
       t = time_loop(lambda acc, m2, l: merge(acc, m2, l), acc, m2, l, num_calls=a.calls,
-                    profile=True)
+                    repeats=a.repeats, profile=True)
       record(dict(cell=cell, impl=impl, part="merge", num_splits=ns,
                   merge_ranges=ranges if impl == "current" else 1, max_abs_err=err), t,
              acc.nbytes + m2.nbytes + l.nbytes)

@@ -18,7 +18,7 @@ from benchmarks import merge_splits as bench  # noqa: E402
 def test_interpret_run_writes_every_row_kind(tmp_path):
   out = tmp_path / "merge_splits.json"
   result = bench.main(["--interpret", "--cells", "1:1024:4:1", "--splits", "1", "--cap", "8",
-                       "--calls", "1", "--old-merge",
+                       "--calls", "1", "--repeats", "1", "--old-merge",
                        str(ROOT / "pallas_kernels" / "merge_partials.py"), "--out", str(out)])
   assert json.loads(out.read_text()) == json.loads(json.dumps(result))
   rows = result["rows"]
