@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import os
 import sys
 
@@ -32,22 +31,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._timing import loop_fields, read_bandwidth, time_loop, write_json  # noqa: E402
 from pallas_kernels import merge_partials as merge_mod  # noqa: E402
+from benchmarks.quant_sweep import load_module, normal_bf16  # noqa: E402
 from pallas_kernels import quant_attention as qa  # noqa: E402
 
 D, GROUP, RECENT, RECENT_CAPACITY = 128, 128, 192, 256
 CELLS = "8:65536:4:1,8:65536:8:1,8:131072:8:5,2:32768:4:1,2:131072:4:1,1:131072:4:1"
-
-
-def _normal(key, shape):
-  return jax.random.normal(jax.random.key(key), shape, jnp.float32).astype(jnp.bfloat16)
-
-
-def _load(path: str, name: str):
-  spec = importlib.util.spec_from_file_location(name, path)
-  mod = importlib.util.module_from_spec(spec)
-  sys.modules[name] = mod
-  spec.loader.exec_module(mod)
-  return mod
 
 
 def _plan(hkv: int, s: int, bits: int, tq: int, cfg: qa.QuantAttentionConfig):
@@ -77,7 +65,7 @@ def main(argv=None):
   p.add_argument("--out", required=True)
   a = p.parse_args(argv)
   ip = plgpu.InterpretGPUParams() if a.interpret else None
-  old = _load(a.old_merge, "old_merge_partials") if a.old_merge else None
+  old = load_module(a.old_merge, "old_merge_partials") if a.old_merge else None
   res = dict(device=str(jax.devices()[0].device_kind), D=D, group=GROUP, recent=RECENT,
              read_bandwidth=read_bandwidth(2e7 if a.interpret else 4 * 2 ** 30), rows=[])
   bw = res["read_bandwidth"]["gb_per_s"]
@@ -93,13 +81,13 @@ def main(argv=None):
   for cell in a.cells.split(","):
     hkv, s, bits, tq = map(int, cell.split(":"))
     hq = 4 * hkv
-    k, v = _normal(1, (1, hkv, s, D)), _normal(2, (1, hkv, s, D))
+    k, v = normal_bf16(1, (1, hkv, s, D)), normal_bf16(2, (1, hkv, s, D))
     qkv = qa.quantize_kv(k, v, group=GROUP)
     del k, v
-    q = _normal(3, (1, tq, hq, D))
-    args = (qkv, jnp.array([s - RECENT], jnp.int32), _normal(6, (1, hkv, RECENT_CAPACITY, D)),
-            _normal(7, (1, hkv, RECENT_CAPACITY, D)), jnp.array([RECENT], jnp.int32),
-            _normal(4, (1, tq, hkv, D)), _normal(5, (1, tq, hkv, D)),
+    q = normal_bf16(3, (1, tq, hq, D))
+    args = (qkv, jnp.array([s - RECENT], jnp.int32), normal_bf16(6, (1, hkv, RECENT_CAPACITY, D)),
+            normal_bf16(7, (1, hkv, RECENT_CAPACITY, D)), jnp.array([RECENT], jnp.int32),
+            normal_bf16(4, (1, tq, hkv, D)), normal_bf16(5, (1, tq, hkv, D)),
             jnp.tril(jnp.ones((tq, tq), bool)))
     ref = qa.quant_attention_reference(q.astype(jnp.float32), args[0], bits, *args[1:])
     nbytes = hkv * ((s - RECENT) * qa.bytes_per_token(D, bits, GROUP) + RECENT * D * 4)

@@ -38,23 +38,25 @@ from pallas_kernels.merge_partials import merge_partials  # noqa: E402
 HQ, HKV, D, GROUP, RECENT, RECENT_CAPACITY = 32, 8, 128, 128, 192, 256
 
 
-def _normal(key, shape):
+def normal_bf16(key, shape):
+  """Standard normal values in bf16 from the integer seed `key`."""
   return jax.random.normal(jax.random.key(key), shape, jnp.float32).astype(jnp.bfloat16)
 
 
 def _inputs(b: int, s: int, tq: int):
-  k = _normal(1, (b, HKV, s, D))                                     # [B, Hkv, S, D]
-  v = _normal(2, (b, HKV, s, D))
+  k = normal_bf16(1, (b, HKV, s, D))                                     # [B, Hkv, S, D]
+  v = normal_bf16(2, (b, HKV, s, D))
   qkv = qa.quantize_kv(k, v, group=GROUP)
-  x = dict(q=_normal(3, (b, tq, HQ, D)), k_new=_normal(4, (b, tq, HKV, D)),
-           v_new=_normal(5, (b, tq, HKV, D)), mask=jnp.tril(jnp.ones((tq, tq), bool)),
-           k_full=_normal(6, (b, HKV, RECENT_CAPACITY, D)),
-           v_full=_normal(7, (b, HKV, RECENT_CAPACITY, D)))
+  x = dict(q=normal_bf16(3, (b, tq, HQ, D)), k_new=normal_bf16(4, (b, tq, HKV, D)),
+           v_new=normal_bf16(5, (b, tq, HKV, D)), mask=jnp.tril(jnp.ones((tq, tq), bool)),
+           k_full=normal_bf16(6, (b, HKV, RECENT_CAPACITY, D)),
+           v_full=normal_bf16(7, (b, HKV, RECENT_CAPACITY, D)))
   return k, v, qkv, x
 
 
-def _load_module(path: str):
-  spec = importlib.util.spec_from_file_location("alt_quant_attention", path)
+def load_module(path: str, name: str = "alt_quant_attention"):
+  """The module in the file `path` (another version of a kernel file), registered as `name`."""
+  spec = importlib.util.spec_from_file_location(name, path)
   mod = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = mod              # dataclasses look their module up while defined
   spec.loader.exec_module(mod)
@@ -146,7 +148,7 @@ def main(argv=None):
 
   impls = [("current", qa)]
   if a.module:
-    impls.append((os.path.basename(a.module), _load_module(a.module)))
+    impls.append((os.path.basename(a.module), load_module(a.module)))
   for name, mod in impls:
     if name != "current":
       for bits in bits_list:

@@ -20,8 +20,8 @@ the row max over every split first (all m and l arrive by one TMA each), then ea
 weight 2**(m_s - m) and its [64, N] slice of acc (one TMA per split, in chunks of
 `splits_per_chunk` through up to MAX_SLOTS SMEM slots, every chunk that has a slot issued before
 the first wait) folded in without a dependency chain through exp2. Both passes loop over chunks,
-a chunk's splits unrolled, so the lowering's size does not grow with NS; an unrolled fold of ~200 splits had overflowed Python's recursion limit in Mosaic GPU's
-lowering, and 128 took minutes to lower.
+a chunk's splits unrolled, so the lowering's size does not grow with NS (an unrolled fold of ~200
+splits had overflowed Python's recursion limit in Mosaic GPU's lowering; 128 took 43 s).
 
 `merge_partials_in_ranges` runs it twice for many splits (ranges of splits in parallel, then the
 ranges). `merge_partials_reference` (pure jnp) sits at the bottom.
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import Any
 
 import jax
@@ -224,12 +225,15 @@ def merge_partials_in_ranges(acc: jax.Array, m2: jax.Array, l: jax.Array, *, ran
   block's splits in series in one thread block (~0.065 us a split on an H200), so at 1-2 KV
   heads a few blocks carried ~200 splits alone. Same contract and outputs as merge_partials;
   NS must be a multiple of `ranges`; ranges = 1 is merge_partials itself."""
-  _check(acc, m2, l)
-  b, hkv, qb, ns, d, n = acc.shape
-  if not isinstance(ranges, int) or ranges < 1 or ns % ranges:
-    raise ValueError(f"ranges must be a positive divisor of NS={ns}, got {ranges!r}")
+  if not isinstance(ranges, numbers.Integral) or ranges < 1:   # numpy integers too
+    raise ValueError(f"ranges must be a positive integer, got {ranges!r}")
   if ranges == 1:
     return merge_partials(acc, m2, l, interpret=interpret)
+  _check(acc, m2, l)
+  b, hkv, qb, ns, d, n = acc.shape
+  ranges = int(ranges)
+  if ns % ranges:
+    raise ValueError(f"ranges must be a positive divisor of NS={ns}, got {ranges}")
   n_pad = m2.shape[4]
   per_range = lambda x: x.reshape(b, hkv, qb * ranges, ns // ranges, *x.shape[4:])
   out, lse = merge_partials(per_range(acc), per_range(m2), per_range(l), interpret=interpret)

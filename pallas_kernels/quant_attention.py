@@ -64,9 +64,9 @@ SMEM is a sibling scope of a split's and no larger, so as many blocks stay resid
 partials in the splits' format, and ONE more kernel (`pallas_kernels.merge_partials`) merges all
 partials by log-sum-exp and normalises; past AUTO_MERGE_SPLITS partials it runs twice, ranges of
 splits in parallel and then the ranges (`merge_partials_in_ranges`). A call is thus two (or
-three) Mosaic launches plus the q / mask / output relayouts. The kernel is compiled without Mosaic's automatic barriers
-(`pallas_kernels.sync`: one `bar.sync` before each ring refill instead of 15-18 a stage; 3-6% per
-call on an H200).
+three) Mosaic launches plus the q / mask / output relayouts. The kernel is compiled without
+Mosaic's automatic barriers (`pallas_kernels.sync`: one `bar.sync` before each ring refill
+instead of 15-18 a stage; 3-6% per call on an H200).
 
 Wide calls (`QuantAttentionConfig.path`, "auto" by default): from AUTO_DEQUANT_ROWS[bits] query
 rows per KV head on (128 at 4 bits, 64 at 8: Tq = 32 / 16 with 4 query heads per KV head; below
