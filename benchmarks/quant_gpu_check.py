@@ -82,7 +82,7 @@ def word_tile_case(planes, dtype, centered=False):
   words = pack_words(codes).reshape(planes, 16, 32)
   got = np.asarray(word_tile_kernel(planes, dtype, centered=centered)(words))
   value = (codes[0] if planes == 1 else 16 * codes[0] + codes[1])
-  want = np.asarray(value + (0 if centered else word_offset(dtype)), np.float32)
+  want = np.asarray(value + (0 if centered else word_offset(dtype, planes)), np.float32)
   row = dict(device=jax.devices()[0].device_kind, word_tile_planes=planes, centered=centered,
              dtype=jnp.dtype(dtype).name, mismatches=int((got != want).sum()))
   print(row, flush=True)

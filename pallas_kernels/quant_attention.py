@@ -39,10 +39,12 @@ each q block re-reads the codes) the N dimension, so a
 The code words come into SMEM by TMA (128-byte rows, no swizzle) and go to registers with one
 8-byte shared load per thread and row half, already in the wgmma fragment layout
 (`register_operand.word_tile`): per pair of codes one lop3 puts the nibbles under a bf16 (fp16)
-magic exponent, per word three shifts, and the 8-bit view adds one fma and one add; no shuffle,
-no permute. The tile values are exact integers offset by a constant (136 in bf16, 1032 in fp16):
-the 4-bit view u - 8 + 136, the 8-bit view c8 - 128 + 136. Nothing is dequantized element-wise:
-the per-channel key scale is folded into q once per key group of a stage (q^T * s_K, one bf16
+magic exponent, per word three shifts; the 8-bit view multiplies fp16 operands whatever q's dtype
+(`CODE_DTYPE_8BIT`), its tiles built from the two planes by a second lop3 per pair (integer work
+only; in bf16 it took an fma and an add more); no shuffle, no permute. The tile values are exact
+integers offset by a constant (`word_offset`): the 4-bit view u - 8 + 136 in bf16 (+ 1032 in
+fp16), the 8-bit view c8 - 128 + 1160 in fp16. Nothing is dequantized element-wise:
+the per-channel key scale is folded into q once per key group of a stage (q^T * s_K, one
 rounding, stored transposed as the B operand), the key zero points (z + 8 s4, the plane offset
 folded in) enter as a per-(key group, query row) score bias q . (z + 8 s4) less the code offset
 times sum_d (q * s_K)_d (the very B operand), summed per thread over the channel chunks in the
@@ -160,6 +162,16 @@ from pallas_kernels.register_operand import (CODES_PER_WORD, SMEM_ROW_WORDS, a_s
 from pallas_kernels.sync import compiler_params, warpgroup_barrier
 
 META_DTYPE = jnp.float16
+# The MMA input type of an 8-bit read, whatever q's dtype: fp16's 10-bit significand holds the
+# whole 8-bit code, so `word_tile` builds its tiles from the two planes with integer ops alone
+# (two lop3 per pair of codes, against two lop3, an fma and an add in bf16), and q * s8 and
+# p * s8_V are rounded to fp16 (3 more significand bits than bf16; they must stay below 65504:
+# |q_d| * s4_d / 16, with s4 the 4-bit key step).
+CODE_DTYPE_8BIT = jnp.float16
+# Mosaic GPU's cross-warp reductions stage 4 warps x 32 lanes x 2 fp32 (1 KiB) per register of a
+# [64, N] WGMMA tile (N / 8 registers); the default room (2 KiB) takes two at once.
+REDUCTION_BYTES_PER_REGISTER = 1024
+DEFAULT_REDUCTION_BYTES = plgpu.CompilerParams().reduction_scratch_bytes
 UPPER_LEVELS = 15                 # 4-bit upper code u in [0, 15]
 CODE8_MAX = 16 * UPPER_LEVELS     # 8-bit code c8 = 16 u + l in [0, 240]
 UPPER_OFFSET = 8                  # plane 0 stores u - 8 (two's-complement int4)
@@ -620,7 +632,8 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, *, bits, num_splits, dtype,
   """Split partials of the quantized region, and of the exactly attended keys.
 
   q_t [B, Hkv, NQB, D/64, 64, N] fp32: q^T in 64-channel chunks (N query rows per q block, a
-  multiple of 8, <= 64); `dtype` the MMA input type (q's); lengths [B] int32 (clipped to
+  multiple of 8, <= 64); `dtype` q's, the MMA input type of the exact blocks and of 4-bit reads
+  (an 8-bit read multiplies fp16 operands: `CODE_DTYPE_8BIT`); lengths [B] int32 (clipped to
   [0, S] in the kernel);
   exact: the keys attended in full precision, or None.
   Grid (E + num_splits, Hkv * NQB, B): the first E = exact.num_blocks blocks of each (KV head,
@@ -647,17 +660,18 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, *, bits, num_splits, dtype,
   planes = 1 if bits == 4 else 2                # the 4-bit read never touches plane 1
   n_pad = max(n, 32)                            # N padded to >= 32 (128-byte TMA rows)
   scale_mult = 1.0 if bits == 4 else 1.0 / 16.0
-  offset = float(word_offset(dtype))            # added to every code by `word_tile`
+  code_dtype = jnp.dtype(dtype if bits == 4 else CODE_DTYPE_8BIT)   # the split MMAs' inputs
+  offset = float(word_offset(code_dtype, planes))   # added to every code by `word_tile`
   col = plgpu.Layout.WGMMA.reduce(0)            # a vector along a tile's columns (N)
   row = plgpu.Layout.WGMMA.reduce(1)            # a vector along a tile's rows (keys)
   interpreted = interpret is not None
 
   def body(split, out_split, lengths_ref, q_ref, kc_ref, vc_ref, ks_ref, kz_ref, vs_ref, vz_ref,
            acc_out_ref, m_out_ref, l_out_ref, scores_ref=None, *,
-           qs_smem,       # [groups, D/64, N, 64] dtype (swizzled): q * s_K per key group, B of QK
+           qs_smem,       # [groups, D/64, N, 64] code_dtype (swizzled): q * s_K per key group
            kc_smem,       # [stages, planes, D/64, bkv/4, 32] uint32: per key 8 words
            vc_smem,       # [stages, planes, tiles, D/4, 32] uint32: per channel 8 words
-           p_smem,        # [tiles, N, 64] dtype (swizzled): (p * s_V) per key tile, B of PV
+           p_smem,        # [tiles, N, 64] code_dtype (swizzled): (p * s_V) per key tile
            qt_smem,       # [D/64, 64, N] fp32: q^T
            o_smem,        # [D, N] fp32 (epilogue)
            ks_smem,       # [stages, groups, D] fp16: the stage's key scale rows
@@ -666,7 +680,7 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, *, bits, num_splits, dtype,
            m_smem, l_smem,  # [NP] fp32
            q_barrier, k_barriers, v_barriers,
            s_smem=None,   # [bkv, N] fp32 (with_scores)
-           a_smem=None):  # [64, 64] dtype: interpret mode only (its wgmma reads A from SMEM)
+           a_smem=None):  # [64, 64] code_dtype: interpret mode only (wgmma A from SMEM)
     head_qblock = lax.axis_index("head_qblock")
     b = lax.axis_index("batch")
     h = lax.div(head_qblock, jnp.int32(q_blocks))
@@ -717,8 +731,8 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, *, bits, num_splits, dtype,
 
     def codes(tile_refs):
       """A [64, 64] code tile (one [16, 32] word ref per plane read) as exact integers in
-      `dtype`: u - 8 (4-bit) or 16 (u - 8) + l = c8 - 128 (8-bit), plus `offset`."""
-      return word_tile(tile_refs, dtype, interpret=interpreted)
+      `code_dtype`: u - 8 (4-bit) or 16 (u - 8) + l = c8 - 128 (8-bit), plus `offset`."""
+      return word_tile(tile_refs, code_dtype, interpret=interpreted)
 
     q_regs = [plgpu.load(qt_smem.at[hf], layout=plgpu.Layout.WGMMA, optimized=False)
               for hf in range(n_chunks)]                  # [64, N] fp32 each
@@ -734,7 +748,7 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, *, bits, num_splits, dtype,
       start = (first_tile + step) * bkv
 
       plgpu.barrier_wait(k_barriers.at[slot])
-      # The key scales folded into q (one bf16 rounding of q * s, as a dequantized K would
+      # The key scales folded into q (one rounding of q * s, as a dequantized K would
       # have): qs = (q^T * s_K)^T per key group and 64-channel chunk, stored transposed as the
       # B operand. The key zero points enter as a score bias per key group and query row,
       # sum_d q_d (z_d + 8 s4_d) - offset * sum_d qs_d (the tiles' code offset times the very
@@ -747,7 +761,7 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, *, bits, num_splits, dtype,
                         optimized=False).astype(jnp.float32)
         z = plgpu.load(kz_smem.at[slot, g, channels], layout=row,
                        optimized=False).astype(jnp.float32) + UPPER_OFFSET * s4
-        qs = (qt * lax.broadcast_in_dim(s4 * scale_mult, (chunk, n), [0])).astype(dtype)
+        qs = (qt * lax.broadcast_in_dim(s4 * scale_mult, (chunk, n), [0])).astype(code_dtype)
         qs_smem.at[g, hf].transpose((1, 0))[...] = qs
         term = qt * lax.broadcast_in_dim(z, (chunk, n), [0]) - offset * qs.astype(jnp.float32)
         terms[g] = term if terms[g] is None else terms[g] + term
@@ -797,7 +811,7 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, *, bits, num_splits, dtype,
         vs = lax.broadcast_in_dim(vs4 * scale_mult, p.shape, [0])
         vz = lax.broadcast_in_dim(vz, p.shape, [0])
         # p is 0 past the length; select so a never-written scale there cannot leak a NaN.
-        pv = jnp.where(valid, p * vs, 0.0).astype(dtype)   # B of PV, one rounding
+        pv = jnp.where(valid, p * vs, 0.0).astype(code_dtype)   # B of PV, one rounding
         # The value codes come offset by `offset`: take offset * sum_t pv_t back out.
         z = jnp.where(valid, p * vz, 0.0) - offset * pv.astype(jnp.float32)
         zsum = z if zsum is None else zsum + z
@@ -910,19 +924,19 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, *, bits, num_splits, dtype,
     plgpu.copy_smem_to_gmem(l_smem, l_out_ref.at[b, h, qb, e])
     plgpu.wait_smem_to_gmem(0)
 
-  itemsize = jnp.dtype(dtype).itemsize
+  itemsize = jnp.dtype(dtype).itemsize          # = code_dtype's: both 16-bit
   mma_sw = swizzled(chunk * itemsize, 8 * itemsize)
   # TMA SMEM ends must be 128-byte aligned: the small per-row vectors are padded to 32 floats.
   # Swizzled buffers first (they need 1 KiB-aligned offsets; all are multiples of 1 KiB).
   scratch = dict(
-      qs_smem=plgpu.SMEM((groups, n_chunks, n, chunk), dtype, **mma_sw),
+      qs_smem=plgpu.SMEM((groups, n_chunks, n, chunk), code_dtype, **mma_sw),
       kc_smem=plgpu.SMEM((num_stages, planes, n_chunks, bkv // 4, SMEM_ROW_WORDS), jnp.uint32),
       vc_smem=plgpu.SMEM((num_stages, planes, tiles, head_dim // 4, SMEM_ROW_WORDS),
                          jnp.uint32),
-      p_smem=plgpu.SMEM((tiles, n, KEY_TILE), dtype,
+      p_smem=plgpu.SMEM((tiles, n, KEY_TILE), code_dtype,
                         **swizzled(KEY_TILE * itemsize, 8 * itemsize)),
   )
-  scratch.update(a_staging((KEY_TILE, chunk), dtype, interpret, **mma_sw))
+  scratch.update(a_staging((KEY_TILE, chunk), code_dtype, interpret, **mma_sw))
   scratch.update(
       qt_smem=plgpu.SMEM((n_chunks, chunk, n), jnp.float32),
       o_smem=plgpu.SMEM((head_dim, n), jnp.float32),
@@ -997,7 +1011,12 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, *, bits, num_splits, dtype,
       out_type=tuple(out_type),
       grid=(num_exact + num_splits, num_kv_heads * q_blocks, batch),
       grid_names=("split", "head_qblock", "batch"),
-      compiler_params=compiler_params(approx_math=True),   # barriers by hand (sync.py)
+      # Barriers by hand (sync.py); room for every [64, N] tile register of a cross-warp
+      # reduction over the keys (the row max) or channels (the key bias) at once: one round, two
+      # barriers, instead of two rounds from N = 24 on (the default room takes two registers).
+      compiler_params=compiler_params(
+          approx_math=True, reduction_scratch_bytes=max(REDUCTION_BYTES_PER_REGISTER * (n // 8),
+                                                        DEFAULT_REDUCTION_BYTES)),
       interpret=interpret,
   )(*quant_inputs, *exact_inputs)
 

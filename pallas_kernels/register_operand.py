@@ -4,9 +4,12 @@ SMEM tile layout every wgmma operand tile uses (`swizzled`).
 `word_tile`: a [64, 64] code tile stored as 32-bit words in *fragment order* (`pack_words`):
 each thread's 16 codes of a row are the two words it loads with one 8-byte shared load, their
 nibbles already where the wgmma register fragment wants them. So no shuffle and no permute:
-per pair of codes one lop3 (nibble -> bf16 with a magic exponent, the sign flip folded in), per
-word three shifts, and for an 8-bit tile (two planes) one fma and one add. The values are the
-stored codes plus a constant (`word_offset`: 136 in bf16, 1032 in fp16), which the caller
+per pair of codes one lop3 (nibble -> bf16 / fp16 with a magic exponent, the sign flip folded
+in), per word three shifts. An 8-bit tile (two planes) in fp16 is integer work only: a second
+lop3 puts the upper nibble under the lower one (fp16's 10-bit significand holds the whole 8-bit
+code), so per pair two lop3 and no arithmetic; in bf16 (7-bit significand) the two planes are
+combined by one fma and one add per pair. The values are the stored codes plus a constant
+(`word_offset`: 136 in bf16; 1032 in fp16, 1160 for an fp16 two-plane tile), which the caller
 folds into its sums (an offset on every code adds offset * sum(b) to each product).
 
 `wgmma_register_a`: acc += a @ b with `a` in registers. The Mosaic GPU interpreter's wgmma takes
@@ -108,21 +111,29 @@ def unpack_words(words: jax.Array) -> jax.Array:
   return _from_fragment_order(stored) if length == TILE else stored
 
 
-def word_offset(dtype) -> int:
-  """The constant `word_tile` adds to every code: 128 + 8 (bf16) or 1024 + 8 (fp16), the
-  magic exponent's integer base plus the sign flip's bias."""
-  return {jnp.dtype(jnp.bfloat16): 136, jnp.dtype(jnp.float16): 1032}[jnp.dtype(dtype)]
+def word_offset(dtype, planes: int = 1) -> int:
+  """The constant `word_tile` adds to every code of a `planes`-plane tile: 128 + 8 (bf16) or
+  1024 + 8 (fp16), the magic exponent's integer base plus the sign flip's bias; an fp16
+  two-plane tile, built from integers, holds 1024 + 16 (upper + 8) + (lower + 8), i.e. its code
+  16 upper + lower plus 1024 + 8 + 128 = 1160."""
+  dtype = jnp.dtype(dtype)
+  if planes == 2 and dtype == jnp.dtype(jnp.float16):
+    return 1160
+  return {jnp.dtype(jnp.bfloat16): 136, jnp.dtype(jnp.float16): 1032}[dtype]
 
 
 _MAGIC = {jnp.dtype(jnp.bfloat16): 0x4308, jnp.dtype(jnp.float16): 0x6408}   # with bit 3 flip
+# An fp16 two-plane pair: the lower nibble under 0x6400 with its bit 3 flipped (l + 8), and bit 7
+# set for the flip of the upper nibble XORed in above it (u = (u - 8) ^ 8).
+_MAGIC_FP16_PLANES = 0x6488
 
 
 def word_tile(refs, dtype, *, centered: bool = False, interpret: bool = False) -> jax.Array:
   """refs: one plane (4 bits) or two (upper, lower; 8 bits), each a [16, 32] uint32 SMEM tile
   (a [64, 64] code tile packed by `pack_words`, rows of 8 words, row-major) -> [64, 64] `dtype`
   in the WGMMA layout, exact integers: code + offset (one plane) or 16 upper + lower + offset
-  (two), offset = `word_offset(dtype)`; with `centered` the offset is subtracted in registers
-  (one more sub per pair of codes) and the values are the codes themselves."""
+  (two), offset = `word_offset(dtype, len(refs))`; with `centered` the offset is subtracted in
+  registers (one more sub per pair of codes) and the values are the codes themselves."""
   dtype = jnp.dtype(dtype)
   if dtype not in _MAGIC:
     raise ValueError(f"word_tile needs bfloat16 or float16, got {dtype}")
@@ -135,7 +146,7 @@ def _word_tile_reference(refs, dtype, centered):
   """The same values in plain jnp (the Mosaic GPU interpreter runs no inline_mgpu)."""
   planes = [unpack_words(r[...].reshape(TILE, WORDS_PER_ROW)).astype(jnp.float32) for r in refs]
   value = planes[0] if len(planes) == 1 else 16 * planes[0] + planes[1]
-  return (value + (0 if centered else word_offset(dtype))).astype(dtype)
+  return (value + (0 if centered else word_offset(dtype, len(refs)))).astype(dtype)
 
 
 def _word_tile_mgpu(num_planes, dtype, centered):
@@ -162,11 +173,24 @@ def _word_tile_mgpu(num_planes, dtype, centered):
       x = word if k == 0 else arith.shrui(word, c(4 * k))
       return mgpu.utils.bitcast(llvm.inline_asm(i32, [x], lop3, "=r,r"), pair)
 
+    # fp16, two planes: (upper_k << 4 & 0x00F000F0) ^ (lower_k & 0x000F000F ^ 0x6488 6488), the
+    # upper nibble k of the word moved to bits 4..7 (and 20..23) by one shift (none for k = 1).
+    lower_lop3 = f"lop3.b32 $0, $1, 0x000F000F, {_MAGIC_FP16_PLANES * 0x10001:#010x}, 0x6a;"
+    upper_lop3 = "lop3.b32 $0, $1, 0x00F000F0, $2, 0x6a;"
+
+    def code_pair_fp16(upper, lower, k):
+      lo = lower if k == 0 else arith.shrui(lower, c(4 * k))
+      lo = llvm.inline_asm(i32, [lo], lower_lop3, "=r,r")
+      hi = (arith.shli(upper, c(4)) if k == 0 else upper if k == 1
+            else arith.shrui(upper, c(4 * k - 4)))
+      return mgpu.utils.bitcast(llvm.inline_asm(i32, [hi, lo], upper_lop3, "=r,r,r"), pair)
+
+    integer_planes = num_planes == 2 and dtype == jnp.dtype(jnp.float16)
     splat = lambda v: arith.constant(pair, ir.DenseElementsAttr.get_splat(
         pair, ir.FloatAttr.get(half, float(v))))
     # A nibble pair holds code + offset; 16 (upper + offset) - 16 offset = 16 upper, exact.
     offset, sixteen, minus_16_offset = (splat(v) for v in (
-        word_offset(dtype), 16, -16 * word_offset(dtype)))
+        word_offset(dtype, num_planes), 16, -16 * word_offset(dtype)))
 
     registers = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TILE, TILE)), dtype=object)
     for hr in range(2):
@@ -177,8 +201,11 @@ def _word_tile_mgpu(num_planes, dtype, centered):
       for h in range(2):
         w = [vector.extract(ws, dynamic_position=[], static_position=[h]) for ws in words]
         for k in range(4):
-          value = nibble_pair(w[0], k)                     # code + offset
-          if num_planes == 2:                              # 16 upper + lower + offset
+          if integer_planes:                               # 16 upper + lower + offset
+            value = code_pair_fp16(w[0], w[1], k)
+          else:
+            value = nibble_pair(w[0], k)                   # code + offset
+          if num_planes == 2 and not integer_planes:       # 16 upper + lower + offset
             value = arith.addf(mlir_math.fma(value, sixteen, minus_16_offset),
                                nibble_pair(w[1], k))
           if centered:
