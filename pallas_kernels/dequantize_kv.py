@@ -89,10 +89,7 @@ def dequantize_kv(qkv: QuantKV, bits: int, dtype=jnp.bfloat16, lengths: jax.Arra
   dtype = jnp.dtype(dtype)
   planes = 1 if bits == 4 else 2
   base, step = (8.0, 1.0) if bits == 4 else (128.0, 1.0 / 16.0)
-  # The code tiles' type: fp16 for two planes (built by integer ops, `word_tile`), else dtype;
-  # the values are exact integers either way, dequantized in fp32.
-  tile_dtype = jnp.dtype(jnp.float16) if planes == 2 else dtype
-  offset = float(word_offset(tile_dtype, planes))
+  offset = float(word_offset(dtype, planes))
   col = plgpu.Layout.WGMMA.reduce(0)            # a vector along a tile's columns
 
   def body(lengths_ref,  # [B] int32 (GMEM)
@@ -134,14 +131,13 @@ def dequantize_kv(qkv: QuantKV, bits: int, dtype=jnp.bfloat16, lengths: jax.Arra
       vz = column_vector(vmeta_smem.at[1])
       for hf in range(n_chunks):
         channels = pl.ds(hf * CHUNK, CHUNK)
-        k = dequant(word_tile([kc_smem.at[pn, hf] for pn in range(planes)], tile_dtype,
+        k = dequant(word_tile([kc_smem.at[pn, hf] for pn in range(planes)], dtype,
                               interpret=interpret is not None),
                     column_vector(kmeta_smem.at[0, channels]),
                     column_vector(kmeta_smem.at[1, channels]))
         ko_smem.at[hf][...] = k.astype(dtype)
         v = dequant(word_tile([vc_smem.at[pn, pl.ds(hf * TILE_ROWS, TILE_ROWS)]
-                               for pn in range(planes)], tile_dtype,
-                              interpret=interpret is not None),
+                               for pn in range(planes)], dtype, interpret=interpret is not None),
                     vs, vz)                       # [64 channels, 64 keys]
         vo_smem.at[hf].transpose((1, 0))[...] = v.astype(dtype)
       plgpu.commit_smem()

@@ -71,8 +71,8 @@ Mosaic's automatic barriers (`pallas_kernels.sync`: one `bar.sync` before each r
 instead of 15-18 a stage; 3-6% per call on an H200).
 
 Wide calls (`QuantAttentionConfig.path`, "auto" by default): from AUTO_DEQUANT_ROWS[bits] query
-rows per KV head on (128 at 4 bits, 64 at 8: Tq = 32 / 16 with 4 query heads per KV head; below
-twice that only when B * S >= AUTO_DEQUANT_MIN_TOKENS), where the q blocks' repeated
+rows per KV head on (128 at 4 and 8 bits: Tq = 32 with 4 query heads per KV head; at 4 bits below
+256 rows only when B * S >= AUTO_DEQUANT_MIN_TOKENS), where the q blocks' repeated
 dequantization costs more than one pass, the call dequantizes the quantized region once into q's
 dtype (`pallas_kernels.dequantize_kv`, a Mosaic kernel; only the tiles up to each row's length,
 rounded up to decode's key tile) and runs decode_attention's split kernel on the copy, the key
@@ -478,11 +478,14 @@ AUTO_MERGE_SPLITS = 128
 #   128K, 4-bit: 64 rows 256 -> 355, 128 rows 486 -> 413, 256 rows 934 -> 535
 #   128K, 8-bit: 64 rows 444 -> 388, 128 rows 843 -> 443, 256 rows 1663 -> 578
 #   16K: 64 rows 55.7 -> 74.0 (4-bit), 81.1 -> 81.3 (8-bit); 1024 rows 525 -> 231, 867 -> 238
-# Below twice those rows the path's fixed costs (one more launch, the jnp combine) decide, so it
-# also wants B * S >= AUTO_DEQUANT_MIN_TOKENS. 8-bit, 64 rows (Tq = 16), call us fused -> dequantize
-# (`kernels_quant_*_s18_h200.json`, `kernels_quant_*_s19_h200.json`): B = 1 4K 32.7 -> 36.4,
-# 16K 76.7 -> 81.0, 64K 240 -> 224, 128K 449 -> 390; B = 8 4K 136 -> 141, 16K 452 -> 421.
-AUTO_DEQUANT_ROWS = {4: 128, 8: 64}
+# Between the two thresholds the path's fixed costs (one more launch, the jnp combine) decide, so
+# there it also wants B * S >= AUTO_DEQUANT_MIN_TOKENS. AUTO_DEQUANT_ROWS[bits] = (rows from which
+# it dequantizes when B * S >= AUTO_DEQUANT_MIN_TOKENS, rows from which it always does).
+# 8 bits since the fp16 code tiles (session 37, H100, B = 1, wall us per call, fused ->
+# dequantize, `results/s37/paths_tq*_8bit_*_s37_h100.json`): 64 rows (Tq = 16) 128K 365 -> 521,
+# 16K 73.5 -> 96.7; 128 rows 128K 708 -> 533, 16K 126 -> 107. (Before them 64 rows favoured the
+# dequantize path from 64K on: H200 128K 449 -> 390, 64K 240 -> 224; 16K 76.7 -> 81.0.)
+AUTO_DEQUANT_ROWS = {4: (128, 256), 8: (128, 128)}
 AUTO_DEQUANT_MIN_TOKENS = 65536
 DEQUANT_MAX_BYTES = 2 ** 32        # "auto" never makes a larger transient K + V copy
 PATHS = ("auto", "fused", "dequantize")
@@ -503,8 +506,9 @@ class QuantAttentionConfig:
   block_m: int = AUTO_BLOCK_M        # query rows per q block at most (a multiple of 8, <= 64)
   # "fused": the Mosaic kernel reads the codes; "dequantize": the quantized region dequantized
   # into q's dtype by `pallas_kernels.dequantize_kv`, then decode_attention's kernel; "auto":
-  # "dequantize" from AUTO_DEQUANT_ROWS[bits] query rows per KV head on (below twice that only
-  # when B * S >= AUTO_DEQUANT_MIN_TOKENS) while the transient copy stays <= DEQUANT_MAX_BYTES.
+  # "dequantize" from AUTO_DEQUANT_ROWS[bits] query rows per KV head on (between its two
+  # thresholds only when B * S >= AUTO_DEQUANT_MIN_TOKENS) while the transient copy stays
+  # <= DEQUANT_MAX_BYTES.
   path: str = "auto"
 
   def __post_init__(self):
@@ -573,8 +577,8 @@ def _dequantizes(cfg, n_rows, bits, qkv: QuantKV, dtype) -> bool:
     return cfg.path == "dequantize"
   b, hkv = qkv.k_codes.shape[:2]
   copy_bytes = 2 * b * hkv * qkv.capacity * qkv.head_dim * jnp.dtype(dtype).itemsize
-  rows = AUTO_DEQUANT_ROWS[bits]
-  wide = n_rows >= 2 * rows or (n_rows >= rows and b * qkv.capacity >= AUTO_DEQUANT_MIN_TOKENS)
+  some, always = AUTO_DEQUANT_ROWS[bits]
+  wide = n_rows >= always or (n_rows >= some and b * qkv.capacity >= AUTO_DEQUANT_MIN_TOKENS)
   return wide and copy_bytes <= DEQUANT_MAX_BYTES
 
 

@@ -393,22 +393,23 @@ def test_query_rows_are_cut_into_q_blocks_of_block_m():
 
 
 def test_auto_path_dequantizes_wide_calls_within_the_copy_bound():
-  """path="auto": the fused kernel below AUTO_DEQUANT_ROWS[bits] query rows per KV head, the
-  dequantize path from twice that on, and in between when B * S >= AUTO_DEQUANT_MIN_TOKENS;
+  """path="auto": the fused kernel below AUTO_DEQUANT_ROWS[bits][0] query rows per KV head, the
+  dequantize path from [1] on, and in between when B * S >= AUTO_DEQUANT_MIN_TOKENS;
   never when the transient K + V copy in q's dtype would exceed DEQUANT_MAX_BYTES; "fused" /
   "dequantize" force a path; a bad path is refused by name."""
   auto = QuantAttentionConfig()
   qkv = QuantKV.abstract(1, 8, 131072, 128)                 # bf16 copy: 512 MiB
   short = QuantKV.abstract(1, 8, 16384, 128)
   assert AUTO_DEQUANT_MIN_TOKENS == 65536
+  assert AUTO_DEQUANT_ROWS == {4: (128, 256), 8: (128, 128)}
   for bits in (4, 8):
-    rows = AUTO_DEQUANT_ROWS[bits]
-    assert not _dequantizes(auto, rows - 8, bits, qkv, jnp.bfloat16)
-    assert _dequantizes(auto, rows, bits, qkv, jnp.bfloat16)
-    assert not _dequantizes(auto, rows, bits, short, jnp.bfloat16)
-    assert not _dequantizes(auto, 2 * rows - 8, bits, short, jnp.bfloat16)
-    assert _dequantizes(auto, 2 * rows, bits, short, jnp.bfloat16)
-    assert _dequantizes(auto, rows, bits, QuantKV.abstract(4, 8, 16384, 128), jnp.bfloat16)
+    some, always = AUTO_DEQUANT_ROWS[bits]
+    assert not _dequantizes(auto, some - 8, bits, qkv, jnp.bfloat16)
+    assert _dequantizes(auto, some, bits, qkv, jnp.bfloat16)
+    assert _dequantizes(auto, some, bits, short, jnp.bfloat16) == (some == always)
+    assert not _dequantizes(auto, always - 8, bits, short, jnp.bfloat16)
+    assert _dequantizes(auto, always, bits, short, jnp.bfloat16)
+    assert _dequantizes(auto, some, bits, QuantKV.abstract(4, 8, 16384, 128), jnp.bfloat16)
     assert not _dequantizes(QuantAttentionConfig(path="fused"), 1024, bits, qkv, jnp.bfloat16)
     assert _dequantizes(QuantAttentionConfig(path="dequantize"), 4, bits, qkv, jnp.bfloat16)
   # B = 16 at 128K: an 8 GiB copy, over the bound.
