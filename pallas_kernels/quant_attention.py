@@ -26,7 +26,8 @@ upper = plane0 + 8. A 4-bit read touches plane 0 only; an 8-bit read both.
 Each row of 64 codes (a key's chunk, a channel's tile) is stored in *wgmma fragment order*
 (`register_operand.pack_words`): the 8 bytes a thread loads are the 16 codes of its register
 fragment, nibbles where the bf16 pairs want them. A 64-row code tile is 2 KiB contiguous and
-travels as 16 rows of 128 bytes. Scales and zeros are fp16 (finite K/V required: |x| < 65504).
+travels as 16 rows of 128 bytes. Scales and zeros are fp16: a K/V value beyond +-65504 saturates
+at that range (its group's grid is clipped to it, `_grid`).
 
 Kernel (`quant_attention`), grid (E + num_splits, Hkv * q_blocks, B), one warpgroup per block,
 split-KV as decode_attention.py. The KEYS are the wgmma M dimension and the N = Tq * Hq / Hkv
@@ -97,7 +98,11 @@ removing the code offset in-kernel with a constant-A wgmma (the bias loses its o
 the fragment-order storage: half of the 19.4 M warp instructions were the int4 -> bf16 chain and
 its shuffles, at 3 blocks of 4 warps per SM. Wide steps are slow (Tq = 16, N = 64: ~245 us at 64K,
 4 bits, against 94 us for decode_attention; 255 registers and spills): the row max becomes a
-cross-warp reduction over a [64, 64] tile. See benchmarks/NOTES.md.
+cross-warp reduction over a [64, 64] tile. Session 37 (H100, the session-36 file timed in the same
+process, `results/s37/`): the fp16 code tiles of 8-bit reads and one-round reductions took the
+8-bit call from 71.6 to 67.6 us at 64K, Tq = 1 (device: kernel 53.5, merge 3.7) and from 161.6 to
+129.8 us at 128K, Tq = 5 (QuantSpec's 8B verification forward 10.85 -> 9.88 ms); 4 bits unchanged
+(46.5 / 46.9). See benchmarks/NOTES.md.
 
 Contract:
 
@@ -168,6 +173,7 @@ META_DTYPE = jnp.float16
 # p * s8_V are rounded to fp16 (3 more significand bits than bf16; they must stay below 65504:
 # |q_d| * s4_d / 16, with s4 the 4-bit key step).
 CODE_DTYPE_8BIT = jnp.float16
+META_MAX = float(jnp.finfo(META_DTYPE).max)   # 65504: the grid's extremes are clipped to +-this
 # Mosaic GPU's cross-warp reductions stage 4 warps x 32 lanes x 2 fp32 (1 KiB) per register of a
 # [64, N] WGMMA tile (N / 8 registers); the default room (2 KiB) takes two at once.
 REDUCTION_BYTES_PER_REGISTER = 1024
@@ -245,7 +251,12 @@ def _round_to_meta(x, direction):
 
 
 def _grid(lo, hi):
-  """Group min / max (fp32) -> stored (zero, s4) with lo >= zero, hi <= zero + 15 * s4."""
+  """Group min / max (fp32) -> stored (zero, s4) with lo >= zero, hi <= zero + 15 * s4, the
+  extremes first clipped to META_DTYPE's finite range (+-65504): a group holding a value beyond
+  it gets a finite grid and that value's code saturates (0 or 240), instead of an infinite zero
+  or step turning the whole group into NaN."""
+  lo = jnp.clip(lo, -META_MAX, META_MAX)
+  hi = jnp.clip(hi, -META_MAX, META_MAX)
   zero = _round_to_meta(lo, -1)
   # A multiply by the fp32 constant 1/15 (not a division, which XLA may rewrite): the grid is
   # then bit-reproducible by any fp32 implementation.

@@ -40,9 +40,11 @@ def _int8_reference(x, axis):
   enough: its ties and roundings are the exact quotient's). Returns (code int32, zero fp16,
   4-bit step fp16)."""
   x = np.asarray(x, np.float32)
-  lo, hi = x.min(axis, keepdims=True), x.max(axis, keepdims=True)
+  lo, hi = (np.clip(x.min(axis, keepdims=True), -65504, 65504),
+            np.clip(x.max(axis, keepdims=True), -65504, 65504))
   zero = lo.astype(np.float16)
-  zero = np.where(zero.astype(np.float32) > lo, np.nextafter(zero, np.float16(-np.inf)), zero)
+  with np.errstate(over="ignore"):       # nextafter(-65504) -> -inf where np.where drops it
+    zero = np.where(zero.astype(np.float32) > lo, np.nextafter(zero, np.float16(-np.inf)), zero)
   want = (hi - zero.astype(np.float32)) * np.float32(1 / 15)
   step4 = want.astype(np.float16)
   step4 = np.where(step4.astype(np.float32) < want, np.nextafter(step4, np.float16(np.inf)), step4)
@@ -92,6 +94,37 @@ def test_int8_code_is_16_upper_plus_lower_bit_for_bit(seed, s_groups, d, group, 
     np.testing.assert_array_equal(upper, (c8 + 8) // 16)
     np.testing.assert_array_equal(16 * upper + lower, c8)
     assert lower.min() >= -8 and lower.max() <= 7
+
+
+def test_values_beyond_fp16_range_saturate_instead_of_poisoning_their_group():
+  """A bf16 K/V value past fp16's +-65504 (the scales' and zeros' type) gets a finite grid for its
+  group, clipped to that range: codes and grid are the numpy reference's bit for bit, nothing is
+  NaN or infinite, the outliers dequantize to the range's ends, and the other groups are as
+  without them."""
+  k, v = _kv(5, 1, 2, 64, 64, jnp.float32, 1.0)
+  k_big = k.at[0, 0, 3, 5].set(-1e5).at[0, 1, 40, 7].set(3e6)          # group 0 / 1 of 32 keys
+  v_big = v.at[0, 1, 9, 2].set(-7e4).at[0, 0, 20, :].set(1e6)          # tokens 9 and 20
+  k_big, v_big = k_big.astype(jnp.bfloat16), v_big.astype(jnp.bfloat16)
+  qkv = quantize_kv(k_big, v_big, group=32)
+  for x in (qkv.k_scale, qkv.k_zero, qkv.v_scale, qkv.v_zero):
+    assert np.isfinite(np.asarray(x, np.float32)).all()
+  k8, v8 = codes8(qkv)
+  ref_k = _int8_reference(np.asarray(k_big, np.float32).reshape(1, 2, 2, 32, 64), axis=3)[0]
+  np.testing.assert_array_equal(np.asarray(k8), ref_k.reshape(1, 2, 64, 64))
+  np.testing.assert_array_equal(np.asarray(v8), _int8_reference(np.asarray(v_big, np.float32),
+                                                                axis=3)[0])
+  dk, dv = (np.asarray(x) for x in dequantize(qkv, 8))
+  assert np.isfinite(dk).all() and np.isfinite(dv).all()
+  assert dk[0, 0, 3, 5] == -65504 and dv[0, 1, 9, 2] == -65504
+  assert 65504 - 16 * 65504 / 240 < dk[0, 1, 40, 7] <= 65504 + 1e-3 * 65504
+  assert 65504 - 16 * 65504 / 240 < dv[0, 0, 20, 0] <= 65504 + 1e-3 * 65504
+  # Groups without an outlier: as quantized without any.
+  dk0, dv0 = (np.asarray(x) for x in dequantize(quantize_kv(k.astype(jnp.bfloat16),
+                                                            v.astype(jnp.bfloat16), group=32), 8))
+  np.testing.assert_array_equal(dk[0, 0, 32:], dk0[0, 0, 32:])
+  np.testing.assert_array_equal(dk[0, 1, :32], dk0[0, 1, :32])
+  untouched = np.setdiff1d(np.arange(64), [9, 20])
+  np.testing.assert_array_equal(dv[0, :, untouched], dv0[0, :, untouched])
 
 
 @settings(max_examples=6, deadline=None, derandomize=True)
