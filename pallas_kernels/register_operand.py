@@ -201,12 +201,12 @@ def _word_tile_mgpu(num_planes, dtype, centered):
       for h in range(2):
         w = [vector.extract(ws, dynamic_position=[], static_position=[h]) for ws in words]
         for k in range(4):
-          if integer_planes:                               # 16 upper + lower + offset
+          if num_planes == 1:                              # code + offset
+            value = nibble_pair(w[0], k)
+          elif integer_planes:                             # 16 upper + lower + offset
             value = code_pair_fp16(w[0], w[1], k)
-          else:
-            value = nibble_pair(w[0], k)                   # code + offset
-          if num_planes == 2 and not integer_planes:       # 16 upper + lower + offset
-            value = arith.addf(mlir_math.fma(value, sixteen, minus_16_offset),
+          else:                                            # the same in bf16
+            value = arith.addf(mlir_math.fma(nibble_pair(w[0], k), sixteen, minus_16_offset),
                                nibble_pair(w[1], k))
           if centered:
             value = arith.subf(value, offset)              # exact: integers below 256 / 2048
