@@ -117,9 +117,10 @@ def word_offset(dtype, planes: int = 1) -> int:
   two-plane tile, built from integers, holds 1024 + 16 (upper + 8) + (lower + 8), i.e. its code
   16 upper + lower plus 1024 + 8 + 128 = 1160."""
   dtype = jnp.dtype(dtype)
+  offset = {jnp.dtype(jnp.bfloat16): 136, jnp.dtype(jnp.float16): 1032}[dtype]
   if planes == 2 and dtype == jnp.dtype(jnp.float16):
-    return 1160
-  return {jnp.dtype(jnp.bfloat16): 136, jnp.dtype(jnp.float16): 1032}[dtype]
+    return offset + 16 * 8                   # the upper nibble's sign flip, 16 times over
+  return offset
 
 
 _MAGIC = {jnp.dtype(jnp.bfloat16): 0x4308, jnp.dtype(jnp.float16): 0x6408}   # with bit 3 flip
