@@ -7,8 +7,10 @@ candidates (FAFO m = Lookahead G). EOS is ignored so every prompt generates --ma
 
   --sweep: tau (and aggregate tokens/s) per method and guess count, each prompt set decoded as one
            batch (tau is per row; rows are independent).
-  --speed: tokens/s at batch size 1, prompt by prompt, for dense / FAFO / Lookahead at
-           --speed-guesses (decode time only, compilation excluded).
+  --speed: tokens/s and tau at batch size 1, prompt by prompt, for dense (once per set) and for
+           FAFO / Lookahead at each of --speed-guesses (default: --guesses); decode time only,
+           compilation excluded. With every guess count this is the paper's Figure 1 (tau and
+           wall-clock speedup against guesses per step); `plot_ngram.py` draws it.
 
   python benchmarks/ngram_decoding.py --gguf PATH --dtype bfloat16 --sweep --speed
 Writes $OUT/ngram_decoding.json (rewritten after every measurement).
@@ -56,9 +58,10 @@ def run(cfg, params, ids, method, max_new_tokens):
   return generate(cfg, params, ids, method=method, max_new_tokens=max_new_tokens, stop_tokens=())
 
 
-def main():
+def main(argv=None) -> dict:
   ap = argparse.ArgumentParser()
-  ap.add_argument("--gguf", default=DEFAULT_SMOLLM2_GGUF)
+  ap.add_argument("--gguf", default=DEFAULT_SMOLLM2_GGUF,
+                  help="the model: a .gguf file (SmolLM2 by default), an HF dir or a checkpoint")
   ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
   ap.add_argument("--prompt-sets", nargs="+", default=["mt_bench", "humaneval"])
   ap.add_argument("--num-prompts", type=int, default=10)
@@ -72,11 +75,12 @@ def main():
   ap.add_argument("--block-size", type=int, default=64)
   ap.add_argument("--sweep", action="store_true")
   ap.add_argument("--speed", action="store_true")
-  ap.add_argument("--speed-guesses", type=int, default=40)
+  ap.add_argument("--speed-guesses", type=int, nargs="+", default=None,
+                  help="guess counts of --speed (default: --guesses)")
   ap.add_argument("--speed-prompts", type=int, default=5)
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "ngram_decoding.json"))
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   cfg, params, tok = load_model(args.gguf, dtype=args.dtype)
   result = {"benchmark": "FAFO vs Lookahead vs dense, SmolLM2-135M-Instruct, greedy",
             "device": device_description(), "dtype": args.dtype, "args": vars(args),
@@ -107,24 +111,30 @@ def main():
               f"{res.tokens_per_second:.1f} tokens/s, identical {same}/{len(ids)}")
           save()
     if args.speed:
-      for name in ["dense"] + list(args.methods):
-        method = make_method(name, args.speed_guesses, args)
-        generate(cfg, params, ids[:1], method=method, max_new_tokens=args.max_new_tokens,
-                 stop_tokens=())                                       # compile once
-        toks, secs, taus, outputs = 0, 0.0, [], []
+      dense_tokens = None
+      speed_guesses = args.speed_guesses or args.guesses
+      # Dense first and once more last ("dense_after"): the two should agree (session 38 saw a
+      # dense loop measured after other methods run 14% slower in the same process).
+      plan = [(m, g) for g in speed_guesses for m in args.methods]
+      for name, guesses in [("dense", 0)] + plan + [("dense_after", 0)]:
+        method = make_method(name, guesses, args)
+        first = generate(cfg, params, ids[:1], method=method, max_new_tokens=args.max_new_tokens,
+                         stop_tokens=())                               # compile once
+        made, secs, steps, outputs = 0, 0.0, 0, []
         for one in ids[: args.speed_prompts]:
           res = generate(cfg, params, [one], method=method, max_new_tokens=args.max_new_tokens,
                          stop_tokens=())
-          toks += res.num_generated
+          made += res.num_generated - 1          # the loop's tokens (the first is prefill's)
           secs += res.decode_seconds
-          taus.append(res.tau)
+          steps += sum(res.active_steps)
           outputs.append(list(res.tokens[0]))
+        row = {"prompt_set": set_name, "method": name, "guesses": guesses, "batch_size": 1,
+               "tokens_per_second": made / secs, "tau": made / steps, "steps": steps,
+               "decode_seconds": secs, "compile_seconds": first.compile_seconds,
+               "prompts": len(outputs)}
         if name == "dense":
           dense_tokens = outputs
-        row = {"prompt_set": set_name, "method": name, "guesses": args.speed_guesses,
-               "batch_size": 1, "tokens_per_second": toks / secs, "tau": float(np.mean(taus)),
-               "prompts": len(outputs)}
-        if name != "dense":
+        else:
           # Where a prompt's output first differs from dense greedy, and the dense model's top-1
           # minus top-2 logit there: a near-tie that another shape's rounding flips, or not.
           divs = find_divergences(outputs, dense_tokens, cfg, params, ids[: len(outputs)])
@@ -132,9 +142,10 @@ def main():
           row["divergences"] = [{"prompt": d.row, "position": d.position,
                                  "dense_top2_margin": d.top2_margin} for d in divs]
         result["speed"].append(row)
-        log(f"{set_name} speed {name}: {row['tokens_per_second']:.1f} tokens/s, "
-            f"tau {row['tau']:.3f}" + (f", identical to dense {len(outputs) - len(divs)}/"
-                                       f"{len(outputs)}" if name != "dense" else ""))
+        log(f"{set_name} speed {name} guesses={guesses}: {row['tokens_per_second']:.1f} "
+            f"tokens/s, tau {row['tau']:.3f}, compile {first.compile_seconds:.1f} s"
+            + (f", identical to dense {row['identical_to_dense_prompts']}/{len(outputs)}"
+               if name != "dense" else ""))
         save()
   dense_speed = {r["prompt_set"]: r["tokens_per_second"] for r in result["speed"]
                  if r["method"] == "dense"}
@@ -142,6 +153,7 @@ def main():
     r["speedup_vs_dense"] = r["tokens_per_second"] / dense_speed.get(r["prompt_set"], np.nan)
   save()
   log(f"wrote {args.out}")
+  return result
 
 
 if __name__ == "__main__":

@@ -1,0 +1,48 @@
+"""benchmarks/ngram_decoding.py and plot_ngram.py on the embedded stories260K checkpoint (CPU,
+fp32): the --speed sweep over guess counts (the FAFO paper's Figure 1 rows) and the --sweep rows
+run end to end and the plot is drawn, so the GPU benchmark cannot rot. In fp32 every method is
+token-identical to dense greedy, which the rows' own divergence check must report."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))   # benchmarks/ importable
+
+from benchmarks import ngram_decoding, plot_ngram  # noqa: E402
+
+STORIES = pathlib.Path(__file__).resolve().parents[1] / "checkpoints" / "stories260K"
+
+
+def test_figure1_rows_and_plot(tmp_path):
+  out = tmp_path / "ngram.json"
+  result = ngram_decoding.main([
+      "--gguf", str(STORIES), "--dtype", "float32", "--prompt-sets", "humaneval",
+      "--num-prompts", "2", "--speed-prompts", "2", "--max-new-tokens", "12", "--length", "3",
+      "--candidates", "2", "--guesses", "2", "--speed", "--speed-guesses", "2", "3",
+      "--sweep", "--out", str(out)])
+  assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+  speed = result["speed"]
+  assert [(r["method"], r["guesses"]) for r in speed] == [
+      ("dense", 0), ("fafo", 2), ("lookahead", 2), ("fafo", 3), ("lookahead", 3),
+      ("dense_after", 0)]
+  for r in speed:
+    assert r["prompts"] == 2 and r["tokens_per_second"] > 0 and r["steps"] > 0
+    # 11 loop tokens a prompt (the first comes from prefill) over the rows' steps.
+    assert r["tau"] * r["steps"] == pytest.approx(11 * 2) and r["steps"] <= 11 * 2
+    if r["method"] != "dense":
+      assert r["identical_to_dense_prompts"] == 2 and r["divergences"] == []
+  assert speed[0]["tau"] == 1.0 and speed[0]["speedup_vs_dense"] == 1.0
+  assert [r["method"] for r in result["sweep"]] == ["dense", "fafo", "lookahead"]
+  assert all(r["identical_to_dense_rows"] == 2 for r in result["sweep"][1:])
+
+  png = tmp_path / "figure1.png"
+  plot_ngram.main([str(out), "--out", str(png)])
+  assert png.stat().st_size > 10_000
+  gains = plot_ngram.speedups(speed)
+  assert set(gains) == {("humaneval", m, g) for m in ("fafo", "lookahead", "dense_after")
+                        for g in ((2, 3) if m != "dense_after" else (0,))}
