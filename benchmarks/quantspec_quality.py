@@ -9,7 +9,9 @@
 2. Draft acceptance rate versus gamma, greedy, continuing a long book prompt (`--prompt-tokens`)
    and MT-Bench turn-1 prompts. Target (issue): >= 90% at the best gamma. The draft's weights are
    `--weight-bits` 4 (group-wise, `--weight-group` input rows per group; the defaults, 4 and 128,
-   are QuantSpec's) or "none" (a KV-only draft: 4-bit KV view, full weights), for ablations.
+   are QuantSpec's) or "none" (a KV-only draft: 4-bit KV view, full weights), for ablations;
+   rounded to nearest, or with `--weight-quantizer gptq` chosen by GPTQ (`sparsedec.model.gptq`)
+   on `--calibration-tokens` tokens of the book from `--calibration-offset` (after the prompt).
 
   .venv/bin/python benchmarks/quantspec_quality.py --out benchmarks/results/quantspec_quality_cpu.json
 """
@@ -20,6 +22,7 @@ import argparse
 import functools
 import json
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +35,7 @@ from sparsedec.decode.quantspec import QuantSpec
 from sparsedec.kv import quantized as qkv
 from sparsedec.kv.dense import KVCache, init_cache
 from sparsedec.model.forward import forward
+from sparsedec.model.gptq import gptq_quantize_params, with_draft
 from sparsedec.prompts import book, mt_bench
 from sparsedec.weights.checkpoint import load_model
 
@@ -99,6 +103,13 @@ def main():
                   help='draft weight bits: "4" (group-wise) or "none" (full-precision weights)')
   ap.add_argument("--weight-group", type=int, default=128,
                   help="input rows per 4-bit draft weight group")
+  ap.add_argument("--weight-quantizer", default="rtn", choices=("rtn", "gptq"),
+                  help="the draft's 4-bit weights: round-to-nearest, or GPTQ calibrated on "
+                       "--calibration-tokens tokens of the book from --calibration-offset")
+  ap.add_argument("--calibration-tokens", type=int, default=4096)
+  ap.add_argument("--calibration-offset", type=int, default=60000,
+                  help="book token where GPTQ's calibration text starts (the book prompt is "
+                       "the first --prompt-tokens tokens)")
   ap.add_argument("--skip-ppl", action="store_true")
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "quantspec_quality.json"))
@@ -127,6 +138,17 @@ def main():
       log(f"perplexity INT{bits} KV: {ppl:.4f} ({100 * (ppl / full - 1):+.3f}%)")
       save()
 
+  run_params = params
+  if args.weight_quantizer == "gptq" and weight_bits is not None:
+    start = args.calibration_offset
+    if start < args.prompt_tokens + args.new_tokens:
+      raise SystemExit("--calibration-offset overlaps the book prompt and its continuation")
+    t0 = time.perf_counter()
+    draft = gptq_quantize_params(cfg, params, text_ids[start:start + args.calibration_tokens],
+                                 group=args.weight_group)
+    run_params = with_draft(params, draft)
+    result["gptq_seconds"] = time.perf_counter() - t0
+    log(f"GPTQ draft in {result['gptq_seconds']:.1f} s")
   prompts = {"book": [text_ids[: args.prompt_tokens].tolist()],
              "mt_bench": encode_prompts(tok, mt_bench(turn=1)[: args.mt_bench_prompts],
                                         chat_template=True)}
@@ -134,10 +156,11 @@ def main():
     for gamma in args.gammas:
       method = QuantSpec(gamma=gamma, quant_group=args.group, verify_precision="int8",
                          weight_bits=weight_bits, weight_group=args.weight_group)
-      res = generate(cfg, params, ids, method=method, max_new_tokens=args.new_tokens,
+      res = generate(cfg, run_params, ids, method=method, max_new_tokens=args.new_tokens,
                      stop_tokens=())
       row = {"prompts": name, "gamma": gamma, "tau": res.tau, "weight_bits": weight_bits,
-             "weight_group": args.weight_group, **res.method_stats}
+             "weight_group": args.weight_group, "weight_quantizer": args.weight_quantizer,
+             **res.method_stats}
       result["acceptance"].append(row)
       log(f"{name} gamma={gamma}: acceptance {row.get('acceptance_rate')}, tau {res.tau:.3f}")
       save()

@@ -67,6 +67,12 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                        "distribution and accept with min(1, p/q) (sample, Leviathan et al.), or "
                        "propose the draft's argmax as deterministic guesses (argmax); both are "
                        "lossless (default sample)")
+  qs.add_argument("--draft-calibration", default=None, metavar="TEXT_FILE",
+                  help="choose the draft's 4-bit weights by GPTQ calibrated on this text "
+                       "(default: round to nearest; sparsedec.model.gptq)")
+  qs.add_argument("--draft-calibration-tokens", type=int, default=None,
+                  help="calibration tokens taken from the start of --draft-calibration (default "
+                       "4096, at most the model's context)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -139,6 +145,42 @@ def _load(args):
   return load_model(args.model or default_model(), dtype=args.dtype)
 
 
+DEFAULT_CALIBRATION_TOKENS = 4096
+
+
+def _draft_tokens(args, method) -> int | None:
+  """Calibration tokens of the GPTQ draft asked for (--draft-calibration), or None; checked
+  before the model loads."""
+  from sparsedec.errors import InputError
+  if args.draft_calibration is None:
+    if args.draft_calibration_tokens is not None:
+      raise InputError("--draft-calibration-tokens goes with --draft-calibration")
+    return None
+  if args.method != "quantspec":
+    raise InputError(f"--draft-calibration does not apply to --method {args.method}")
+  if method.weight_bits is None:
+    raise InputError("--draft-calibration needs a 4-bit draft (quantspec weight_bits=4)")
+  n = DEFAULT_CALIBRATION_TOKENS if args.draft_calibration_tokens is None else \
+      args.draft_calibration_tokens
+  if n < 1:
+    raise InputError(f"--draft-calibration-tokens must be >= 1, got {n}")
+  if not Path(args.draft_calibration).is_file():
+    raise InputError(f"calibration text file not found: {args.draft_calibration}")
+  return n
+
+
+def _with_draft(args, cfg, params, tok, method, n: int | None):
+  """params carrying a GPTQ draft calibrated on the first n tokens of --draft-calibration (at
+  most the model's context), or params when n is None."""
+  if n is None:
+    return params
+  from sparsedec.model.gptq import gptq_quantize_params, with_draft
+  ids = tok.encode(Path(args.draft_calibration).read_text())[: min(n, cfg.max_position_embeddings)]
+  draft = gptq_quantize_params(cfg, params, ids, group=method.weight_group,
+                               layout=method.resolved_weight_layout())
+  return with_draft(params, draft)
+
+
 def _prompt_ids(args, tok) -> list[int]:
   if args.chat is not None:
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
@@ -157,7 +199,9 @@ def cmd_generate(args) -> int:
                      "system message)")
   sampling = _sampling(args)
   method = _method(args)
+  calibration = _draft_tokens(args, method)
   cfg, params, tok = _load(args)
+  params = _with_draft(args, cfg, params, tok, method, calibration)
   ids = _prompt_ids(args, tok)
   kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                 method=method, cache_size=args.cache_size,
@@ -199,7 +243,9 @@ def cmd_convert(args) -> int:
 def cmd_bench(args) -> int:
   from sparsedec.bench import run_bench
   method = _method(args)
+  calibration = _draft_tokens(args, method)
   cfg, params, tok = _load(args)
+  params = _with_draft(args, cfg, params, tok, method, calibration)
   result = run_bench(cfg, params, tok, prompts=args.prompts, num_prompts=args.num_prompts,
                      batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                      sampling=_sampling(args), seed=args.seed, method=method,

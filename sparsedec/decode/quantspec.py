@@ -68,7 +68,9 @@ from sparsedec.kv.dense import KVCache, commit
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.forward import forward
 from sparsedec.model.params import Params
-from sparsedec.model.quant_weights import LAYOUTS, quantize_params, weights_bytes
+from sparsedec.model.gptq import DRAFT_KEY
+from sparsedec.model.quant_weights import (LAYOUTS, QUANTIZED_LINEARS, params_to_layout,
+                                           quantize_params, weights_bytes)
 
 VERIFY_PRECISIONS = ("int8", "full")
 DRAFT_SAMPLINGS = ("sample", "argmax")
@@ -114,7 +116,8 @@ class QuantSpec:
   gamma: int = 4                   # draft tokens per step
   verify_precision: str = "int8"   # "int8": 8-bit view of the codes; "full": dense cache too
   quant_group: int = 128           # G: key group (tokens); the buffer holds 2G tokens
-  weight_bits: int | None = 4      # draft weights: 4 (group-wise RTN) or None (unquantized)
+  weight_bits: int | None = 4      # draft weights: 4 (group-wise RTN, or the params' own draft
+                                   # layers: `sparsedec.model.gptq`) or None (unquantized)
   weight_group: int = 128          # input rows per weight group
   weight_layout: str = "auto"      # how the draft multiplies its 4-bit weights (quant_weights);
                                    # "auto": the W4A16 Pallas kernel's "int4_t" on a GPU (groups
@@ -176,12 +179,29 @@ class QuantSpec:
     if self.verify_precision == "int8":      # the codes replace the dense cache
       empty = tuple(x[:, :, :0] for x in cache.k)
       cache = KVCache(k=empty, v=tuple(x[:, :, :0] for x in cache.v), lengths=cache.lengths)
-    draft = (quantize_params(params, self.weight_group, self.resolved_weight_layout())
-             if self.weight_bits == 4 else None)
+    draft = self._draft_params(params)
     # Two arrays, not one shared leaf: a state whose leaves alias cannot be donated.
     return state.replace(cache=cache, extras=QuantSpecExtras(
         qcache=qcache, draft_params=draft, drafted=jnp.zeros((b,), jnp.int32),
         accepted_drafts=jnp.zeros((b,), jnp.int32)))
+
+  def _draft_params(self, params: Params):
+    """The draft's params: None (weight_bits=None: the draft uses params), the draft layers the
+    params carry (params[DRAFT_KEY], e.g. GPTQ's: `sparsedec.model.gptq.with_draft`), else every
+    linear RTN-quantized now; in the resolved weight layout."""
+    layers = params.get(DRAFT_KEY)
+    if layers is None:
+      return (quantize_params(params, self.weight_group, self.resolved_weight_layout())
+              if self.weight_bits == 4 else None)
+    if self.weight_bits is None:
+      raise InputError(f"the params carry a 4-bit draft ({DRAFT_KEY!r}) but quantspec "
+                       f"weight_bits is None")
+    groups = sorted({lp[name].group for lp in layers for name in QUANTIZED_LINEARS})
+    if groups != [self.weight_group]:
+      raise InputError(f"the params' draft ({DRAFT_KEY!r}) has weight groups {groups}, quantspec "
+                       f"weight_group is {self.weight_group}")
+    base = {k: v for k, v in params.items() if k != DRAFT_KEY}
+    return params_to_layout({**base, "layers": layers}, self.resolved_weight_layout())
 
   def samples_drafts(self, sampling: SamplingConfig) -> bool:
     """Whether the drafts are drawn from the draft's distribution (Leviathan) this run."""

@@ -22,10 +22,17 @@ from sparsedec.model.rope import apply_rope, rope_tables
 
 
 def _layer(cfg: ModelConfig, lp: dict, x: jax.Array, cos, sin, positions, k_cache, v_cache,
-           lengths, plan: AttentionPlan):
+           lengths, plan: AttentionPlan, taps: dict | None = None):
+  """One decoder layer; taps (a dict, or None): filled with the input of each linear by name."""
   b, t, _ = x.shape
+
+  def tap(name, value):
+    if taps is not None:
+      taps[name] = value
+
   hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+  tap("wqkv", h)
   qkv = linear(h, lp["wqkv"])                                        # [B, T, (Hq+2Hkv) D]
   if cfg.qkv_bias:
     qkv = qkv + lp["bqkv"].astype(qkv.dtype)
@@ -39,14 +46,19 @@ def _layer(cfg: ModelConfig, lp: dict, x: jax.Array, cos, sin, positions, k_cach
   k = apply_rope(k, cos, sin)
   attn = attend(q, k_cache, v_cache, lengths, k, v, positions, plan, cfg.sliding_window,
                 cfg.attention)
-  out = linear(attn.reshape(b, t, hq * d), lp["wo"])                 # [B, T, Dm]
+  attn = attn.reshape(b, t, hq * d)
+  tap("wo", attn)
+  out = linear(attn, lp["wo"])                                       # [B, T, Dm]
   if cfg.o_bias:
     out = out + lp["bo"].astype(out.dtype)
   x = x + out
   h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+  tap("w_gate_up", h)
   gate_up = linear(h, lp["w_gate_up"])                               # [B, T, 2F]
   f = cfg.intermediate_size
-  x = x + linear(jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:], lp["w_down"])
+  act = jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:]
+  tap("w_down", act)
+  x = x + linear(act, lp["w_down"])
   return x, q, k, v
 
 
@@ -59,7 +71,8 @@ def logits_from_hidden(cfg: ModelConfig, params: Params, h: jax.Array) -> jax.Ar
 def forward(cfg: ModelConfig, params: Params, tokens: jax.Array, positions: jax.Array,
             cache: KVCache, plan: AttentionPlan | None = None,
             logits_at: jax.Array | None = None,
-            capture_queries: bool = False) -> tuple[jax.Array, InflightKV]:
+            capture_queries: bool = False,
+            linear_inputs: list | None = None) -> tuple[jax.Array, InflightKV]:
   """One forward over in-flight tokens.
 
   tokens, positions: [B, T] int32. cache: committed entries (not modified).
@@ -67,6 +80,8 @@ def forward(cfg: ModelConfig, params: Params, tokens: jax.Array, positions: jax.
   logits_at: optional [B, T'] indices into T; logits only there (saves the vocab matmul).
   capture_queries: also return each layer's queries (InflightKV.q), the query statistics
   compression policies select from (Quest, SnapKV).
+  linear_inputs: a list, or None; given, one dict per layer is appended to it, holding the input
+  [B, T, In] of each linear by weight name (calibration: `sparsedec.model.gptq`).
   Returns fp32 logits [B, T or T', V] and the in-flight K/V (RoPE applied) for commit.
   """
   dtype = jnp.dtype(cfg.dtype)
@@ -76,8 +91,11 @@ def forward(cfg: ModelConfig, params: Params, tokens: jax.Array, positions: jax.
   cos, sin = rope_tables(cfg, positions, dtype)                       # [B, T, 1, D]
   qs, ks, vs = [], [], []
   for i, lp in enumerate(params["layers"]):
+    taps = None if linear_inputs is None else {}
     x, q, k, v = _layer(cfg, lp, x, cos, sin, positions, cache.k[i], cache.v[i], cache.lengths,
-                      plan.at_layer(i))
+                        plan.at_layer(i), taps)
+    if taps is not None:
+      linear_inputs.append(taps)
     qs.append(q)
     ks.append(k)
     vs.append(v)

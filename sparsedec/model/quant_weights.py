@@ -137,26 +137,64 @@ def _to_meta(x: jax.Array, direction: int) -> jax.Array:
   return jnp.where(off, jnp.nextafter(r, toward), r)
 
 
+def check_group_layout(group, layout: str) -> None:
+  """InputError unless group is an even integer >= 2 that `layout` can store."""
+  if not isinstance(group, int) or group < 2 or group % 2:
+    raise InputError(f"weight quant group must be an even integer >= 2, got {group!r}")
+  _check_layout(layout, group)
+
+
+def padded_rows(w: jax.Array, group: int) -> jax.Array:
+  """w [In, Out] -> fp32 [In_pad, Out], In_pad a multiple of `group`; the padded rows copy the
+  last real row, so they never widen its group's range (their inputs are zero)."""
+  n_in, n_out = w.shape
+  pad = -n_in % group
+  wf = jnp.pad(w.astype(jnp.float32), ((0, pad), (0, 0)))
+  if pad:
+    wf = wf.at[n_in:].set(jnp.broadcast_to(wf[n_in - 1], (pad, n_out)))
+  return wf
+
+
+def group_grid(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """rows [..., G, Out] (fp32) -> (zero, step) [..., Out] fp16: zero = the min rounded down, step =
+  (max - zero) / 15 rounded up (1 for a constant group), so no row's code clips."""
+  zero = _to_meta(rows.min(-2), -1)
+  step = _to_meta((rows.max(-2) - zero.astype(jnp.float32)) * jnp.float32(1 / 15), +1)
+  return zero, jnp.where(step > 0, step, jnp.ones_like(step))
+
+
+def grid_codes(rows, zero, step):
+  """rows [..., Out] fp32 on the grid (zero, step) [..., Out] (broadcast) -> codes in [0, 15],
+  fp32 (round half to even). numpy arrays in, numpy out (GPTQ's host loop), with the same fp32
+  arithmetic."""
+  xp = np if isinstance(rows, np.ndarray) else jnp
+  c = xp.round((rows - zero.astype(xp.float32)) / step.astype(xp.float32))
+  return xp.clip(c, 0, 15)
+
+
+def from_codes(codes: jax.Array, scale: jax.Array, zero: jax.Array, in_features: int,
+               group: int, layout: str = "packed") -> QuantWeight:
+  """A QuantWeight from codes [In_pad, Out] in [0, 15] and its fp16 grids [In_pad / G, Out]."""
+  check_group_layout(group, layout)
+  if codes.shape[0] != scale.shape[0] * group or scale.shape != zero.shape:
+    raise InputError(f"codes {codes.shape} do not match grids {scale.shape} / {zero.shape} "
+                     f"at group {group}")
+  return QuantWeight(codes=_store_codes(codes, layout), scale=scale.astype(META_DTYPE),
+                     zero=zero.astype(META_DTYPE), in_features=in_features, group=group,
+                     layout=layout)
+
+
 def quantize_weight(w: jax.Array, group: int = 128, layout: str = "packed") -> QuantWeight:
   """w [In, Out] -> QuantWeight (4-bit, asymmetric RTN, groups of `group` input rows)."""
   if w.ndim != 2:
     raise InputError(f"a weight to quantize must be [In, Out], got shape {w.shape}")
-  if not isinstance(group, int) or group < 2 or group % 2:
-    raise InputError(f"weight quant group must be an even integer >= 2, got {group!r}")
-  _check_layout(layout, group)
-  n_in, n_out = w.shape
-  pad = -n_in % group
-  wf = jnp.pad(w.astype(jnp.float32), ((0, pad), (0, 0)))
-  if pad:   # padded rows copy the group's last real row, so they never widen its range
-    wf = wf.at[n_in:].set(jnp.broadcast_to(wf[n_in - 1], (pad, n_out)))
-  grouped = wf.reshape(-1, group, n_out)                                   # [In_pad/G, G, Out]
-  zero = _to_meta(grouped.min(1), -1)
-  step = _to_meta((grouped.max(1) - zero.astype(jnp.float32)) * jnp.float32(1 / 15), +1)
-  step = jnp.where(step > 0, step, jnp.ones_like(step))
-  c = jnp.round((grouped - zero.astype(jnp.float32)[:, None]) / step.astype(jnp.float32)[:, None])
-  c = jnp.clip(c, 0, 15).astype(jnp.uint8).reshape(-1, n_out)              # [In_pad, Out]
-  return QuantWeight(codes=_store_codes(c, layout), scale=step, zero=zero, in_features=n_in,
-                     group=group, layout=layout)
+  check_group_layout(group, layout)
+  wf = padded_rows(w, group)
+  grouped = wf.reshape(-1, group, w.shape[1])                              # [In_pad/G, G, Out]
+  zero, step = group_grid(grouped)
+  c = grid_codes(grouped, zero[:, None], step[:, None])
+  return from_codes(c.astype(jnp.uint8).reshape(-1, w.shape[1]), step, zero, w.shape[0], group,
+                    layout)
 
 
 def _pad_inputs(x: jax.Array, w: QuantWeight) -> jax.Array:

@@ -1,0 +1,161 @@
+"""GPTQ for QuantSpec's 4-bit draft (`sparsedec.model.gptq`): RTN exactly when the Hessian is the
+identity, a lower output error than RTN on correlated inputs, calibration Hessians equal to a
+direct computation across chunk boundaries, and QuantSpec decoding with the draft the params
+carry (still token-identical to its INT8 reference; the draft it ran is GPTQ's)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sparsedec
+from sparsedec import prompts as prompt_sets
+from sparsedec.decode.quantspec import QuantSpec
+from sparsedec.errors import InputError
+from sparsedec.model import gptq
+from sparsedec.model.linear import rms_norm
+from sparsedec.model.quant_weights import QUANTIZED_LINEARS, quantize_weight
+
+METHOD = QuantSpec(gamma=3, quant_group=8, weight_group=32)     # stories260K: head_dim 8, Dm 64
+
+
+def _output_error(q, w, h):
+  d = np.asarray(q.dequantize(), np.float64) - w
+  return float(np.trace(d.T @ h @ d))
+
+
+@pytest.mark.parametrize("layout", ["packed", "int4_t"])
+def test_identity_hessian_gives_rtn_bit_for_bit(layout):
+  """No correlation between inputs: no error moves, so GPTQ's codes, grids and stored bytes are
+  RTN's (200 rows: padded to 256 as RTN pads them)."""
+  w = np.random.default_rng(0).normal(size=(200, 128)).astype(np.float32)
+  got = gptq.gptq_quantize_weight(w, np.eye(200), group=64, layout=layout)
+  ref = quantize_weight(jnp.asarray(w), 64, layout)
+  for a, b in ((got.codes, ref.codes), (got.scale, ref.scale), (got.zero, ref.zero)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert (got.in_features, got.group, got.layout) == (200, 64, layout)
+
+
+def test_correlated_inputs_get_a_lower_output_error_than_rtn():
+  rng = np.random.default_rng(1)
+  w = rng.normal(size=(192, 96)).astype(np.float32)
+  x = rng.normal(size=(4000, 192)) @ rng.normal(size=(192, 192)) * 0.3 + rng.normal(
+      size=(4000, 192))
+  h = x.T @ x
+  got = gptq.gptq_quantize_weight(w, h, group=64)
+  rtn = quantize_weight(jnp.asarray(w), 64)
+  assert _output_error(got, w, h) < 0.7 * _output_error(rtn, w, h)
+  # The same grids' semantics: every code in [0, 15] and every weight within its group's range.
+  deq = np.asarray(got.dequantize())
+  lo = np.repeat(np.asarray(got.zero, np.float32), 64, 0)[:192]
+  hi = lo + 15 * np.repeat(np.asarray(got.scale, np.float32), 64, 0)[:192]
+  assert np.all((deq >= lo - 1e-6) & (deq <= hi + 1e-6))
+
+
+def _calibration(tok, n):
+  ids = np.asarray(tok.encode(prompt_sets.book()[20000:40000]), np.int32)
+  assert len(ids) >= n
+  return ids[:n]
+
+
+def test_hessians_equal_a_direct_computation_across_chunks(stories):
+  cfg, params, tok = stories
+  ids = _calibration(tok, 150)
+  chunked = gptq.linear_input_hessians(cfg, params, ids, chunk=64)      # 64 + 64 + 22 tokens
+  whole = gptq.linear_input_hessians(cfg, params, ids, chunk=150)
+  assert len(chunked) == cfg.num_layers
+  for a, b in zip(chunked, whole):
+    for name in QUANTIZED_LINEARS:
+      np.testing.assert_allclose(a[name], b[name], rtol=2e-5, atol=1e-5 * np.abs(b[name]).max())
+  # Layer 0's wqkv input, computed directly: the first norm of the embeddings.
+  x = rms_norm(params["embed"][ids], params["layers"][0]["attn_norm"], cfg.rms_norm_eps)
+  x = np.asarray(x, np.float64)
+  np.testing.assert_allclose(chunked[0]["wqkv"], x.T @ x, rtol=1e-5, atol=1e-5)
+  # A subset of layers: the same sums.
+  part = gptq.linear_input_hessians(cfg, params, ids, chunk=64, layers=[2, 4])
+  for got, i in zip(part, (2, 4)):
+    for name in QUANTIZED_LINEARS:
+      np.testing.assert_array_equal(got[name], chunked[i][name])
+
+
+def test_quantspec_decodes_with_the_gptq_draft_the_params_carry(stories):
+  """Lossless whatever the draft: the output equals the RTN draft's (both equal the INT8
+  reference decoder, tests/test_quantspec.py); the draft the run used is GPTQ's (its codes differ
+  from RTN's), quantized in passes of two layers."""
+  cfg, params, tok = stories
+  draft = gptq.gptq_quantize_params(cfg, params, _calibration(tok, 300), group=32, chunk=128,
+                                    max_hessian_bytes=2 * 8 * (3 * 64 ** 2 + 172 ** 2))
+  prompts = [tok.encode("Once upon a time"), tok.encode("Tom and Lily")]
+  rtn = sparsedec.generate(cfg, params, prompts, method=METHOD, max_new_tokens=96,
+                           stop_tokens=())
+  got = sparsedec.generate(cfg, gptq.with_draft(params, draft), prompts, method=METHOD,
+                           max_new_tokens=96, stop_tokens=(), return_state=True)
+  assert got.tokens == rtn.tokens
+  used = got.state.extras.draft_params["layers"]
+  assert gptq.DRAFT_KEY not in got.state.extras.draft_params
+  for i, lp in enumerate(draft):
+    for name in QUANTIZED_LINEARS:
+      np.testing.assert_array_equal(np.asarray(used[i][name].codes), np.asarray(lp[name].codes))
+  rtn_codes = quantize_weight(params["layers"][0]["w_down"], 32).codes
+  assert not np.array_equal(np.asarray(draft[0]["w_down"].codes), np.asarray(rtn_codes))
+  assert 0.0 < got.method_stats["acceptance_rate"] <= 1.0
+
+
+def test_bad_inputs_are_refused_by_name(stories):
+  cfg, params, tok = stories
+  w = np.ones((64, 64), np.float32)
+  with pytest.raises(InputError, match="Hessian"):
+    gptq.gptq_quantize_weight(w, np.eye(63))
+  with pytest.raises(InputError, match="damp"):
+    gptq.gptq_quantize_weight(w, np.eye(64), group=32, damp=0.0)
+  with pytest.raises(InputError, match="group"):
+    gptq.gptq_quantize_weight(w, np.eye(64), group=0)
+  with pytest.raises(InputError, match="int4_t"):
+    gptq.gptq_quantize_weight(w, np.eye(64), group=32, layout="int4_t")
+  with pytest.raises(InputError, match="non-finite"):
+    gptq.gptq_quantize_weight(w, np.full((64, 64), np.nan), group=32)
+  with pytest.raises(InputError, match="token ids"):
+    gptq.linear_input_hessians(cfg, params, [1, 2, cfg.vocab_size])
+  with pytest.raises(InputError, match="context"):
+    gptq.linear_input_hessians(cfg, params, np.ones(cfg.max_position_embeddings + 1, np.int32))
+  with pytest.raises(InputError, match="layers"):
+    gptq.linear_input_hessians(cfg, params, [1, 2], layers=[cfg.num_layers])
+  draft = gptq.gptq_quantize_params(cfg, params, _calibration(tok, 64), group=32)
+  with pytest.raises(InputError, match="layers"):
+    gptq.with_draft(params, draft[:-1])
+  carried = gptq.with_draft(params, draft)
+  prompt = [tok.encode("Once upon a time")]
+  with pytest.raises(InputError, match="weight groups"):
+    sparsedec.generate(cfg, carried, prompt, max_new_tokens=4,
+                       method=dataclasses.replace(METHOD, weight_group=64))
+  with pytest.raises(InputError, match="weight_bits"):
+    sparsedec.generate(cfg, carried, prompt, max_new_tokens=4,
+                       method=dataclasses.replace(METHOD, weight_bits=None))
+
+
+def test_cli_draft_calibration(tmp_path, capsys):
+  from sparsedec import cli
+  text = tmp_path / "calibration.txt"
+  text.write_text(prompt_sets.book()[20000:24000])
+  args = ["generate", "--prompt", "Once upon a time", "--method", "quantspec", "--quant-group",
+          "8", "--max-new-tokens", "24", "--ignore-eos", "--json"]
+  assert cli.main(args) == 0
+  rtn = json.loads(capsys.readouterr()[0])
+  assert cli.main(args + ["--draft-calibration", str(text), "--draft-calibration-tokens",
+                          "200"]) == 0
+  got = json.loads(capsys.readouterr()[0])
+  assert got["tokens"] == rtn["tokens"]                  # lossless whatever the draft
+  for bad, message in (
+      (["--draft-calibration", str(tmp_path / "missing.txt")], "calibration text file not found"),
+      (["--draft-calibration-tokens", "10"], "goes with --draft-calibration"),
+      (["--draft-calibration", str(text), "--draft-calibration-tokens", "0"], ">= 1")):
+    assert cli.main(args + bad) == 2
+    assert message in capsys.readouterr()[1]
+  dense = ["generate", "--prompt", "Once", "--draft-calibration", str(text)]
+  assert cli.main(dense) == 2
+  assert "does not apply to --method dense" in capsys.readouterr()[1]
