@@ -147,8 +147,7 @@ def gptq_quantize_params(cfg: ModelConfig, params: Params, tokens, *, group: int
   """The draft's layers: every layer's linears (`QUANTIZED_LINEARS`) GPTQ-quantized against
   calibration tokens [N] (the rest of each layer as it is). Layers go in passes whose float64
   Hessians fit max_hessian_bytes (at least one layer a pass), one calibration forward each."""
-  per_layer = 8 * sum(np.asarray(params["layers"][0][name]).shape[0] ** 2
-                      for name in QUANTIZED_LINEARS)
+  per_layer = 8 * sum(params["layers"][0][name].shape[0] ** 2 for name in QUANTIZED_LINEARS)
   per_pass = max(1, max_hessian_bytes // per_layer)
   out = []
   for first in range(0, cfg.num_layers, per_pass):
