@@ -15,6 +15,7 @@ import pytest
 
 import sparsedec
 from sparsedec import prompts as prompt_sets
+from sparsedec import testing
 from sparsedec.decode.quantspec import QuantSpec
 from sparsedec.errors import InputError
 from sparsedec.model import gptq
@@ -85,8 +86,9 @@ def test_hessians_equal_a_direct_computation_across_chunks(stories):
 
 def test_quantspec_decodes_with_the_gptq_draft_the_params_carry(stories):
   """Lossless whatever the draft: the output equals the RTN draft's (both equal the INT8
-  reference decoder, tests/test_quantspec.py); the draft the run used is GPTQ's (its codes differ
-  from RTN's), quantized in passes of two layers."""
+  reference decoder, tests/test_quantspec.py), and with verify_precision="full" it equals dense
+  greedy; the draft the run used is GPTQ's (its codes differ from RTN's), quantized in passes of
+  two layers."""
   cfg, params, tok = stories
   draft = gptq.gptq_quantize_params(cfg, params, _calibration(tok, 300), group=32, chunk=128,
                                     max_hessian_bytes=2 * 8 * (3 * 64 ** 2 + 172 ** 2))
@@ -104,6 +106,11 @@ def test_quantspec_decodes_with_the_gptq_draft_the_params_carry(stories):
   rtn_codes = quantize_weight(params["layers"][0]["w_down"], 32).codes
   assert not np.array_equal(np.asarray(draft[0]["w_down"].codes), np.asarray(rtn_codes))
   assert 0.0 < got.method_stats["acceptance_rate"] <= 1.0
+  # Verifying on the full-precision cache: token-identical to dense greedy on this real
+  # checkpoint, with the GPTQ draft proposing.
+  testing.assert_matches_dense(cfg, gptq.with_draft(params, draft), prompts,
+                               method=dataclasses.replace(METHOD, verify_precision="full"),
+                               max_new_tokens=96, stop_tokens=())
 
 
 def test_bad_inputs_are_refused_by_name(stories):
