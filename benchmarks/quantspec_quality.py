@@ -63,29 +63,54 @@ def perplexity_full(cfg, params, ids: np.ndarray, chunk: int) -> float:
   return float(np.exp(total / n))
 
 
-def perplexity_quantized(cfg, params, ids: np.ndarray, chunk: int, group: int,
-                         bits: int) -> float:
-  n = len(ids) - 1
-  cap = -(-n // group) * group + 2 * group
-  empty = init_cache(cfg, 1, 0)                                   # lengths only
-  qcache = qkv.from_dense(init_cache(cfg, 1, group), group, quant_capacity=cap)
+@functools.lru_cache(maxsize=None)
+def _quantized_step(cfg, bits: int):
+  """One jitted chunk of `quantized_pass` per (model, bits), shared by every call (params are an
+  argument: drafts with the same structure reuse the compile)."""
 
   @jax.jit
   def step(params, toks, pos, qcache):
     t = toks.shape[1]
     plan = causal_plan(t)
     plan = AttentionPlan(plan.inflight_mask, (Segment(QuantView(qcache, bits=bits), 0, t),))
+    empty = init_cache(cfg, 1, 0)                                   # lengths only
     dense = KVCache(k=empty.k, v=empty.v, lengths=qcache.lengths)
     logits, kv = forward(cfg, params, toks, pos, dense, plan)
     return logits, qkv.commit(qcache, kv, jnp.full((1,), t, jnp.int32))
+  return step
 
-  total = 0.0
+
+def quantized_pass(cfg, params, ids: np.ndarray, chunk: int, group: int,
+                   bits: int) -> tuple[float, np.ndarray]:
+  """ids [n + 1] teacher-forced through the model reading the hierarchical cache's `bits`-bit view
+  (chunks of `chunk` tokens; see the module docstring) -> (summed NLL of ids[1:], argmax token
+  after each of ids[:n], [n])."""
+  n = len(ids) - 1
+  cap = -(-n // group) * group + 2 * group
+  qcache = qkv.from_dense(init_cache(cfg, 1, group), group, quant_capacity=cap)
+  step = _quantized_step(cfg, bits)
+  total, top = 0.0, []
   for start in range(0, n, chunk):
     stop = min(start + chunk, n)
     logits, qcache = step(params, jnp.asarray(ids[None, start:stop]),
                           jnp.arange(start, stop)[None], qcache)
     total += float(_nll(logits, jnp.asarray(ids[None, start + 1:stop + 1])))
-  return float(np.exp(total / n))
+    top.append(np.asarray(jnp.argmax(logits[0], axis=-1)))
+  return total, np.concatenate(top)
+
+
+def perplexity_quantized(cfg, params, ids: np.ndarray, chunk: int, group: int,
+                         bits: int) -> float:
+  return float(np.exp(quantized_pass(cfg, params, ids, chunk, group, bits)[0] / (len(ids) - 1)))
+
+
+def self_chat_calibration(cfg, params, tok, questions: list[str], new_tokens: int,
+                          chat_template: bool = True) -> np.ndarray:
+  """The model's own greedy answers to chat prompts, each after its prompt, concatenated: text
+  drawn from the distribution the draft has to predict."""
+  prompts = encode_prompts(tok, questions, chat_template=chat_template)
+  res = generate(cfg, params, prompts, max_new_tokens=new_tokens)
+  return np.concatenate([np.asarray(p + t, np.int32) for p, t in zip(prompts, res.tokens)])
 
 
 def main():
@@ -107,9 +132,21 @@ def main():
                   help="the draft's 4-bit weights: round-to-nearest, or GPTQ calibrated on "
                        "--calibration-tokens tokens of the book from --calibration-offset")
   ap.add_argument("--calibration-tokens", type=int, default=4096)
+  ap.add_argument("--calibration-source", default="book", choices=("book", "self-chat"),
+                  help="GPTQ's calibration text: the book from --calibration-offset, or the "
+                       "model's own greedy answers (with their chat prompts) to MT-Bench turn-1 "
+                       "prompts --calibration-prompts (disjoint from the evaluated ones)")
+  ap.add_argument("--calibration-prompts", type=int, nargs=2, default=[40, 80],
+                  metavar=("FIRST", "STOP"))
+  ap.add_argument("--calibration-new-tokens", type=int, default=160)
   ap.add_argument("--calibration-offset", type=int, default=60000,
                   help="book token where GPTQ's calibration text starts (the book prompt is "
                        "the first --prompt-tokens tokens)")
+  ap.add_argument("--gptq-act-order", type=int, choices=(0, 1), default=1,
+                  help="GPTQ's rows by decreasing Hessian diagonal on static grids (1) or in order")
+  ap.add_argument("--gptq-sequential", type=int, choices=(0, 1), default=1,
+                  help="GPTQ calibrates each layer on the quantized earlier layers' outputs (1) "
+                       "or on the full-precision model's (0)")
   ap.add_argument("--skip-ppl", action="store_true")
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "quantspec_quality.json"))
@@ -140,12 +177,22 @@ def main():
 
   run_params = params
   if args.weight_quantizer == "gptq" and weight_bits is not None:
-    start = args.calibration_offset
-    if start < args.prompt_tokens + args.new_tokens:
-      raise SystemExit("--calibration-offset overlaps the book prompt and its continuation")
+    if args.calibration_source == "book":
+      start = args.calibration_offset
+      if start < args.prompt_tokens + args.new_tokens:
+        raise SystemExit("--calibration-offset overlaps the book prompt and its continuation")
+      calibration = text_ids[start:start + args.calibration_tokens]
+    else:
+      first, stop = args.calibration_prompts
+      if first < args.mt_bench_prompts:
+        raise SystemExit("--calibration-prompts overlap the evaluated MT-Bench prompts")
+      calibration = self_chat_calibration(cfg, params, tok, mt_bench(turn=1)[first:stop],
+                                          args.calibration_new_tokens)[: args.calibration_tokens]
+      result["calibration_tokens_used"] = len(calibration)
     t0 = time.perf_counter()
-    draft = gptq_quantize_params(cfg, params, text_ids[start:start + args.calibration_tokens],
-                                 group=args.weight_group)
+    draft = gptq_quantize_params(cfg, params, calibration,
+                                 group=args.weight_group, act_order=bool(args.gptq_act_order),
+                                 sequential=bool(args.gptq_sequential))
     run_params = with_draft(params, draft)
     result["gptq_seconds"] = time.perf_counter() - t0
     log(f"GPTQ draft in {result['gptq_seconds']:.1f} s")

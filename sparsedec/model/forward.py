@@ -21,9 +21,10 @@ from sparsedec.model.params import Params
 from sparsedec.model.rope import apply_rope, rope_tables
 
 
-def _layer(cfg: ModelConfig, lp: dict, x: jax.Array, cos, sin, positions, k_cache, v_cache,
-           lengths, plan: AttentionPlan, taps: dict | None = None):
-  """One decoder layer; taps (a dict, or None): filled with the input of each linear by name."""
+def decoder_layer(cfg: ModelConfig, lp: dict, x: jax.Array, cos, sin, positions, k_cache,
+                  v_cache, lengths, plan: AttentionPlan, taps: dict | None = None):
+  """One decoder layer: x [B, T, Dm] -> (x [B, T, Dm], q, k, v of its in-flight tokens). taps (a
+  dict, or None): filled with the input of each linear by name."""
   b, t, _ = x.shape
 
   def tap(name, value):
@@ -92,8 +93,8 @@ def forward(cfg: ModelConfig, params: Params, tokens: jax.Array, positions: jax.
   qs, ks, vs = [], [], []
   for i, lp in enumerate(params["layers"]):
     taps = None if linear_inputs is None else {}
-    x, q, k, v = _layer(cfg, lp, x, cos, sin, positions, cache.k[i], cache.v[i], cache.lengths,
-                        plan.at_layer(i), taps)
+    x, q, k, v = decoder_layer(cfg, lp, x, cos, sin, positions, cache.k[i], cache.v[i],
+                               cache.lengths, plan.at_layer(i), taps)
     if taps is not None:
       linear_inputs.append(taps)
     qs.append(q)
