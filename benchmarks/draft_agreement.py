@@ -15,8 +15,9 @@ generation, so quantizers can be told apart:
 Quantizers (--variants): rtn; gptq (index order, non-static groups, each layer calibrated on the
 full-precision model's inputs: session 38's); gptq-act (act_order); gptq-seq (sequential);
 gptq-act-seq (both). GPTQ calibrates on --calibration-sources: book (--calibration-tokens tokens
-from --calibration-offset) and/or self-chat (the model's greedy answers to MT-Bench prompts
-[--calibration-prompts), disjoint from the evaluated ones).
+from --calibration-offset), self-chat (the model's greedy answers to MT-Bench prompts
+[--calibration-prompts), disjoint from the evaluated ones; one sequence per conversation, as many
+tokens) and mixed (both).
 
   .venv/bin/python benchmarks/draft_agreement.py --out benchmarks/results/draft_agreement_cpu.json
 """
@@ -59,8 +60,8 @@ def main(argv=None):
   ap.add_argument("--chat-template", type=int, choices=(0, 1), default=1,
                   help="wrap the MT-Bench prompts in the tokenizer's chat template")
   ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-  ap.add_argument("--calibration-sources", nargs="+", default=["book", "self-chat"],
-                  choices=("book", "self-chat"))
+  ap.add_argument("--calibration-sources", nargs="+", default=["book", "self-chat", "mixed"],
+                  choices=("book", "self-chat", "mixed"))
   ap.add_argument("--calibration-tokens", type=int, default=4096)
   ap.add_argument("--calibration-offset", type=int, default=60000)
   ap.add_argument("--calibration-prompts", type=int, nargs=2, default=[40, 80],
@@ -86,20 +87,18 @@ def main(argv=None):
   target = {name: quantized_pass(cfg, params, ids, args.chunk, args.group, 8)[1]
             for name, (ids, _) in texts.items()}
 
-  calibration = {}
-  if "book" in args.calibration_sources:
-    start = args.calibration_offset
-    calibration["book"] = book_ids[start:start + args.calibration_tokens]
-  if "self-chat" in args.calibration_sources:
-    first, stop = args.calibration_prompts
-    calibration["self-chat"] = self_chat_calibration(
-        cfg, params, tok, mt_bench(turn=1)[first:stop], args.new_tokens,
-        chat_template)[: args.calibration_tokens]
+  book_cal = [book_ids[args.calibration_offset:args.calibration_offset + args.calibration_tokens]]
+  first, stop = args.calibration_prompts
+  chat_cal = self_chat_calibration(cfg, params, tok, mt_bench(turn=1)[first:stop],
+                                   args.new_tokens, args.calibration_tokens, chat_template)
+  calibration = {"book": book_cal, "self-chat": chat_cal, "mixed": book_cal + chat_cal}
+  calibration = {k: calibration[k] for k in args.calibration_sources}
 
   result = {"benchmark": "QuantSpec draft agreement with the INT8 target, teacher-forced",
             "device": device_description(), "args": vars(args),
             "positions": {"book": int(args.eval_tokens), "mt_bench": int(counted.sum())},
-            "calibration_tokens": {k: int(len(v)) for k, v in calibration.items()}, "rows": []}
+            "calibration_tokens": {k: int(sum(len(x) for x in v)) for k, v in calibration.items()},
+            "calibration_sequences": {k: len(v) for k, v in calibration.items()}, "rows": []}
   runs = [(v, None) if VARIANTS[v] is None else (v, src)
           for v in args.variants for src in (args.calibration_sources if VARIANTS[v] else [None])]
   for variant, source in runs:

@@ -105,12 +105,18 @@ def perplexity_quantized(cfg, params, ids: np.ndarray, chunk: int, group: int,
 
 
 def self_chat_calibration(cfg, params, tok, questions: list[str], new_tokens: int,
-                          chat_template: bool = True) -> np.ndarray:
-  """The model's own greedy answers to chat prompts, each after its prompt, concatenated: text
-  drawn from the distribution the draft has to predict."""
+                          max_tokens: int, chat_template: bool = True) -> list[np.ndarray]:
+  """The model's own greedy answers to chat prompts, each after its prompt (one sequence per
+  conversation, at most max_tokens in all): text drawn from the distribution the draft has to
+  predict."""
   prompts = encode_prompts(tok, questions, chat_template=chat_template)
   res = generate(cfg, params, prompts, max_new_tokens=new_tokens)
-  return np.concatenate([np.asarray(p + t, np.int32) for p, t in zip(prompts, res.tokens)])
+  seqs, left = [], max_tokens
+  for p, t in zip(prompts, res.tokens):
+    if left > 0:
+      seqs.append(np.asarray(p + t, np.int32)[:left])
+      left -= len(seqs[-1])
+  return seqs
 
 
 def main():
@@ -124,6 +130,8 @@ def main():
   ap.add_argument("--prompt-tokens", type=int, default=4096)
   ap.add_argument("--new-tokens", type=int, default=96)
   ap.add_argument("--mt-bench-prompts", type=int, default=4)
+  ap.add_argument("--sets", nargs="+", default=["book", "mt_bench"], choices=("book", "mt_bench"),
+                  help="the prompt sets of the acceptance sweep")
   ap.add_argument("--weight-bits", default="4", choices=("4", "none"),
                   help='draft weight bits: "4" (group-wise) or "none" (full-precision weights)')
   ap.add_argument("--weight-group", type=int, default=128,
@@ -132,10 +140,11 @@ def main():
                   help="the draft's 4-bit weights: round-to-nearest, or GPTQ calibrated on "
                        "--calibration-tokens tokens of the book from --calibration-offset")
   ap.add_argument("--calibration-tokens", type=int, default=4096)
-  ap.add_argument("--calibration-source", default="book", choices=("book", "self-chat"),
-                  help="GPTQ's calibration text: the book from --calibration-offset, or the "
-                       "model's own greedy answers (with their chat prompts) to MT-Bench turn-1 "
-                       "prompts --calibration-prompts (disjoint from the evaluated ones)")
+  ap.add_argument("--calibration-source", default="book", choices=("book", "self-chat", "mixed"),
+                  help="GPTQ's calibration text: --calibration-tokens of the book from "
+                       "--calibration-offset; or as many tokens of the model's own greedy answers "
+                       "(with their chat prompts) to MT-Bench turn-1 prompts --calibration-prompts "
+                       "(disjoint from the evaluated ones); or both (mixed)")
   ap.add_argument("--calibration-prompts", type=int, nargs=2, default=[40, 80],
                   metavar=("FIRST", "STOP"))
   ap.add_argument("--calibration-new-tokens", type=int, default=160)
@@ -177,18 +186,19 @@ def main():
 
   run_params = params
   if args.weight_quantizer == "gptq" and weight_bits is not None:
-    if args.calibration_source == "book":
+    calibration = []
+    if args.calibration_source in ("book", "mixed"):
       start = args.calibration_offset
       if start < args.prompt_tokens + args.new_tokens:
         raise SystemExit("--calibration-offset overlaps the book prompt and its continuation")
-      calibration = text_ids[start:start + args.calibration_tokens]
-    else:
+      calibration.append(text_ids[start:start + args.calibration_tokens])
+    if args.calibration_source in ("self-chat", "mixed"):
       first, stop = args.calibration_prompts
       if first < args.mt_bench_prompts:
         raise SystemExit("--calibration-prompts overlap the evaluated MT-Bench prompts")
-      calibration = self_chat_calibration(cfg, params, tok, mt_bench(turn=1)[first:stop],
-                                          args.calibration_new_tokens)[: args.calibration_tokens]
-      result["calibration_tokens_used"] = len(calibration)
+      calibration += self_chat_calibration(cfg, params, tok, mt_bench(turn=1)[first:stop],
+                                           args.calibration_new_tokens, args.calibration_tokens)
+    result["calibration_tokens_used"] = sum(len(c) for c in calibration)
     t0 = time.perf_counter()
     draft = gptq_quantize_params(cfg, params, calibration,
                                  group=args.weight_group, act_order=bool(args.gptq_act_order),
@@ -200,6 +210,8 @@ def main():
              "mt_bench": encode_prompts(tok, mt_bench(turn=1)[: args.mt_bench_prompts],
                                         chat_template=True)}
   for name, ids in prompts.items():
+    if name not in args.sets:
+      continue
     for gamma in args.gammas:
       method = QuantSpec(gamma=gamma, quant_group=args.group, verify_precision="int8",
                          weight_bits=weight_bits, weight_group=args.weight_group)

@@ -67,12 +67,12 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                        "distribution and accept with min(1, p/q) (sample, Leviathan et al.), or "
                        "propose the draft's argmax as deterministic guesses (argmax); both are "
                        "lossless (default sample)")
-  qs.add_argument("--draft-calibration", default=None, metavar="TEXT_FILE",
-                  help="choose the draft's 4-bit weights by GPTQ calibrated on this text "
-                       "(default: round to nearest; sparsedec.model.gptq)")
+  qs.add_argument("--draft-calibration", default=None, metavar="TEXT_FILE", nargs="+",
+                  help="choose the draft's 4-bit weights by GPTQ calibrated on these texts, each "
+                       "file its own sequence (default: round to nearest; sparsedec.model.gptq)")
   qs.add_argument("--draft-calibration-tokens", type=int, default=None,
-                  help="calibration tokens taken from the start of --draft-calibration (default "
-                       "4096, at most the model's context)")
+                  help="calibration tokens taken from the start of each --draft-calibration "
+                       "file (default 4096, at most the model's context)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -164,19 +164,23 @@ def _draft_tokens(args, method) -> int | None:
       args.draft_calibration_tokens
   if n < 1:
     raise InputError(f"--draft-calibration-tokens must be >= 1, got {n}")
-  if not Path(args.draft_calibration).is_file():
-    raise InputError(f"calibration text file not found: {args.draft_calibration}")
+  for path in args.draft_calibration:
+    if not Path(path).is_file():
+      raise InputError(f"calibration text file not found: {path}")
+    if not Path(path).read_text().strip():
+      raise InputError(f"calibration text file is empty: {path}")
   return n
 
 
 def _with_draft(args, cfg, params, tok, method, n: int | None):
-  """params carrying a GPTQ draft calibrated on the first n tokens of --draft-calibration (at
-  most the model's context), or params when n is None."""
+  """params carrying a GPTQ draft calibrated on the first n tokens of each --draft-calibration
+  file (at most the model's context; each file its own sequence), or params when n is None."""
   if n is None:
     return params
   from sparsedec.model.gptq import gptq_quantize_params, with_draft
-  ids = tok.encode(Path(args.draft_calibration).read_text())[: min(n, cfg.max_position_embeddings)]
-  draft = gptq_quantize_params(cfg, params, ids, group=method.weight_group,
+  n = min(n, cfg.max_position_embeddings)
+  seqs = [tok.encode(Path(path).read_text())[:n] for path in args.draft_calibration]
+  draft = gptq_quantize_params(cfg, params, seqs, group=method.weight_group,
                                layout=method.resolved_weight_layout())
   return with_draft(params, draft)
 

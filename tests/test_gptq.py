@@ -144,6 +144,25 @@ def test_layer_calibration_matches_whole_forwards_and_sequential_feeds_the_draft
   assert not np.allclose(h1["wqkv"], whole[1]["wqkv"], rtol=1e-3)
 
 
+def test_several_calibration_sequences_sum_their_hessians(stories):
+  """Several sequences are separate causal contexts: their Hessians are the sum of each one's
+  alone (and not the Hessians of their concatenation, where the second sees the first)."""
+  cfg, params, tok = stories
+  a, b = _calibration(tok, 150), _calibration(tok, 300)[200:]
+  lp = params["layers"][1]
+
+  def layer1(tokens):
+    cal = gptq.LayerCalibration(cfg, params, tokens, chunk=64)
+    cal.advance(params["layers"][0])
+    return cal.hessians(lp)
+  both, alone_a, alone_b = layer1([a, b]), layer1(a), layer1(b)
+  _assert_hessians_close(both, {k: alone_a[k] + alone_b[k] for k in alone_a})
+  joined = layer1(np.concatenate([a, b]))
+  assert not np.allclose(both["wo"], joined["wo"], rtol=1e-3)
+  with pytest.raises(InputError, match="token ids"):
+    gptq.LayerCalibration(cfg, params, [a, np.array([cfg.vocab_size])])
+
+
 def test_quantspec_decodes_with_the_gptq_draft_the_params_carry(stories):
   """Lossless whatever the draft: the output equals the RTN draft's (both equal the INT8
   reference decoder, tests/test_quantspec.py), and with verify_precision="full" it equals dense
@@ -219,10 +238,16 @@ def test_cli_draft_calibration(tmp_path, capsys):
           "8", "--max-new-tokens", "24", "--ignore-eos", "--json"]
   assert cli.main(args) == 0
   rtn = json.loads(capsys.readouterr()[0])
-  assert cli.main(args + ["--draft-calibration", str(text), "--draft-calibration-tokens",
-                          "200"]) == 0
+  chat = tmp_path / "chat.txt"
+  chat.write_text("Tom and Lily went to the park. They saw a big dog.")
+  assert cli.main(args + ["--draft-calibration", str(text), str(chat),
+                          "--draft-calibration-tokens", "200"]) == 0
   got = json.loads(capsys.readouterr()[0])
   assert got["tokens"] == rtn["tokens"]                  # lossless whatever the draft
+  empty = tmp_path / "empty.txt"
+  empty.write_text("")
+  assert cli.main(args + ["--draft-calibration", str(text), str(empty)]) == 2
+  assert "calibration text file is empty" in capsys.readouterr()[1]
   for bad, message in (
       (["--draft-calibration", str(tmp_path / "missing.txt")], "calibration text file not found"),
       (["--draft-calibration-tokens", "10"], "goes with --draft-calibration"),

@@ -173,6 +173,15 @@ def gptq_quantize_weight(w, hessian: np.ndarray, group: int = 128, layout: str =
                     layout)
 
 
+def _checked_sequences(cfg: ModelConfig, tokens) -> list[np.ndarray]:
+  """One token sequence [N], or several (a list of sequences, or [B, N]) -> checked 1-D arrays."""
+  if isinstance(tokens, np.ndarray) and tokens.ndim == 2:
+    tokens = list(tokens)
+  several = isinstance(tokens, (list, tuple)) and len(tokens) > 0 and np.ndim(tokens[0]) == 1
+  seqs = [_checked_tokens(cfg, t) for t in tokens] if several else [_checked_tokens(cfg, tokens)]
+  return seqs
+
+
 class LayerCalibration:
   """Calibration tokens' hidden states walked through the model one layer at a time, in causal
   chunks against the current layer's own KV cache:
@@ -180,20 +189,24 @@ class LayerCalibration:
     cal = LayerCalibration(cfg, params, tokens)   # hidden states: the embeddings
     hessians = cal.hessians(lp)                   # {name: float64 [In, In]} of layer lp's linears
     cal.advance(lp)                               # hidden states := layer lp's outputs
+
+  tokens: one sequence [N] or several (a list of sequences, or [B, N]), each its own causal
+  context from position 0 (e.g. several documents); the Hessians sum over all of them.
   """
 
   def __init__(self, cfg: ModelConfig, params: Params, tokens, *, chunk: int = 512):
-    tokens = _checked_tokens(cfg, tokens)
+    seqs = _checked_sequences(cfg, tokens)
     if not isinstance(chunk, int) or chunk < 1:
       raise InputError(f"calibration chunk must be a positive integer, got {chunk!r}")
-    self.cfg, self.n = cfg, tokens.shape[0]
-    self.chunk = min(chunk, self.n)
-    self.starts = range(0, self.n, self.chunk)
+    self.cfg, self.lengths = cfg, [len(t) for t in seqs]
+    self.chunk = min(chunk, max(self.lengths))
     self.dtype = jnp.dtype(cfg.dtype)
-    padded = np.zeros(len(self.starts) * self.chunk, np.int32)
-    padded[:self.n] = tokens
-    embed = jnp.take(params["embed"], jnp.asarray(padded), axis=0).astype(self.dtype)
-    self.xs = [embed[None, s:s + self.chunk] for s in self.starts]     # per chunk [1, chunk, Dm]
+    self.xs = []                                   # per sequence, per chunk [1, chunk, Dm]
+    for t in seqs:
+      padded = np.zeros(-(-len(t) // self.chunk) * self.chunk, np.int32)
+      padded[:len(t)] = t
+      embed = jnp.take(params["embed"], jnp.asarray(padded), axis=0).astype(self.dtype)
+      self.xs.append([embed[None, s:s + self.chunk] for s in range(0, len(t), self.chunk)])
     self._run = jax.jit(self._chunk, static_argnames="grams")
 
   def _chunk(self, lp, x, start, valid, k_cache, v_cache, grams):
@@ -212,17 +225,21 @@ class LayerCalibration:
 
   def _through(self, lp, grams: bool):
     cfg = self.cfg
-    shape = (1, cfg.num_kv_heads, len(self.starts) * self.chunk, cfg.head_dim)
-    k_cache, v_cache = jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
-    ys, total = [], {name: 0.0 for name in QUANTIZED_LINEARS}
-    for x, start in zip(self.xs, self.starts):
-      valid = jnp.int32(min(self.chunk, self.n - start))
-      y, k_cache, v_cache, sums = self._run(lp, x, jnp.int32(start), valid, k_cache, v_cache,
-                                            grams)
-      ys.append(y)
-      for name in QUANTIZED_LINEARS if grams else ():
-        total[name] = total[name] + np.asarray(sums[name], np.float64)
-    return ys, total
+    out, total = [], {name: 0.0 for name in QUANTIZED_LINEARS}
+    for xs, n in zip(self.xs, self.lengths):
+      shape = (1, cfg.num_kv_heads, len(xs) * self.chunk, cfg.head_dim)   # one compile a length
+      k_cache, v_cache = jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
+      ys = []
+      for i, x in enumerate(xs):
+        start = i * self.chunk
+        y, k_cache, v_cache, sums = self._run(lp, x, jnp.int32(start),
+                                              jnp.int32(min(self.chunk, n - start)), k_cache,
+                                              v_cache, grams)
+        ys.append(y)
+        for name in QUANTIZED_LINEARS if grams else ():
+          total[name] = total[name] + np.asarray(sums[name], np.float64)
+      out.append(ys)
+    return out, total
 
   def hessians(self, lp: dict) -> dict[str, np.ndarray]:
     """sum x x^T (float64 [In, In]) of layer lp's linear inputs, on the current hidden states."""
@@ -238,8 +255,9 @@ def gptq_quantize_params(cfg: ModelConfig, params: Params, tokens, *, group: int
                          act_order: bool = DEFAULT_ACT_ORDER,
                          sequential: bool = DEFAULT_SEQUENTIAL) -> list[dict]:
   """The draft's layers: every layer's linears (`QUANTIZED_LINEARS`) GPTQ-quantized against
-  calibration tokens [N] (the rest of each layer as it is), layer by layer (`LayerCalibration`;
-  sequential: each layer's inputs come from the quantized layers before it)."""
+  calibration tokens (one sequence [N] or several, `LayerCalibration`), the rest of each layer as
+  it is; layer by layer (sequential: each layer's inputs come from the quantized layers before
+  it)."""
   if not isinstance(sequential, bool):
     raise InputError(f"GPTQ sequential must be a bool, got {sequential!r}")
   cal = LayerCalibration(cfg, params, tokens, chunk=chunk)
