@@ -35,7 +35,7 @@ from sparsedec.decode.quantspec import QuantSpec
 from sparsedec.kv import quantized as qkv
 from sparsedec.kv.dense import KVCache, init_cache
 from sparsedec.model.forward import forward
-from sparsedec.model.gptq import gptq_quantize_params, with_draft
+from sparsedec.model.gptq import gptq_quantize_params, self_generated_calibration, with_draft
 from sparsedec.prompts import book, mt_bench
 from sparsedec.weights.checkpoint import load_model
 
@@ -109,14 +109,9 @@ def self_chat_calibration(cfg, params, tok, questions: list[str], new_tokens: in
   """The model's own greedy answers to chat prompts, each after its prompt (one sequence per
   conversation, at most max_tokens in all): text drawn from the distribution the draft has to
   predict."""
-  prompts = encode_prompts(tok, questions, chat_template=chat_template)
-  res = generate(cfg, params, prompts, max_new_tokens=new_tokens)
-  seqs, left = [], max_tokens
-  for p, t in zip(prompts, res.tokens):
-    if left > 0:
-      seqs.append(np.asarray(p + t, np.int32)[:left])
-      left -= len(seqs[-1])
-  return seqs
+  return self_generated_calibration(cfg, params,
+                                    encode_prompts(tok, questions, chat_template=chat_template),
+                                    max_new_tokens=new_tokens, max_tokens=max_tokens)
 
 
 def main():

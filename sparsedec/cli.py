@@ -70,6 +70,10 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
   qs.add_argument("--draft-calibration", default=None, metavar="TEXT_FILE", nargs="+",
                   help="choose the draft's 4-bit weights by GPTQ calibrated on these texts, each "
                        "file its own sequence (default: round to nearest; sparsedec.model.gptq)")
+  qs.add_argument("--draft-calibration-prompts", default=None, metavar="PROMPTS_FILE",
+                  help="calibrate the GPTQ draft (also) on the model's own greedy answers to "
+                       "these prompts, one a line, in the chat template when the tokenizer has "
+                       "one; up to --draft-calibration-tokens tokens in all")
   qs.add_argument("--draft-calibration-tokens", type=int, default=None,
                   help="calibration tokens taken from the start of each --draft-calibration "
                        "file (default 4096, at most the model's context)")
@@ -152,34 +156,51 @@ def _draft_tokens(args, method) -> int | None:
   """Calibration tokens of the GPTQ draft asked for (--draft-calibration), or None; checked
   before the model loads."""
   from sparsedec.errors import InputError
-  if args.draft_calibration is None:
+  if args.draft_calibration is None and args.draft_calibration_prompts is None:
     if args.draft_calibration_tokens is not None:
-      raise InputError("--draft-calibration-tokens goes with --draft-calibration")
+      raise InputError("--draft-calibration-tokens goes with --draft-calibration or "
+                       "--draft-calibration-prompts")
     return None
+  flag = "--draft-calibration" if args.draft_calibration else "--draft-calibration-prompts"
   if args.method != "quantspec":
-    raise InputError(f"--draft-calibration does not apply to --method {args.method}")
+    raise InputError(f"{flag} does not apply to --method {args.method}")
   if method.weight_bits is None:
-    raise InputError("--draft-calibration needs a 4-bit draft (quantspec weight_bits=4)")
+    raise InputError(f"{flag} needs a 4-bit draft (quantspec weight_bits=4)")
   n = DEFAULT_CALIBRATION_TOKENS if args.draft_calibration_tokens is None else \
       args.draft_calibration_tokens
   if n < 1:
     raise InputError(f"--draft-calibration-tokens must be >= 1, got {n}")
-  for path in args.draft_calibration:
+  for path in args.draft_calibration or ():
     if not Path(path).is_file():
       raise InputError(f"calibration text file not found: {path}")
     if not Path(path).read_text().strip():
       raise InputError(f"calibration text file is empty: {path}")
+  if args.draft_calibration_prompts is not None:
+    path = Path(args.draft_calibration_prompts)
+    if not path.is_file():
+      raise InputError(f"calibration prompts file not found: {path}")
+    if not path.read_text().strip():
+      raise InputError(f"calibration prompts file is empty: {path}")
   return n
 
 
 def _with_draft(args, cfg, params, tok, method, n: int | None):
   """params carrying a GPTQ draft calibrated on the first n tokens of each --draft-calibration
-  file (at most the model's context; each file its own sequence), or params when n is None."""
+  file (at most the model's context; each file its own sequence) and on up to n tokens of the
+  model's answers to --draft-calibration-prompts, or params when n is None."""
   if n is None:
     return params
-  from sparsedec.model.gptq import gptq_quantize_params, with_draft
-  n = min(n, cfg.max_position_embeddings)
-  seqs = [tok.encode(Path(path).read_text())[:n] for path in args.draft_calibration]
+  from sparsedec.model.gptq import gptq_quantize_params, self_generated_calibration, with_draft
+  seqs = [tok.encode(Path(path).read_text())[: min(n, cfg.max_position_embeddings)]
+          for path in args.draft_calibration or ()]
+  if args.draft_calibration_prompts is not None:
+    lines = [x for x in Path(args.draft_calibration_prompts).read_text().splitlines() if x.strip()]
+    if tok.chat_template:
+      prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": x}]),
+                            add_bos=False) for x in lines]
+    else:
+      prompts = [tok.encode(x) for x in lines]
+    seqs += self_generated_calibration(cfg, params, prompts, max_tokens=n)
   draft = gptq_quantize_params(cfg, params, seqs, group=method.weight_group,
                                layout=method.resolved_weight_layout())
   return with_draft(params, draft)

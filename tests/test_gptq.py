@@ -163,6 +163,23 @@ def test_several_calibration_sequences_sum_their_hessians(stories):
     gptq.LayerCalibration(cfg, params, [a, np.array([cfg.vocab_size])])
 
 
+def test_self_generated_calibration_is_each_prompt_and_its_greedy_answer(stories):
+  cfg, params, tok = stories
+  prompts = [tok.encode("Once upon a time"), tok.encode("Tom and Lily")]
+  dense = sparsedec.generate(cfg, params, prompts, max_new_tokens=20)
+  seqs = gptq.self_generated_calibration(cfg, params, prompts, max_new_tokens=20)
+  assert [s.tolist() for s in seqs] == [p + a for p, a in zip(prompts, dense.tokens)]
+  cut = gptq.self_generated_calibration(cfg, params, prompts, max_new_tokens=20,
+                                        max_tokens=len(seqs[0]) + 3)
+  assert [s.tolist() for s in cut] == [seqs[0].tolist(), seqs[1][:3].tolist()]
+  with pytest.raises(InputError, match="non-empty prompt"):
+    gptq.self_generated_calibration(cfg, params, [prompts[0], []])
+  with pytest.raises(InputError, match="max_new_tokens"):
+    gptq.self_generated_calibration(cfg, params, prompts, max_new_tokens=0)
+  with pytest.raises(InputError, match="max_tokens"):
+    gptq.self_generated_calibration(cfg, params, prompts, max_tokens=0)
+
+
 def test_quantspec_decodes_with_the_gptq_draft_the_params_carry(stories):
   """Lossless whatever the draft: the output equals the RTN draft's (both equal the INT8
   reference decoder, tests/test_quantspec.py), and with verify_precision="full" it equals dense
@@ -248,6 +265,17 @@ def test_cli_draft_calibration(tmp_path, capsys):
   empty.write_text("")
   assert cli.main(args + ["--draft-calibration", str(text), str(empty)]) == 2
   assert "calibration text file is empty" in capsys.readouterr()[1]
+  questions = tmp_path / "prompts.txt"
+  questions.write_text("Once upon a time\n\nThe little bird\n")
+  assert cli.main(args + ["--draft-calibration-prompts", str(questions),
+                          "--draft-calibration-tokens", "64"]) == 0
+  assert json.loads(capsys.readouterr()[0])["tokens"] == rtn["tokens"]
+  for bad, message in ((["--draft-calibration-prompts", str(tmp_path / "nope.txt")],
+                        "calibration prompts file not found"),
+                       (["--draft-calibration-prompts", str(empty)],
+                        "calibration prompts file is empty")):
+    assert cli.main(args + bad) == 2
+    assert message in capsys.readouterr()[1]
   for bad, message in (
       (["--draft-calibration", str(tmp_path / "missing.txt")], "calibration text file not found"),
       (["--draft-calibration-tokens", "10"], "goes with --draft-calibration"),
