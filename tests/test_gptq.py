@@ -49,7 +49,7 @@ def test_correlated_inputs_get_a_lower_output_error_than_rtn():
   x = rng.normal(size=(4000, 192)) @ rng.normal(size=(192, 192)) * 0.3 + rng.normal(
       size=(4000, 192))
   h = x.T @ x
-  got = gptq.gptq_quantize_weight(w, h, group=64)
+  got = gptq.gptq_quantize_weight(w, h, group=64, act_order=False)
   rtn = quantize_weight(jnp.asarray(w), 64)
   assert _output_error(got, w, h) < 0.7 * _output_error(rtn, w, h)
   # The same grids' semantics: every code in [0, 15] and every weight within its group's range.
@@ -137,7 +137,7 @@ def test_layer_calibration_matches_whole_forwards_and_sequential_feeds_the_draft
   h1 = cal.hessians(params["layers"][1])
   for name in QUANTIZED_LINEARS:
     for hs, i in ((h0, 0), (h1, 1)):
-      want = gptq.gptq_quantize_weight(params["layers"][i][name], hs[name], 32)
+      want = gptq.gptq_quantize_weight(params["layers"][i][name], hs[name], 32, act_order=False)
       np.testing.assert_array_equal(np.asarray(seq[i][name].codes), np.asarray(want.codes))
   fed = {**params, "layers": [seq[0]] + list(params["layers"][1:])}
   _assert_hessians_close(h1, gptq.linear_input_hessians(cfg, fed, ids, chunk=64, layers=[1])[0])

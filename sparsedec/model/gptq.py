@@ -116,7 +116,8 @@ def linear_input_hessians(cfg: ModelConfig, params: Params, tokens, *, chunk: in
 
 
 def gptq_quantize_weight(w, hessian: np.ndarray, group: int = 128, layout: str = "packed",
-                         damp: float = DEFAULT_DAMP, act_order: bool = False) -> QuantWeight:
+                         damp: float = DEFAULT_DAMP,
+                         act_order: bool = DEFAULT_ACT_ORDER) -> QuantWeight:
   """w [In, Out] -> QuantWeight by GPTQ against hessian [In, In] (sum of x x^T of its inputs).
   act_order: rows by decreasing H_ii on RTN's (static) grids, else in index order on grids fixed
   as each group is reached (module docstring)."""
