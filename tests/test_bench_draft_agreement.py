@@ -1,6 +1,6 @@
 """benchmarks/draft_agreement.py on the embedded stories260K checkpoint (CPU, fp32): the
-teacher-forced agreement of an RTN and a GPTQ draft with the INT8 target runs end to end (rows,
-counted positions, calibration sequences), so the GPU benchmark cannot rot, and calibration
+teacher-forced agreement of a GPTQ draft (mixed calibration) with the INT8 target runs end to end
+(rows, counted positions, calibration sequences), so the GPU benchmark cannot rot, and calibration
 prompts that overlap the evaluated ones are refused."""
 
 from __future__ import annotations
@@ -19,14 +19,12 @@ STORIES = pathlib.Path(__file__).resolve().parents[1] / "checkpoints" / "stories
 def test_agreement_rows(tmp_path):
   out = tmp_path / "agreement.json"
   result = draft_agreement.main([
-      "--gguf", str(STORIES), "--chat-template", "0", "--group", "8", "--weight-group", "32",
-      "--chunk", "8", "--eval-tokens", "64", "--eval-prompts", "2", "--new-tokens", "12",
+      "--gguf", str(STORIES), "--chat-template", "0", "--group", "16", "--weight-group", "32",
+      "--chunk", "16", "--eval-tokens", "64", "--eval-prompts", "2", "--new-tokens", "12",
       "--calibration-tokens", "96", "--calibration-offset", "2000", "--calibration-prompts", "2",
-      "5", "--variants", "rtn", "gptq-act-seq", "--calibration-sources", "mixed",
-      "--out", str(out)])
+      "5", "--variants", "gptq-act-seq", "--calibration-sources", "mixed", "--out", str(out)])
   assert json.loads(out.read_text()) == json.loads(json.dumps(result))
-  assert [(r["variant"], r["calibration"]) for r in result["rows"]] == [
-      ("rtn", None), ("gptq-act-seq", "mixed")]
+  assert [(r["variant"], r["calibration"]) for r in result["rows"]] == [("gptq-act-seq", "mixed")]
   assert result["positions"] == {"book": 64, "mt_bench": 24}
   assert result["calibration_sequences"]["mixed"] >= 2       # the book slice + answers
   for row in result["rows"]:
