@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from tqdm import tqdm
+
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "checkpoints" / "stories260K"
 
 
@@ -201,8 +203,11 @@ def _with_draft(args, cfg, params, tok, method, n: int | None):
     else:
       prompts = [tok.encode(x) for x in lines]
     seqs += self_generated_calibration(cfg, params, prompts, max_tokens=n)
-  draft = gptq_quantize_params(cfg, params, seqs, group=method.weight_group,
-                               layout=method.resolved_weight_layout())
+  with tqdm(total=cfg.num_layers, desc="GPTQ draft", unit="layer", file=sys.stderr,
+            leave=False) as bar:
+    draft = gptq_quantize_params(cfg, params, seqs, group=method.weight_group,
+                                 layout=method.resolved_weight_layout(),
+                                 on_layer=lambda i, layer: bar.update())
   return with_draft(params, draft)
 
 

@@ -20,6 +20,7 @@ from sparsedec.decode.quantspec import QuantSpec
 from sparsedec.errors import InputError
 from sparsedec.model import gptq
 from sparsedec.model.linear import rms_norm
+from sparsedec.model import quant_weights
 from sparsedec.model.quant_weights import QUANTIZED_LINEARS, quantize_weight
 
 METHOD = QuantSpec(gamma=3, quant_group=8, weight_group=32)     # stories260K: head_dim 8, Dm 64
@@ -75,6 +76,55 @@ def test_act_order_keeps_rtn_grids_and_beats_rtn_on_correlated_inputs():
   np.testing.assert_array_equal(np.asarray(got.zero), np.asarray(rtn.zero))
   assert not np.array_equal(np.asarray(got.codes), np.asarray(rtn.codes))
   assert _output_error(got, w, h) < 0.7 * _output_error(rtn, w, h)
+
+
+def _textbook_gptq(w, h, group, act_order, damp=0.01):
+  """Frantar et al.'s algorithm as written, float64, no lazy blocks: every row's error moves all
+  later rows at once. Same grids and code rounding as the library (static RTN grids under
+  act_order, else each group's grid from its rows when its first row is reached)."""
+  n_in, n_out = w.shape
+  w, h = w.astype(np.float64).copy(), h.astype(np.float64).copy()
+  h[np.diag_indices(n_in)] += damp * np.mean(np.diag(h))
+  grouped = jnp.asarray(w, jnp.float32).reshape(-1, group, n_out)
+  zeros, steps = (np.array(x) for x in quant_weights.group_grid(grouped))
+  order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(n_in)
+  w, h = w[order], h[np.ix_(order, order)]
+  u = np.linalg.cholesky(np.linalg.inv(h)).T
+  codes = np.zeros((n_in, n_out))
+  for i in range(n_in):
+    g = order[i] // group
+    if not act_order and i % group == 0:
+      zeros[g], steps[g] = (np.asarray(x) for x in quant_weights.group_grid(
+          jnp.asarray(w[i:i + group], jnp.float32)))
+    z, s = zeros[g].astype(np.float64), steps[g].astype(np.float64)
+    c = np.clip(np.round((w[i].astype(np.float32) - z.astype(np.float32))
+                         / s.astype(np.float32)), 0, 15)
+    codes[order[i]] = c
+    w[i + 1:] -= np.outer(u[i, i + 1:] / u[i, i], w[i] - (z + c * s))
+  return codes, zeros, steps
+
+
+@pytest.mark.parametrize("act_order,group", [(False, 64), (True, 64), (False, 32)])
+def test_device_gptq_equals_the_textbook_algorithm_in_float64(act_order, group):
+  """The lazy-block fp32 device computation against the row-by-row float64 algorithm (320 rows:
+  three blocks of 128, the last one padded with inert rows): the same grids, the same codes up to
+  rare fp32 rounding ties, the same output error."""
+  rng = np.random.default_rng(3)
+  w = rng.normal(size=(320, 80)).astype(np.float32)
+  x = (rng.normal(size=(3000, 320)) @ rng.normal(size=(320, 320)) * 0.3
+       + rng.normal(size=(3000, 320))) * rng.uniform(0.2, 2.0, size=320)
+  h = x.T @ x
+  got = gptq.gptq_quantize_weight(w, h, group=group, act_order=act_order)
+  codes, zeros, steps = _textbook_gptq(w, h, group, act_order)
+  deq = np.asarray(got.dequantize(), np.float64)
+  ref = (np.repeat(zeros.astype(np.float64), group, 0)
+         + codes * np.repeat(steps.astype(np.float64), group, 0))
+  assert np.mean(deq == ref) > 0.995
+  np.testing.assert_allclose(_output_error(got, w, h), float(np.trace((ref - w).T @ h @ (ref - w))),
+                             rtol=2e-3)
+  if act_order:
+    np.testing.assert_array_equal(np.asarray(got.zero), zeros)
+    np.testing.assert_array_equal(np.asarray(got.scale), steps)
 
 
 def _calibration(tok, n):
@@ -178,6 +228,14 @@ def test_self_generated_calibration_is_each_prompt_and_its_greedy_answer(stories
     gptq.self_generated_calibration(cfg, params, prompts, max_new_tokens=0)
   with pytest.raises(InputError, match="max_tokens"):
     gptq.self_generated_calibration(cfg, params, prompts, max_tokens=0)
+  # Batched a prompt at a time: the same sequences; once max_tokens is spent, nothing more decodes.
+  alone = gptq.self_generated_calibration(cfg, params, prompts, max_new_tokens=20, batch_size=1)
+  assert [s.tolist() for s in alone] == [s.tolist() for s in seqs]
+  first = gptq.self_generated_calibration(cfg, params, prompts, max_new_tokens=20,
+                                          max_tokens=len(seqs[0]), batch_size=1)
+  assert [s.tolist() for s in first] == [seqs[0].tolist()]
+  with pytest.raises(InputError, match="batch_size"):
+    gptq.self_generated_calibration(cfg, params, prompts, batch_size=0)
 
 
 def test_quantspec_decodes_with_the_gptq_draft_the_params_carry(stories):
@@ -185,7 +243,11 @@ def test_quantspec_decodes_with_the_gptq_draft_the_params_carry(stories):
   reference decoder, tests/test_quantspec.py), and with verify_precision="full" it equals dense
   greedy; the draft the run used is GPTQ's (its codes differ from RTN's)."""
   cfg, params, tok = stories
-  draft = gptq.gptq_quantize_params(cfg, params, _calibration(tok, 300), group=32, chunk=128)
+  seen = []
+  draft = gptq.gptq_quantize_params(cfg, params, _calibration(tok, 300), group=32, chunk=128,
+                                    on_layer=lambda i, layer: seen.append((i, layer)))
+  assert [i for i, _ in seen] == list(range(cfg.num_layers))
+  assert all(layer is draft[i] for i, layer in seen)
   prompts = [tok.encode("Once upon a time"), tok.encode("Tom and Lily")]
   rtn = sparsedec.generate(cfg, params, prompts, method=METHOD, max_new_tokens=96,
                            stop_tokens=())

@@ -30,6 +30,7 @@ from sparsedec.errors import InputError
 from sparsedec.kv import quantized as qkv
 from sparsedec.kv.dense import InflightKV, KVCache
 from sparsedec.kv.dense import commit as dense_commit
+from sparsedec.model import gptq
 from sparsedec.model.forward import forward
 from sparsedec.model.quant_weights import quantize_weight
 
@@ -571,12 +572,21 @@ def _assert_flushed_while_generating(result, prompts, new_tokens: int):
 
 
 def test_greedy_full_precision_verify_equals_dense_on_smollm2(smollm2, smollm2_prompts):
-  """256 tokens, both prompts in one batch. The draft uses the full weights (reading the 4-bit
-  cache) to keep the CPU time down; the 4-bit weight draft runs in the int8 test below."""
-  cfg, params, _ = smollm2
-  method = dataclasses.replace(SMOL, verify_precision="full", weight_bits=None)
-  result = testing.assert_matches_dense(cfg, params, smollm2_prompts, method=method,
-                                        max_new_tokens=256, stop_tokens=(), return_state=True)
+  """256 tokens, both prompts in one batch, a GPTQ draft proposing (4-bit cache and 4-bit weights;
+  act-order, sequential, calibrated on the model's own answer to another MT-Bench prompt) and the
+  full-precision cache verifying: token-identical to dense greedy, with drafts both accepted and
+  rejected and groups flushed to codes while decoding. (The RTN weight draft runs in the int8
+  test below.)"""
+  cfg, params, tok = smollm2
+  chat = tok.apply_chat_template([{"role": "user", "content": prompt_sets.mt_bench()[40]}],
+                                 add_generation_prompt=True)
+  calibration = gptq.self_generated_calibration(cfg, params, [tok.encode(chat, add_bos=False)],
+                                                max_new_tokens=96)
+  draft = gptq.gptq_quantize_params(cfg, params, calibration, group=SMOL.weight_group)
+  method = dataclasses.replace(SMOL, verify_precision="full")
+  result = testing.assert_matches_dense(cfg, gptq.with_draft(params, draft), smollm2_prompts,
+                                        method=method, max_new_tokens=256, stop_tokens=(),
+                                        return_state=True)
   assert result.tau > 1.5, result.tau
   assert result.method_stats["acceptance_rate"] < 1.0        # some drafts were rejected
   _assert_flushed_while_generating(result, smollm2_prompts, 256)

@@ -25,8 +25,10 @@ states, in causal chunks against the layer's own KV cache: layer i's Hessians co
 then its outputs become layer i + 1's inputs. `sequential`: those outputs are the quantized
 layer's (GPTQ's sequential mode: each layer is calibrated on what the draft's earlier layers
 really feed it) or the full-precision layer's (every input from the full-precision model, as
-`linear_input_hessians` computes them in whole forwards). One layer's float64 Hessians are held
-on the host at a time.
+`linear_input_hessians` computes them in whole forwards). One layer's Hessians are held at a time,
+fp32 on the device, and GPTQ itself runs there as one jitted computation per weight shape
+(`_gptq_codes`; fp32 with HIGHEST-precision products; the same codes as the float64 row-by-row
+algorithm up to rare fp32 rounding ties). Times: benchmarks/gptq_time.py and NOTES, session 40.
 
 QuantSpec uses a precomputed draft when the params carry one: `with_draft(params, draft)` adds it
 under DRAFT_KEY, and `QuantSpec.init` takes it instead of RTN-quantizing the params.
@@ -37,6 +39,9 @@ under DRAFT_KEY, and `QuantSpec.init` takes it instead of RTN-quantizing the par
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -115,12 +120,101 @@ def linear_input_hessians(cfg: ModelConfig, params: Params, tokens, *, chunk: in
   return total
 
 
-def gptq_quantize_weight(w, hessian: np.ndarray, group: int = 128, layout: str = "packed",
+@functools.partial(jax.jit, static_argnames=("group", "act_order"))
+def _gptq_codes(w, h, damp, *, group, act_order):
+  """GPTQ on the device, fp32 (module docstring).
+
+  w     [In_pad, Out] fp32: the weight, rows padded to a multiple of `group` (padded_rows)
+  h     [In, In]: sum x x^T of its inputs (In <= In_pad; the padded rows' inputs are zero)
+  damp  (): the damping, a fraction of the mean diagonal
+  ->  codes [In_pad, Out] fp32 in [0, 15] (index order), zero and step [In_pad / G, Out] fp16,
+      ok (): the factorization of the damped H^-1 is finite.
+
+  The rows are visited in blocks of BLOCK_ROWS (whole groups; the row count padded to whole
+  blocks with inert rows: U's diagonal 1, no coupling); inside a block, row by row, each row's
+  scaled error moves the block's later rows at once, and the block's errors move every later row
+  in one product when the block is done (Frantar et al.'s lazy batch updates)."""
+  n_pad, n_out = w.shape
+  n_in = h.shape[0]
+  block = group * max(1, BLOCK_ROWS // group)
+  n_blk = -(-n_pad // block) * block                 # whole blocks; the extra rows are inert
+  hp = jnp.zeros((n_pad, n_pad), jnp.float32).at[:n_in, :n_in].set(h.astype(jnp.float32))
+  d = jnp.diagonal(hp)
+  d = jnp.where(d == 0, 1.0, d)                      # never-seen inputs and the padded rows
+  d = d + damp * jnp.mean(d)
+  hp = jnp.where(jnp.eye(n_pad, dtype=bool), d, hp)
+  if act_order:
+    zeros, steps = group_grid(w.reshape(-1, group, n_out))
+    order = jnp.argsort(-d, stable=True)
+  else:
+    zeros = jnp.zeros((n_pad // group, n_out), jnp.float16)
+    steps = jnp.ones((n_pad // group, n_out), jnp.float16)
+    order = jnp.arange(n_pad)
+  hp = hp[order][:, order]
+  chol = jnp.linalg.cholesky(hp)
+  hinv = jax.scipy.linalg.cho_solve((chol, True), jnp.eye(n_pad, dtype=jnp.float32))
+  u = jnp.linalg.cholesky(hinv).T                                        # H^-1 = U^T U
+  extra = n_blk - n_pad
+  u = jnp.pad(u, ((0, extra), (0, extra)))
+  u = u.at[jnp.arange(n_pad, n_blk), jnp.arange(n_pad, n_blk)].set(1.0)
+  wp = jnp.pad(w[order], ((0, extra), (0, 0)))
+  order = jnp.concatenate([order, jnp.arange(n_pad, n_blk)])
+  zeros = jnp.pad(zeros, ((0, extra // group), (0, 0)))
+  steps = jnp.pad(steps, ((0, extra // group), (0, 0)), constant_values=1)
+  cols = jnp.arange(n_blk)
+
+  def one_block(b, carry):
+    wp, zeros, steps, codes = carry
+    b0 = b * block
+    wb = jax.lax.dynamic_slice_in_dim(wp, b0, block)                    # [block, Out]
+    ub = jax.lax.dynamic_slice_in_dim(u, b0, block)                     # [block, n_blk]
+    ubb = jax.lax.dynamic_slice_in_dim(ub, b0, block, axis=1)           # [block, block]
+
+    def one_group(gi, carry):
+      wb, zeros, steps, err, cb = carry
+      if not act_order:         # the group's grid, from its rows as they stand now
+        z, s = group_grid(jax.lax.dynamic_slice_in_dim(wb, gi * group, group))
+        g = (b0 + gi * group) // group
+        zeros = jax.lax.dynamic_update_index_in_dim(zeros, z, g, 0)
+        steps = jax.lax.dynamic_update_index_in_dim(steps, s, g, 0)
+
+      def one_row(r, carry):
+        wb, err, cb = carry
+        j = gi * group + r
+        g = order[b0 + j] // group
+        z, s = zeros[g], steps[g]
+        c = grid_codes(wb[j], z, s)
+        e = (wb[j] - (z.astype(jnp.float32) + c * s.astype(jnp.float32))) / ubb[j, j]
+        coef = jnp.where(jnp.arange(block) > j, ubb[j], 0.0)
+        wb = wb - coef[:, None] * e[None, :]
+        return wb, err.at[j].set(e), cb.at[j].set(c)
+
+      wb, err, cb = jax.lax.fori_loop(0, group, one_row, (wb, err, cb))
+      return wb, zeros, steps, err, cb
+
+    err = jnp.zeros((block, n_out), jnp.float32)
+    cb = jnp.zeros((block, n_out), jnp.float32)
+    wb, zeros, steps, err, cb = jax.lax.fori_loop(0, block // group, one_group,
+                                                  (wb, zeros, steps, err, cb))
+    later = jnp.where(cols >= b0 + block, ub, 0.0)                     # [block, n_blk]
+    wp = wp - jnp.einsum("bn,bo->no", later, err, precision=jax.lax.Precision.HIGHEST)
+    codes = jax.lax.dynamic_update_slice_in_dim(codes, cb, b0, 0)
+    return wp, zeros, steps, codes
+
+  codes = jnp.zeros((n_blk, n_out), jnp.float32)
+  wp, zeros, steps, codes = jax.lax.fori_loop(0, n_blk // block, one_block,
+                                              (wp, zeros, steps, codes))
+  codes = jnp.zeros((n_pad, n_out), jnp.float32).at[order[:n_pad]].set(codes[:n_pad])
+  return codes, zeros[: n_pad // group], steps[: n_pad // group], jnp.all(jnp.isfinite(u))
+
+
+def gptq_quantize_weight(w, hessian, group: int = 128, layout: str = "packed",
                          damp: float = DEFAULT_DAMP,
                          act_order: bool = DEFAULT_ACT_ORDER) -> QuantWeight:
-  """w [In, Out] -> QuantWeight by GPTQ against hessian [In, In] (sum of x x^T of its inputs).
-  act_order: rows by decreasing H_ii on RTN's (static) grids, else in index order on grids fixed
-  as each group is reached (module docstring)."""
+  """w [In, Out] -> QuantWeight by GPTQ against hessian [In, In] (sum of x x^T of its inputs; a
+  numpy or device array, used in fp32). act_order: rows by decreasing H_ii on RTN's (static)
+  grids, else in index order on grids fixed as each group is reached (module docstring). Runs as
+  one jitted computation (`_gptq_codes`) on the default device."""
   if getattr(w, "ndim", None) != 2:
     raise InputError(f"a weight to quantize must be [In, Out], got shape {np.shape(w)}")
   n_in, n_out = w.shape
@@ -131,47 +225,16 @@ def gptq_quantize_weight(w, hessian: np.ndarray, group: int = 128, layout: str =
     raise InputError(f"GPTQ damp must be in (0, 1], got {damp!r}")
   if not isinstance(act_order, bool):
     raise InputError(f"GPTQ act_order must be a bool, got {act_order!r}")
-  if not np.all(np.isfinite(hessian)):
+  hessian = jnp.asarray(hessian, jnp.float32)
+  if not bool(jnp.all(jnp.isfinite(hessian))):
     raise InputError("the calibration Hessian has non-finite entries")
   check_group_layout(group, layout)
-  padded = padded_rows(jnp.asarray(w), group)                            # [In_pad, Out] fp32
-  w = np.asarray(padded, np.float64)
-  n_pad = w.shape[0]
-  h = np.zeros((n_pad, n_pad))
-  h[:n_in, :n_in] = hessian
-  dead = np.diag(h) == 0                      # never-seen inputs (and the padded rows)
-  h[dead, dead] = 1.0
-  h[np.diag_indices(n_pad)] += damp * np.mean(np.diag(h))
-  zeros = np.zeros((n_pad // group, n_out), np.float16)
-  steps = np.zeros((n_pad // group, n_out), np.float16)
-  if act_order:                # static grids: RTN's, from the weights before any row moves
-    zeros[:], steps[:] = (np.asarray(x) for x in group_grid(padded.reshape(-1, group, n_out)))
-    order = np.argsort(-np.diag(h), kind="stable")
-  else:
-    order = np.arange(n_pad)
-  w, h = w[order], h[np.ix_(order, order)]
-  u = np.linalg.cholesky(np.linalg.inv(h)).T                              # upper: H^-1 = U^T U
-
-  codes = np.zeros((n_pad, n_out), np.uint8)
-  block = group * max(1, BLOCK_ROWS // group)
-  for b0 in range(0, n_pad, block):
-    b1 = min(b0 + block, n_pad)
-    wb = w[b0:b1].copy()
-    err = np.zeros_like(wb)
-    for j in range(b1 - b0):
-      i = b0 + j
-      row, g = order[i], order[i] // group
-      if not act_order and i % group == 0:   # the group's grid, from its rows as they stand now
-        rows = jnp.asarray(wb[j:j + group], jnp.float32)   # (a block holds whole groups)
-        zeros[g], steps[g] = (np.asarray(x) for x in group_grid(rows))
-      z, s = zeros[g], steps[g]
-      c = grid_codes(wb[j].astype(np.float32), z, s)
-      codes[row] = c
-      err[j] = (wb[j] - (z.astype(np.float64) + c * s.astype(np.float64))) / u[i, i]
-      wb[j + 1:] -= np.outer(u[i, i + 1:b1], err[j])
-    w[b1:] -= u[b0:b1, b1:].T @ err
-  return from_codes(jnp.asarray(codes), jnp.asarray(steps), jnp.asarray(zeros), n_in, group,
-                    layout)
+  codes, zeros, steps, ok = _gptq_codes(padded_rows(jnp.asarray(w), group), hessian,
+                                        jnp.float32(damp), group=group, act_order=act_order)
+  if not bool(ok):
+    raise InputError(f"the damped calibration Hessian of a [{n_in}, {n_out}] weight is not "
+                     f"positive definite in fp32 (damp {damp}); use a larger damp")
+  return from_codes(codes.astype(jnp.uint8), steps, zeros, n_in, group, layout)
 
 
 def _checked_sequences(cfg: ModelConfig, tokens) -> list[np.ndarray]:
@@ -238,12 +301,13 @@ class LayerCalibration:
                                               v_cache, grams)
         ys.append(y)
         for name in QUANTIZED_LINEARS if grams else ():
-          total[name] = total[name] + np.asarray(sums[name], np.float64)
+          total[name] = total[name] + sums[name]
       out.append(ys)
     return out, total
 
-  def hessians(self, lp: dict) -> dict[str, np.ndarray]:
-    """sum x x^T (float64 [In, In]) of layer lp's linear inputs, on the current hidden states."""
+  def hessians(self, lp: dict) -> dict[str, jax.Array]:
+    """sum x x^T (fp32 [In, In], on the device) of layer lp's linear inputs, on the current
+    hidden states."""
     return self._through(lp, grams=True)[1]
 
   def advance(self, lp: dict) -> None:
@@ -254,29 +318,36 @@ class LayerCalibration:
 def gptq_quantize_params(cfg: ModelConfig, params: Params, tokens, *, group: int = 128,
                          layout: str = "packed", damp: float = DEFAULT_DAMP, chunk: int = 512,
                          act_order: bool = DEFAULT_ACT_ORDER,
-                         sequential: bool = DEFAULT_SEQUENTIAL) -> list[dict]:
+                         sequential: bool = DEFAULT_SEQUENTIAL,
+                         on_layer: Callable[[int, dict], None] | None = None) -> list[dict]:
   """The draft's layers: every layer's linears (`QUANTIZED_LINEARS`) GPTQ-quantized against
   calibration tokens (one sequence [N] or several, `LayerCalibration`), the rest of each layer as
   it is; layer by layer (sequential: each layer's inputs come from the quantized layers before
-  it)."""
+  it). on_layer(i, quantized_layer) is called as each layer is done (progress, timing)."""
   if not isinstance(sequential, bool):
     raise InputError(f"GPTQ sequential must be a bool, got {sequential!r}")
   cal = LayerCalibration(cfg, params, tokens, chunk=chunk)
   out = []
-  for lp in params["layers"]:
+  for i, lp in enumerate(params["layers"]):
     hessians = cal.hessians(lp)
     qlp = {name: gptq_quantize_weight(lp[name], hessians[name], group, layout, damp, act_order)
            if name in QUANTIZED_LINEARS else x for name, x in lp.items()}
-    cal.advance(qlp if sequential else lp)
+    del hessians
+    if on_layer is not None:
+      on_layer(i, qlp)
+    if i + 1 < len(params["layers"]):             # the last layer's outputs feed nothing
+      cal.advance(qlp if sequential else lp)
     out.append(qlp)
   return out
 
 
 def self_generated_calibration(cfg: ModelConfig, params: Params, prompts, *,
                                max_new_tokens: int = 160,
-                               max_tokens: int | None = None) -> list[np.ndarray]:
+                               max_tokens: int | None = None,
+                               batch_size: int = 8) -> list[np.ndarray]:
   """Calibration sequences from the model itself: each prompt (token ids) followed by the model's
-  greedy answer (dense decoding, up to max_new_tokens), at most max_tokens in all. A draft
+  greedy answer (dense decoding, up to max_new_tokens, batch_size prompts at a time; prompts past
+  max_tokens are not decoded), at most max_tokens in all. A draft
   calibrated on them sees the text it will be asked to predict: on SmolLM2, MT-Bench answers
   calibrated this way agree with the target 0.81 of the time against 0.72 for round-to-nearest
   (benchmarks/NOTES.md, session 39)."""
@@ -288,12 +359,17 @@ def self_generated_calibration(cfg: ModelConfig, params: Params, prompts, *,
     raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
   if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
     raise InputError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
-  answers = generate(cfg, params, prompts, max_new_tokens=max_new_tokens).tokens
+  if not isinstance(batch_size, int) or batch_size < 1:
+    raise InputError(f"batch_size must be a positive integer, got {batch_size!r}")
   seqs, left = [], np.inf if max_tokens is None else max_tokens
-  for p, a in zip(prompts, answers):
-    if left > 0:
-      seqs.append(np.asarray(p + a, np.int32)[: int(min(left, cfg.max_position_embeddings))])
-      left -= len(seqs[-1])
+  for b in range(0, len(prompts), batch_size):
+    if left <= 0:
+      break
+    batch = prompts[b:b + batch_size]
+    for p, a in zip(batch, generate(cfg, params, batch, max_new_tokens=max_new_tokens).tokens):
+      if left > 0:
+        seqs.append(np.asarray(p + a, np.int32)[: int(min(left, cfg.max_position_embeddings))])
+        left -= len(seqs[-1])
   return seqs
 
 
