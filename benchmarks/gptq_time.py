@@ -94,7 +94,8 @@ def main(argv=None) -> dict:
   p.add_argument("--group", type=int, default=128)
   p.add_argument("--calibration-tokens", type=int, default=2048)
   p.add_argument("--sequences", type=int, default=1, help="calibration sequences (split evenly)")
-  p.add_argument("--repeats", type=int, default=3, help="timed calls after the first (0: first only)")
+  p.add_argument("--repeats", type=int, default=3,
+                 help="timed calls after the first (0: first only)")
   p.add_argument("--skip-shapes", action="store_true")
   p.add_argument("--skip-draft", action="store_true")
   p.add_argument("--out", default=None)
