@@ -15,9 +15,9 @@ generation, so quantizers can be told apart:
 Quantizers (--variants): rtn; gptq (index order, non-static groups, each layer calibrated on the
 full-precision model's inputs: session 38's); gptq-act (act_order); gptq-seq (sequential);
 gptq-act-seq (both). GPTQ calibrates on --calibration-sources: book (--calibration-tokens tokens
-from --calibration-offset), self-chat (the model's greedy answers to MT-Bench prompts
-[--calibration-prompts), disjoint from the evaluated ones; one sequence per conversation, as many
-tokens) and mixed (both).
+from --calibration-offset), self-chat (the model's greedy answers, --calibration-new-tokens long,
+to MT-Bench prompts [--calibration-prompts), disjoint from the evaluated ones; one sequence per
+conversation, as many tokens) and mixed (both).
 
   .venv/bin/python benchmarks/draft_agreement.py --out benchmarks/results/draft_agreement_cpu.json
 """
@@ -66,6 +66,8 @@ def main(argv=None):
   ap.add_argument("--calibration-offset", type=int, default=60000)
   ap.add_argument("--calibration-prompts", type=int, nargs=2, default=[40, 80],
                   metavar=("FIRST", "STOP"))
+  ap.add_argument("--calibration-new-tokens", type=int, default=None,
+                  help="length of the self-chat calibration answers (default --new-tokens)")
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "draft_agreement.json"))
   args = ap.parse_args(argv)
@@ -90,7 +92,8 @@ def main(argv=None):
   book_cal = [book_ids[args.calibration_offset:args.calibration_offset + args.calibration_tokens]]
   first, stop = args.calibration_prompts
   chat_cal = self_chat_calibration(cfg, params, tok, mt_bench(turn=1)[first:stop],
-                                   args.new_tokens, args.calibration_tokens, chat_template)
+                                   args.calibration_new_tokens or args.new_tokens,
+                                   args.calibration_tokens, chat_template)
   calibration = {"book": book_cal, "self-chat": chat_cal, "mixed": book_cal + chat_cal}
   calibration = {k: calibration[k] for k in args.calibration_sources}
 

@@ -207,6 +207,15 @@ def test_several_calibration_sequences_sum_their_hessians(stories):
     return cal.hessians(lp)
   both, alone_a, alone_b = layer1([a, b]), layer1(a), layer1(b)
   _assert_hessians_close(both, {k: alone_a[k] + alone_b[k] for k in alone_a})
+  # Batched: c and d have a's number of chunks (3), so with batch 2 a and c walk as one batch and
+  # d beside an empty row; b (2 chunks) alone. Still each sequence's own sums, added.
+  c, d = _calibration(tok, 460)[250:390], _calibration(tok, 460)[300:440]
+  cal = gptq.LayerCalibration(cfg, params, [a, b, c, d], chunk=64, batch=2)
+  assert [lengths.tolist() for lengths, _ in cal.batches] == [[100], [150, 140], [140, 0]]
+  cal.advance(params["layers"][0])
+  batched = cal.hessians(lp)
+  parts = [alone_a, alone_b, layer1(c), layer1(d)]
+  _assert_hessians_close(batched, {k: sum(p[k] for p in parts) for k in alone_a})
   joined = layer1(np.concatenate([a, b]))
   assert not np.allclose(both["wo"], joined["wo"], rtol=1e-3)
   with pytest.raises(InputError, match="token ids"):

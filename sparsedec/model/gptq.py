@@ -62,6 +62,7 @@ DEFAULT_DAMP = 0.01
 DEFAULT_ACT_ORDER = True
 DEFAULT_SEQUENTIAL = True
 BLOCK_ROWS = 128                # rows per lazy-update block (a multiple of the group)
+CALIBRATION_BATCH = 16          # calibration sequences of one length bucket walked together
 
 
 def _checked_tokens(cfg: ModelConfig, tokens) -> np.ndarray:
@@ -79,8 +80,10 @@ def _checked_tokens(cfg: ModelConfig, tokens) -> np.ndarray:
 
 
 def _gram(x: jax.Array, valid) -> jax.Array:
-  """x [1, T, In] -> sum over its first `valid` tokens of x x^T, fp32 [In, In]."""
-  x = jnp.where((jnp.arange(x.shape[1]) < valid)[None, :, None], x, 0).astype(jnp.float32)
+  """x [B, T, In] -> sum over each row's first `valid` tokens (valid: [B], or one count for
+  all rows) of x x^T, fp32 [In, In]."""
+  mask = jnp.arange(x.shape[1])[None, :] < jnp.reshape(valid, (-1, 1))            # [B | 1, T]
+  x = jnp.where(mask[:, :, None], x, 0).astype(jnp.float32)
   return jnp.einsum("bti,btj->ij", x, x, precision=jax.lax.Precision.HIGHEST)
 
 
@@ -259,37 +262,55 @@ class LayerCalibration:
   chunks against the current layer's own KV cache:
 
     cal = LayerCalibration(cfg, params, tokens)   # hidden states: the embeddings
-    hessians = cal.hessians(lp)                   # {name: float64 [In, In]} of layer lp's linears
+    hessians = cal.hessians(lp)                   # {name: fp32 [In, In]} of layer lp's linears
     cal.advance(lp)                               # hidden states := layer lp's outputs
 
   tokens: one sequence [N] or several (a list of sequences, or [B, N]), each its own causal
-  context from position 0 (e.g. several documents); the Hessians sum over all of them.
+  context from position 0 (e.g. several documents); the Hessians sum over all of them. Sequences
+  of the same number of chunks run as the rows of one batch (at most `batch` rows): 64 answers to
+  chat prompts are 4 layer calls a chunk instead of 64.
   """
 
-  def __init__(self, cfg: ModelConfig, params: Params, tokens, *, chunk: int = 512):
+  def __init__(self, cfg: ModelConfig, params: Params, tokens, *, chunk: int = 512,
+               batch: int = CALIBRATION_BATCH):
     seqs = _checked_sequences(cfg, tokens)
     if not isinstance(chunk, int) or chunk < 1:
       raise InputError(f"calibration chunk must be a positive integer, got {chunk!r}")
-    self.cfg, self.lengths = cfg, [len(t) for t in seqs]
-    self.chunk = min(chunk, max(self.lengths))
+    if not isinstance(batch, int) or batch < 1:
+      raise InputError(f"calibration batch must be a positive integer, got {batch!r}")
+    self.cfg = cfg
+    self.chunk = min(chunk, max(len(t) for t in seqs))
     self.dtype = jnp.dtype(cfg.dtype)
-    self.xs = []                                   # per sequence, per chunk [1, chunk, Dm]
+    # Sequences of the same number of chunks walk together, up to `batch` rows at a time; a
+    # bucket's last batch is padded with empty rows (length 0, never counted) so that all of the
+    # bucket's batches share one shape (one compile a bucket).
+    buckets: dict[int, list[np.ndarray]] = {}
     for t in seqs:
-      padded = np.zeros(-(-len(t) // self.chunk) * self.chunk, np.int32)
-      padded[:len(t)] = t
-      embed = jnp.take(params["embed"], jnp.asarray(padded), axis=0).astype(self.dtype)
-      self.xs.append([embed[None, s:s + self.chunk] for s in range(0, len(t), self.chunk)])
+      buckets.setdefault(-(-len(t) // self.chunk), []).append(t)
+    self.batches = []              # (lengths [rows] int32, per chunk [rows, chunk, Dm])
+    for n, members in sorted(buckets.items()):
+      rows = min(batch, len(members))
+      for first in range(0, len(members), rows):
+        ids = np.zeros((rows, n * self.chunk), np.int32)
+        lengths = np.zeros(rows, np.int32)
+        for r, t in enumerate(members[first:first + rows]):
+          ids[r, :len(t)], lengths[r] = t, len(t)
+        embed = jnp.take(params["embed"], jnp.asarray(ids), axis=0).astype(self.dtype)
+        self.batches.append((lengths, [embed[:, s:s + self.chunk]
+                                       for s in range(0, n * self.chunk, self.chunk)]))
     self._run = jax.jit(self._chunk, static_argnames="grams")
 
   def _chunk(self, lp, x, start, valid, k_cache, v_cache, grams):
-    """Layer lp over one chunk x [1, chunk, Dm] at positions start..: its output, the chunk's
-    K/V written into the layer's cache [1, Hkv, S, D], and (grams) its linears' input sums."""
+    """Layer lp over one chunk x [rows, chunk, Dm] at positions start.. (valid [rows]: how many
+    of the chunk's tokens each row has): its output, the chunk's K/V written into the layer's
+    cache [rows, Hkv, S, D], and (grams) its linears' input sums over the valid tokens."""
     cfg = self.cfg
-    pos = (start + jnp.arange(self.chunk, dtype=jnp.int32))[None]         # [1, chunk]
+    rows = x.shape[0]
+    pos = jnp.broadcast_to(start + jnp.arange(self.chunk, dtype=jnp.int32), (rows, self.chunk))
     cos, sin = rope_tables(cfg, pos, self.dtype)
     taps = {} if grams else None
     y, _, k, v = decoder_layer(cfg, lp, x, cos, sin, pos, k_cache, v_cache,
-                               jnp.full((1,), start, jnp.int32), causal_plan(self.chunk), taps)
+                               jnp.full((rows,), start, jnp.int32), causal_plan(self.chunk), taps)
     k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.transpose(0, 2, 1, 3), start, 2)
     v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.transpose(0, 2, 1, 3), start, 2)
     sums = {name: _gram(taps[name], valid) for name in QUANTIZED_LINEARS} if grams else None
@@ -298,19 +319,19 @@ class LayerCalibration:
   def _through(self, lp, grams: bool):
     cfg = self.cfg
     out, total = [], {name: 0.0 for name in QUANTIZED_LINEARS}
-    for xs, n in zip(self.xs, self.lengths):
-      shape = (1, cfg.num_kv_heads, len(xs) * self.chunk, cfg.head_dim)   # one compile a length
+    for lengths, xs in self.batches:
+      shape = (len(lengths), cfg.num_kv_heads, len(xs) * self.chunk, cfg.head_dim)
       k_cache, v_cache = jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
       ys = []
       for i, x in enumerate(xs):
         start = i * self.chunk
-        y, k_cache, v_cache, sums = self._run(lp, x, jnp.int32(start),
-                                              jnp.int32(min(self.chunk, n - start)), k_cache,
-                                              v_cache, grams)
+        valid = jnp.asarray(np.clip(lengths - start, 0, self.chunk), jnp.int32)
+        y, k_cache, v_cache, sums = self._run(lp, x, jnp.int32(start), valid, k_cache, v_cache,
+                                              grams)
         ys.append(y)
         for name in QUANTIZED_LINEARS if grams else ():
           total[name] = total[name] + sums[name]
-      out.append(ys)
+      out.append((lengths, ys))
     return out, total
 
   def hessians(self, lp: dict) -> dict[str, jax.Array]:
@@ -320,7 +341,7 @@ class LayerCalibration:
 
   def advance(self, lp: dict) -> None:
     """The hidden states become layer lp's outputs (lp full precision, or a quantized layer)."""
-    self.xs = self._through(lp, grams=False)[0]
+    self.batches = self._through(lp, grams=False)[0]
 
 
 def gptq_quantize_params(cfg: ModelConfig, params: Params, tokens, *, group: int = 128,
