@@ -293,6 +293,10 @@ def test_bad_inputs_are_refused_by_name(stories):
     gptq.gptq_quantize_weight(w, np.full((64, 64), np.nan), group=32)
   with pytest.raises(InputError, match="act_order"):
     gptq.gptq_quantize_weight(w, np.eye(64), group=32, act_order=1)
+  with pytest.raises(InputError, match="not positive definite"):       # no x x^T sum is this
+    gptq.gptq_quantize_weight(w, -np.eye(64), group=32)
+  with pytest.raises(InputError, match="calibration batch"):
+    gptq.LayerCalibration(cfg, params, [1, 2], batch=0)
   with pytest.raises(InputError, match="sequential"):
     gptq.gptq_quantize_params(cfg, params, [1, 2], group=32, sequential="yes")
   with pytest.raises(InputError, match="chunk"):
