@@ -172,12 +172,14 @@ def test_layer_calibration_matches_whole_forwards_and_sequential_feeds_the_draft
   ids = _calibration(tok, 200)                               # chunks of 64: 64 + 64 + 64 + 8
   whole = gptq.linear_input_hessians(cfg, params, ids, chunk=64)
   cal = gptq.LayerCalibration(cfg, params, ids, chunk=64)
-  walked = []
-  for lp in params["layers"]:
-    walked.append(cal.hessians(lp))
-    cal.advance(lp)
+  walked = [cal.hessians(lp, advance=True) for lp in params["layers"]]     # one pass a layer
   for a, b in zip(walked, whole):
     _assert_hessians_close(a, b)
+  # Not sequential: every layer is GPTQ on the full-precision model's Hessians (those just walked).
+  flat = gptq.gptq_quantize_params(cfg, params, ids, group=32, chunk=64, sequential=False)
+  for name in QUANTIZED_LINEARS:
+    want = gptq.gptq_quantize_weight(params["layers"][1][name], walked[1][name], 32)
+    np.testing.assert_array_equal(np.asarray(flat[1][name].codes), np.asarray(want.codes))
 
   seq = gptq.gptq_quantize_params(cfg, params, ids, group=32, chunk=64, act_order=False,
                                   sequential=True)

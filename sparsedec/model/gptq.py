@@ -334,10 +334,13 @@ class LayerCalibration:
       out.append((lengths, ys))
     return out, total
 
-  def hessians(self, lp: dict) -> dict[str, jax.Array]:
+  def hessians(self, lp: dict, advance: bool = False) -> dict[str, jax.Array]:
     """sum x x^T (fp32 [In, In], on the device) of layer lp's linear inputs, on the current
-    hidden states."""
-    return self._through(lp, grams=True)[1]
+    hidden states; advance: the hidden states then become lp's outputs (the same pass)."""
+    out, total = self._through(lp, grams=True)
+    if advance:
+      self.batches = out
+    return total
 
   def advance(self, lp: dict) -> None:
     """The hidden states become layer lp's outputs (lp full precision, or a quantized layer)."""
@@ -357,15 +360,16 @@ def gptq_quantize_params(cfg: ModelConfig, params: Params, tokens, *, group: int
     raise InputError(f"GPTQ sequential must be a bool, got {sequential!r}")
   cal = LayerCalibration(cfg, params, tokens, chunk=chunk)
   out = []
+  last = len(params["layers"]) - 1                # the last layer's outputs feed nothing
   for i, lp in enumerate(params["layers"]):
-    hessians = cal.hessians(lp)
+    hessians = cal.hessians(lp, advance=not sequential and i < last)
     qlp = {name: gptq_quantize_weight(lp[name], hessians[name], group, layout, damp, act_order)
            if name in QUANTIZED_LINEARS else x for name, x in lp.items()}
     del hessians
     if on_layer is not None:
       on_layer(i, qlp)
-    if i + 1 < len(params["layers"]):             # the last layer's outputs feed nothing
-      cal.advance(qlp if sequential else lp)
+    if sequential and i < last:                   # the next layer sees the quantized one
+      cal.advance(qlp)
     out.append(qlp)
   return out
 
