@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.step_roofline import LLAMA_31_8B, random_params  # noqa: E402
-from sparsedec.bench import device_description, log  # noqa: E402
+from sparsedec.bench import device_description, log, peak_memory_bytes  # noqa: E402
 from sparsedec.model.gptq import gptq_quantize_params, gptq_quantize_weight  # noqa: E402
 from sparsedec.model.quant_weights import QUANTIZED_LINEARS  # noqa: E402
 
@@ -38,11 +38,6 @@ MODELS = {
         num_kv_heads=3, head_dim=64, rope_theta=100000.0, rope_scaling=None,
         max_position_embeddings=8192, tie_word_embeddings=True),
 }
-
-
-def peak_bytes() -> int | None:
-  stats = jax.devices()[0].memory_stats() or {}
-  return stats.get("peak_bytes_in_use")
 
 
 def time_shapes(cfg, group: int, tokens: int, repeats: int) -> list[dict]:
@@ -111,7 +106,7 @@ def main(argv=None) -> dict:
   if not args.skip_draft:
     result["draft"] = time_draft(cfg, args.group, args.calibration_tokens, args.sequences)
     log(f"draft: {result['draft']['total_s']:.1f} s for {cfg.num_layers} layers")
-  result["peak_bytes"] = peak_bytes()
+  result["memory"] = peak_memory_bytes()       # session 40's JSONs: "peak_bytes" (device)
   text = json.dumps(result, indent=1)
   if args.out:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

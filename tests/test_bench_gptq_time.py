@@ -25,3 +25,4 @@ def test_gptq_time_rows(tmp_path):
   draft = result["draft"]
   assert draft["layers"] == 2 and len(draft["per_layer_s"]) == 2
   assert draft["total_s"] >= sum(draft["per_layer_s"]) > 0
+  assert result["memory"]["host_peak_rss_bytes"] > 0
