@@ -16,8 +16,8 @@ Quantizers (--variants): rtn; gptq (index order, non-static groups, each layer c
 full-precision model's inputs: session 38's); gptq-act (act_order); gptq-seq (sequential);
 gptq-act-seq (both). GPTQ calibrates on --calibration-sources: book (--calibration-tokens tokens
 from --calibration-offset), self-chat (the model's greedy answers, --calibration-new-tokens long,
-to MT-Bench prompts [--calibration-prompts), disjoint from the evaluated ones; one sequence per
-conversation, as many tokens) and mixed (both).
+to MT-Bench prompts [--calibration-prompts) of --calibration-turns, disjoint from the evaluated
+ones; one sequence per conversation, as many tokens) and mixed (both).
 
   .venv/bin/python benchmarks/draft_agreement.py --out benchmarks/results/draft_agreement_cpu.json
 """
@@ -34,7 +34,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.quantspec_quality import quantized_pass, self_chat_calibration  # noqa: E402
+from benchmarks.quantspec_quality import (calibration_questions, quantized_pass,  # noqa: E402
+                                          self_chat_calibration)
 from sparsedec.bench import (DEFAULT_SMOLLM2_GGUF, device_description,  # noqa: E402
                              encode_prompts, log)
 from sparsedec.decode.api import generate  # noqa: E402
@@ -68,6 +69,9 @@ def main(argv=None):
                   metavar=("FIRST", "STOP"))
   ap.add_argument("--calibration-new-tokens", type=int, default=None,
                   help="length of the self-chat calibration answers (default --new-tokens)")
+  ap.add_argument("--calibration-turns", type=int, nargs="+", default=[1],
+                  help="MT-Bench turns whose questions --calibration-prompts are asked (each "
+                       "on its own): 1, or 1 2 for twice as many prompts")
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "draft_agreement.json"))
   args = ap.parse_args(argv)
@@ -91,7 +95,8 @@ def main(argv=None):
 
   book_cal = [book_ids[args.calibration_offset:args.calibration_offset + args.calibration_tokens]]
   first, stop = args.calibration_prompts
-  chat_cal = self_chat_calibration(cfg, params, tok, mt_bench(turn=1)[first:stop],
+  chat_cal = self_chat_calibration(cfg, params, tok,
+                                   calibration_questions(first, stop, args.calibration_turns),
                                    args.calibration_new_tokens or args.new_tokens,
                                    args.calibration_tokens, chat_template)
   calibration = {"book": book_cal, "self-chat": chat_cal, "mixed": book_cal + chat_cal}

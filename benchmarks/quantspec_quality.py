@@ -104,6 +104,15 @@ def perplexity_quantized(cfg, params, ids: np.ndarray, chunk: int, group: int,
   return float(np.exp(quantized_pass(cfg, params, ids, chunk, group, bits)[0] / (len(ids) - 1)))
 
 
+def calibration_questions(first: int, stop: int, turns: list[int]) -> list[str]:
+  """MT-Bench questions [first, stop) of each turn in `turns` (turn 1's, then turn 2's, ...). A
+  turn-2 question is asked on its own (a new conversation), so it is one more chat prompt of the
+  same kind; questions below `first` stay out in every turn (they are the evaluated ones)."""
+  if not turns or any(t not in (1, 2) for t in turns) or len(set(turns)) != len(turns):
+    raise SystemExit(f"--calibration-turns must be distinct turns among 1 and 2, got {turns}")
+  return [q for t in turns for q in mt_bench(turn=t)[first:stop]]
+
+
 def self_chat_calibration(cfg, params, tok, questions: list[str], new_tokens: int,
                           max_tokens: int, chat_template: bool = True) -> list[np.ndarray]:
   """The model's own greedy answers to chat prompts, each after its prompt (one sequence per
@@ -143,6 +152,9 @@ def main():
   ap.add_argument("--calibration-prompts", type=int, nargs=2, default=[40, 80],
                   metavar=("FIRST", "STOP"))
   ap.add_argument("--calibration-new-tokens", type=int, default=160)
+  ap.add_argument("--calibration-turns", type=int, nargs="+", default=[1],
+                  help="MT-Bench turns whose questions --calibration-prompts are asked (each "
+                       "on its own): 1, or 1 2 for twice as many prompts")
   ap.add_argument("--calibration-offset", type=int, default=60000,
                   help="book token where GPTQ's calibration text starts (the book prompt is "
                        "the first --prompt-tokens tokens)")
@@ -191,7 +203,9 @@ def main():
       first, stop = args.calibration_prompts
       if first < args.mt_bench_prompts:
         raise SystemExit("--calibration-prompts overlap the evaluated MT-Bench prompts")
-      calibration += self_chat_calibration(cfg, params, tok, mt_bench(turn=1)[first:stop],
+      calibration += self_chat_calibration(cfg, params, tok,
+                                           calibration_questions(first, stop,
+                                                                 args.calibration_turns),
                                            args.calibration_new_tokens, args.calibration_tokens)
     result["calibration_tokens_used"] = sum(len(c) for c in calibration)
     t0 = time.perf_counter()

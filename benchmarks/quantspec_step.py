@@ -371,30 +371,51 @@ def expected_tokens(a: float, gamma: int) -> float:
   return float(gamma + 1) if a >= 1.0 else (1 - a ** (gamma + 1)) / (1 - a)
 
 
-def load_acceptance(path: str | None) -> dict:
-  """{(prompts, gamma): row} from quantspec_quality.py's JSON ({} when absent)."""
-  if not path or not os.path.exists(path):
-    return {}
-  with open(path) as f:
-    rows = json.load(f).get("acceptance", [])
-  return {(r.get("prompts", "?"), int(r["gamma"])): r for r in rows}
+PROJECTION_NOTE = (
+    "projected: per token, (gamma * t_draft + t_verify) / E with E = (1 - a^(gamma+1)) / (1 - a); "
+    "a solved from the measured accepted/drafted rate r (i.i.d. model, E = 1 + r * gamma) or "
+    "--acceptance; commit, flush and sampling are not included (kind quantspec_step with "
+    "--full-step times them).")
 
 
-def acceptance_sources(acceptance: dict, gamma: int, override: float | None) -> list[dict]:
+def load_acceptance(paths: str | list[str] | None) -> list[dict]:
+  """The acceptance rows of quantspec_quality.py's JSONs ([] for none or a missing file), each
+  labelled with its prompt set and, when the file says, its draft weight group."""
+  paths = [paths] if isinstance(paths, str) else list(paths or [])
+  rows = []
+  for path in paths:
+    if not os.path.exists(path):
+      continue
+    with open(path) as f:
+      data = json.load(f)
+    label = "quantspec_quality" if len(paths) == 1 else os.path.basename(path)
+    group = data.get("args", {}).get("weight_group")
+    for r in data.get("acceptance", []):
+      rows.append({**r, "label": f"{label}:{r.get('prompts', '?')}",
+                   "weight_group": r.get("weight_group", group)})
+  return rows
+
+
+def acceptance_sources(acceptance: list[dict], gamma: int, override: float | None,
+                       weight_group: int | None = None) -> list[dict]:
+  """The acceptance rows measured at gamma; when the rows come from drafts of several weight
+  groups, only those of weight_group (else every row stands in for any draft, e.g. SmolLM2's
+  acceptance for the 8B-shaped draft)."""
   if override is not None:
     return [{"source": "--acceptance", "a_per_token": override}]
+  several = len({r.get("weight_group") for r in acceptance}) > 1
   out = []
-  for (prompts, g), row in sorted(acceptance.items()):
-    if g == gamma:
+  for row in sorted(acceptance, key=lambda r: r["label"]):
+    if int(row["gamma"]) == gamma and (not several or row.get("weight_group") == weight_group):
       rate = float(row["acceptance_rate"])
-      out.append({"source": f"quantspec_quality:{prompts}", "acceptance_rate": rate,
-                  "measured_tau": row.get("tau"), "a_per_token": per_token_acceptance(rate, g)})
+      out.append({"source": row["label"], "acceptance_rate": rate,
+                  "measured_tau": row.get("tau"), "a_per_token": per_token_acceptance(rate, gamma)})
   return out
 
 
-def projections(rows: list[dict], acceptance: dict, override: float | None) -> list[dict]:
-  """Projected per-token time and speedup for every (context, gamma, draft layout, source)
-  with a dense, a draft and a verify measurement."""
+def projections(rows: list[dict], acceptance: list[dict], override: float | None) -> list[dict]:
+  """Projected per-token time and speedup for every (context, gamma, draft, source) with a
+  dense, a draft and a verify measurement (`acceptance_sources` picks the rows per draft)."""
   timed = [r for r in rows if "step_seconds" in r]
   out = []
   for dense in (r for r in timed if r["kind"] == "dense"):
@@ -404,22 +425,62 @@ def projections(rows: list[dict], acceptance: dict, override: float | None) -> l
     for ver in verifies:
       gamma = ver["gamma"]
       for draft in drafts:
-        for src in acceptance_sources(acceptance, gamma, override):
+        group = draft.get("weight_group")
+        for src in acceptance_sources(acceptance, gamma, override, group):
           e = expected_tokens(src["a_per_token"], gamma)
           per_token = (gamma * draft["step_seconds"] + ver["step_seconds"]) / e
           row = {"label": "projected", "context": ctx, "gamma": gamma,
-                 "draft_layout": draft["layout"], **src,
+                 "draft_layout": draft["layout"], "weight_group": group, **src,
                  "expected_tokens_per_step": e, "t_dense_s": dense["step_seconds"],
                  "t_draft_s": draft["step_seconds"], "t_verify_s": ver["step_seconds"],
                  "quantspec_seconds_per_token": per_token,
                  "projected_speedup": dense["step_seconds"] / per_token}
           full = [r for r in timed if r["kind"] == "quantspec_step" and r["context"] == ctx
-                  and r["gamma"] == gamma and r["layout"] == draft["layout"]]
+                  and r["gamma"] == gamma and r["layout"] == draft["layout"]
+                  and r.get("weight_group") == group]
           if full:      # QuantSpec.step as timed (commit, flush, sampling included)
             row["t_full_step_s"] = full[0]["step_seconds"]
             row["full_step_projected_speedup"] = dense["step_seconds"] * e / row["t_full_step_s"]
           out.append(row)
   return out
+
+
+def best_gammas(projected: list[dict]) -> list[dict]:
+  """The fastest gamma's projection per (context, draft layout, weight group, source)."""
+  best = {}
+  for p in projected:
+    key = (p["context"], p["draft_layout"], p.get("weight_group"), p["source"])
+    if key not in best or p["projected_speedup"] > best[key]["projected_speedup"]:
+      best[key] = p
+  return [best[k] for k in sorted(best, key=str)]
+
+
+def reproject(args) -> dict:
+  """Projections from earlier runs' rows (--reproject: their merged JSONs; a draft or step row
+  takes its file's --weight-group; a context's dense and verify rows come from the first file
+  that timed them) and --acceptance-json files measured elsewhere."""
+  rows, seen = [], set()
+  for path in args.reproject:
+    with open(path) as f:
+      data = json.load(f)
+    group = data.get("args", {}).get("weight_group")
+    for r in data.get("rows", []):
+      if r.get("kind") in ("draft", "quantspec_step") and "weight_group" not in r:
+        r = {**r, "weight_group": None if r.get("layout") == KV_ONLY else group}
+      if r.get("kind") in ("dense", "verify") and "step_seconds" in r:
+        key = (r["kind"], r["context"], r.get("gamma"))
+        if key in seen:
+          continue
+        seen.add(key)
+      rows.append(r)
+  projected = projections(rows, load_acceptance(args.acceptance_json), args.acceptance)
+  if not projected:
+    raise SystemExit("--reproject: no (dense, draft, verify, acceptance) combination to project; "
+                     "the runs need a dense row and the acceptance files rows at their gammas")
+  return {"benchmark": "QuantSpec projected speedup from earlier step timings",
+          "reprojected_from": list(args.reproject), "acceptance_json": args.acceptance_json,
+          "acceptance": args.acceptance, "projected": projected,
+          "best_gamma": best_gammas(projected), "notes": [PROJECTION_NOTE]}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -527,6 +588,7 @@ def run_quantspec(args, cfg: ModelConfig, rec: Recorder, bw: float) -> None:
         return {**t, "roofline_seconds": read / bw, "bytes": b}
 
       row = _guarded(rec, {"kind": "draft", "context": context, "layout": layout,
+                           "weight_group": None if layout == KV_ONLY else args.weight_group,
                            "scratch_width": width, **_kernel_for(cfg, qcache, 4, 1)},
                      measure_draft)
       if "step_seconds" in row:
@@ -554,7 +616,9 @@ def run_quantspec(args, cfg: ModelConfig, rec: Recorder, bw: float) -> None:
           return timing
 
         row = _guarded(rec, {"kind": "quantspec_step", "context": context, "gamma": gamma,
-                             "layout": args.layouts[-1]}, measure_step)
+                             "layout": args.layouts[-1],
+                             "weight_group": None if args.layouts[-1] == KV_ONLY
+                             else args.weight_group}, measure_step)
         if "qcache" not in out:
           break                               # the cache may be gone: no further full steps
         qcache = out["qcache"]
@@ -598,7 +662,9 @@ def parse_args(argv=None):
   ap.add_argument("--group", type=int, default=128, help="KV quant group G")
   ap.add_argument("--weight-group", type=int, default=128)
   ap.add_argument("--attention", default="auto", choices=("auto", "reference", "pallas"))
-  ap.add_argument("--acceptance-json", default=DEFAULT_ACCEPTANCE)
+  ap.add_argument("--acceptance-json", nargs="+", default=[DEFAULT_ACCEPTANCE],
+                  help="quantspec_quality.py JSONs; each acceptance row projects the drafts of its "
+                       "weight group (where the files say)")
   ap.add_argument("--acceptance", type=float, default=None,
                   help="per-token acceptance a for every gamma (instead of the JSON)")
   ap.add_argument("--full-step", action="store_true",
@@ -614,6 +680,9 @@ def parse_args(argv=None):
                   help="run both kinds in this process (peak memory then cumulative)")
   ap.add_argument("--smoke", action="store_true",
                   help="tiny shapes, reference attention, one context: a CPU check (< 60 s)")
+  ap.add_argument("--reproject", nargs="+", default=None, metavar="STEP_JSON",
+                  help="time nothing: project from these earlier runs' JSONs (their dense, draft "
+                       "and verify rows) with --acceptance-json, and write --out")
   ap.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "quantspec_step.json"))
@@ -645,7 +714,7 @@ def merge(args, paths: dict) -> dict:
       with open(path) as f:
         parts[kind] = json.load(f)
   rows = [r for part in parts.values() for r in part["rows"]]
-  acceptance = load_acceptance(args.acceptance_json)
+  projected = projections(rows, load_acceptance(args.acceptance_json), args.acceptance)
   memory = []
   for kind, part in parts.items():
     for ctx in sorted({r["context"] for r in part["rows"]}):
@@ -662,12 +731,9 @@ def merge(args, paths: dict) -> dict:
       "workers": {kind: {k: v for k, v in part.items() if k != "rows"}
                   for kind, part in parts.items()},
       "rows": rows, "memory": memory,
-      "projected": projections(rows, acceptance, args.acceptance),
+      "projected": projected, "best_gamma": best_gammas(projected),
       "notes": [
-          "projected: per token, (gamma * t_draft + t_verify) / E with E = (1 - a^(gamma+1)) / "
-          "(1 - a); a solved from the measured accepted/drafted rate r (i.i.d. model, E = 1 + "
-          "r * gamma) or --acceptance; commit, flush and sampling are not included "
-          "(kind quantspec_step with --full-step times them).",
+          PROJECTION_NOTE,
           "acceptance rates come from quantspec_quality.py (SmolLM2-135M, 4-bit weights and KV); "
           "an 8B model's draft acceptance is not measured here.",
           "device_peak_bytes: the worker process's high-water mark (contexts ascending, one "
@@ -684,6 +750,16 @@ def main(argv=None) -> dict | None:
   if args.worker:
     run_worker(args, args.worker, args.out)
     return None
+  if args.reproject:
+    result = reproject(args)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+      json.dump(result, f, indent=1)
+    for p in result["best_gamma"]:
+      log(f"best: context {p['context']} weight group {p['weight_group']} {p['source']}: gamma "
+          f"{p['gamma']} -> {p['projected_speedup']:.2f}x")
+    log(f"wrote {args.out}")
+    return result
   paths = {kind: worker_path(args.out, kind) for kind in args.kinds}
   passthrough = [a for a in argv]
   if "--out" in passthrough:

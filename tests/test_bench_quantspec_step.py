@@ -61,3 +61,40 @@ def test_kv_only_draft_reads_the_full_weights(tmp_path):
   assert kv_only["draft_linear_bytes"] == 0
   assert four_bit["draft_weight_bytes_read"] < four_bit["verify_weight_bytes_read"]
   assert kv_only["draft_cache_bytes_read"] == four_bit["draft_cache_bytes_read"]
+
+
+def test_reproject_matches_acceptance_to_the_draft_weight_group(tmp_path):
+  """--reproject: projections from an earlier run's rows and acceptance measured elsewhere; with
+  acceptance files of two weight groups, each draft takes its own group's rows, and best_gamma
+  holds the fastest gamma per draft and source."""
+  step = tmp_path / "step.json"
+  bench.main(["--smoke", "--no-isolate", "--gammas", "1", "2", "--layouts", "int4",
+              "--out", str(step)])
+  rows = json.loads(step.read_text())["rows"]
+  assert {r["weight_group"] for r in rows if r["kind"] == "draft"} == {64}
+  files = []
+  for group, rates in ((64, {1: 0.9, 2: 0.8}), (128, {1: 0.5, 2: 0.4})):
+    path = tmp_path / f"acceptance_wg{group}.json"
+    path.write_text(json.dumps({"args": {"weight_group": group}, "acceptance": [
+        {"prompts": "mt_bench", "gamma": g, "acceptance_rate": r, "tau": 1 + g * r,
+         "weight_group": group} for g, r in rates.items()]}))
+    files.append(str(path))
+  out = tmp_path / "projected.json"
+  result = bench.main(["--reproject", str(step), str(step), "--acceptance-json", *files,
+                       "--out", str(out)])     # a second run's dense and verify rows: not doubled
+  assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+  projected = result["projected"]
+  assert len(projected) == 2 * 2 and {p["weight_group"] for p in projected} == {64}
+  assert all(p["source"] == "acceptance_wg64.json:mt_bench" for p in projected)
+  for p in projected:
+    g = p["gamma"]
+    rate = {1: 0.9, 2: 0.8}[g]
+    assert p["expected_tokens_per_step"] == pytest.approx(1 + g * rate)
+    assert p["projected_speedup"] == pytest.approx(
+        p["t_dense_s"] * (1 + g * rate) / (g * p["t_draft_s"] + p["t_verify_s"]))
+  best = result["best_gamma"]
+  assert len(best) == 1 and best[0]["projected_speedup"] == max(
+      p["projected_speedup"] for p in projected)
+  with pytest.raises(SystemExit, match="no \\(dense, draft, verify, acceptance\\)"):
+    bench.main(["--reproject", str(step), "--acceptance-json", str(tmp_path / "missing.json"),
+                "--out", str(out)])

@@ -343,6 +343,14 @@ def test_cli_knobs(capsys):
   assert "--draft-sampling does not apply to --method dense" in capsys.readouterr()[1]
   with pytest.raises(SystemExit):
     cli.main(["generate", "--prompt", "Once", "--method", "quantspec", "--draft-sampling", "x"])
+  args = cli._parser().parse_args(["generate", "--prompt", "Once", "--method", "quantspec",
+                                   "--draft-weight-group", "64"])
+  assert cli._method(args) == QuantSpec(weight_group=64)
+  assert cli.main(["generate", "--prompt", "Once", "--method", "quantspec",
+                   "--draft-weight-group", "7"]) == 2
+  assert "weight_group must be even" in capsys.readouterr()[1]
+  assert cli.main(["generate", "--prompt", "Once", "--draft-weight-group", "64"]) == 2
+  assert "--draft-weight-group does not apply to --method dense" in capsys.readouterr()[1]
 
 
 def test_int8_view_logits_equal_the_dequantized_reference_across_a_flush(stories):
