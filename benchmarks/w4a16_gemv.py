@@ -1,7 +1,7 @@
 """GPU benchmark of the W4A16 GEMV kernel (`pallas_kernels.w4a16_gemv`) at QuantSpec's draft
 matmul shapes: Llama-3.1-8B's wqkv 4096->6144, wo 4096->4096, w_gate_up 4096->28672 and
 w_down 14336->4096 (and lm_head 4096->128256: a 4-bit draft lm_head, measured and not kept, see
-NOTES session 17), x with M in {1, 4} bf16 rows, quant group 128.
+NOTES session 17), x with M in {1, 4} bf16 rows, quant group 128 (`--group`).
 
 Per shape and M, three implementations:
   pallas       `w4a16_matmul` on the "int4_t" codes [In/64, Out, 8] words (the kernel + its
@@ -53,7 +53,6 @@ from pallas_kernels.w4a16_gemv import (CHUNK, W4A16Config, dequantize,  # noqa: 
                                        from_chunked, plan, w4a16_matmul, w4a16_reference)
 from sparsedec.model.quant_weights import QuantWeight, quant_matmul  # noqa: E402
 
-GROUP = 128
 DTYPE = jnp.bfloat16
 LLAMA_8B = {"wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 28672),
             "w_down": (14336, 4096), "lm_head": (4096, 128256)}   # lm_head: the largest GEMV shape
@@ -69,31 +68,31 @@ SWEEP = ((64, 1, 2, 528), (64, 1, 8, 528), (64, 2, 4, 528), (64, 4, 4, 528), (12
 # Data.
 # ----------------------------------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def random_weight(key, n_in, n_out):
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def random_weight(key, n_in, n_out, group):
   """(codes_t [In_pad/64, Out, 8] uint32, scale, zero [In_pad/G, Out] fp16): codes uniform in
   [-8, 7] (random words), steps in [0.005, 0.02], zeros about -8 steps (a weight centred on 0)."""
   k1, k2, k3 = jax.random.split(key, 3)
-  in_pad = -(-n_in // GROUP) * GROUP
+  in_pad = -(-n_in // group) * group
   codes = jax.random.bits(k1, (in_pad // CHUNK, n_out, CHUNK // 8), jnp.uint32)
-  scale = jax.random.uniform(k2, (in_pad // GROUP, n_out), jnp.float32, 0.005, 0.02)
+  scale = jax.random.uniform(k2, (in_pad // group, n_out), jnp.float32, 0.005, 0.02)
   zero = -8 * scale + 0.01 * jax.random.normal(k3, scale.shape)
   return codes, scale.astype(jnp.float16), zero.astype(jnp.float16)
 
 
-def _dense(codes_t, scale, zero, n_in):
+def _dense(codes_t, scale, zero, n_in, group):
   """The dequantized weight [In, Out] in bf16 (the dense_bf16 operand)."""
-  return dequantize(codes_t, scale, zero, in_features=n_in, group=GROUP).astype(DTYPE)
+  return dequantize(codes_t, scale, zero, in_features=n_in, group=group).astype(DTYPE)
 
 
-_dense_jit = jax.jit(_dense, static_argnums=3)
+_dense_jit = jax.jit(_dense, static_argnums=(3, 4))
 _kn_jit = jax.jit(from_chunked)
 
 
-def w4_bytes(m: int, n_in: int, n_out: int) -> int:
+def w4_bytes(m: int, n_in: int, n_out: int, group: int) -> int:
   """Bytes a W4A16 call must read: codes + fp16 scales and zeros + bf16 x."""
-  in_pad = -(-n_in // GROUP) * GROUP
-  return in_pad * n_out // 2 + 2 * 2 * (in_pad // GROUP) * n_out + m * n_in * 2
+  in_pad = -(-n_in // group) * group
+  return in_pad * n_out // 2 + 2 * 2 * (in_pad // group) * n_out + m * n_in * 2
 
 
 def dense_bytes(m: int, n_in: int, n_out: int) -> int:
@@ -104,16 +103,16 @@ def dense_bytes(m: int, n_in: int, n_out: int) -> int:
 # Implementations: fn(x, *weights) -> y [M, Out].
 # ----------------------------------------------------------------------------------------------
 
-def pallas_fn(n_in: int, config: W4A16Config, interpret):
+def pallas_fn(n_in: int, group: int, config: W4A16Config, interpret):
   def fn(x, codes_t, scale, zero):
-    return w4a16_matmul(x, codes_t, scale, zero, in_features=n_in, group=GROUP, config=config,
+    return w4a16_matmul(x, codes_t, scale, zero, in_features=n_in, group=group, config=config,
                         interpret=interpret)
   return fn
 
 
-def int4_reduce_fn(n_in: int):
+def int4_reduce_fn(n_in: int, group: int):
   def fn(x, codes_kn, scale, zero):
-    w = QuantWeight(codes=codes_kn, scale=scale, zero=zero, in_features=n_in, group=GROUP,
+    w = QuantWeight(codes=codes_kn, scale=scale, zero=zero, in_features=n_in, group=group,
                     layout="int4_reduce")
     return quant_matmul(x, w)
   return fn
@@ -214,35 +213,36 @@ def _progress(e: dict) -> str:
       f"(|ref| {e['ref_max_abs']:.2e})"
 
 
-def run_shape(bench: Bench, name: str, n_in: int, n_out: int, ms, impls, configs):
+def run_shape(bench: Bench, name: str, n_in: int, n_out: int, ms, impls, configs, group: int):
   """All implementations and M for one weight shape (its copies generated once)."""
-  w4 = w4_bytes(1, n_in, n_out)
+  w4 = w4_bytes(1, n_in, n_out, group)
   copies = bench.copies_for(w4)
   keys = jax.random.split(jax.random.key(n_in * 7 + n_out), copies)
-  t4 = [random_weight(k, n_in, n_out) for k in keys]                    # int4_t sets
+  t4 = [random_weight(k, n_in, n_out, group) for k in keys]                    # int4_t sets
   jax.block_until_ready(t4)
   bench.log(f"{name}: In={n_in} Out={n_out}, {w4 / 1e6:.1f} MB of W4 per call, {copies} copies")
   kn = [(_kn_jit(c), s, z) for c, s, z in t4] if "int4_reduce" in impls else None
   dense = None
   if "dense_bf16" in impls:
     n_dense = bench.copies_for(dense_bytes(1, n_in, n_out))
-    dense = [(_dense_jit(*t4[i % copies], n_in),) for i in range(n_dense)]
+    dense = [(_dense_jit(*t4[i % copies], n_in, group),) for i in range(n_dense)]
   for m in ms:
-    base = dict(shape=name, In=n_in, Out=n_out, M=m, group=GROUP, dtype="bfloat16",
-                w4_bytes=w4_bytes(m, n_in, n_out), dense_bytes=dense_bytes(m, n_in, n_out))
+    base = dict(shape=name, In=n_in, Out=n_out, M=m, group=group, dtype="bfloat16",
+                w4_bytes=w4_bytes(m, n_in, n_out, group), dense_bytes=dense_bytes(m, n_in, n_out))
     x = jax.random.normal(jax.random.key(m), (m, n_in), jnp.float32).astype(DTYPE)
     codes_t, scale, zero = t4[0]
     ref = jax.block_until_ready(jax.jit(functools.partial(
-        w4a16_reference, in_features=n_in, group=GROUP))(x, codes_t, scale, zero))
+        w4a16_reference, in_features=n_in, group=group))(x, codes_t, scale, zero))
     if "pallas" in impls:
       for cfg in configs:
-        p = plan(m, n_out, -(-n_in // GROUP), GROUP, cfg)
+        p = plan(m, n_out, -(-n_in // group), group, cfg)
         extra = dict(config=dataclasses.asdict(cfg), plan=dataclasses.asdict(p),
                      blocks=p.out_tiles * p.splits)
-        bench.measure(base, "pallas", pallas_fn(n_in, cfg, bench.interpret), x, t4,
+        bench.measure(base, "pallas", pallas_fn(n_in, group, cfg, bench.interpret), x, t4,
                       nbytes=base["w4_bytes"], ref=ref, extra=extra)
     if kn is not None:
-      bench.measure(base, "int4_reduce", int4_reduce_fn(n_in), x, kn, nbytes=base["w4_bytes"],
+      bench.measure(base, "int4_reduce", int4_reduce_fn(n_in, group), x, kn,
+                    nbytes=base["w4_bytes"],
                     ref=ref)
     if dense is not None:
       bench.measure(base, "dense_bf16", dense_fn, x, dense, nbytes=base["dense_bytes"], ref=ref)
@@ -256,6 +256,9 @@ def parse_args(argv=None):
   p.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {','.join(IMPLS)}")
   p.add_argument("--quick", action="store_true", help="M = 1 only, 2 repeats")
   p.add_argument("--sweep", action="store_true", help="also the kernel under the SWEEP tilings")
+  p.add_argument("--group", type=int, default=128, help="quant group G (input rows)")
+  p.add_argument("--groups-per-stage", type=int, default=None,
+                 help="the default tiling's groups a pipeline step (default: 128 rows' worth)")
   p.add_argument("--interpret", action="store_true",
                  help="CPU smoke run: Mosaic GPU interpret mode, tiny shapes, 1 call per loop")
   p.add_argument("--out", help="JSON path (default $OUT/w4a16_gemv.json, else "
@@ -276,7 +279,7 @@ def main(argv=None) -> dict:
     shapes = {k: shapes[k] for k in args.shapes.split(",")}
   ms = [int(t) for t in (args.rows or ("1" if args.quick else "1,4")).split(",")]
   impls = tuple(args.impls.split(","))
-  configs = [W4A16Config()]
+  configs = [W4A16Config(groups_per_stage=args.groups_per_stage)]
   if args.sweep:
     configs += [W4A16Config(block_out=b, groups_per_stage=g, num_stages=s, target_blocks=t)
                 for b, g, s, t in SWEEP]
@@ -300,7 +303,7 @@ def main(argv=None) -> dict:
   dev = jax.devices()[0]
   bench.results = dict(
       device=dev.device_kind, platform=dev.platform, jax=jax.__version__, argv=list(argv or []),
-      group=GROUP, dtype="bfloat16", shapes={k: list(v) for k, v in shapes.items()}, rows=ms,
+      group=args.group, dtype="bfloat16", shapes={k: list(v) for k, v in shapes.items()}, rows=ms,
       impls=list(impls), interpret=args.interpret,
       bytes="must-read bytes per call: int4 = codes In_pad*Out/2 + fp16 scales and zeros + bf16 "
             "x; dense_bf16 = the bf16 weight + x",
@@ -330,7 +333,7 @@ def main(argv=None) -> dict:
 
   for name, (n_in, n_out) in shapes.items():
     try:
-      run_shape(bench, name, n_in, n_out, ms, impls, configs)
+      run_shape(bench, name, n_in, n_out, ms, impls, configs, args.group)
     except Exception as e:                                               # noqa: BLE001
       if args.verbose:
         traceback.print_exc()

@@ -97,6 +97,8 @@ MAX_ROWS = 64           # x rows per call (the wgmma N dimension)
 MAX_BLOCK_OUT = 256     # a TMA box dimension holds at most 256 elements
 CODE_OFFSET = 8         # the int4 codes store c - 8
 META_DTYPE = jnp.float16
+ROWS_PER_STAGE = 128      # the default step: 128 input rows (H200 session 41: groups of 64 at one
+                          # group a step took 8-20% longer per draft forward than groups of 128)
 MAX_BLOCKS_PER_SM = 8     # 128 threads x 63 registers (ncu, session 9): 8 blocks fill 64K registers
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -106,7 +108,8 @@ class W4A16Config:
   """Tiling knobs. block_out and groups_per_stage are upper bounds: the kernel uses the largest
   multiple of 64 dividing Out (resp. the largest divisor of In_pad / G) not above them."""
   block_out: int = 64            # output columns per block (a multiple of 64)
-  groups_per_stage: int = 1      # quant groups per pipeline step
+  groups_per_stage: int | None = None  # quant groups per pipeline step; None: ROWS_PER_STAGE
+                                      # input rows a step (1 group of 128, 2 of 64)
   num_stages: int = 4            # pipeline steps in flight
   num_splits: int | None = None  # split-K blocks per output tile (None: from target_blocks)
   target_blocks: int | None = None  # at most this many blocks (splits rounded down); None: one
@@ -118,11 +121,11 @@ class W4A16Config:
         or self.block_out % TILE_OUT:
       raise InputError(f"block_out must be a multiple of {TILE_OUT} in [{TILE_OUT}, "
                        f"{MAX_BLOCK_OUT}], got {self.block_out!r}")
-    for name in ("groups_per_stage", "num_stages", "min_steps_per_split"):
+    for name in ("num_stages", "min_steps_per_split"):
       v = getattr(self, name)
       if not isinstance(v, int) or v < 1:
         raise InputError(f"{name} must be a positive integer, got {v!r}")
-    for name in ("num_splits", "target_blocks"):
+    for name in ("groups_per_stage", "num_splits", "target_blocks"):
       v = getattr(self, name)
       if v is not None and (not isinstance(v, int) or v < 1):
         raise InputError(f"{name} must be None or a positive integer, got {v!r}")
@@ -213,7 +216,8 @@ def plan(n_rows: int, n_out: int, n_groups: int, group: int, cfg: W4A16Config,
   steps, and stages, then groups per stage, then block_out reduced while the block's shared
   memory is over SMEM_PER_SM (InputError when even the smallest tiling is)."""
   block_out = _largest_divisor(n_out, cfg.block_out, TILE_OUT)
-  gps = _largest_divisor(n_groups, cfg.groups_per_stage)
+  wanted = cfg.groups_per_stage or max(1, ROWS_PER_STAGE // group)
+  gps = _largest_divisor(n_groups, wanted)
   stages = cfg.num_stages
   smem = functools.partial(smem_bytes, n_rows, group, itemsize=itemsize)
   while smem(block_out=block_out, groups_per_stage=gps, num_stages=stages) > SMEM_PER_SM:

@@ -25,7 +25,7 @@ def test_interpret_run_writes_every_measurement(tmp_path):
   for r in rows:
     assert r["us_per_call"] > 0 and r["copies"] == 2
     assert r["max_abs_err"] <= 2 ** -7 * r["ref_max_abs"]           # bf16 output rounding
-    want = bench.w4_bytes(r["M"], 200, 192) if r["impl"] != "dense_bf16" else \
+    want = bench.w4_bytes(r["M"], 200, 192, 128) if r["impl"] != "dense_bf16" else \
         bench.dense_bytes(r["M"], 200, 192)
     assert r["bytes"] == want
   kernel = [r for r in rows if r["impl"] == "pallas"]
@@ -35,6 +35,7 @@ def test_interpret_run_writes_every_measurement(tmp_path):
 
 def test_bytes():
   # wqkv at M = 1: 4-bit codes, fp16 scale + zero per 128 inputs, bf16 x.
-  assert bench.w4_bytes(1, 4096, 6144) == 4096 * 6144 // 2 + 4 * 32 * 6144 + 2 * 4096
-  assert bench.w4_bytes(1, 200, 64) == 256 * 64 // 2 + 4 * 2 * 64 + 400
+  assert bench.w4_bytes(1, 4096, 6144, 128) == 4096 * 6144 // 2 + 4 * 32 * 6144 + 2 * 4096
+  assert bench.w4_bytes(1, 200, 64, 128) == 256 * 64 // 2 + 4 * 2 * 64 + 400
+  assert bench.w4_bytes(1, 4096, 6144, 64) == 4096 * 6144 // 2 + 4 * 64 * 6144 + 2 * 4096
   assert bench.dense_bytes(4, 4096, 4096) == 2 * 4096 * 4096 + 8 * 4096

@@ -113,6 +113,12 @@ def test_plan():
   # An explicit target_blocks is the budget instead of the wave: at most that many blocks.
   assert plan(1, 4096, 112, 128, W4A16Config(target_blocks=528)).splits == 8
   assert plan(1, 28672, 32, 128, W4A16Config(target_blocks=132)).splits == 1
+  # The default step is 128 input rows: one group of 128, two of 64, one of 256.
+  for group, gps in ((128, 1), (64, 2), (256, 1)):
+    p = plan(1, 4096, 4096 // group, group, W4A16Config())
+    assert p.groups_per_stage == gps and p.steps_per_split * p.splits >= 4096 // group // gps
+  assert plan(1, 4096, 64, 64, W4A16Config(groups_per_stage=1)).groups_per_stage == 1
+  assert plan(1, 4096, 3, 64, W4A16Config()).groups_per_stage == 1      # a divisor of 3 groups
   p = plan(4, 192, 3, 128, W4A16Config(block_out=128, groups_per_stage=2, num_stages=8))
   assert (p.block_out, p.groups_per_stage, p.num_stages) == (64, 1, 3)   # divisors; <= steps
   p = plan(64, 4096, 8, 1024, W4A16Config(block_out=256, groups_per_stage=4, num_stages=8))
