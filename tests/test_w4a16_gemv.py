@@ -89,8 +89,9 @@ def test_kernel_tilings(m, n_in, n_out, config):
 
 
 def test_kernel_fp16_group_64():
-  q = _weight(3, 192, 128, group=64)
-  x = rand.normal(jax.random.key(2), (2, 192), jnp.float16)
+  q = _weight(3, 256, 128, group=64)
+  x = rand.normal(jax.random.key(2), (2, 256), jnp.float16)
+  assert plan(2, 128, 4, 64, W4A16Config()).groups_per_stage == 2     # two groups a step
   got = _run_kernel(x, q)
   assert got.dtype == jnp.float16
   _check_close(got, x, q)
@@ -159,18 +160,19 @@ def test_refuses_unsupported_shapes():
       sds((1, 128), jnp.bfloat16), q.codes, q.scale, q.zero).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("m,n_in,n_out,config,dtype", [
-    (1, 4096, 6144, W4A16Config(), jnp.bfloat16),                                 # wqkv
-    (4, 14336, 4096, W4A16Config(), jnp.bfloat16),                                # w_down
-    (8, 4096, 28672, W4A16Config(block_out=128, groups_per_stage=2), jnp.bfloat16),  # w_gate_up
-    (64, 4096, 4096, W4A16Config(block_out=256, num_stages=2), jnp.bfloat16),    # the most rows
-    (3, 4096, 4096, W4A16Config(), jnp.float16),
+@pytest.mark.parametrize("m,n_in,n_out,config,dtype,group", [
+    (1, 4096, 6144, W4A16Config(), jnp.bfloat16, 128),                            # wqkv
+    (4, 14336, 4096, W4A16Config(), jnp.bfloat16, 128),                           # w_down
+    (8, 4096, 28672, W4A16Config(block_out=128, groups_per_stage=2), jnp.bfloat16, 128),
+    (64, 4096, 4096, W4A16Config(block_out=256, num_stages=2), jnp.bfloat16, 128),  # most rows
+    (3, 4096, 4096, W4A16Config(), jnp.float16, 128),
+    (1, 4096, 28672, W4A16Config(), jnp.bfloat16, 64),              # two groups of 64 a step
 ])
-def test_lowers_to_mosaic_gpu_for_cuda(m, n_in, n_out, config, dtype):
+def test_lowers_to_mosaic_gpu_for_cuda(m, n_in, n_out, config, dtype, group):
   sds = jax.ShapeDtypeStruct
   args = (sds((m, n_in), dtype), sds((n_in // 64, n_out, 8), jnp.uint32),
-          sds((n_in // 128, n_out), jnp.float16), sds((n_in // 128, n_out), jnp.float16))
-  f = lambda x, c, s, z: w4a16_matmul(x, c, s, z, in_features=n_in, group=128, config=config)
+          sds((n_in // group, n_out), jnp.float16), sds((n_in // group, n_out), jnp.float16))
+  f = lambda x, c, s, z: w4a16_matmul(x, c, s, z, in_features=n_in, group=group, config=config)
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "stablehlo.custom_call @mosaic_gpu_v2" in text
 
