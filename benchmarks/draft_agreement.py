@@ -14,7 +14,8 @@ generation, so quantizers can be told apart:
 
 Quantizers (--variants): rtn; gptq (index order, non-static groups, each layer calibrated on the
 full-precision model's inputs: session 38's); gptq-act (act_order); gptq-seq (sequential);
-gptq-act-seq (both). GPTQ calibrates on --calibration-sources: book (--calibration-tokens tokens
+gptq-act-seq (both); gptq-act-seq-true (and true_sequential: within a layer, each linear
+calibrated on the layer with its earlier linears quantized). GPTQ calibrates on --calibration-sources: book (--calibration-tokens tokens
 from --calibration-offset), self-chat (the model's greedy answers, --calibration-new-tokens long,
 to MT-Bench prompts [--calibration-prompts) of --calibration-turns, disjoint from the evaluated
 ones; one sequence per conversation, as many tokens) and mixed (both).
@@ -44,8 +45,9 @@ from sparsedec.model.quant_weights import quantize_params  # noqa: E402
 from sparsedec.prompts import book, mt_bench  # noqa: E402
 from sparsedec.weights.checkpoint import load_model  # noqa: E402
 
-VARIANTS = {"rtn": None, "gptq": (False, False), "gptq-act": (True, False),
-            "gptq-seq": (False, True), "gptq-act-seq": (True, True)}
+VARIANTS = {"rtn": None, "gptq": (False, False, False), "gptq-act": (True, False, False),
+            "gptq-seq": (False, True, False), "gptq-act-seq": (True, True, False),
+            "gptq-act-seq-true": (True, True, True)}
 
 
 def main(argv=None):
@@ -114,9 +116,10 @@ def main(argv=None):
     if VARIANTS[variant] is None:
       layers = quantize_params(params, args.weight_group)["layers"]
     else:
-      act_order, sequential = VARIANTS[variant]
+      act_order, sequential, true_sequential = VARIANTS[variant]
       layers = gptq_quantize_params(cfg, params, calibration[source], group=args.weight_group,
-                                    act_order=act_order, sequential=sequential)
+                                    act_order=act_order, sequential=sequential,
+                                    true_sequential=true_sequential)
     seconds = time.perf_counter() - t0
     draft = {**params, "layers": layers}
     row = {"variant": variant, "calibration": source, "quantize_seconds": round(seconds, 1)}

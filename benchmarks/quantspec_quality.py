@@ -163,6 +163,9 @@ def main():
   ap.add_argument("--gptq-sequential", type=int, choices=(0, 1), default=1,
                   help="GPTQ calibrates each layer on the quantized earlier layers' outputs (1) "
                        "or on the full-precision model's (0)")
+  ap.add_argument("--gptq-true-sequential", type=int, choices=(0, 1), default=0,
+                  help="GPTQ calibrates each linear on its layer with the earlier linears "
+                       "quantized (1) or on the layer as it is (0)")
   ap.add_argument("--skip-ppl", action="store_true")
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "quantspec_quality.json"))
@@ -211,7 +214,8 @@ def main():
     t0 = time.perf_counter()
     draft = gptq_quantize_params(cfg, params, calibration,
                                  group=args.weight_group, act_order=bool(args.gptq_act_order),
-                                 sequential=bool(args.gptq_sequential))
+                                 sequential=bool(args.gptq_sequential),
+                                 true_sequential=bool(args.gptq_true_sequential))
     run_params = with_draft(params, draft)
     result["gptq_seconds"] = time.perf_counter() - t0
     log(f"GPTQ draft in {result['gptq_seconds']:.1f} s")

@@ -196,6 +196,37 @@ def test_layer_calibration_matches_whole_forwards_and_sequential_feeds_the_draft
   assert not np.allclose(h1["wqkv"], whole[1]["wqkv"], rtol=1e-3)
 
 
+def test_true_sequential_calibrates_each_linear_on_the_layer_with_its_earlier_linears_quantized(
+    stories):
+  """true_sequential: within a layer, each linear's Hessian comes from the layer with the linears
+  before it (wqkv, wo, w_gate_up, w_down) already quantized. Checked against whole forwards
+  (`linear_input_hessians`) of models whose layer 1 is quantized up to that linear: layer 1's
+  codes are GPTQ on those Hessians; wqkv (inputs before any of the layer's linears) is the plain
+  sequential one's, and the later linears' Hessians differ from it."""
+  cfg, params, tok = stories
+  ids = _calibration(tok, 200)
+  seq = gptq.gptq_quantize_params(cfg, params, ids, group=32, chunk=64, act_order=False)
+  true = gptq.gptq_quantize_params(cfg, params, ids, group=32, chunk=64, act_order=False,
+                                   true_sequential=True)
+  layer = dict(params["layers"][1])
+  plain = None
+  for name in QUANTIZED_LINEARS:
+    fed = {**params, "layers": [true[0], layer] + list(params["layers"][2:])}
+    h = gptq.linear_input_hessians(cfg, fed, ids, chunk=64, layers=[1])[0]
+    plain = plain or h                          # the first: layer 1 still full precision
+    want = gptq.gptq_quantize_weight(params["layers"][1][name], h[name], 32, act_order=False)
+    got = np.asarray(true[1][name].codes)
+    assert np.mean(got == np.asarray(want.codes)) > 0.995, name   # fp32 device vs fp64 host H
+    if name != "wqkv":
+      assert not np.allclose(h[name], plain[name], rtol=1e-3), name
+    layer[name] = true[1][name]
+  np.testing.assert_array_equal(np.asarray(true[0]["wqkv"].codes), np.asarray(seq[0]["wqkv"].codes))
+  assert any(not np.array_equal(np.asarray(true[1][n].codes), np.asarray(seq[1][n].codes))
+             for n in QUANTIZED_LINEARS[1:])
+  with pytest.raises(InputError, match="true_sequential must be a bool"):
+    gptq.gptq_quantize_params(cfg, params, ids, group=32, true_sequential=1)
+
+
 def test_several_calibration_sequences_sum_their_hessians(stories):
   """Several sequences are separate causal contexts: their Hessians are the sum of each one's
   alone (and not the Hessians of their concatenation, where the second sees the first)."""

@@ -61,6 +61,7 @@ DRAFT_KEY = "draft_layers"      # params[DRAFT_KEY]: the draft's quantized layer
 DEFAULT_DAMP = 0.01
 DEFAULT_ACT_ORDER = True
 DEFAULT_SEQUENTIAL = True
+DEFAULT_TRUE_SEQUENTIAL = False
 BLOCK_ROWS = 128                # rows per lazy-update block (a multiple of the group)
 CALIBRATION_BATCH = 16          # calibration sequences of one length bucket walked together
 
@@ -300,10 +301,10 @@ class LayerCalibration:
                                        for s in range(0, n * self.chunk, self.chunk)]))
     self._run = jax.jit(self._chunk, static_argnames="grams")
 
-  def _chunk(self, lp, x, start, valid, k_cache, v_cache, grams):
+  def _chunk(self, lp, x, start, valid, k_cache, v_cache, grams: tuple[str, ...]):
     """Layer lp over one chunk x [rows, chunk, Dm] at positions start.. (valid [rows]: how many
     of the chunk's tokens each row has): its output, the chunk's K/V written into the layer's
-    cache [rows, Hkv, S, D], and (grams) its linears' input sums over the valid tokens."""
+    cache [rows, Hkv, S, D], and the input sums over the valid tokens of the linears in grams."""
     cfg = self.cfg
     rows = x.shape[0]
     pos = jnp.broadcast_to(start + jnp.arange(self.chunk, dtype=jnp.int32), (rows, self.chunk))
@@ -313,12 +314,12 @@ class LayerCalibration:
                                jnp.full((rows,), start, jnp.int32), causal_plan(self.chunk), taps)
     k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.transpose(0, 2, 1, 3), start, 2)
     v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.transpose(0, 2, 1, 3), start, 2)
-    sums = {name: _gram(taps[name], valid) for name in QUANTIZED_LINEARS} if grams else None
+    sums = {name: _gram(taps[name], valid) for name in grams}
     return y, k_cache, v_cache, sums
 
-  def _through(self, lp, grams: bool):
+  def _through(self, lp, grams: tuple[str, ...]):
     cfg = self.cfg
-    out, total = [], {name: 0.0 for name in QUANTIZED_LINEARS}
+    out, total = [], {name: 0.0 for name in grams}
     for lengths, xs in self.batches:
       shape = (len(lengths), cfg.num_kv_heads, len(xs) * self.chunk, cfg.head_dim)
       k_cache, v_cache = jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
@@ -329,43 +330,58 @@ class LayerCalibration:
         y, k_cache, v_cache, sums = self._run(lp, x, jnp.int32(start), valid, k_cache, v_cache,
                                               grams)
         ys.append(y)
-        for name in QUANTIZED_LINEARS if grams else ():
+        for name in grams:
           total[name] = total[name] + sums[name]
       out.append((lengths, ys))
     return out, total
 
-  def hessians(self, lp: dict, advance: bool = False) -> dict[str, jax.Array]:
-    """sum x x^T (fp32 [In, In], on the device) of layer lp's linear inputs, on the current
-    hidden states; advance: the hidden states then become lp's outputs (the same pass)."""
-    out, total = self._through(lp, grams=True)
+  def hessians(self, lp: dict, advance: bool = False,
+               names: tuple[str, ...] = QUANTIZED_LINEARS) -> dict[str, jax.Array]:
+    """sum x x^T (fp32 [In, In], on the device) of the inputs of layer lp's linears `names`, on
+    the current hidden states; advance: the hidden states then become lp's outputs (the same
+    pass)."""
+    out, total = self._through(lp, grams=tuple(names))
     if advance:
       self.batches = out
     return total
 
   def advance(self, lp: dict) -> None:
     """The hidden states become layer lp's outputs (lp full precision, or a quantized layer)."""
-    self.batches = self._through(lp, grams=False)[0]
+    self.batches = self._through(lp, grams=())[0]
 
 
 def gptq_quantize_params(cfg: ModelConfig, params: Params, tokens, *, group: int = 128,
                          layout: str = "packed", damp: float = DEFAULT_DAMP, chunk: int = 512,
                          act_order: bool = DEFAULT_ACT_ORDER,
                          sequential: bool = DEFAULT_SEQUENTIAL,
+                         true_sequential: bool = DEFAULT_TRUE_SEQUENTIAL,
                          on_layer: Callable[[int, dict], None] | None = None) -> list[dict]:
   """The draft's layers: every layer's linears (`QUANTIZED_LINEARS`) GPTQ-quantized against
   calibration tokens (one sequence [N] or several, `LayerCalibration`), the rest of each layer as
   it is; layer by layer (sequential: each layer's inputs come from the quantized layers before
-  it). on_layer(i, quantized_layer) is called as each layer is done (progress, timing)."""
-  if not isinstance(sequential, bool):
-    raise InputError(f"GPTQ sequential must be a bool, got {sequential!r}")
+  it; true_sequential: within a layer too, each linear's inputs come from the layer with its
+  earlier linears already quantized: one calibration pass a linear instead of one a layer).
+  on_layer(i, quantized_layer) is called as each layer is done (progress, timing)."""
+  for name, flag in (("sequential", sequential), ("true_sequential", true_sequential)):
+    if not isinstance(flag, bool):
+      raise InputError(f"GPTQ {name} must be a bool, got {flag!r}")
   cal = LayerCalibration(cfg, params, tokens, chunk=chunk)
   out = []
   last = len(params["layers"]) - 1                # the last layer's outputs feed nothing
   for i, lp in enumerate(params["layers"]):
-    hessians = cal.hessians(lp, advance=not sequential and i < last)
-    qlp = {name: gptq_quantize_weight(lp[name], hessians[name], group, layout, damp, act_order)
-           if name in QUANTIZED_LINEARS else x for name, x in lp.items()}
-    del hessians
+    qlp = dict(lp)
+    if true_sequential:
+      for name in QUANTIZED_LINEARS:             # in the order the layer uses them
+        h = cal.hessians(qlp, names=(name,))[name]
+        qlp[name] = gptq_quantize_weight(lp[name], h, group, layout, damp, act_order)
+        del h
+      if not sequential and i < last:
+        cal.advance(lp)
+    else:
+      hessians = cal.hessians(lp, advance=not sequential and i < last)
+      qlp.update({name: gptq_quantize_weight(lp[name], hessians[name], group, layout, damp,
+                                             act_order) for name in QUANTIZED_LINEARS})
+      del hessians
     if on_layer is not None:
       on_layer(i, qlp)
     if sequential and i < last:                   # the next layer sees the quantized one
