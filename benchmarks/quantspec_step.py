@@ -28,6 +28,10 @@ times QuantSpec.step itself as a check):
   r * gamma = a + ... + a^gamma, which is solved for a (then E = 1 + r * gamma). --acceptance A
   uses a = A for every gamma instead.
 
+--reproject RUN.json ... times nothing: it projects from earlier runs' rows with --acceptance-json
+files measured elsewhere (each draft matched to its weight group's acceptance where the files hold
+several groups) and lists the best gamma per context, draft and acceptance source.
+
 Memory: each kind (dense, quantspec) runs in its own process (unless --no-isolate), contexts in
 ascending order, so the device's peak_bytes_in_use after a context is that context's peak
 (weights + cache + temporaries; JAX cannot reset the peak). Analytical bytes (weights, caches,
@@ -378,10 +382,9 @@ PROJECTION_NOTE = (
     "--full-step times them).")
 
 
-def load_acceptance(paths: str | list[str] | None) -> list[dict]:
-  """The acceptance rows of quantspec_quality.py's JSONs ([] for none or a missing file), each
+def load_acceptance(paths: list[str]) -> list[dict]:
+  """The acceptance rows of quantspec_quality.py's JSONs (a missing file gives none), each
   labelled with its prompt set and, when the file says, its draft weight group."""
-  paths = [paths] if isinstance(paths, str) else list(paths or [])
   rows = []
   for path in paths:
     if not os.path.exists(path):
