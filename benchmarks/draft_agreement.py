@@ -40,7 +40,7 @@ from benchmarks.quantspec_quality import (calibration_questions, quantized_pass,
 from sparsedec.bench import (DEFAULT_SMOLLM2_GGUF, device_description,  # noqa: E402
                              encode_prompts, log)
 from sparsedec.decode.api import generate  # noqa: E402
-from sparsedec.model.gptq import gptq_quantize_params  # noqa: E402
+from sparsedec.model.gptq import DEFAULT_DAMP, gptq_quantize_params  # noqa: E402
 from sparsedec.model.quant_weights import quantize_params  # noqa: E402
 from sparsedec.prompts import book, mt_bench  # noqa: E402
 from sparsedec.weights.checkpoint import load_model  # noqa: E402
@@ -71,6 +71,8 @@ def main(argv=None):
                   metavar=("FIRST", "STOP"))
   ap.add_argument("--calibration-new-tokens", type=int, default=None,
                   help="length of the self-chat calibration answers (default --new-tokens)")
+  ap.add_argument("--gptq-damp", type=float, default=DEFAULT_DAMP,
+                  help="GPTQ's damping: this fraction of the mean Hessian diagonal is added to it")
   ap.add_argument("--calibration-turns", type=int, nargs="+", default=[1],
                   help="MT-Bench turns whose questions --calibration-prompts are asked (each "
                        "on its own): 1, or 1 2 for twice as many prompts")
@@ -119,7 +121,7 @@ def main(argv=None):
       act_order, sequential, true_sequential = VARIANTS[variant]
       layers = gptq_quantize_params(cfg, params, calibration[source], group=args.weight_group,
                                     act_order=act_order, sequential=sequential,
-                                    true_sequential=true_sequential)
+                                    true_sequential=true_sequential, damp=args.gptq_damp)
     seconds = time.perf_counter() - t0
     draft = {**params, "layers": layers}
     row = {"variant": variant, "calibration": source, "quantize_seconds": round(seconds, 1)}
