@@ -15,10 +15,11 @@ generation, so quantizers can be told apart:
 Quantizers (--variants): rtn; gptq (index order, non-static groups, each layer calibrated on the
 full-precision model's inputs: session 38's); gptq-act (act_order); gptq-seq (sequential);
 gptq-act-seq (both); gptq-act-seq-true (and true_sequential: within a layer, each linear
-calibrated on the layer with its earlier linears quantized). GPTQ calibrates on --calibration-sources: book (--calibration-tokens tokens
-from --calibration-offset), self-chat (the model's greedy answers, --calibration-new-tokens long,
-to MT-Bench prompts [--calibration-prompts) of --calibration-turns, disjoint from the evaluated
-ones; one sequence per conversation, as many tokens) and mixed (both).
+calibrated on the layer with its earlier linears quantized); --gptq-damp sets GPTQ's damping.
+GPTQ calibrates on --calibration-sources: book (--calibration-tokens tokens from
+--calibration-offset), self-chat (the model's greedy answers, --calibration-new-tokens long, to
+MT-Bench prompts [--calibration-prompts) of --calibration-turns, disjoint from the evaluated ones;
+one sequence per conversation, as many tokens) and mixed (both).
 
   .venv/bin/python benchmarks/draft_agreement.py --out benchmarks/results/draft_agreement_cpu.json
 """
