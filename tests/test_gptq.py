@@ -220,7 +220,8 @@ def test_true_sequential_calibrates_each_linear_on_the_layer_with_its_earlier_li
     if name != "wqkv":
       assert not np.allclose(h[name], plain[name], rtol=1e-3), name
     layer[name] = true[1][name]
-  np.testing.assert_array_equal(np.asarray(true[0]["wqkv"].codes), np.asarray(seq[0]["wqkv"].codes))
+  np.testing.assert_array_equal(np.asarray(true[0]["wqkv"].codes),
+                                np.asarray(seq[0]["wqkv"].codes))
   assert any(not np.array_equal(np.asarray(true[1][n].codes), np.asarray(seq[1][n].codes))
              for n in QUANTIZED_LINEARS[1:])
   with pytest.raises(InputError, match="true_sequential must be a bool"):
