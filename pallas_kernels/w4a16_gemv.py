@@ -63,8 +63,15 @@ splits of 7 steps instead of 9 of 13), wqkv 10.27 -> 9.41 (11 of 3 instead of 6 
 `target_blocks` replaces the wave as the budget. A call is thus three launches: the x relayout,
 the kernel, the split sum.
 
+Groups smaller than a chunk (G = 16 or 32: GGUF's Q4_0 / Q4_1 blocks are 32 inputs): one 64-input
+chunk then spans 64 / G groups, so the [64, 64] scale and zero operands take group j's values in
+columns [j G, (j + 1) G) of the tile (a select on a column iota; the column of each register of
+the WGMMA fragment is static, so the compiler can resolve the selects). A pipeline step then holds
+a multiple of 64 / G groups (whole chunks).
+
 Limits (InputError otherwise): x bf16 or fp16 with 1..64 rows; Out a multiple of 64; G a multiple
-of 64; codes uint32 [In_pad / 64, Out, 8] with In_pad = (In_pad / G) * G >= in_features.
+of 64, or 16 or 32; codes uint32 [In_pad / 64, Out, 8] with In_pad = (In_pad / G) * G >= in_features
+and a multiple of 64.
 
 Interpret mode (`interpret=plgpu.InterpretGPUParams()`, CPU): its wgmma takes no register A
 operand, so the code tile goes through an SMEM buffer there (as in quant_attention).
@@ -99,6 +106,7 @@ CODE_OFFSET = 8         # the int4 codes store c - 8
 META_DTYPE = jnp.float16
 ROWS_PER_STAGE = 128      # the default step: 128 input rows (H200 session 41: groups of 64 at one
                           # group a step took 8-20% longer per draft forward than groups of 128)
+SMALL_GROUPS = (16, 32)    # groups below a chunk: 64 / G groups share each code chunk
 MAX_BLOCKS_PER_SM = 8     # 128 threads x 63 registers (ncu, session 9): 8 blocks fill 64K registers
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -159,14 +167,28 @@ def unsupported_reason(n_rows: int, n_out: int, group: int, dtype) -> str | None
     return f"x must have 1..{MAX_ROWS} rows (the wgmma N dimension), got {n_rows}"
   if n_out < 1 or n_out % TILE_OUT:
     return f"Out={n_out} must be a positive multiple of {TILE_OUT} (the wgmma M tile)"
-  if not is_int(group) or group < CHUNK or group % CHUNK:
-    return f"quant group {group} must be a multiple of {CHUNK} (the code chunk)"
-  smallest = smem_bytes(n_rows, group, block_out=TILE_OUT, groups_per_stage=1, num_stages=1,
+  if not group_supported(group):
+    return (f"quant group {group} must be a multiple of {CHUNK} (the code chunk) or one of "
+            f"{SMALL_GROUPS}")
+  smallest = smem_bytes(n_rows, group, block_out=TILE_OUT,
+                        groups_per_stage=groups_per_chunk(group), num_stages=1,
                         itemsize=jnp.dtype(dtype).itemsize)
   if smallest > SMEM_PER_SM:
     return (f"quant group {group} needs {smallest} bytes of shared memory per block even with "
             f"one stage (> {SMEM_PER_SM})")
   return None
+
+
+def group_supported(group) -> bool:
+  """Whether the code layout and the kernel take quant groups of `group` input rows: a multiple
+  of the 64-input chunk, or one of SMALL_GROUPS (several groups a chunk)."""
+  return is_int(group) and (group in SMALL_GROUPS or (group >= CHUNK and group % CHUNK == 0))
+
+
+def groups_per_chunk(group: int) -> int:
+  """Quant groups in one 64-input code chunk (1 for groups of 64 or more): a pipeline step holds
+  a multiple of this many groups."""
+  return max(1, CHUNK // group)
 
 
 def smem_bytes(n_rows: int, group: int, *, block_out: int, groups_per_stage: int,
@@ -212,19 +234,21 @@ class Plan:
 def plan(n_rows: int, n_out: int, n_groups: int, group: int, cfg: W4A16Config,
          itemsize: int = 2) -> Plan:
   """The tiling the kernel uses for x [n_rows, In], Out outputs and In_pad / G groups: the
-  config's block_out / groups_per_stage reduced to divisors, no more stages than a split has
+  config's block_out / groups_per_stage reduced to divisors (groups_per_stage: multiples of
+  `groups_per_chunk`, so a step is whole chunks), no more stages than a split has
   steps, and stages, then groups per stage, then block_out reduced while the block's shared
   memory is over SMEM_PER_SM (InputError when even the smallest tiling is)."""
   block_out = _largest_divisor(n_out, cfg.block_out, TILE_OUT)
+  gpc = groups_per_chunk(group)
   wanted = cfg.groups_per_stage or max(1, ROWS_PER_STAGE // group)
-  gps = _largest_divisor(n_groups, wanted)
+  gps = _largest_divisor(n_groups, max(wanted, gpc), gpc)
   stages = cfg.num_stages
   smem = functools.partial(smem_bytes, n_rows, group, itemsize=itemsize)
   while smem(block_out=block_out, groups_per_stage=gps, num_stages=stages) > SMEM_PER_SM:
     if stages > 1:
       stages -= 1
-    elif gps > 1:
-      gps = _largest_divisor(n_groups, gps - 1)
+    elif gps > gpc:
+      gps = _largest_divisor(n_groups, gps - gpc, gpc)
     elif block_out > TILE_OUT:
       block_out = _largest_divisor(n_out, block_out - TILE_OUT, TILE_OUT)
     else:
@@ -262,8 +286,9 @@ def _partials(xc, codes_t, scale, zero, *, group: int, p: Plan, interpret: Any =
   dtype = xc.dtype
   block_out, gps, num_stages = p.block_out, p.groups_per_stage, p.num_stages
   m_tiles = block_out // TILE_OUT
-  cpg = group // CHUNK                        # chunks per group
-  cps = gps * cpg                             # chunks per pipeline step
+  gpc = groups_per_chunk(group)               # groups per chunk (1 unless G < 64)
+  cpg = max(1, group // CHUNK)                # chunks per group (1 if G < 64)
+  cps = gps * group // CHUNK                  # chunks per pipeline step
   row = plgpu.Layout.WGMMA.reduce(1)          # a vector along a tile's rows (outputs)
 
   def body(x_ref,        # [In_pad / 64, N, 64] dtype
@@ -286,7 +311,7 @@ def _partials(xc, codes_t, scale, zero, *, group: int, p: Plan, interpret: Any =
 
     def fetch(step, slot):
       g0 = (first + step) * gps                 # first group of the step
-      c0 = g0 * cpg                             # its first chunk
+      c0 = (first + step) * cps                 # its first chunk
       bar = barriers.at[slot]
       plgpu.copy_gmem_to_smem(
           codes_ref.at[pl.ds(c0, cps), pl.ds(tile * (block_out // 4), block_out // 4)],
@@ -318,25 +343,43 @@ def _partials(xc, codes_t, scale, zero, *, group: int, p: Plan, interpret: Any =
                            for v in (s, z)))
       return metas
 
+    def chunk_meta(slot, cc):
+      """G < 64: chunk cc's operands, group j's values in the tile's columns [j G, (j + 1) G)."""
+      if interpret is None:
+        col = plgpu.broadcasted_iota(jnp.int32, (TILE_OUT, CHUNK), 1, layout=plgpu.Layout.WGMMA)
+      else:
+        col = lax.broadcasted_iota(jnp.int32, (TILE_OUT, CHUNK), 1)
+      per_group = [group_meta(slot, cc * gpc + j) for j in range(gpc)]
+      metas = []
+      for mt in range(m_tiles):
+        s, z = per_group[-1][mt]
+        for j in reversed(range(gpc - 1)):
+          in_j = col < (j + 1) * group
+          s = jnp.where(in_j, per_group[j][mt][0], s)
+          z = jnp.where(in_j, per_group[j][mt][1], z)
+        metas.append((s, z))
+      return metas
+
     def main_scope(*acc_refs):                  # [64, N] fp32 per output tile, all steps
       def step_fn(step, carry):
         slot = lax.rem(step, jnp.int32(num_stages))
         plgpu.barrier_wait(barriers.at[slot])
-        for g in range(gps):
-          metas = group_meta(slot, g)
-          for c in range(cpg):
-            cc = g * cpg + c
-            for mt, acc_ref in enumerate(acc_refs):
-              s, z = metas[mt]
-              a = codes(c_smem.at[slot, cc, pl.ds(mt * TILE_ROWS, TILE_ROWS)]) * s + z
-              mma(acc_ref, a, x_smem.at[slot, cc].transpose((1, 0)))
-            # One chunk's wgmmas stay in flight while the next chunk is dequantized; all
-            # earlier ones (their A registers, and the previous step's SMEM) are done.
-            plgpu.wgmma_wait(m_tiles)
-            if g == 0 and c == 0 and num_stages > 1:   # the previous step's slot is free
-              prev, nxt = step - 1, step - 1 + num_stages
-              pl.when((step > 0) & (nxt < my_steps))(
-                  lambda: fetch(nxt, lax.rem(prev, jnp.int32(num_stages))))
+        for cc in range(cps):
+          if gpc > 1:
+            metas = chunk_meta(slot, cc)
+          elif cc % cpg == 0:
+            metas = group_meta(slot, cc // cpg)
+          for mt, acc_ref in enumerate(acc_refs):
+            s, z = metas[mt]
+            a = codes(c_smem.at[slot, cc, pl.ds(mt * TILE_ROWS, TILE_ROWS)]) * s + z
+            mma(acc_ref, a, x_smem.at[slot, cc].transpose((1, 0)))
+          # One chunk's wgmmas stay in flight while the next chunk is dequantized; all
+          # earlier ones (their A registers, and the previous step's SMEM) are done.
+          plgpu.wgmma_wait(m_tiles)
+          if cc == 0 and num_stages > 1:               # the previous step's slot is free
+            prev, nxt = step - 1, step - 1 + num_stages
+            pl.when((step > 0) & (nxt < my_steps))(
+                lambda: fetch(nxt, lax.rem(prev, jnp.int32(num_stages))))
         if num_stages == 1:                     # one slot: refill it once it is read
           plgpu.wgmma_wait(0)
           pl.when(step + 1 < my_steps)(lambda: fetch(step + 1, slot))
@@ -413,7 +456,7 @@ def _check_inputs(x, codes_t, scale, zero, in_features, group):
                        f"got {a.shape}")
     if jnp.dtype(a.dtype) != jnp.dtype(META_DTYPE):
       raise InputError(f"{name} must be float16, got {a.dtype}")
-  if not in_pad - group < in_features <= in_pad:
+  if not in_pad - max(group, CHUNK) < in_features <= in_pad:    # whole groups, whole chunks
     raise InputError(f"in_features={in_features} does not fit In_pad={in_pad} (group {group})")
   if x.shape[1] != in_features:
     raise InputError(f"x must be [M, In={in_features}], got shape {x.shape}")

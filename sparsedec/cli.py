@@ -67,8 +67,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
   qs.add_argument("--draft-weight-group", type=int, default=None,
                   help="input rows per group of the draft's 4-bit weights (default 128); 64 "
                        "is accepted more often (SmolLM2 MT-Bench, GPTQ: 0.89 against 0.85 at "
-                       "gamma 1) for ~3%% more draft time (8B shapes, 8K, H200); a multiple of "
-                       "64 keeps the W4A16 kernel on a GPU")
+                       "gamma 1) for ~3%% more draft time (8B shapes, 8K, H200); 32 reproduces "
+                       "a GGUF Q4_1 checkpoint's weights exactly; 16, 32 or a multiple of 64 "
+                       "keeps the W4A16 kernel on a GPU")
   qs.add_argument("--draft-sampling", default=None, choices=("sample", "argmax"),
                   help="when sampling (--temperature > 0): draw the drafts from the draft's "
                        "distribution and accept with min(1, p/q) (sample, Leviathan et al.), or "

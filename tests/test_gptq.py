@@ -322,7 +322,7 @@ def test_bad_inputs_are_refused_by_name(stories):
   with pytest.raises(InputError, match="group"):
     gptq.gptq_quantize_weight(w, np.eye(64), group=0)
   with pytest.raises(InputError, match="int4_t"):
-    gptq.gptq_quantize_weight(w, np.eye(64), group=32, layout="int4_t")
+    gptq.gptq_quantize_weight(w, np.eye(64), group=16 * 3, layout="int4_t")
   with pytest.raises(InputError, match="non-finite"):
     gptq.gptq_quantize_weight(w, np.full((64, 64), np.nan), group=32)
   with pytest.raises(InputError, match="act_order"):

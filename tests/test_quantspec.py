@@ -178,6 +178,33 @@ def test_weight_quantization_round_trip_and_padding():
                              rtol=1e-5, atol=1e-5)
 
 
+def test_group_32_reproduces_q4_1_blocks_exactly():
+  """A Q4_1 weight (GGUF: blocks of 32 inputs, w = d q + m, d and m fp16) quantized at group 32
+  gets back its own grid and codes: the draft's weights equal the target's, bit for bit."""
+  import gguf
+  from gguf import quants
+  x = np.asarray(rand.normal(jax.random.key(5), (48, 256))) * np.exp(
+      np.asarray(rand.normal(jax.random.key(6), (48, 1))))                # [Out, In], GGUF order
+  t = gguf.GGMLQuantizationType.Q4_1
+  w = quants.dequantize(quants.quantize(x.astype(np.float32), t), t).T     # [In, Out]
+  for layout in ("packed", "int4_t"):
+    q = quantize_weight(jnp.asarray(w), group=32, layout=layout)
+    np.testing.assert_array_equal(np.asarray(q.dequantize()), w)
+  # Not a property of any grid: at group 64 the same weight is not reproduced.
+  assert np.abs(np.asarray(quantize_weight(jnp.asarray(w), group=64).dequantize()) - w).max() > 0
+
+
+def test_group_32_draft_of_the_q4_1_smollm2_is_its_own_weights(smollm2):
+  """SmolLM2's GGUF stores every linear as Q4_1: its group-32 draft has the target's weights
+  exactly (first and last layer checked), so the draft differs only by the 4-bit KV view."""
+  _, params, _ = smollm2
+  for lp in (params["layers"][0], params["layers"][-1]):
+    for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+      w = np.asarray(lp[name])
+      q = quantize_weight(jnp.asarray(w), group=32, layout="int4_t")
+      np.testing.assert_array_equal(np.asarray(q.dequantize()), w, err_msg=name)
+
+
 # ------------------------------------------------------------------------------------------------
 # The method.
 # ------------------------------------------------------------------------------------------------
@@ -319,7 +346,8 @@ def test_bad_knobs_are_refused_by_name(stories):
   with pytest.raises(InputError, match="weight_layout"):
     QuantSpec(weight_layout="int3")
   with pytest.raises(InputError, match="multiple of 64"):
-    QuantSpec(weight_layout="int4_t", weight_group=32)
+    QuantSpec(weight_layout="int4_t", weight_group=48)
+  assert QuantSpec(weight_layout="int4_t", weight_group=32).resolved_weight_layout() == "int4_t"
   assert QuantSpec().resolved_weight_layout() == "packed"          # "auto", off the GPU
   assert QuantSpec(weight_layout="int4_t").resolved_weight_layout() == "int4_t"
   with pytest.raises(InputError, match="knob 'window'"):

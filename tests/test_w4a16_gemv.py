@@ -97,6 +97,29 @@ def test_kernel_fp16_group_64():
   _check_close(got, x, q)
 
 
+@pytest.mark.parametrize("group,m,n_in,n_out,config", [
+    (32, 1, 256, 64, W4A16Config()),                        # 4 groups (2 chunks) a step
+    (32, 3, 200, 192, W4A16Config(groups_per_stage=3, num_stages=2)),  # 2 a step; In_pad 256
+    (32, 8, 384, 64, W4A16Config(num_splits=2, num_stages=2)),      # split-K, 2 stages
+    (16, 2, 256, 128, W4A16Config(block_out=128)),          # 4 groups a chunk, 2 tiles a block
+])
+def test_kernel_groups_below_a_chunk(group, m, n_in, n_out, config):
+  """Groups of 32 (GGUF Q4_0 / Q4_1 blocks) and 16: several groups share each 64-input chunk,
+  each group's scale and zero applied to its own columns of the code tile."""
+  q = _weight(group + m, n_in, n_out, group=group)
+  assert q.in_padded % 64 == 0 and q.scale.shape[0] * group == q.in_padded
+  p = plan(m, n_out, q.scale.shape[0], group, config)
+  assert p.groups_per_stage % (64 // group) == 0                     # whole chunks a step
+  x = rand.normal(jax.random.key(m), (m, n_in), jnp.bfloat16)
+  got = _run_kernel(x, q, config)
+  _check_close(got, x, q)
+  # Each group's grid matters: the same codes with group j's scales swapped for its neighbour's
+  # give another product (a kernel applying one scale per chunk would not see the difference).
+  swapped = q.replace(scale=q.scale.reshape(-1, 2, n_out)[:, ::-1].reshape(q.scale.shape))
+  assert np.abs(np.asarray(_run_kernel(x, swapped, config), np.float32)
+                - np.asarray(got, np.float32)).max() > 1e-2
+
+
 def test_plan():
   p = plan(1, 4096, 32, 128, W4A16Config())          # wo: 64 tiles, 32 steps
   assert (p.block_out, p.out_tiles, p.steps) == (64, 64, 32)
@@ -126,6 +149,12 @@ def test_plan():
   assert p.smem_bytes <= w4.SMEM_PER_SM
   with pytest.raises(InputError, match="shared memory"):
     plan(64, 4096, 1, 4096, W4A16Config())
+  # Groups below a chunk: 128 rows a step (4 groups of 32, 8 of 16), always whole chunks.
+  assert plan(1, 4096, 128, 32, W4A16Config()).groups_per_stage == 4
+  assert plan(1, 4096, 256, 16, W4A16Config()).groups_per_stage == 8
+  assert plan(1, 4096, 128, 32, W4A16Config(groups_per_stage=3)).groups_per_stage == 2
+  assert plan(1, 4096, 128, 32, W4A16Config(groups_per_stage=1)).groups_per_stage == 2
+  assert plan(1, 4096, 6, 32, W4A16Config()).groups_per_stage == 2       # 3 chunks: 1 a step
 
 
 def test_refuses_unsupported_shapes():
@@ -140,7 +169,9 @@ def test_refuses_unsupported_shapes():
   with pytest.raises(InputError, match="x must be"):
     run(jnp.zeros((1, 100), jnp.bfloat16))
   with pytest.raises(InputError, match="multiple of 64"):
-    run(x, group=32)
+    run(x, group=48)
+  with pytest.raises(InputError, match="scale must be"):
+    run(x, group=32)                                  # grids of 128 rows, not 4 x 32
   q96 = quantize_weight(jnp.ones((128, 96)), 128, "int4_t")
   with pytest.raises(InputError, match="Out=96"):
     w4a16_matmul(x, q96.codes, q96.scale, q96.zero, in_features=128, group=128)
@@ -167,6 +198,8 @@ def test_refuses_unsupported_shapes():
     (64, 4096, 4096, W4A16Config(block_out=256, num_stages=2), jnp.bfloat16, 128),  # most rows
     (3, 4096, 4096, W4A16Config(), jnp.float16, 128),
     (1, 4096, 28672, W4A16Config(), jnp.bfloat16, 64),              # two groups of 64 a step
+    (1, 4096, 28672, W4A16Config(), jnp.bfloat16, 32),              # two groups a chunk
+    (4, 14336, 4096, W4A16Config(), jnp.float16, 16),               # four groups a chunk
 ])
 def test_lowers_to_mosaic_gpu_for_cuda(m, n_in, n_out, config, dtype, group):
   sds = jax.ShapeDtypeStruct
@@ -181,7 +214,7 @@ def test_lowers_to_mosaic_gpu_for_cuda(m, n_in, n_out, config, dtype, group):
 # The "int4_t" layout.
 # ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_t_layout_holds_the_same_quantized_weight(group):
   w = rand.normal(jax.random.key(0), (172, 24), jnp.float32)   # In_pad 192 or 256
   t = quantize_weight(w, group=group, layout="int4_t")
@@ -207,11 +240,30 @@ def test_int4_t_layout_holds_the_same_quantized_weight(group):
 def test_int4_t_layout_refuses_groups_that_are_not_whole_chunks():
   with pytest.raises(InputError, match="multiple of 64"):
     quantize_weight(jnp.ones((30, 8)), group=10, layout="int4_t")
-  with pytest.raises(InputError, match="multiple of 64"):
-    quantize_weight(jnp.ones((128, 8)), group=32, layout="int4").to_layout("int4_t")
+  with pytest.raises(InputError, match=r"multiple of 64 .* or one of \(16, 32\)"):
+    quantize_weight(jnp.ones((128, 8)), group=48, layout="int4").to_layout("int4_t")
 
 
-@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("group", [16, 32])
+def test_int4_t_pads_small_groups_to_whole_chunks(group):
+  """In = 96 at groups of 16 / 32: "int4_t" adds whole groups of zero weights up to 128 rows
+  (2 chunks); the weight, its products and the conversions back are unchanged."""
+  w = rand.normal(jax.random.key(3), (96, 64), jnp.float32)
+  packed = quantize_weight(w, group=group)
+  t = quantize_weight(w, group=group, layout="int4_t")
+  assert packed.in_padded == 96 and t.in_padded == 128 and t.codes.shape == (2, 64, 8)
+  assert t.scale.shape == (128 // group, 64) and t.shape == (96, 64)
+  np.testing.assert_array_equal(np.asarray(packed.to_layout("int4_t").codes), np.asarray(t.codes))
+  np.testing.assert_array_equal(np.asarray(t.dequantize()), np.asarray(packed.dequantize()))
+  np.testing.assert_array_equal(np.asarray(t.to_layout("packed").dequantize()),
+                                np.asarray(packed.dequantize()))
+  x = rand.normal(jax.random.key(4), (3, 96))
+  hi = jax.lax.Precision.HIGHEST
+  np.testing.assert_allclose(np.asarray(quant_matmul(x, t, hi)),
+                             np.asarray(quant_matmul(x, packed, hi)), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("group", [16, 32, 64, 128])
 def test_int4_t_matmul_equals_the_int4_layout(group):
   w = rand.normal(jax.random.key(0), (172, 64), jnp.float32)
   t = quantize_weight(w, group=group, layout="int4_t")

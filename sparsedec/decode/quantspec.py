@@ -57,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+import pallas_kernels.w4a16_gemv as w4a16
 from sparsedec.attention import AttentionPlan, QuantView, Segment, causal_plan
 from sparsedec.decode.loop import StepContext, finish_step
 from sparsedec.decode.sampling import SamplingConfig, probabilities, split_keys
@@ -121,7 +122,7 @@ class QuantSpec:
   weight_group: int = 128          # input rows per weight group
   weight_layout: str = "auto"      # how the draft multiplies its 4-bit weights (quant_weights);
                                    # "auto": the W4A16 Pallas kernel's "int4_t" on a GPU (groups
-                                   # a multiple of 64), else "packed"
+                                   # a multiple of 64, or 16 or 32), else "packed"
   draft_sampling: str = "sample"   # when sampling: "sample" drafts from q (Leviathan), "argmax"
   name: str = "quantspec"
 
@@ -149,16 +150,16 @@ class QuantSpec:
     if self.weight_layout not in ("auto",) + LAYOUTS:
       raise InputError(f"quantspec weight_layout must be 'auto' or one of {LAYOUTS}, "
                        f"got {self.weight_layout!r}")
-    if self.weight_layout == "int4_t" and self.weight_group % 64:
-      raise InputError(f"quantspec weight_layout 'int4_t' needs weight_group a multiple of 64, "
-                       f"got {self.weight_group}")
+    if self.weight_layout == "int4_t" and not w4a16.group_supported(self.weight_group):
+      raise InputError(f"quantspec weight_layout 'int4_t' needs weight_group a multiple of 64 "
+                       f"or one of {w4a16.SMALL_GROUPS}, got {self.weight_group}")
 
   def resolved_weight_layout(self) -> str:
     """The draft's weight layout: weight_layout, with "auto" resolved for this backend."""
     if self.weight_layout != "auto":
       return self.weight_layout
     gpu = jax.default_backend() == "gpu"
-    return "int4_t" if gpu and self.weight_group % 64 == 0 else "packed"
+    return "int4_t" if gpu and w4a16.group_supported(self.weight_group) else "packed"
 
   @property
   def tokens_per_forward(self) -> int:

@@ -24,11 +24,13 @@ dequantized values are bit-identical, and `to_layout` converts between them exac
     codes once instead of materialising the bf16 weight (measured: benchmarks/NOTES.md).
   * "int4_t": uint32 [In_pad / 64, Out, 8] holding c - 8, the codes TRANSPOSED in 64-input
     chunks (row (k, o) holds c[64 k + i, o] - 8, i = 0..63, as 8 words of 8 codes in wgmma
-    fragment order; the group must be a multiple of 64), the layout of the Mosaic GPU W4A16 GEMV
-    kernel (`pallas_kernels.w4a16_gemv`: each [64 out, 64 in] tile is 2 KiB contiguous, its
-    bytes per thread already a wgmma register fragment). On a GPU, x with <= 64 rows (bf16/fp16,
-    Out a multiple of 64, group a multiple of 64) goes through that kernel; anything else through
-    the "int4_grouped" math in jnp on the chunks (both: per-group fp32 products, scaled after).
+    fragment order; the group a multiple of 64, or 16 or 32 (64 / G groups a chunk: GGUF's
+    Q4_0 / Q4_1 blocks), In_pad then padded with whole groups of zero weights to a multiple of
+    64), the layout of the Mosaic GPU W4A16 GEMV kernel (`pallas_kernels.w4a16_gemv`: each
+    [64 out, 64 in] tile is 2 KiB contiguous, its bytes per thread already a wgmma register
+    fragment). On a GPU, x with <= 64 rows (bf16/fp16, Out a multiple of 64) goes through that
+    kernel; anything else through the "int4_grouped" math in jnp on the chunks (both: per-group
+    fp32 products, scaled after).
 
 A params pytree from `quantize_params` is a drop-in for the forward. Quantized: wqkv, wo,
 w_gate_up, w_down of every layer; embeddings, lm_head, norms and biases stay as they are (the paper
@@ -96,8 +98,9 @@ class QuantWeight:
       return self
     if layout in _INT4_KN and self.layout in _INT4_KN:   # the same arrays
       return self.replace(layout=layout)
-    c = self.unsigned_codes()
-    return self.replace(codes=_store_codes(c, layout), layout=layout)
+    c, scale, zero = _whole_chunks(self.unsigned_codes(), self.scale, self.zero, self.group,
+                                   layout)
+    return self.replace(codes=_store_codes(c, layout), scale=scale, zero=zero, layout=layout)
 
   def num_bytes(self) -> int:
     return sum(array_bytes(x) for x in (self.codes, self.scale, self.zero))
@@ -113,9 +116,23 @@ def array_bytes(x) -> int:
 def _check_layout(layout: str, group: int) -> None:
   if layout not in LAYOUTS:
     raise InputError(f"weight layout must be one of {LAYOUTS}, got {layout!r}")
-  if layout == "int4_t" and group % w4a16.CHUNK:
+  if layout == "int4_t" and not w4a16.group_supported(group):
     raise InputError(f"weight layout 'int4_t' needs the quant group to be a multiple of "
-                     f"{w4a16.CHUNK} (whole groups per code chunk), got {group}")
+                     f"{w4a16.CHUNK} (whole groups per code chunk) or one of "
+                     f"{w4a16.SMALL_GROUPS}, got {group}")
+
+
+def _whole_chunks(c: jax.Array, scale: jax.Array, zero: jax.Array, group: int, layout: str):
+  """"int4_t" with groups below a chunk: codes c [In_pad, Out] and grids [In_pad / G, Out] padded
+  with whole groups of zero weights (code 0, step 1, zero 0; their inputs are zero) until In_pad
+  is a multiple of 64. Anything else is returned as it is."""
+  pad = -c.shape[0] % w4a16.CHUNK if layout == "int4_t" else 0
+  if not pad:
+    return c, scale, zero
+  rows = pad // group
+  return (jnp.pad(c, ((0, pad), (0, 0))),
+          jnp.pad(scale, ((0, rows), (0, 0)), constant_values=1),
+          jnp.pad(zero, ((0, rows), (0, 0))))
 
 
 def _store_codes(c: jax.Array, layout: str) -> jax.Array:
@@ -124,7 +141,7 @@ def _store_codes(c: jax.Array, layout: str) -> jax.Array:
     c = c.astype(jnp.uint8)
     return c[0::2] | (c[1::2] << 4)
   codes = (c.astype(jnp.int8) - CODE_OFFSET).astype(jnp.int4)
-  if layout == "int4_t":           # In_pad: whole groups, a multiple of 64 (_check_layout)
+  if layout == "int4_t":           # In_pad: whole groups, a multiple of 64 (_whole_chunks)
     return w4a16.to_chunked(codes)                                     # [In_pad/64, Out, 8]
   return codes
 
@@ -157,9 +174,14 @@ def padded_rows(w: jax.Array, group: int) -> jax.Array:
 
 def group_grid(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
   """rows [..., G, Out] (fp32) -> (zero, step) [..., Out] fp16: zero = the min rounded down, step =
-  (max - zero) / 15 rounded up (1 for a constant group), so no row's code clips."""
+  (max - zero) / 15 rounded up (1 for a constant group), so no row's code clips; one fp16 step
+  lower when 15 times that still spans the group (the fp32 1/15 can push the quotient of an
+  exact multiple over it: a Q4_1 block's grid is then reproduced exactly)."""
   zero = _to_meta(rows.min(-2), -1)
-  step = _to_meta((rows.max(-2) - zero.astype(jnp.float32)) * jnp.float32(1 / 15), +1)
+  span = rows.max(-2) - zero.astype(jnp.float32)
+  step = _to_meta(span * jnp.float32(1 / 15), +1)
+  lower = jnp.nextafter(step, jnp.zeros_like(step))
+  step = jnp.where(lower.astype(jnp.float32) * 15 >= span, lower, step)
   return zero, jnp.where(step > 0, step, jnp.ones_like(step))
 
 
@@ -179,6 +201,7 @@ def from_codes(codes: jax.Array, scale: jax.Array, zero: jax.Array, in_features:
   if codes.shape[0] != scale.shape[0] * group or scale.shape != zero.shape:
     raise InputError(f"codes {codes.shape} do not match grids {scale.shape} / {zero.shape} "
                      f"at group {group}")
+  codes, scale, zero = _whole_chunks(codes, scale, zero, group, layout)
   return QuantWeight(codes=_store_codes(codes, layout), scale=scale.astype(META_DTYPE),
                      zero=zero.astype(META_DTYPE), in_features=in_features, group=group,
                      layout=layout)
@@ -254,9 +277,13 @@ def _int4_t_matmul(x: jax.Array, w: QuantWeight, precision) -> jax.Array:
     y = w4a16.w4a16_matmul(x2, w.codes, w.scale, w.zero, in_features=w.in_features, group=w.group)
     return y.reshape(*lead, n_out)
   chunk = w4a16.CHUNK
-  cpg = w.group // chunk                                       # whole chunks per group
-  xg = _pad_inputs(x2, w).reshape(-1, n_groups, cpg, chunk)                # [M, In/G, G/64, 64]
-  c = unpack_words(w.codes).reshape(n_groups, cpg, n_out, chunk).astype(x.dtype)  # [.., Out, 64]
+  cpg = max(1, w.group // chunk)                               # whole chunks per group
+  sub = min(w.group, chunk)                                    # inputs of a group in a chunk
+  c = unpack_words(w.codes)                                    # [In_pad/64, Out, 64]
+  if w.group < chunk:                                          # 64 / G groups a chunk
+    c = c.reshape(c.shape[0], n_out, chunk // sub, sub).transpose(0, 2, 1, 3)
+  c = c.reshape(n_groups, cpg, n_out, sub).astype(x.dtype)                 # [In/G, cpg, Out, sub]
+  xg = _pad_inputs(x2, w).reshape(-1, n_groups, cpg, sub)                  # [M, In/G, cpg, sub]
   if jax.default_backend() == "cpu" and x.dtype != jnp.float32:
     xg, c = xg.astype(jnp.float32), c.astype(jnp.float32)   # XLA:CPU: no bf16 x bf16 -> fp32
   part = jnp.einsum("mgki,gkoi->gmo", xg, c, precision=precision,
