@@ -34,7 +34,7 @@ from safetensors.numpy import save_file
 from sparsedec.errors import CheckpointError, UnsupportedConfigError
 from sparsedec.model.config import ModelConfig
 from sparsedec.tokenizer import Tokenizer
-from sparsedec.weights.gguf_file import load_gguf, load_gguf_tokenizer
+from sparsedec.weights.gguf_file import exact_4bit_group, load_gguf, load_gguf_tokenizer
 from sparsedec.weights.hf import load_hf, params_from_hf_tensors
 
 STORIES_SENTENCES = [
@@ -566,6 +566,15 @@ def test_qwen2_gguf_params_equal_hf(qwen_files):
     assert tok.decode(tok.encode(text)) == text
   assert tok.encode("<|im_start|>")[0] == byte_level_vocab().index("<|im_start|>")
   assert tok.eos_ids == (byte_level_vocab().index("<|im_end|>"),) and not tok.add_bos
+
+
+def test_exact_4bit_group_reads_the_linears_types(stories_gguf, smollm2_gguf, tmp_path):
+  """32 when every linear is Q4_1 (the SmolLM2 file), None for mixed types (the written
+  stories260K file), a named error for a missing file."""
+  assert exact_4bit_group(smollm2_gguf) == 32
+  assert exact_4bit_group(stories_gguf[0]) is None
+  with pytest.raises(CheckpointError, match="GGUF file not found"):
+    exact_4bit_group(tmp_path / "absent.gguf")
 
 
 # -------------------------------------------------------------------------- broken files

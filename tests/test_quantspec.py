@@ -381,6 +381,26 @@ def test_cli_knobs(capsys):
   assert "--draft-weight-group does not apply to --method dense" in capsys.readouterr()[1]
 
 
+def test_cli_drafts_a_q4_1_gguf_with_its_own_weights(capsys, smollm2_gguf):
+  """QuantSpec from the CLI on a GGUF whose linears are all Q4_1 takes weight_group 32 (noted on
+  stderr) unless --draft-weight-group is given; other methods and sources are untouched."""
+  from sparsedec import cli
+
+  def method(*extra):
+    args = cli._parser().parse_args(["generate", "--prompt", "Once", *extra])
+    return cli._exact_draft_group(args, cli._method(args))
+
+  gguf_qs = ["--model", str(smollm2_gguf), "--method", "quantspec"]
+  assert method(*gguf_qs) == QuantSpec(weight_group=32)
+  assert "weight_group=32" in capsys.readouterr()[1]
+  assert method(*gguf_qs, "--draft-weight-group", "64") == QuantSpec(weight_group=64)
+  assert method(*gguf_qs, "--gamma", "2") == QuantSpec(gamma=2, weight_group=32)
+  capsys.readouterr()
+  assert method("--model", str(smollm2_gguf)).name == "dense"
+  assert method("--method", "quantspec") == QuantSpec()          # stories260K, an HF dir
+  assert "weight_group" not in capsys.readouterr()[1]
+
+
 def test_int8_view_logits_equal_the_dequantized_reference_across_a_flush(stories):
   """Teacher-forced logits: a verify window read through QuantView(bits=8) equals, query by
   query, a forward over a dense cache whose slots < quantized_length(position) hold the INT8
