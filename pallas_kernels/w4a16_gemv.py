@@ -65,9 +65,10 @@ the kernel, the split sum.
 
 Groups smaller than a chunk (G = 16 or 32: GGUF's Q4_0 / Q4_1 blocks are 32 inputs): one 64-input
 chunk then spans 64 / G groups, so the [64, 64] scale and zero operands take group j's values in
-columns [j G, (j + 1) G) of the tile (a select on a column iota; the column of each register of
-the WGMMA fragment is static, so the compiler can resolve the selects). A pipeline step then holds
-a multiple of 64 / G groups (whole chunks).
+columns [j G, (j + 1) G) of the tile (a select on a column iota). A pipeline step then holds a
+multiple of 64 / G groups (whole chunks). H200, M = 1, Llama-8B's four linears of a layer
+(session 42, `benchmarks/results/s42/`): 65.2 us at G = 32 against 58.9 at 128 for 18% more bytes
+(fp16 scale and zero per 32 codes), 58% of read bandwidth on w_gate_up against 54%.
 
 Limits (InputError otherwise): x bf16 or fp16 with 1..64 rows; Out a multiple of 64; G a multiple
 of 64, or 16 or 32; codes uint32 [In_pad / 64, Out, 8] with In_pad = (In_pad / G) * G >= in_features
