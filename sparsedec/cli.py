@@ -67,11 +67,15 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                        "precision (default 128)")
   qs.add_argument("--draft-weight-group", type=int, default=None,
                   help="input rows per group of the draft's 4-bit weights (default 128, or 32 "
-                       "for a GGUF whose linears are all Q4_1: its own weights, exactly); 64 "
+                       "for a GGUF whose linears are all Q4_1 or Q4_0: its own weights, "
+                       "exactly); 64 "
                        "is accepted more often (SmolLM2 MT-Bench, GPTQ: 0.89 against 0.85 at "
-                       "gamma 1) for ~3%% more draft time (8B shapes, 8K, H200); 32 reproduces "
-                       "a GGUF Q4_1 checkpoint's weights exactly; 16, 32 or a multiple of 64 "
-                       "keeps the W4A16 kernel on a GPU")
+                       "gamma 1) for ~3%% more draft time (8B shapes, 8K, H200); 16, 32 or a "
+                       "multiple of 64 keeps the W4A16 kernel on a GPU")
+  qs.add_argument("--draft-weight-grid", default=None, choices=("minmax", "absmax"),
+                  help="the round-to-nearest draft's grid per weight group: minmax (default; "
+                       "GGUF Q4_1's) or absmax (symmetric, GGUF Q4_0's); a GGUF whose linears "
+                       "are all Q4_1 or all Q4_0 gets its own (with group 32)")
   qs.add_argument("--draft-sampling", default=None, choices=("sample", "argmax"),
                   help="when sampling (--temperature > 0): draw the drafts from the draft's "
                        "distribution and accept with min(1, p/q) (sample, Leviathan et al.), or "
@@ -133,6 +137,7 @@ _METHOD_KNOBS = {"lookahead": {"lookahead_window": "window", "ngram": "ngram",
                  "quantspec": {"gamma": "gamma", "verify_precision": "verify_precision",
                                "quant_group": "quant_group",
                                "draft_weight_group": "weight_group",
+                               "draft_weight_grid": "weight_grid",
                                "draft_sampling": "draft_sampling"}}
 _POLICY_KNOBS = ("budget_blocks", "block_size")
 
@@ -156,24 +161,26 @@ def _method(args):
 
 
 def _exact_draft_group(args, method):
-  """QuantSpec with no --draft-weight-group on a GGUF whose linears are all Q4_1: the method with
-  weight_group 32, which reproduces the checkpoint's weights exactly (noted on stderr)."""
+  """QuantSpec with neither --draft-weight-group nor --draft-weight-grid on a GGUF whose linears
+  are all Q4_1 (or all Q4_0): the method with weight_group 32 and that type's grid, which
+  reproduce the checkpoint's weights exactly (noted on stderr)."""
   from sparsedec.decode.quantspec import QuantSpec
   from sparsedec.weights.checkpoint import source_kind
-  from sparsedec.weights.gguf_file import exact_4bit_group
-  if not isinstance(method, QuantSpec) or args.draft_weight_group is not None \
-      or method.weight_bits is None:
+  from sparsedec.weights.gguf_file import exact_4bit_grid
+  if not isinstance(method, QuantSpec) or method.weight_bits is None \
+      or args.draft_weight_group is not None or args.draft_weight_grid is not None:
     return method
   model = args.model or default_model()
   if source_kind(model) != "gguf":
     return method
-  group = exact_4bit_group(model)
-  if group is None:
+  exact = exact_4bit_grid(model)
+  if exact is None:
     return method
+  group, grid = exact
   print(f"quantspec: every linear of {model} is 4-bit in blocks of {group}: the draft uses "
-        f"weight_group={group} (the checkpoint's own weights, exactly; --draft-weight-group "
-        f"overrides)", file=sys.stderr)
-  return dataclasses.replace(method, weight_group=group)
+        f"weight_group={group}, weight_grid={grid} (the checkpoint's own weights, exactly; "
+        f"--draft-weight-group / --draft-weight-grid override)", file=sys.stderr)
+  return dataclasses.replace(method, weight_group=group, weight_grid=grid)
 
 
 def _load(args):

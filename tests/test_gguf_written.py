@@ -34,7 +34,7 @@ from safetensors.numpy import save_file
 from sparsedec.errors import CheckpointError, UnsupportedConfigError
 from sparsedec.model.config import ModelConfig
 from sparsedec.tokenizer import Tokenizer
-from sparsedec.weights.gguf_file import exact_4bit_group, load_gguf, load_gguf_tokenizer
+from sparsedec.weights.gguf_file import exact_4bit_grid, load_gguf, load_gguf_tokenizer
 from sparsedec.weights.hf import load_hf, params_from_hf_tensors
 
 STORIES_SENTENCES = [
@@ -568,13 +568,26 @@ def test_qwen2_gguf_params_equal_hf(qwen_files):
   assert tok.eos_ids == (byte_level_vocab().index("<|im_end|>"),) and not tok.add_bos
 
 
-def test_exact_4bit_group_reads_the_linears_types(stories_gguf, smollm2_gguf, tmp_path):
-  """32 when every linear is Q4_1 (the SmolLM2 file), None for mixed types (the written
-  stories260K file), a named error for a missing file."""
-  assert exact_4bit_group(smollm2_gguf) == 32
-  assert exact_4bit_group(stories_gguf[0]) is None
+def test_exact_4bit_grid_reads_the_linears_types(stories_gguf, smollm2_gguf, tmp_path):
+  """(32, "minmax") when every linear is Q4_1 (the SmolLM2 file), (32, "absmax") when every one
+  is Q4_0, None for mixed types (the written stories260K file) or a 16-bit linear, a named error
+  for a missing file. Only the tensor table is read."""
+  assert exact_4bit_grid(smollm2_gguf) == (32, "minmax")
+  assert exact_4bit_grid(stories_gguf[0]) is None
+  w = np.asarray(np.random.default_rng(0).normal(size=(64, 64)), np.float32)
+  linears = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+  def file(name, types):
+    tensors = [(f"blk.0.{n}.weight", w, t) for n, t in zip(linears, types)]
+    tensors.append(("blk.0.attn_norm.weight", w[0], Q.F32))     # not a linear: any type
+    return write_gguf(tmp_path / name, "llama", {}, tensors)
+
+  assert exact_4bit_grid(file("q4_0.gguf", [Q.Q4_0] * 7)) == (32, "absmax")
+  assert exact_4bit_grid(file("q4_1.gguf", [Q.Q4_1] * 7)) == (32, "minmax")
+  assert exact_4bit_grid(file("mixed.gguf", [Q.Q4_0] * 6 + [Q.Q4_1])) is None
+  assert exact_4bit_grid(file("f16.gguf", [Q.F16] * 7)) is None
   with pytest.raises(CheckpointError, match="GGUF file not found"):
-    exact_4bit_group(tmp_path / "absent.gguf")
+    exact_4bit_grid(tmp_path / "absent.gguf")
 
 
 # -------------------------------------------------------------------------- broken files

@@ -178,20 +178,28 @@ def test_weight_quantization_round_trip_and_padding():
                              rtol=1e-5, atol=1e-5)
 
 
-def test_group_32_reproduces_q4_1_blocks_exactly():
-  """A Q4_1 weight (GGUF: blocks of 32 inputs, w = d q + m, d and m fp16) quantized at group 32
-  gets back its own grid and codes: the draft's weights equal the target's, bit for bit."""
+@pytest.mark.parametrize("qtype,grid", [("Q4_1", "minmax"), ("Q4_0", "absmax")])
+def test_group_32_reproduces_gguf_4bit_blocks_exactly(qtype, grid):
+  """A Q4_1 weight (GGUF: blocks of 32 inputs, w = d q + m, d and m fp16) on the minmax grid and a
+  Q4_0 one (w = d (q - 8)) on the absmax grid, quantized at group 32, get back their own grids
+  and codes: the draft's weights equal the target's, bit for bit (an all-zero block too)."""
   import gguf
   from gguf import quants
   x = np.asarray(rand.normal(jax.random.key(5), (48, 256))) * np.exp(
       np.asarray(rand.normal(jax.random.key(6), (48, 1))))                # [Out, In], GGUF order
-  t = gguf.GGMLQuantizationType.Q4_1
+  x[5, 64:96] = 0.0
+  t = gguf.GGMLQuantizationType[qtype]
   w = quants.dequantize(quants.quantize(x.astype(np.float32), t), t).T     # [In, Out]
   for layout in ("packed", "int4_t"):
-    q = quantize_weight(jnp.asarray(w), group=32, layout=layout)
+    q = quantize_weight(jnp.asarray(w), group=32, layout=layout, grid=grid)
     np.testing.assert_array_equal(np.asarray(q.dequantize()), w)
-  # Not a property of any grid: at group 64 the same weight is not reproduced.
-  assert np.abs(np.asarray(quantize_weight(jnp.asarray(w), group=64).dequantize()) - w).max() > 0
+  # Not a property of any grid: at group 64, or on the other grid, the weight is not reproduced.
+  other = "absmax" if grid == "minmax" else "minmax"
+  for group, g in ((64, grid), (32, other)):
+    q = quantize_weight(jnp.asarray(w), group=group, grid=g)
+    assert np.abs(np.asarray(q.dequantize()) - w).max() > 0, (group, g)
+  with pytest.raises(InputError, match="weight grid must be one of"):
+    quantize_weight(jnp.asarray(w), group=32, grid="q4_0")
 
 
 def test_group_32_draft_of_the_q4_1_smollm2_is_its_own_weights(smollm2):
@@ -345,6 +353,8 @@ def test_bad_knobs_are_refused_by_name(stories):
     QuantSpec(draft_sampling="greedy")
   with pytest.raises(InputError, match="weight_layout"):
     QuantSpec(weight_layout="int3")
+  with pytest.raises(InputError, match="weight_grid must be one of"):
+    QuantSpec(weight_grid="q4_0")
   with pytest.raises(InputError, match="multiple of 64"):
     QuantSpec(weight_layout="int4_t", weight_group=48)
   assert QuantSpec(weight_layout="int4_t", weight_group=32).resolved_weight_layout() == "int4_t"
@@ -392,8 +402,9 @@ def test_cli_drafts_a_q4_1_gguf_with_its_own_weights(capsys, smollm2_gguf):
 
   gguf_qs = ["--model", str(smollm2_gguf), "--method", "quantspec"]
   assert method(*gguf_qs) == QuantSpec(weight_group=32)
-  assert "weight_group=32" in capsys.readouterr()[1]
+  assert "weight_group=32, weight_grid=minmax" in capsys.readouterr()[1]
   assert method(*gguf_qs, "--draft-weight-group", "64") == QuantSpec(weight_group=64)
+  assert method(*gguf_qs, "--draft-weight-grid", "absmax") == QuantSpec(weight_grid="absmax")
   assert method(*gguf_qs, "--gamma", "2") == QuantSpec(gamma=2, weight_group=32)
   capsys.readouterr()
   assert method("--model", str(smollm2_gguf)).name == "dense"

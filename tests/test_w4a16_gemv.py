@@ -22,12 +22,12 @@ from sparsedec.model.quant_weights import LAYOUTS, quant_matmul, quantize_weight
 
 
 
-def _weight(seed, n_in, n_out, group=128, layout="int4_t"):
+def _weight(seed, n_in, n_out, group=128, layout="int4_t", grid="minmax"):
   k1, k2 = jax.random.split(jax.random.key(seed))
   # Per-output offsets and spreads, so that zeros and scales differ between columns and groups.
   w = (rand.normal(k1, (n_in, n_out)) * jnp.exp(rand.normal(k2, (n_out,)))
        + rand.normal(k2, (n_in // 2 + 1, 1)).repeat(2, 0)[:n_in])
-  return quantize_weight(w, group, layout)
+  return quantize_weight(w, group, layout, grid)
 
 
 def _run_kernel(x, q, config=W4A16Config()):
@@ -97,16 +97,18 @@ def test_kernel_fp16_group_64():
   _check_close(got, x, q)
 
 
-@pytest.mark.parametrize("group,m,n_in,n_out,config", [
-    (32, 1, 256, 64, W4A16Config()),                        # 4 groups (2 chunks) a step
-    (32, 3, 200, 192, W4A16Config(groups_per_stage=3, num_stages=2)),  # 2 a step; In_pad 256
-    (32, 8, 384, 64, W4A16Config(num_splits=2, num_stages=2)),      # split-K, 2 stages
-    (16, 2, 256, 128, W4A16Config(block_out=128)),          # 4 groups a chunk, 2 tiles a block
+@pytest.mark.parametrize("group,m,n_in,n_out,config,grid", [
+    (32, 1, 256, 64, W4A16Config(), "minmax"),              # 4 groups (2 chunks) a step
+    (32, 3, 200, 192, W4A16Config(groups_per_stage=3, num_stages=2), "minmax"),  # In_pad 256
+    (32, 8, 384, 64, W4A16Config(num_splits=2, num_stages=2), "minmax"),   # split-K, 2 stages
+    (16, 2, 256, 128, W4A16Config(block_out=128), "minmax"),  # 4 groups a chunk, 2 tiles a block
+    (32, 2, 256, 128, W4A16Config(), "absmax"),             # GGUF Q4_0's grid: negative steps
 ])
-def test_kernel_groups_below_a_chunk(group, m, n_in, n_out, config):
+def test_kernel_groups_below_a_chunk(group, m, n_in, n_out, config, grid):
   """Groups of 32 (GGUF Q4_0 / Q4_1 blocks) and 16: several groups share each 64-input chunk,
   each group's scale and zero applied to its own columns of the code tile."""
-  q = _weight(group + m, n_in, n_out, group=group)
+  q = _weight(group + m, n_in, n_out, group=group, grid=grid)
+  assert grid == "minmax" or (np.asarray(q.scale) < 0).any()
   assert q.in_padded % 64 == 0 and q.scale.shape[0] * group == q.in_padded
   p = plan(m, n_out, q.scale.shape[0], group, config)
   assert p.groups_per_stage % (64 // group) == 0                     # whole chunks a step

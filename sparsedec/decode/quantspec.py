@@ -70,7 +70,7 @@ from sparsedec.model.config import ModelConfig
 from sparsedec.model.forward import forward
 from sparsedec.model.params import Params
 from sparsedec.model.gptq import DRAFT_KEY
-from sparsedec.model.quant_weights import (LAYOUTS, QUANTIZED_LINEARS, params_to_layout,
+from sparsedec.model.quant_weights import (GRIDS, LAYOUTS, QUANTIZED_LINEARS, params_to_layout,
                                            quantize_params, weights_bytes)
 
 VERIFY_PRECISIONS = ("int8", "full")
@@ -120,6 +120,8 @@ class QuantSpec:
   weight_bits: int | None = 4      # draft weights: 4 (group-wise RTN, or the params' own draft
                                    # layers: `sparsedec.model.gptq`) or None (unquantized)
   weight_group: int = 128          # input rows per weight group
+  weight_grid: str = "minmax"      # the RTN draft's grids (quant_weights.GRIDS): "minmax", or
+                                   # "absmax" (GGUF Q4_0's; a GPTQ draft keeps its own grids)
   weight_layout: str = "auto"      # how the draft multiplies its 4-bit weights (quant_weights);
                                    # "auto": the W4A16 Pallas kernel's "int4_t" on a GPU (groups
                                    # a multiple of 64, or 16 or 32), else "packed"
@@ -147,6 +149,8 @@ class QuantSpec:
       raise InputError(f"quantspec weight_bits must be 4 or None, got {self.weight_bits!r}")
     if self.weight_group % 2:
       raise InputError(f"quantspec weight_group must be even, got {self.weight_group}")
+    if self.weight_grid not in GRIDS:
+      raise InputError(f"quantspec weight_grid must be one of {GRIDS}, got {self.weight_grid!r}")
     if self.weight_layout not in ("auto",) + LAYOUTS:
       raise InputError(f"quantspec weight_layout must be 'auto' or one of {LAYOUTS}, "
                        f"got {self.weight_layout!r}")
@@ -192,7 +196,8 @@ class QuantSpec:
     linear RTN-quantized now; in the resolved weight layout."""
     layers = params.get(DRAFT_KEY)
     if layers is None:
-      return (quantize_params(params, self.weight_group, self.resolved_weight_layout())
+      return (quantize_params(params, self.weight_group, self.resolved_weight_layout(),
+                              self.weight_grid)
               if self.weight_bits == 4 else None)
     if self.weight_bits is None:
       raise InputError(f"the params carry a 4-bit draft ({DRAFT_KEY!r}) but quantspec "

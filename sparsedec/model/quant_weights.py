@@ -4,7 +4,11 @@ A weight w [In, Out] (x @ w convention) is cut into groups of `group` consecutiv
 (In zero-padded up to a multiple of the group); each (group, output column) gets an asymmetric
 round-to-nearest grid: zero z = group min, step s = (max - z) / 15 (1 for a constant group),
 code c = clip(round((w - z) / s), 0, 15), w ~ z + c * s. Scales and zeros are stored in fp16
-(rounded like the KV quantizer: zero down, step up, so no code ever clips).
+(rounded like the KV quantizer: zero down, step up, so no code ever clips). That is the "minmax"
+grid; it reproduces a GGUF Q4_1 weight (blocks of 32: w = d q + m) exactly at group 32. The
+"absmax" grid is GGUF Q4_0's (w = d (q - 8), d = -(the group's largest-magnitude value) / 8, so
+that value sits at code 0 and the step may be negative): it reproduces a Q4_0 weight exactly at
+group 32 (`GRIDS`).
 
 Code storage (`QuantWeight.layout`; every layout holds the same codes, scales and zeros, so the
 dequantized values are bit-identical, and `to_layout` converts between them exactly):
@@ -56,6 +60,7 @@ META_DTYPE = jnp.float16
 LAYOUTS = ("packed", "int4", "int4_grouped", "int4_reduce", "int4_t")
 _INT4_KN = ("int4", "int4_grouped", "int4_reduce")   # the same [In_pad, Out] int4 storage
 CODE_OFFSET = 8          # int4 layouts store c - 8 in [-8, 7]
+GRIDS = ("minmax", "absmax")   # how a group's (zero, step) are chosen (module docstring)
 
 
 @struct.dataclass
@@ -185,6 +190,16 @@ def group_grid(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
   return zero, jnp.where(step > 0, step, jnp.ones_like(step))
 
 
+def absmax_grid(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """rows [..., G, Out] (fp32) -> (zero, step) [..., Out] fp16 of GGUF Q4_0's symmetric grid: the
+  group's largest-magnitude value m (the first, signed) at code 0, step d = -m / 8, so w ~ d (c -
+  8); step 1 for an all-zero group."""
+  m = jnp.take_along_axis(rows, jnp.abs(rows).argmax(-2)[..., None, :], axis=-2)[..., 0, :]
+  zero = m.astype(META_DTYPE)
+  step = (zero.astype(jnp.float32) * jnp.float32(-1 / 8)).astype(META_DTYPE)  # exact: a power of 2
+  return zero, jnp.where(step != 0, step, jnp.ones_like(step))
+
+
 def grid_codes(rows, zero, step):
   """rows [..., Out] fp32 on the grid (zero, step) [..., Out] (broadcast) -> codes in [0, 15],
   fp32 (round half to even). numpy arrays in, numpy out (GPTQ's host loop), with the same fp32
@@ -207,14 +222,21 @@ def from_codes(codes: jax.Array, scale: jax.Array, zero: jax.Array, in_features:
                      layout=layout)
 
 
-def quantize_weight(w: jax.Array, group: int = 128, layout: str = "packed") -> QuantWeight:
-  """w [In, Out] -> QuantWeight (4-bit, asymmetric RTN, groups of `group` input rows)."""
+def check_grid(grid) -> None:
+  if grid not in GRIDS:
+    raise InputError(f"weight grid must be one of {GRIDS}, got {grid!r}")
+
+
+def quantize_weight(w: jax.Array, group: int = 128, layout: str = "packed",
+                    grid: str = "minmax") -> QuantWeight:
+  """w [In, Out] -> QuantWeight (4-bit RTN on `grid`'s grids, groups of `group` input rows)."""
   if w.ndim != 2:
     raise InputError(f"a weight to quantize must be [In, Out], got shape {w.shape}")
   check_group_layout(group, layout)
+  check_grid(grid)
   wf = padded_rows(w, group)
   grouped = wf.reshape(-1, group, w.shape[1])                              # [In_pad/G, G, Out]
-  zero, step = group_grid(grouped)
+  zero, step = (group_grid if grid == "minmax" else absmax_grid)(grouped)
   c = grid_codes(grouped, zero[:, None], step[:, None])
   return from_codes(c.astype(jnp.uint8).reshape(-1, w.shape[1]), step, zero, w.shape[0], group,
                     layout)
@@ -321,9 +343,10 @@ def quant_matmul(x: jax.Array, w: QuantWeight, precision=None) -> jax.Array:
   return _int4_grouped_matmul(x, w, precision)
 
 
-def quantize_params(params: dict, group: int = 128, layout: str = "packed") -> dict:
+def quantize_params(params: dict, group: int = 128, layout: str = "packed",
+                    grid: str = "minmax") -> dict:
   """A copy of the params pytree with every layer's linear weights as QuantWeight."""
-  layers = [{name: quantize_weight(x, group, layout) if name in QUANTIZED_LINEARS else x
+  layers = [{name: quantize_weight(x, group, layout, grid) if name in QUANTIZED_LINEARS else x
              for name, x in lp.items()} for lp in params["layers"]]
   return {**params, "layers": layers}
 

@@ -207,23 +207,25 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = None,
   return cfg, params, tokenizer_from_metadata(meta)
 
 
-# Block-quantized GGUF types whose blocks a 4-bit group-wise grid (zero + c * step, fp16, groups of
-# this many input rows) reproduces exactly (`quant_weights.quantize_weight`).
-EXACT_4BIT_GROUPS = {gguf.GGMLQuantizationType.Q4_1: 32}
+# Block-quantized GGUF types whose blocks 4-bit round-to-nearest reproduces exactly
+# (`quant_weights.quantize_weight`): (weight group in input rows, grid).
+EXACT_4BIT_GRIDS = {gguf.GGMLQuantizationType.Q4_1: (32, "minmax"),
+                    gguf.GGMLQuantizationType.Q4_0: (32, "absmax")}
 _LINEAR_TENSOR = re.compile(r"blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down))\.weight")
 
 
-def exact_4bit_group(path: str | os.PathLike) -> int | None:
-  """The weight group at which 4-bit round-to-nearest reproduces every linear layer of this GGUF
-  file exactly (32 when they are all Q4_1: a draft with the checkpoint's own weights), or None
-  (mixed or other types). Reads the tensor table only."""
+def exact_4bit_grid(path: str | os.PathLike) -> tuple[int, str] | None:
+  """(weight group, grid) at which 4-bit round-to-nearest reproduces every linear layer of this
+  GGUF file exactly ((32, "minmax") when they are all Q4_1, (32, "absmax") when all Q4_0: a draft
+  with the checkpoint's own weights), or None (mixed or other types). Reads the tensor table
+  only."""
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise CheckpointError(f"GGUF file not found: {path}")
   types = {t.tensor_type for t in _reader(path).tensors if _LINEAR_TENSOR.fullmatch(t.name)}
   if len(types) != 1:
     return None
-  return EXACT_4BIT_GROUPS.get(types.pop())
+  return EXACT_4BIT_GRIDS.get(types.pop())
 
 
 # -------------------------------------------------------------------------------- tokenizer
