@@ -659,6 +659,22 @@ def test_greedy_full_precision_verify_equals_dense_on_smollm2(smollm2, smollm2_p
   _assert_flushed_while_generating(result, smollm2_prompts, 256)
 
 
+def test_group_32_draft_of_the_q4_1_smollm2_is_always_accepted(smollm2):
+  """The group-32 RTN draft of the Q4_1 SmolLM2 has the target's weights exactly; on a chat short
+  enough to stay in the full-precision buffer (2G = 256 slots) it is the target itself: every draft
+  accepted, and the output token-identical to dense greedy (a draft off by any weight would be
+  rejected somewhere in 64 tokens, as the GPTQ group-128 draft is in the test above)."""
+  cfg, params, tok = smollm2
+  chat = tok.apply_chat_template([{"role": "user", "content": prompt_sets.mt_bench()[3]}],
+                                 add_generation_prompt=True)
+  prompt = tok.encode(chat, add_bos=False)
+  method = QuantSpec(gamma=4, weight_group=32, verify_precision="full")   # G = 128
+  assert len(prompt) + 64 < 2 * method.quant_group
+  result = testing.assert_matches_dense(cfg, params, [prompt], method=method, max_new_tokens=64,
+                                        stop_tokens=())
+  assert result.method_stats["acceptance_rate"] == 1.0, result.method_stats
+
+
 def test_greedy_int8_verify_equals_dequantized_int8_dense_on_smollm2(smollm2, smollm2_prompts):
   """Both prompts in one batch, 128 tokens (4 flushes), the default 4-bit weight draft. (The
   MT-Bench row brings the rejections: on the HumanEval prompt alone this draft is accepted every
