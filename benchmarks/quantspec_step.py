@@ -635,6 +635,9 @@ WORKERS = {"dense": run_dense, "quantspec": run_quantspec}
 
 def run_worker(args, kind: str, path: str) -> None:
   from sparsedec.bench import device_description
+  if args.one_row_gemv == "wgmma":           # the A/B: one-row draft GEMVs on the W4A16 kernel
+    import pallas_kernels.w4a8_gemv as w4a8
+    w4a8.unsupported_reason = lambda *a: "--one-row-gemv wgmma"
   cfg = (SMOKE_CFG if args.smoke else LLAMA_31_8B).replace(attention=args.attention)
   if args.layers:
     cfg = cfg.replace(num_layers=args.layers)
@@ -686,6 +689,9 @@ def parse_args(argv=None):
   ap.add_argument("--reproject", nargs="+", default=None, metavar="STEP_JSON",
                   help="time nothing: project from these earlier runs' JSONs (their dense, draft "
                        "and verify rows) with --acceptance-json, and write --out")
+  ap.add_argument("--one-row-gemv", default="dp4a", choices=("dp4a", "wgmma"),
+                  help="the int4_t draft's one-row GEMVs: the dp4a kernel (w4a8_gemv, as "
+                       "quant_matmul dispatches) or the W4A16 wgmma kernel (the A/B)")
   ap.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "quantspec_step.json"))

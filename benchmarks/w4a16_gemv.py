@@ -9,8 +9,12 @@ Per shape and M, three implementations:
   int4_reduce  `quant_matmul` on the "int4_reduce" layout (XLA: one fused multiply-and-reduce
                over the int4 codes [In, Out]; the draft's current best path)
   dense_bf16   jnp.dot(x, w) with the dequantized weight in bf16 (what the draft replaces)
+  w4a8         `w4a8_gemv.w4a8_matmul` (M = 1 only; what `quant_matmul` runs for one row): the
+               same codes, x in two int8 planes per 32 inputs, dp4a on CUDA cores (its error
+               against `w4a8_reference`, the planes' product; `x_quant_err` that product's
+               difference from the bf16 x's)
 --sweep adds the kernel under further tilings (block_out, groups_per_stage, stages, target
-blocks). The weights are random codes / scales / zeros generated on the device; every
+blocks), and w4a8 under W4A8_SWEEP. The weights are random codes / scales / zeros generated on the device; every
 implementation multiplies the same quantized weight (dense: its bf16 rounding).
 
 Each entry: us per call (min over repeats of a timed loop of calls chained inside one jit,
@@ -51,13 +55,16 @@ from benchmarks._timing import (add_loop_args, default_out_dir, loop_fields,  # 
                                 loop_summary, max_abs_err, read_bandwidth, time_loop, write_json)
 from pallas_kernels.w4a16_gemv import (CHUNK, W4A16Config, dequantize,  # noqa: E402
                                        from_chunked, plan, w4a16_matmul, w4a16_reference)
+from pallas_kernels import w4a8_gemv  # noqa: E402
 from sparsedec.model.quant_weights import QuantWeight, quant_matmul  # noqa: E402
 
 DTYPE = jnp.bfloat16
 LLAMA_8B = {"wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 28672),
             "w_down": (14336, 4096), "lm_head": (4096, 128256)}   # lm_head: the largest GEMV shape
-TINY = {"tiny_a": (256, 128), "tiny_b": (200, 192)}          # --interpret (CPU)
-IMPLS = ("pallas", "int4_reduce", "dense_bf16")
+TINY = {"tiny_a": (256, 128), "tiny_b": (200, 256)}          # --interpret (CPU)
+IMPLS = ("pallas", "int4_reduce", "dense_bf16", "w4a8")
+# --sweep, w4a8: (block_out, rows_per_stage, num_stages) beside the default.
+W4A8_SWEEP = ((256, 128, 4), (128, 256, 4), (128, 128, 2), (128, 128, 6), (256, 256, 2))
 # --sweep: (block_out, groups_per_stage, num_stages, target_blocks) beside the default.
 SWEEP = ((64, 1, 2, 528), (64, 1, 8, 528), (64, 2, 4, 528), (64, 4, 4, 528), (128, 1, 4, 528),
          (128, 2, 3, 528), (128, 2, 4, 264), (256, 1, 4, 528), (256, 2, 3, 132), (64, 1, 4, 264),
@@ -107,6 +114,13 @@ def pallas_fn(n_in: int, group: int, config: W4A16Config, interpret):
   def fn(x, codes_t, scale, zero):
     return w4a16_matmul(x, codes_t, scale, zero, in_features=n_in, group=group, config=config,
                         interpret=interpret)
+  return fn
+
+
+def w4a8_fn(n_in: int, group: int, config, interpret):
+  def fn(x, codes_t, scale, zero):
+    return w4a8_gemv.w4a8_matmul(x, codes_t, scale, zero, in_features=n_in, group=group,
+                                 config=config, interpret=interpret)
   return fn
 
 
@@ -213,7 +227,8 @@ def _progress(e: dict) -> str:
       f"(|ref| {e['ref_max_abs']:.2e})"
 
 
-def run_shape(bench: Bench, name: str, n_in: int, n_out: int, ms, impls, configs, group: int):
+def run_shape(bench: Bench, name: str, n_in: int, n_out: int, ms, impls, configs, group: int,
+              w4a8_configs=(w4a8_gemv.W4A8Config(),)):
   """All implementations and M for one weight shape (its copies generated once)."""
   w4 = w4_bytes(1, n_in, n_out, group)
   copies = bench.copies_for(w4)
@@ -240,6 +255,15 @@ def run_shape(bench: Bench, name: str, n_in: int, n_out: int, ms, impls, configs
                      blocks=p.out_tiles * p.splits)
         bench.measure(base, "pallas", pallas_fn(n_in, group, cfg, bench.interpret), x, t4,
                       nbytes=base["w4_bytes"], ref=ref, extra=extra)
+    if "w4a8" in impls and m == 1 and not w4a8_gemv.unsupported_reason(m, n_out, group, DTYPE):
+      ref8 = jax.block_until_ready(jax.jit(functools.partial(
+          w4a8_gemv.w4a8_reference, in_features=n_in, group=group))(x, codes_t, scale, zero))
+      for cfg in w4a8_configs:
+        p = w4a8_gemv.plan(n_out, -(-n_in // group), group, cfg)
+        extra = dict(config=dataclasses.asdict(cfg), plan=dataclasses.asdict(p),
+                     blocks=p.out_tiles * p.splits, x_quant_err=max_abs_err(ref8, ref))
+        bench.measure(base, "w4a8", w4a8_fn(n_in, group, cfg, bench.interpret), x, t4,
+                      nbytes=base["w4_bytes"], ref=ref8, extra=extra)
     if kn is not None:
       bench.measure(base, "int4_reduce", int4_reduce_fn(n_in, group), x, kn,
                     nbytes=base["w4_bytes"],
@@ -280,9 +304,12 @@ def main(argv=None) -> dict:
   ms = [int(t) for t in (args.rows or ("1" if args.quick else "1,4")).split(",")]
   impls = tuple(args.impls.split(","))
   configs = [W4A16Config(groups_per_stage=args.groups_per_stage)]
+  w4a8_configs = [w4a8_gemv.W4A8Config()]
   if args.sweep:
     configs += [W4A16Config(block_out=b, groups_per_stage=g, num_stages=s, target_blocks=t)
                 for b, g, s, t in SWEEP]
+    w4a8_configs += [w4a8_gemv.W4A8Config(block_out=b, rows_per_stage=r, num_stages=s)
+                     for b, r, s in W4A8_SWEEP]
   if args.out:
     out_path = args.out
   elif args.interpret:
@@ -333,7 +360,7 @@ def main(argv=None) -> dict:
 
   for name, (n_in, n_out) in shapes.items():
     try:
-      run_shape(bench, name, n_in, n_out, ms, impls, configs, args.group)
+      run_shape(bench, name, n_in, n_out, ms, impls, configs, args.group, w4a8_configs)
     except Exception as e:                                               # noqa: BLE001
       if args.verbose:
         traceback.print_exc()
@@ -366,6 +393,11 @@ def summary(measurements) -> list[str]:
     k, r = best.get((shape, m, "pallas")), best.get((shape, m, "int4_reduce"))
     if k and r:
       parts.append(f"pallas vs int4_reduce x{r['us_per_call'] / k['us_per_call']:.2f}")
+    a8 = best.get((shape, m, "w4a8"))
+    if k and a8:
+      parts.append(f"w4a8 vs pallas x{k['us_per_call'] / a8['us_per_call']:.2f}")
+      if "device_us_per_call" in k and "device_us_per_call" in a8:
+        parts.append(f"device {k['device_us_per_call']:.2f} -> {a8['device_us_per_call']:.2f} us")
     lines.append(f"{shape} M={m}: " + ", ".join(parts))
   return lines
 

@@ -285,25 +285,30 @@ def test_int4_t_matmul_equals_the_int4_layout(group):
 
 
 def test_quant_matmul_dispatches_int4_t_to_the_kernel_on_gpu(monkeypatch):
-  """With a GPU backend (pretended), quant_matmul on "int4_t" calls the Mosaic GPU kernel for
-  <= 64 bf16 rows and the jnp math otherwise; both lower for cuda."""
+  """With a GPU backend (pretended), quant_matmul on "int4_t" calls the one-row dp4a kernel
+  (w4a8_gemv) for one row, the W4A16 kernel for 2..64 bf16 rows (and for one row where the dp4a
+  kernel cannot: Out not a multiple of 128) and the jnp math otherwise; all lower for cuda."""
   monkeypatch.setattr(qw_mod, "_on_gpu", lambda: True)
   t = quantize_weight(jnp.ones((256, 128)), 128, "int4_t")
   sds = jax.ShapeDtypeStruct
 
-  def lowered(rows, dtype=jnp.bfloat16):
-    return jax.jit(quant_matmul).trace(sds((2, rows, 256), dtype), t).lower(
+  def lowered(batch, rows, dtype=jnp.bfloat16, w=t):
+    return jax.jit(quant_matmul).trace(sds((batch, rows, 256), dtype), w).lower(
         lowering_platforms=("cuda",)).as_text()
 
-  assert "@mosaic_gpu" in lowered(32)                   # 64 rows
-  assert "@mosaic_gpu" not in lowered(33)               # 66 rows: the jnp math
-  assert "@mosaic_gpu" not in lowered(4, jnp.float32)
+  kernels = lambda text: ("w4a8_gemv" in text, "w4a16_gemv" in text)
+  assert kernels(lowered(1, 1)) == (True, False)        # one row: dp4a
+  assert kernels(lowered(2, 32)) == (False, True)       # 64 rows
+  assert kernels(lowered(2, 33)) == (False, False)      # 66 rows: the jnp math
+  assert kernels(lowered(1, 1, jnp.float32)) == (False, False)
+  t64 = quantize_weight(jnp.ones((256, 64)), 128, "int4_t")
+  assert kernels(lowered(1, 1, w=t64)) == (False, True)  # Out = 64
 
 
 def test_forward_with_int4_t_draft_weights(monkeypatch):
   """A forward with "int4_t" draft weights: the logits of the "int4" layout on the CPU (jnp
   math), and with a GPU backend (pretended) all four quantized linears of the layer lower to
-  the Mosaic GPU kernel for cuda."""
+  a Mosaic GPU kernel for cuda (the one-row dp4a kernel: one token)."""
   from sparsedec.kv.dense import init_cache
   from sparsedec.model.config import ModelConfig
   from sparsedec.model.forward import forward
@@ -330,3 +335,4 @@ def test_forward_with_int4_t_draft_weights(monkeypatch):
       cfg, draft, tokens[:, :1], positions[:, :1], init_cache(cfg, 1, 128)).lower(
           lowering_platforms=("cuda",)).as_text()
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 4      # wqkv, wo, gate_up, down
+  assert "w4a8_gemv" in text

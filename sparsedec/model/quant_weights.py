@@ -32,9 +32,11 @@ dequantized values are bit-identical, and `to_layout` converts between them exac
     Q4_0 / Q4_1 blocks), In_pad then padded with whole groups of zero weights to a multiple of
     64), the layout of the Mosaic GPU W4A16 GEMV kernel (`pallas_kernels.w4a16_gemv`: each
     [64 out, 64 in] tile is 2 KiB contiguous, its bytes per thread already a wgmma register
-    fragment). On a GPU, x with <= 64 rows (bf16/fp16, Out a multiple of 64) goes through that
-    kernel; anything else through the "int4_grouped" math in jnp on the chunks (both: per-group
-    fp32 products, scaled after).
+    fragment). On a GPU, one row of x (bf16/fp16, groups a multiple of 32, Out a multiple of 128)
+    goes through `pallas_kernels.w4a8_gemv` (the same codes on CUDA cores: x as two int8 planes
+    per 32 inputs, within max|x| / 64516 of x, dotted by dp4a), up to 64 rows (Out a multiple of
+    64) through the W4A16 kernel; anything else through the "int4_grouped" math in jnp on the
+    chunks (all: per-group fp32 products, scaled after).
 
 A params pytree from `quantize_params` is a drop-in for the forward. Quantized: wqkv, wo,
 w_gate_up, w_down of every layer; embeddings, lm_head, norms and biases stay as they are (the paper
@@ -52,6 +54,7 @@ from flax import struct
 # A module, not names: pallas_kernels.w4a16_gemv imports sparsedec (its errors), which imports
 # this module, so either may be first; the names are looked up at call time.
 import pallas_kernels.w4a16_gemv as w4a16
+import pallas_kernels.w4a8_gemv as w4a8
 from pallas_kernels.register_operand import unpack_words
 from sparsedec.errors import InputError
 
@@ -289,12 +292,16 @@ def _on_gpu() -> bool:
 
 
 def _int4_t_matmul(x: jax.Array, w: QuantWeight, precision) -> jax.Array:
-  """x [..., In] @ w ("int4_t"): the Mosaic GPU W4A16 kernel on a GPU for <= 64 rows (module
-  docstring), else the "int4_grouped" math in jnp on the chunked codes. fp32 accumulation; the
-  result in x's dtype."""
+  """x [..., In] @ w ("int4_t"), on a GPU by a Mosaic GPU kernel: one row (groups a multiple of
+  32, Out of 128) by `w4a8_gemv` (x in two int8 planes per 32 inputs, within max|x| / 64516 of
+  x; dp4a), up to 64 rows by `w4a16_gemv`; else the "int4_grouped" math in jnp on the chunked
+  codes. fp32 accumulation; the result in x's dtype."""
   n_groups, n_out = w.scale.shape
   lead = x.shape[:-1]
   x2 = x.reshape(-1, x.shape[-1])                                          # [M, In]
+  if _on_gpu() and w4a8.unsupported_reason(x2.shape[0], n_out, w.group, x.dtype) is None:
+    y = w4a8.w4a8_matmul(x2, w.codes, w.scale, w.zero, in_features=w.in_features, group=w.group)
+    return y.reshape(*lead, n_out)
   if _on_gpu() and w4a16.unsupported_reason(x2.shape[0], n_out, w.group, x.dtype) is None:
     y = w4a16.w4a16_matmul(x2, w.codes, w.scale, w.zero, in_features=w.in_features, group=w.group)
     return y.reshape(*lead, n_out)
