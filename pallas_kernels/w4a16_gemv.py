@@ -412,17 +412,9 @@ def _partials(xc, codes_t, scale, zero, *, group: int, p: Plan, interpret: Any =
       # TMAs landing on each: the step's codes, x chunks, scales and zeros.
       barriers=plgpu.Barrier(num_arrivals=4, num_barriers=num_stages),
   )
-  names = tuple(scratch)
-
-  def w4a16_gemv_kernel(*refs):
-    pl.run_scoped(lambda *scr: body(*refs, **dict(zip(names, scr))), *scratch.values())
-
-  return plgpu.kernel(
-      w4a16_gemv_kernel,
-      out_type=jax.ShapeDtypeStruct((p.splits, n_out, n), jnp.float32),
-      grid=(p.out_tiles, p.splits),
-      grid_names=("out", "split"),
-      interpret=interpret,
+  return split_k_kernel(
+      "w4a16_gemv_kernel", body, scratch,
+      jax.ShapeDtypeStruct((p.splits, n_out, n), jnp.float32), p, interpret,
   )(xc, codes_t.reshape(codes_t.shape[0], n_out // 4, SMEM_ROW_WORDS), scale, zero)
 
 
@@ -430,7 +422,12 @@ def _partials(xc, codes_t, scale, zero, *, group: int, p: Plan, interpret: Any =
 # Wrapper.
 # ----------------------------------------------------------------------------------------------
 
-def _check_inputs(x, codes_t, scale, zero, in_features, group):
+def check_operands(x, codes_t, scale, zero, in_features, group, *, caller: str,
+                   reason=None) -> None:
+  """InputError unless x [M, In] and the "int4_t" weight (codes_t, scale, zero, in_features,
+  group) fit each other; `reason(M, Out, G, dtype)` (a kernel's `unsupported_reason`, default
+  this kernel's) is asked once the shapes are known. Shared with `w4a8_gemv`."""
+  reason = reason or unsupported_reason
   if x.ndim != 2:
     raise InputError(f"x must be [M, In], got shape {x.shape}")
   if not is_int(group) or group < 1:
@@ -446,9 +443,9 @@ def _check_inputs(x, codes_t, scale, zero, in_features, group):
                      f"{codes_t.dtype}")
   n_chunks, n_out, _ = codes_t.shape
   in_pad = n_chunks * CHUNK
-  reason = unsupported_reason(x.shape[0], n_out, group, x.dtype)
-  if reason:
-    raise InputError(f"w4a16_matmul: {reason}")
+  why = reason(x.shape[0], n_out, group, x.dtype)
+  if why:
+    raise InputError(f"{caller}: {why}")
   if in_pad % group:
     raise InputError(f"In_pad={in_pad} (codes_t) is not a multiple of group={group}")
   for name, a in (("scale", scale), ("zero", zero)):
@@ -463,6 +460,20 @@ def _check_inputs(x, codes_t, scale, zero, in_features, group):
     raise InputError(f"x must be [M, In={in_features}], got shape {x.shape}")
 
 
+def split_k_kernel(name: str, body, scratch: dict, out_type, p, interpret):
+  """The plgpu.kernel over grid (p.out_tiles, p.splits) ("out", "split") whose
+  body(*refs, **scratch) gets the `scratch` buffers by name; `name` names the kernel (what the
+  profiler shows). Shared with `w4a8_gemv`."""
+  names = tuple(scratch)
+
+  def kernel(*refs):
+    pl.run_scoped(lambda *scr: body(*refs, **dict(zip(names, scr))), *scratch.values())
+
+  kernel.__name__ = kernel.__qualname__ = name
+  return plgpu.kernel(kernel, out_type=out_type, grid=(p.out_tiles, p.splits),
+                      grid_names=("out", "split"), interpret=interpret)
+
+
 @functools.partial(jax.jit, static_argnames=("in_features", "group", "config", "interpret"))
 def w4a16_matmul(x: jax.Array, codes_t: jax.Array, scale: jax.Array, zero: jax.Array, *,
                  in_features: int, group: int, config: W4A16Config = W4A16Config(),
@@ -472,7 +483,7 @@ def w4a16_matmul(x: jax.Array, codes_t: jax.Array, scale: jax.Array, zero: jax.A
   codes_t [In_pad / 64, Out, 8] uint32 (c - 8, the module docstring's layout); scale, zero
   [In_pad / G, Out] fp16; in_features = In; group = G (a multiple of 64). fp32 accumulation.
   """
-  _check_inputs(x, codes_t, scale, zero, in_features, group)
+  check_operands(x, codes_t, scale, zero, in_features, group, caller="w4a16_matmul")
   group = int(group)                               # a numpy integer is one too
   m = x.shape[0]
   n_groups, n_out = scale.shape

@@ -492,48 +492,15 @@ def _partials(xc, codes_t, scale, zero, *, group: int, planes: int, p: Plan,
       barriers=plgpu.Barrier(num_arrivals=3, num_barriers=num_stages),
       x_barrier=plgpu.Barrier(num_arrivals=1, num_barriers=1),
   )
-  names = tuple(scratch)
-
-  def w4a8_gemv_kernel(*refs):
-    pl.run_scoped(lambda *scr: body(*refs, **dict(zip(names, scr))), *scratch.values())
-
-  return plgpu.kernel(
-      w4a8_gemv_kernel,
-      out_type=jax.ShapeDtypeStruct((p.splits, n_out), jnp.float32),
-      grid=(p.out_tiles, p.splits),
-      grid_names=("out", "split"),
-      interpret=interpret,
+  return w4a16.split_k_kernel(
+      "w4a8_gemv_kernel", body, scratch, jax.ShapeDtypeStruct((p.splits, n_out), jnp.float32),
+      p, interpret,
   )(xc, codes_t.reshape(codes_t.shape[0], n_out // 4, SMEM_ROW_WORDS), scale, zero)
 
 
 # ----------------------------------------------------------------------------------------------
 # Wrapper and reference.
 # ----------------------------------------------------------------------------------------------
-
-def _check_inputs(x, codes_t, scale, zero, in_features, group):
-  if x.ndim != 2:
-    raise InputError(f"x must be [1, In], got shape {x.shape}")
-  if not is_int(in_features) or in_features < 1:
-    raise InputError(f"in_features must be a positive integer, got {in_features!r}")
-  if codes_t.ndim != 3 or codes_t.shape[2] != CHUNK // 8 \
-      or jnp.dtype(codes_t.dtype) != jnp.dtype(jnp.uint32):
-    raise InputError(f"codes_t must be uint32 [In_pad / {CHUNK}, Out, 8] (the 'int4_t' layout), "
-                     f"got {codes_t.dtype} {codes_t.shape}")
-  n_chunks, n_out, _ = codes_t.shape
-  reason = unsupported_reason(x.shape[0], n_out, group, x.dtype)
-  if reason:
-    raise InputError(f"w4a8_matmul: {reason}")
-  in_pad = n_chunks * CHUNK
-  if in_pad % group:
-    raise InputError(f"In_pad={in_pad} (codes_t) is not a multiple of group={group}")
-  for name, a in (("scale", scale), ("zero", zero)):
-    if a.shape != (in_pad // group, n_out) or jnp.dtype(a.dtype) != jnp.dtype(META_DTYPE):
-      raise InputError(f"{name} must be float16 [In_pad / G, Out] = "
-                       f"{(in_pad // group, n_out)}, got {a.dtype} {a.shape}")
-  if not in_pad - max(group, CHUNK) < in_features <= in_pad or x.shape[1] != in_features:
-    raise InputError(f"x [1, {x.shape[1]}] / in_features={in_features} do not fit "
-                     f"In_pad={in_pad} (group {group})")
-
 
 @functools.partial(jax.jit, static_argnames=("in_features", "group", "planes", "config",
                                              "interpret"))
@@ -544,7 +511,8 @@ def w4a8_matmul(x: jax.Array, codes_t: jax.Array, scale: jax.Array, zero: jax.Ar
   int8 planes per 32 inputs (2: within max|x| / 64516 of x, finer than x's own bf16 rounding;
   1: llama.cpp's Q8 activations). codes_t, scale, zero: the "int4_t" layout (module docstring);
   group = G, a multiple of 32."""
-  _check_inputs(x, codes_t, scale, zero, in_features, group)
+  w4a16.check_operands(x, codes_t, scale, zero, in_features, group, caller="w4a8_matmul",
+                       reason=unsupported_reason)
   if planes not in PLANES:
     raise InputError(f"planes must be one of {PLANES}, got {planes!r}")
   group = int(group)

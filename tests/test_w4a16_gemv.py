@@ -296,7 +296,7 @@ def test_quant_matmul_dispatches_int4_t_to_the_kernel_on_gpu(monkeypatch):
     return jax.jit(quant_matmul).trace(sds((batch, rows, 256), dtype), w).lower(
         lowering_platforms=("cuda",)).as_text()
 
-  kernels = lambda text: ("w4a8_gemv" in text, "w4a16_gemv" in text)
+  kernels = lambda text: ("w4a8_gemv_kernel" in text, "w4a16_gemv_kernel" in text)
   assert kernels(lowered(1, 1)) == (True, False)        # one row: dp4a
   assert kernels(lowered(2, 32)) == (False, True)       # 64 rows
   assert kernels(lowered(2, 33)) == (False, False)      # 66 rows: the jnp math
@@ -335,4 +335,4 @@ def test_forward_with_int4_t_draft_weights(monkeypatch):
       cfg, draft, tokens[:, :1], positions[:, :1], init_cache(cfg, 1, 128)).lower(
           lowering_platforms=("cuda",)).as_text()
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 4      # wqkv, wo, gate_up, down
-  assert "w4a8_gemv" in text
+  assert "w4a8_gemv_kernel" in text and "w4a16_gemv_kernel" not in text
