@@ -191,7 +191,7 @@ def plan(n_out: int, n_groups: int, group: int, cfg: W4A8Config, planes: int = 2
 
 
 # ----------------------------------------------------------------------------------------------
-# The activation side (jnp, in the wrapper).
+# The activation planes: their definition (the reference's, and the kernel's in interpret mode).
 # ----------------------------------------------------------------------------------------------
 
 def quantize_activations(x: jax.Array, in_pad: int, planes: int = 2):
