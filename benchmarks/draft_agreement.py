@@ -19,7 +19,8 @@ calibrated on the layer with its earlier linears quantized); --gptq-damp sets GP
 GPTQ calibrates on --calibration-sources: book (--calibration-tokens tokens from
 --calibration-offset), self-chat (the model's greedy answers, --calibration-new-tokens long, to
 MT-Bench prompts [--calibration-prompts) of --calibration-turns, disjoint from the evaluated ones;
-one sequence per conversation, as many tokens) and mixed (both).
+one sequence per conversation, as many tokens) and mixed (both). --draft-input-planes 2 gives the
+draft's linears the input a GPU's one-row dp4a GEMV multiplies (`pallas_kernels.w4a8_gemv`).
 
   .venv/bin/python benchmarks/draft_agreement.py --out benchmarks/results/draft_agreement_cpu.json
 """
@@ -27,11 +28,13 @@ one sequence per conversation, as many tokens) and mixed (both).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 
+import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,6 +52,30 @@ from sparsedec.weights.checkpoint import load_model  # noqa: E402
 VARIANTS = {"rtn": None, "gptq": (False, False, False), "gptq-act": (True, False, False),
             "gptq-seq": (False, True, False), "gptq-act-seq": (True, True, False),
             "gptq-act-seq-true": (True, True, True)}
+
+
+@contextlib.contextmanager
+def draft_input_planes(planes: int):
+  """Within: every QuantWeight linear (only the draft has them) multiplies x^, x in `planes`
+  int8 planes per row and block of 32 inputs (`w4a8_gemv`'s), instead of x (0: unchanged)."""
+  from pallas_kernels import w4a8_gemv
+  from sparsedec.model import linear
+  plain = linear.quant_matmul
+
+  def planes_matmul(x, w, precision=None):
+    n = x.shape[-1]
+    xh = w4a8_gemv.dequantized_activations(x, -(-n // w4a8_gemv.BLOCK) * w4a8_gemv.BLOCK, planes)
+    return plain(xh[..., :n].astype(x.dtype), w, precision)
+
+  if planes:
+    linear.quant_matmul = planes_matmul
+    jax.clear_caches()                 # no forward traced with the plain input is reused
+  try:
+    yield
+  finally:
+    if planes:
+      linear.quant_matmul = plain
+      jax.clear_caches()
 
 
 def main(argv=None):
@@ -77,6 +104,10 @@ def main(argv=None):
   ap.add_argument("--calibration-turns", type=int, nargs="+", default=[1],
                   help="MT-Bench turns whose questions --calibration-prompts are asked (each "
                        "on its own): 1, or 1 2 for twice as many prompts")
+  ap.add_argument("--draft-input-planes", type=int, choices=(0, 1, 2), default=0,
+                  help="the draft's quantized linears multiply their input as w4a8_gemv's int8 "
+                       "planes (2: what a GPU's one-row dp4a kernel multiplies; 1: llama.cpp-style "
+                       "Q8 activations; 0: as it is)")
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "draft_agreement.json"))
   args = ap.parse_args(argv)
@@ -114,6 +145,15 @@ def main(argv=None):
             "calibration_sequences": {k: len(v) for k, v in calibration.items()}, "rows": []}
   runs = [(v, None) if VARIANTS[v] is None else (v, src)
           for v in args.variants for src in (args.calibration_sources if VARIANTS[v] else [None])]
+  with draft_input_planes(args.draft_input_planes):
+    _measure(args, cfg, params, texts, target, calibration, runs, result)
+  log(f"wrote {args.out}")
+  return result
+
+
+def _measure(args, cfg, params, texts, target, calibration, runs, result) -> None:
+  """Each (variant, calibration source): its draft's agreement on every text, written to
+  args.out after each."""
   for variant, source in runs:
     t0 = time.perf_counter()
     if VARIANTS[variant] is None:
@@ -139,8 +179,6 @@ def main(argv=None):
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
       json.dump(result, f, indent=2)
-  log(f"wrote {args.out}")
-  return result
 
 
 if __name__ == "__main__":

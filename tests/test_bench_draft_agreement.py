@@ -38,3 +38,29 @@ def test_agreement_rows(tmp_path):
     assert "overlap" in str(e)
   else:
     raise AssertionError("overlapping calibration prompts were accepted")
+
+
+def test_draft_input_planes_replace_only_the_quantized_linears_input():
+  """Within `draft_input_planes(P)` a QuantWeight linear multiplies x^ (x in P int8 planes per 32
+  inputs, as the GPU's one-row dp4a GEMV does); a plain weight is untouched; on exit x again."""
+  import jax.numpy as jnp
+  import numpy as np
+  from pallas_kernels.w4a8_gemv import dequantized_activations
+  from sparsedec.model.linear import linear
+  from sparsedec.model.quant_weights import quant_matmul, quantize_weight
+
+  rng = np.random.default_rng(0)
+  w = jnp.asarray(rng.standard_normal((96, 64)), jnp.float32)
+  qw = quantize_weight(w, 32)
+  x = jnp.asarray(rng.standard_normal((3, 96)), jnp.float32)
+  plain = np.asarray(linear(x, qw))
+  for planes in (1, 2):
+    with draft_agreement.draft_input_planes(planes):
+      got = np.asarray(linear(x, qw))
+      np.testing.assert_array_equal(np.asarray(linear(x, w)), np.asarray(
+          jnp.dot(x, w, precision="highest")))
+    want = np.asarray(quant_matmul(dequantized_activations(x, 96, planes), qw,
+                                   precision="highest"))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert np.abs(got - plain).max() > 0
+  np.testing.assert_array_equal(np.asarray(linear(x, qw)), plain)
