@@ -159,12 +159,9 @@ def test_refuses_unsupported_calls():
     run(x.astype(jnp.float32))
   with pytest.raises(InputError, match="multiple of 32"):
     run(x, group=16)
+  # The operand checks are w4a16_gemv.check_operands (tested there); one shows they are called.
   with pytest.raises(InputError, match="scale must be"):
     run(x, group=64)
-  with pytest.raises(InputError, match=r"x must be \[M, In=128\]"):
-    run(jnp.zeros((1, 100), jnp.bfloat16))
-  with pytest.raises(InputError, match="does not fit"):
-    run(x, in_features=300)
   with pytest.raises(InputError, match="planes"):
     run(x, planes=3)
   q192 = quantize_weight(jnp.ones((128, 192)), 32, "int4_t")
