@@ -20,7 +20,9 @@ GPTQ calibrates on --calibration-sources: book (--calibration-tokens tokens from
 --calibration-offset), self-chat (the model's greedy answers, --calibration-new-tokens long, to
 MT-Bench prompts [--calibration-prompts) of --calibration-turns, disjoint from the evaluated ones;
 one sequence per conversation, as many tokens) and mixed (both). --draft-input-planes 2 gives the
-draft's linears the input a GPU's one-row dp4a GEMV multiplies (`pallas_kernels.w4a8_gemv`).
+draft's linears the input a GPU's one-row dp4a GEMV multiplies (`pallas_kernels.w4a8_gemv`);
+--draft-weights exact / dtype the weights the dp4a / the W4A16 wgmma kernel multiplies (exact, or
+rounded to the model dtype).
 
   .venv/bin/python benchmarks/draft_agreement.py --out benchmarks/results/draft_agreement_cpu.json
 """
@@ -35,6 +37,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,26 +57,45 @@ VARIANTS = {"rtn": None, "gptq": (False, False, False), "gptq-act": (True, False
             "gptq-act-seq-true": (True, True, True)}
 
 
+DRAFT_WEIGHTS = ("layout", "exact", "dtype")
+
+
 @contextlib.contextmanager
-def draft_input_planes(planes: int):
-  """Within: every QuantWeight linear (only the draft has them) multiplies x^, x in `planes`
-  int8 planes per row and block of 32 inputs (`w4a8_gemv`'s), instead of x (0: unchanged)."""
+def draft_matmul(planes: int = 0, weights: str = "layout"):
+  """Within: every QuantWeight linear (only the draft has them) multiplies what one of the GPU's
+  draft kernels multiplies instead of what its layout's jnp path does ("packed" rounds the
+  dequantized weights to x's dtype; "int4_t" multiplies the exact 4-bit weights in fp32).
+  planes > 0: x^, x in `planes` int8 planes per row and block of 32 inputs (`w4a8_gemv`'s;
+  2 = the one-row dp4a kernel, 1 = llama.cpp-style Q8 activations). weights "exact": the exact
+  dequantized weights, fp32 products and sums (the dp4a kernel's); "dtype": the weights rounded
+  to x's dtype, fp32 products and sums (the W4A16 wgmma kernel's operands: in bf16, a bf16
+  target's own weights when the draft's grid is exact); "layout": the layout's path."""
   from pallas_kernels import w4a8_gemv
   from sparsedec.model import linear
+  if weights not in DRAFT_WEIGHTS:
+    raise ValueError(f"weights must be one of {DRAFT_WEIGHTS}, got {weights!r}")
   plain = linear.quant_matmul
 
-  def planes_matmul(x, w, precision=None):
-    n = x.shape[-1]
-    xh = w4a8_gemv.dequantized_activations(x, -(-n // w4a8_gemv.BLOCK) * w4a8_gemv.BLOCK, planes)
-    return plain(xh[..., :n].astype(x.dtype), w, precision)
+  def emulated(x, w, precision=None):
+    if planes:
+      n = x.shape[-1]
+      x = w4a8_gemv.dequantized_activations(
+          x, -(-n // w4a8_gemv.BLOCK) * w4a8_gemv.BLOCK, planes)[..., :n].astype(x.dtype)
+    if weights == "layout":
+      return plain(x, w, precision)
+    wx = w.dequantize(jnp.float32)                                          # [In, Out]
+    if weights == "dtype":
+      wx = wx.astype(x.dtype).astype(jnp.float32)
+    return jnp.dot(x.astype(jnp.float32), wx, precision="highest").astype(x.dtype)
 
-  if planes:
-    linear.quant_matmul = planes_matmul
-    jax.clear_caches()                 # no forward traced with the plain input is reused
+  patched = bool(planes) or weights != "layout"
+  if patched:
+    linear.quant_matmul = emulated
+    jax.clear_caches()                 # no forward traced with the plain product is reused
   try:
     yield
   finally:
-    if planes:
+    if patched:
       linear.quant_matmul = plain
       jax.clear_caches()
 
@@ -108,6 +130,10 @@ def main(argv=None):
                   help="the draft's quantized linears multiply their input as w4a8_gemv's int8 "
                        "planes (2: what a GPU's one-row dp4a kernel multiplies; 1: llama.cpp-style "
                        "Q8 activations; 0: as it is)")
+  ap.add_argument("--draft-weights", default="layout", choices=DRAFT_WEIGHTS,
+                  help="the weights the draft's quantized linears multiply: exact (fp32, as the "
+                       "GPU's dp4a kernel), dtype (rounded to the model dtype, as the W4A16 wgmma "
+                       "kernel), layout (the draft layout's jnp path: \"packed\" rounds to the dtype)")
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "draft_agreement.json"))
   args = ap.parse_args(argv)
@@ -145,7 +171,7 @@ def main(argv=None):
             "calibration_sequences": {k: len(v) for k, v in calibration.items()}, "rows": []}
   runs = [(v, None) if VARIANTS[v] is None else (v, src)
           for v in args.variants for src in (args.calibration_sources if VARIANTS[v] else [None])]
-  with draft_input_planes(args.draft_input_planes):
+  with draft_matmul(args.draft_input_planes, args.draft_weights):
     _measure(args, cfg, params, texts, target, calibration, runs, result)
   log(f"wrote {args.out}")
   return result

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks._gemv_choice import add_one_row_gemv_arg, apply_one_row_gemv
 from sparsedec.attention import AttentionPlan, QuantView, Segment, causal_plan
 from sparsedec.bench import DEFAULT_SMOLLM2_GGUF, device_description, encode_prompts, log
 from sparsedec.decode.api import generate
@@ -39,6 +40,23 @@ from sparsedec.model.gptq import gptq_quantize_params, self_generated_calibratio
 from sparsedec.prompts import book, mt_bench
 from sparsedec.weights.checkpoint import load_model
 
+
+
+BOOK_STRIDE = 8192          # tokens between the starts of the book windows (--book-prompts)
+
+
+def pooled_stats(runs) -> dict:
+  """QuantSpec's figures over several generate() results: acceptance and tau pooled (sums of
+  accepted drafts / drafted tokens, of generated tokens / steps), the memory figures of the
+  first run (the windows share their shapes)."""
+  drafted = sum(r.method_stats["drafted_tokens"] for r in runs)
+  accepted = sum(r.method_stats["accepted_drafts"] for r in runs)
+  steps = sum(sum(r.active_steps) for r in runs)
+  made = sum(r.num_generated - len(r.tokens) for r in runs)
+  return {**runs[0].method_stats, "runs": len(runs), "drafted_tokens": drafted,
+          "accepted_drafts": accepted, "tau": made / steps if steps else 0.0,
+          "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+          "accepted_drafts_per_step": round(accepted / steps, 4) if steps else 0.0}
 
 
 def _nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -134,6 +152,11 @@ def main():
   ap.add_argument("--prompt-tokens", type=int, default=4096)
   ap.add_argument("--new-tokens", type=int, default=96)
   ap.add_argument("--mt-bench-prompts", type=int, default=4)
+  ap.add_argument("--mt-bench-one-at-a-time", action="store_true",
+                  help="decode the MT-Bench prompts one at a time (batch 1) instead of as a batch")
+  ap.add_argument("--book-prompts", type=int, default=1,
+                  help=f"book windows of --prompt-tokens, {BOOK_STRIDE} tokens apart, each "
+                       "decoded on its own (batch 1); acceptance pooled over them")
   ap.add_argument("--sets", nargs="+", default=["book", "mt_bench"], choices=("book", "mt_bench"),
                   help="the prompt sets of the acceptance sweep")
   ap.add_argument("--weight-bits", default="4", choices=("4", "none"),
@@ -167,9 +190,11 @@ def main():
                   help="GPTQ calibrates each linear on its layer with the earlier linears "
                        "quantized (1) or on the layer as it is (0)")
   ap.add_argument("--skip-ppl", action="store_true")
+  add_one_row_gemv_arg(ap)
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "quantspec_quality.json"))
   args = ap.parse_args()
+  apply_one_row_gemv(args.one_row_gemv)
   weight_bits = None if args.weight_bits == "none" else int(args.weight_bits)
   cfg, params, tok = load_model(args.gguf, dtype=args.dtype)
   text_ids = np.asarray(tok.encode(book()), np.int32)
@@ -199,8 +224,8 @@ def main():
     calibration = []
     if args.calibration_source in ("book", "mixed"):
       start = args.calibration_offset
-      if start < args.prompt_tokens + args.new_tokens:
-        raise SystemExit("--calibration-offset overlaps the book prompt and its continuation")
+      if start < (args.book_prompts - 1) * BOOK_STRIDE + args.prompt_tokens + args.new_tokens:
+        raise SystemExit("--calibration-offset overlaps the book prompts and their continuations")
       calibration.append(text_ids[start:start + args.calibration_tokens])
     if args.calibration_source in ("self-chat", "mixed"):
       first, stop = args.calibration_prompts
@@ -219,22 +244,32 @@ def main():
     run_params = with_draft(params, draft)
     result["gptq_seconds"] = time.perf_counter() - t0
     log(f"GPTQ draft in {result['gptq_seconds']:.1f} s")
-  prompts = {"book": [text_ids[: args.prompt_tokens].tolist()],
-             "mt_bench": encode_prompts(tok, mt_bench(turn=1)[: args.mt_bench_prompts],
-                                        chat_template=True)}
-  for name, ids in prompts.items():
+  if args.book_prompts < 1 or (args.book_prompts - 1) * BOOK_STRIDE + args.prompt_tokens > len(
+      text_ids):
+    raise SystemExit(f"--book-prompts {args.book_prompts} windows of {args.prompt_tokens} tokens "
+                     f"do not fit the book's {len(text_ids)} tokens")
+  book_windows = [text_ids[i * BOOK_STRIDE: i * BOOK_STRIDE + args.prompt_tokens].tolist()
+                  for i in range(args.book_prompts)]
+  # Book windows run one at a time (batch 1: the draft's one-row GEMVs, as in decoding one
+  # text); MT-Bench prompts as one batch (the draft's GEMVs then take B rows: on a GPU the W4A16
+  # kernel, not the one-row dp4a one), or one at a time with --mt-bench-one-at-a-time.
+  chats = encode_prompts(tok, mt_bench(turn=1)[: args.mt_bench_prompts], chat_template=True)
+  prompts = {"book": [[w] for w in book_windows],
+             "mt_bench": [[c] for c in chats] if args.mt_bench_one_at_a_time else [chats]}
+  for name, batches in prompts.items():
     if name not in args.sets:
       continue
     for gamma in args.gammas:
       method = QuantSpec(gamma=gamma, quant_group=args.group, verify_precision="int8",
                          weight_bits=weight_bits, weight_group=args.weight_group)
-      res = generate(cfg, run_params, ids, method=method, max_new_tokens=args.new_tokens,
-                     stop_tokens=())
-      row = {"prompts": name, "gamma": gamma, "tau": res.tau, "weight_bits": weight_bits,
+      runs = [generate(cfg, run_params, ids, method=method, max_new_tokens=args.new_tokens,
+                       stop_tokens=()) for ids in batches]
+      row = {"prompts": name, "gamma": gamma, "weight_bits": weight_bits,
              "weight_group": args.weight_group, "weight_quantizer": args.weight_quantizer,
-             **res.method_stats}
+             **pooled_stats(runs)}
       result["acceptance"].append(row)
-      log(f"{name} gamma={gamma}: acceptance {row.get('acceptance_rate')}, tau {res.tau:.3f}")
+      log(f"{name} gamma={gamma}: acceptance {row['acceptance_rate']} "
+          f"({row['accepted_drafts']} / {row['drafted_tokens']}), tau {row['tau']:.3f}")
       save()
   log(f"wrote {args.out}")
 

@@ -61,6 +61,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks._gemv_choice import add_one_row_gemv_arg, apply_one_row_gemv  # noqa: E402
 from benchmarks._timing import device_time  # noqa: E402
 from benchmarks.step_roofline import (LLAMA_31_8B, log, random_params, random_state,  # noqa: E402
                                       read_bandwidth, step_time)
@@ -635,9 +636,7 @@ WORKERS = {"dense": run_dense, "quantspec": run_quantspec}
 
 def run_worker(args, kind: str, path: str) -> None:
   from sparsedec.bench import device_description
-  if args.one_row_gemv == "wgmma":           # the A/B: one-row draft GEMVs on the W4A16 kernel
-    import pallas_kernels.w4a8_gemv as w4a8
-    w4a8.unsupported_reason = lambda *a: "--one-row-gemv wgmma"
+  apply_one_row_gemv(args.one_row_gemv)
   cfg = (SMOKE_CFG if args.smoke else LLAMA_31_8B).replace(attention=args.attention)
   if args.layers:
     cfg = cfg.replace(num_layers=args.layers)
@@ -689,9 +688,7 @@ def parse_args(argv=None):
   ap.add_argument("--reproject", nargs="+", default=None, metavar="STEP_JSON",
                   help="time nothing: project from these earlier runs' JSONs (their dense, draft "
                        "and verify rows) with --acceptance-json, and write --out")
-  ap.add_argument("--one-row-gemv", default="dp4a", choices=("dp4a", "wgmma"),
-                  help="the int4_t draft's one-row GEMVs: the dp4a kernel (w4a8_gemv, as "
-                       "quant_matmul dispatches) or the W4A16 wgmma kernel (the A/B)")
+  add_one_row_gemv_arg(ap)
   ap.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "quantspec_step.json"))

@@ -9,6 +9,8 @@ import json
 import pathlib
 import sys
 
+import pytest
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))   # benchmarks/ importable
 
 from benchmarks import draft_agreement  # noqa: E402
@@ -40,9 +42,12 @@ def test_agreement_rows(tmp_path):
     raise AssertionError("overlapping calibration prompts were accepted")
 
 
-def test_draft_input_planes_replace_only_the_quantized_linears_input():
-  """Within `draft_input_planes(P)` a QuantWeight linear multiplies x^ (x in P int8 planes per 32
-  inputs, as the GPU's one-row dp4a GEMV does); a plain weight is untouched; on exit x again."""
+def test_draft_matmul_replaces_only_the_quantized_linears_product():
+  """Within `draft_matmul(P)` a QuantWeight linear multiplies x^ (x in P int8 planes per 32
+  inputs, as the GPU's one-row dp4a GEMV does); within `draft_matmul(weights_in_dtype=True)` it
+  multiplies (weights="dtype") the dequantized weights rounded to x's dtype (the W4A16 kernel's
+  operands) or (weights="exact") the exact ones in fp32 (the dp4a kernel's), whatever the
+  layout's own path does; a plain weight is untouched; on exit the layout's product again."""
   import jax.numpy as jnp
   import numpy as np
   from pallas_kernels.w4a8_gemv import dequantized_activations
@@ -55,7 +60,7 @@ def test_draft_input_planes_replace_only_the_quantized_linears_input():
   x = jnp.asarray(rng.standard_normal((3, 96)), jnp.float32)
   plain = np.asarray(linear(x, qw))
   for planes in (1, 2):
-    with draft_agreement.draft_input_planes(planes):
+    with draft_agreement.draft_matmul(planes):
       got = np.asarray(linear(x, qw))
       np.testing.assert_array_equal(np.asarray(linear(x, w)), np.asarray(
           jnp.dot(x, w, precision="highest")))
@@ -64,3 +69,24 @@ def test_draft_input_planes_replace_only_the_quantized_linears_input():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert np.abs(got - plain).max() > 0
   np.testing.assert_array_equal(np.asarray(linear(x, qw)), plain)
+
+  xb = jnp.asarray(rng.standard_normal((3, 1024)), jnp.bfloat16)
+  w32 = jnp.asarray(rng.standard_normal((1024, 256)), jnp.float32)
+  got = {}
+  for layout in ("packed", "int4_t"):                  # packed's path rounds; int4_t's is exact
+    qw = quantize_weight(w32, 32, layout)
+    plain = np.asarray(linear(xb, qw), np.float32)
+    for weights in ("dtype", "exact"):
+      with draft_agreement.draft_matmul(weights=weights):
+        got[layout, weights] = np.asarray(linear(xb, qw), np.float32)
+    np.testing.assert_array_equal(np.asarray(linear(xb, qw), np.float32), plain)
+  for weights, dtype in (("dtype", jnp.bfloat16), ("exact", jnp.float32)):
+    wx = qw.dequantize(jnp.float32).astype(dtype).astype(jnp.float32)
+    want = np.asarray(jnp.dot(xb.astype(jnp.float32), wx, precision="highest")
+                      .astype(jnp.bfloat16), np.float32)
+    for layout in ("packed", "int4_t"):
+      np.testing.assert_array_equal(got[layout, weights], want)
+  assert np.abs(got["int4_t", "dtype"] - got["int4_t", "exact"]).max() > 0
+  with pytest.raises(ValueError, match="weights must be one of"):
+    with draft_agreement.draft_matmul(weights="bf16"):
+      pass

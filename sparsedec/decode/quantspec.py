@@ -305,6 +305,7 @@ class QuantSpec:
     return {
         "acceptance_rate": round(int(np.sum(accepted)) / proposed, 4) if proposed else 0.0,
         "accepted_drafts_per_step": round(int(np.sum(accepted)) / steps, 4) if steps else 0.0,
+        "drafted_tokens": proposed, "accepted_drafts": int(np.sum(accepted)),
         "gamma": self.gamma, "verify_precision": self.verify_precision,
         "draft_sampling": self.draft_sampling,
         "quant_group": self.quant_group,
