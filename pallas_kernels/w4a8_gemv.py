@@ -35,8 +35,8 @@ make a dp4a.
 
 Kernel (`_partials`), grid (Out / block_out, splits), one warpgroup a block, each thread owning
 block_out / 128 outputs over the block's input range (no cross-thread reduction):
-  prologue: one TMA brings x over the block's range (the splits are equal: `plan`), the first
-    steps' codes are requested, and the warps quantize x into its planes in SMEM (warp w blocks
+  prologue: TMAs bring x over the block's range (one a 256 chunks; the splits are equal:
+    `plan`), the first steps' codes are requested, and the warps quantize x into its planes in SMEM (warp w blocks
     w, w + 4, ..., lane l input l: two warp reductions, max |x| and the sum), one `bar.sync`;
   steps: a ring of `num_stages` pipeline steps of whole groups (128 input rows by default),
     three TMAs a step on one barrier (codes [chunks, block_out / 4, 32] words, scales and zeros
@@ -94,6 +94,7 @@ PLANE_BASE = 254           # plane p + 1 holds the residual of plane p in steps 
 PLANES = (1, 2)
 MAX_BLOCKS_PER_SM = 8
 ROWS_PER_STAGE = 128       # input rows a pipeline step (whole groups)
+TMA_MAX_ROWS = 256         # a TMA box spans at most 256 elements a dimension
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 # Input offset (within a 64-input chunk) of nibble n of code word j (the fragment order).
@@ -418,6 +419,7 @@ def _partials(xc, codes_t, scale, zero, *, group: int, planes: int, p: Plan,
   block_out, gps, cps, num_stages = p.block_out, p.groups_per_stage, p.chunks_per_stage, \
       p.num_stages
   span = p.steps_per_split * cps                # x chunks a block quantizes (its input range)
+  pieces = [(a, min(a + TMA_MAX_ROWS, span)) for a in range(0, span, TMA_MAX_ROWS)]
   if interpret is None:
     quantize = _quantize_mgpu(span, planes)
     step_math, zero_acc = _step_mgpu(cps, group, block_out, planes), _zero_mgpu(block_out)
@@ -458,7 +460,12 @@ def _partials(xc, codes_t, scale, zero, *, group: int, planes: int, p: Plan,
       plgpu.copy_gmem_to_smem(zero_ref.at[pl.ds(g0, gps), pl.ds(o0, block_out)],
                               meta_smem.at[slot, 1], bar)
 
-    plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(first * cps, span)], x_smem, x_barrier.at[0])
+    if len(pieces) == 1:
+      plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(first * cps, span)], x_smem, x_barrier.at[0])
+    else:                                       # x's range, <= 256 rows a TMA
+      for a, b in pieces:
+        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(first * cps + a, b - a)],
+                                x_smem.at[pl.ds(a, b - a)], x_barrier.at[0])
     for s in range(num_stages):
       fetch(s, s)
     zero_acc(acc_smem)
@@ -490,7 +497,7 @@ def _partials(xc, codes_t, scale, zero, *, group: int, planes: int, p: Plan,
       ux_smem=plgpu.SMEM((span, 4), jnp.float32),
       acc_smem=plgpu.SMEM((block_out,), jnp.float32),
       barriers=plgpu.Barrier(num_arrivals=3, num_barriers=num_stages),
-      x_barrier=plgpu.Barrier(num_arrivals=1, num_barriers=1),
+      x_barrier=plgpu.Barrier(num_arrivals=len(pieces), num_barriers=1),
   )
   return w4a16.split_k_kernel(
       "w4a8_gemv_kernel", body, scratch, jax.ShapeDtypeStruct((p.splits, n_out), jnp.float32),

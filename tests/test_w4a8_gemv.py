@@ -53,6 +53,7 @@ def _check_close(got, x, q, planes=2):
     (384, 128, 128, W4A8Config(num_stages=2), jnp.bfloat16, 1),   # a group over 2 chunks
     (512, 256, 64, W4A8Config(num_splits=3, rows_per_stage=64), jnp.float16, 2),  # 8 steps: 2 x 4
     (256, 128, 32, W4A8Config(num_stages=1), jnp.bfloat16, 1),    # one slot, refilled
+    (16448, 128, 64, W4A8Config(num_splits=1), jnp.bfloat16, 2),  # x's range: 257 rows, 2 TMAs
 ])
 def test_kernel_matches_reference(n_in, n_out, group, config, dtype, planes):
   q = _weight(n_in + group, n_in, n_out, group)
@@ -178,6 +179,7 @@ def test_refuses_unsupported_calls():
     (4096, 4096, 128, W4A8Config(block_out=256)),            # wo
     (4096, 28672, 32, W4A8Config()),                         # w_gate_up
     (14336, 4096, 64, W4A8Config(num_stages=2)),             # w_down
+    (16448, 256, 64, W4A8Config(num_splits=1)),              # x's range: 257 rows, two TMAs
 ])
 def test_lowers_to_mosaic_gpu_for_cuda(n_in, n_out, group, config):
   sds = jax.ShapeDtypeStruct
