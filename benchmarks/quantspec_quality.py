@@ -1,13 +1,17 @@
 """QuantSpec on SmolLM2-135M-Instruct: what the INT8 target costs in quality, and how often the
-4-bit draft is accepted (CPU or GPU; no kernel involved).
+4-bit draft is accepted (CPU or GPU; on a GPU in bf16 the attention and the draft's linears run
+the Pallas kernels).
 
 1. Perplexity of the book text (../shared/prompts/books) with the KV cache read at full precision
    versus INT8 (and, for reference, the draft's 4-bit view), teacher-forced in chunks of
    `--chunk` tokens: each chunk reads the hierarchical cache built from everything before it
    exactly as a one-token-per-step QuantSpec verifier would (`QuantView`'s per-query rule), then is
    committed to it. Target (issue): INT8 perplexity within +0.5% of full precision.
-2. Draft acceptance rate versus gamma, greedy, continuing a long book prompt (`--prompt-tokens`)
-   and MT-Bench turn-1 prompts. Target (issue): >= 90% at the best gamma. The draft's weights are
+2. Draft acceptance rate versus gamma, greedy, continuing long book prompts (`--book-prompts`
+   windows of `--prompt-tokens`, each decoded alone) and MT-Bench turn-1 prompts (as one batch,
+   or alone with `--mt-bench-one-at-a-time`); accepted and drafted tokens pooled over the
+   prompts. At batch 1 a GPU draft's linears take one row: the dp4a kernel, or with
+   `--one-row-gemv wgmma` the W4A16 one. Target (issue): >= 90% at the best gamma. The draft's weights are
    `--weight-bits` 4 (group-wise, `--weight-group` input rows per group; the defaults, 4 and 128,
    are QuantSpec's) or "none" (a KV-only draft: 4-bit KV view, full weights), for ablations;
    rounded to nearest, or with `--weight-quantizer gptq` chosen by GPTQ (`sparsedec.model.gptq`)
@@ -141,7 +145,7 @@ def self_chat_calibration(cfg, params, tok, questions: list[str], new_tokens: in
                                     max_new_tokens=new_tokens, max_tokens=max_tokens)
 
 
-def main():
+def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--gguf", default=DEFAULT_SMOLLM2_GGUF)
   ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -193,11 +197,15 @@ def main():
   add_one_row_gemv_arg(ap)
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "quantspec_quality.json"))
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   apply_one_row_gemv(args.one_row_gemv)
   weight_bits = None if args.weight_bits == "none" else int(args.weight_bits)
   cfg, params, tok = load_model(args.gguf, dtype=args.dtype)
   text_ids = np.asarray(tok.encode(book()), np.int32)
+  if args.book_prompts < 1 or (args.book_prompts - 1) * BOOK_STRIDE + args.prompt_tokens > len(
+      text_ids):
+    raise SystemExit(f"--book-prompts {args.book_prompts} windows of {args.prompt_tokens} tokens "
+                     f"do not fit the book's {len(text_ids)} tokens")
   result = {"benchmark": "QuantSpec quality and acceptance, SmolLM2-135M-Instruct",
             "device": device_description(), "args": vars(args), "perplexity": {},
             "acceptance": []}
@@ -244,18 +252,15 @@ def main():
     run_params = with_draft(params, draft)
     result["gptq_seconds"] = time.perf_counter() - t0
     log(f"GPTQ draft in {result['gptq_seconds']:.1f} s")
-  if args.book_prompts < 1 or (args.book_prompts - 1) * BOOK_STRIDE + args.prompt_tokens > len(
-      text_ids):
-    raise SystemExit(f"--book-prompts {args.book_prompts} windows of {args.prompt_tokens} tokens "
-                     f"do not fit the book's {len(text_ids)} tokens")
   book_windows = [text_ids[i * BOOK_STRIDE: i * BOOK_STRIDE + args.prompt_tokens].tolist()
                   for i in range(args.book_prompts)]
   # Book windows run one at a time (batch 1: the draft's one-row GEMVs, as in decoding one
   # text); MT-Bench prompts as one batch (the draft's GEMVs then take B rows: on a GPU the W4A16
   # kernel, not the one-row dp4a one), or one at a time with --mt-bench-one-at-a-time.
-  chats = encode_prompts(tok, mt_bench(turn=1)[: args.mt_bench_prompts], chat_template=True)
-  prompts = {"book": [[w] for w in book_windows],
-             "mt_bench": [[c] for c in chats] if args.mt_bench_one_at_a_time else [chats]}
+  prompts = {"book": [[w] for w in book_windows]}
+  if "mt_bench" in args.sets:
+    chats = encode_prompts(tok, mt_bench(turn=1)[: args.mt_bench_prompts], chat_template=True)
+    prompts["mt_bench"] = [[c] for c in chats] if args.mt_bench_one_at_a_time else [chats]
   for name, batches in prompts.items():
     if name not in args.sets:
       continue
@@ -272,6 +277,7 @@ def main():
           f"({row['accepted_drafts']} / {row['drafted_tokens']}), tau {row['tau']:.3f}")
       save()
   log(f"wrote {args.out}")
+  return result
 
 
 if __name__ == "__main__":

@@ -1,0 +1,48 @@
+"""benchmarks/quantspec_quality.py on the embedded stories260K checkpoint (CPU, fp32): the
+acceptance sweep over book windows decoded one at a time pools their counts, and windows that do
+not fit the book are refused before any decoding."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))   # benchmarks/ importable
+
+from benchmarks import quantspec_quality  # noqa: E402
+
+STORIES = pathlib.Path(__file__).resolve().parents[1] / "checkpoints" / "stories260K"
+
+
+def test_pooled_stats_sum_counts_over_runs():
+  run = lambda drafted, accepted, steps, made: SimpleNamespace(
+      method_stats={"drafted_tokens": drafted, "accepted_drafts": accepted, "gamma": 2,
+                    "acceptance_rate": accepted / drafted},
+      active_steps=[steps], tokens=[[0] * (made + 1)], num_generated=made + 1)
+  row = quantspec_quality.pooled_stats([run(10, 9, 5, 14), run(30, 15, 15, 30)])
+  assert row["runs"] == 2 and row["gamma"] == 2
+  assert (row["drafted_tokens"], row["accepted_drafts"]) == (40, 24)
+  assert row["acceptance_rate"] == 0.6                   # pooled, not the mean of 0.9 and 0.5
+  assert row["tau"] == pytest.approx(44 / 20)
+  assert row["accepted_drafts_per_step"] == pytest.approx(24 / 20)
+
+
+def test_book_windows_one_at_a_time(tmp_path):
+  out = tmp_path / "quality.json"
+  result = quantspec_quality.main([
+      "--gguf", str(STORIES), "--skip-ppl", "--sets", "book", "--book-prompts", "2",
+      "--prompt-tokens", "64", "--new-tokens", "10", "--gammas", "2", "--group", "16",
+      "--weight-group", "32", "--out", str(out)])
+  assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+  (row,) = result["acceptance"]
+  assert row["prompts"] == "book" and row["gamma"] == 2 and row["runs"] == 2
+  assert 0 < row["accepted_drafts"] <= row["drafted_tokens"]
+  assert row["acceptance_rate"] == round(row["accepted_drafts"] / row["drafted_tokens"], 4)
+  assert 1.0 <= row["tau"] <= 3.0
+  with pytest.raises(SystemExit, match="do not fit"):
+    quantspec_quality.main(["--gguf", str(STORIES), "--skip-ppl", "--book-prompts", "10000",
+                            "--out", str(out)])
