@@ -30,18 +30,16 @@ rounded to the model dtype).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks._gemv_choice import DRAFT_WEIGHTS, draft_matmul  # noqa: E402
 from benchmarks.quantspec_quality import (calibration_questions, quantized_pass,  # noqa: E402
                                           self_chat_calibration)
 from sparsedec.bench import (DEFAULT_SMOLLM2_GGUF, device_description,  # noqa: E402
@@ -55,49 +53,6 @@ from sparsedec.weights.checkpoint import load_model  # noqa: E402
 VARIANTS = {"rtn": None, "gptq": (False, False, False), "gptq-act": (True, False, False),
             "gptq-seq": (False, True, False), "gptq-act-seq": (True, True, False),
             "gptq-act-seq-true": (True, True, True)}
-
-
-DRAFT_WEIGHTS = ("layout", "exact", "dtype")
-
-
-@contextlib.contextmanager
-def draft_matmul(planes: int = 0, weights: str = "layout"):
-  """Within: every QuantWeight linear (only the draft has them) multiplies what one of the GPU's
-  draft kernels multiplies instead of what its layout's jnp path does ("packed" rounds the
-  dequantized weights to x's dtype; "int4_t" multiplies the exact 4-bit weights in fp32).
-  planes > 0: x^, x in `planes` int8 planes per row and block of 32 inputs (`w4a8_gemv`'s;
-  2 = the one-row dp4a kernel, 1 = llama.cpp-style Q8 activations). weights "exact": the exact
-  dequantized weights, fp32 products and sums (the dp4a kernel's); "dtype": the weights rounded
-  to x's dtype, fp32 products and sums (the W4A16 wgmma kernel's operands: in bf16, a bf16
-  target's own weights when the draft's grid is exact); "layout": the layout's path."""
-  from pallas_kernels import w4a8_gemv
-  from sparsedec.model import linear
-  if weights not in DRAFT_WEIGHTS:
-    raise ValueError(f"weights must be one of {DRAFT_WEIGHTS}, got {weights!r}")
-  plain = linear.quant_matmul
-
-  def emulated(x, w, precision=None):
-    if planes:
-      n = x.shape[-1]
-      x = w4a8_gemv.dequantized_activations(
-          x, -(-n // w4a8_gemv.BLOCK) * w4a8_gemv.BLOCK, planes)[..., :n].astype(x.dtype)
-    if weights == "layout":
-      return plain(x, w, precision)
-    wx = w.dequantize(jnp.float32)                                          # [In, Out]
-    if weights == "dtype":
-      wx = wx.astype(x.dtype).astype(jnp.float32)
-    return jnp.dot(x.astype(jnp.float32), wx, precision="highest").astype(x.dtype)
-
-  patched = bool(planes) or weights != "layout"
-  if patched:
-    linear.quant_matmul = emulated
-    jax.clear_caches()                 # no forward traced with the plain product is reused
-  try:
-    yield
-  finally:
-    if patched:
-      linear.quant_matmul = plain
-      jax.clear_caches()
 
 
 def main(argv=None):

@@ -23,6 +23,7 @@ the Pallas kernels).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -32,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks._gemv_choice import add_one_row_gemv_arg, apply_one_row_gemv
+from benchmarks._gemv_choice import (EMULATIONS, add_one_row_gemv_arg, apply_one_row_gemv,
+                                     draft_matmul)
 from sparsedec.attention import AttentionPlan, QuantView, Segment, causal_plan
 from sparsedec.bench import DEFAULT_SMOLLM2_GGUF, device_description, encode_prompts, log
 from sparsedec.decode.api import generate
@@ -195,6 +197,9 @@ def main(argv=None):
                        "quantized (1) or on the layer as it is (0)")
   ap.add_argument("--skip-ppl", action="store_true")
   add_one_row_gemv_arg(ap)
+  ap.add_argument("--emulate-one-row-gemv", choices=tuple(EMULATIONS), default=None,
+                  help="the acceptance sweep's draft linears multiply as that GPU kernel does "
+                       "(its x planes and weights, `_gemv_choice.draft_matmul`), e.g. on a CPU")
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "quantspec_quality.json"))
   args = ap.parse_args(argv)
@@ -261,6 +266,16 @@ def main(argv=None):
   if "mt_bench" in args.sets:
     chats = encode_prompts(tok, mt_bench(turn=1)[: args.mt_bench_prompts], chat_template=True)
     prompts["mt_bench"] = [[c] for c in chats] if args.mt_bench_one_at_a_time else [chats]
+  emulation = (draft_matmul(*EMULATIONS[args.emulate_one_row_gemv]) if args.emulate_one_row_gemv
+               else contextlib.nullcontext())
+  with emulation:
+    _acceptance_sweep(args, cfg, run_params, weight_bits, prompts, result, save)
+  log(f"wrote {args.out}")
+  return result
+
+
+def _acceptance_sweep(args, cfg, run_params, weight_bits, prompts, result, save) -> None:
+  """One pooled acceptance row per (prompt set, gamma), saved after each."""
   for name, batches in prompts.items():
     if name not in args.sets:
       continue
@@ -276,8 +291,6 @@ def main(argv=None):
       log(f"{name} gamma={gamma}: acceptance {row['acceptance_rate']} "
           f"({row['accepted_drafts']} / {row['drafted_tokens']}), tau {row['tau']:.3f}")
       save()
-  log(f"wrote {args.out}")
-  return result
 
 
 if __name__ == "__main__":

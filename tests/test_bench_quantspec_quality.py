@@ -1,9 +1,11 @@
 """benchmarks/quantspec_quality.py on the embedded stories260K checkpoint (CPU, fp32): the
-acceptance sweep over book windows decoded one at a time pools their counts, and windows that do
-not fit the book are refused before any decoding."""
+acceptance sweep over book windows decoded one at a time pools their counts, runs with the draft's
+linears emulating a GPU kernel where asked, and windows that do not fit the book are refused
+before any decoding."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import sys
@@ -31,7 +33,7 @@ def test_pooled_stats_sum_counts_over_runs():
   assert row["accepted_drafts_per_step"] == pytest.approx(24 / 20)
 
 
-def test_book_windows_one_at_a_time(tmp_path):
+def test_book_windows_one_at_a_time(tmp_path, monkeypatch):
   out = tmp_path / "quality.json"
   result = quantspec_quality.main([
       "--gguf", str(STORIES), "--skip-ppl", "--sets", "book", "--book-prompts", "2",
@@ -43,6 +45,25 @@ def test_book_windows_one_at_a_time(tmp_path):
   assert 0 < row["accepted_drafts"] <= row["drafted_tokens"]
   assert row["acceptance_rate"] == round(row["accepted_drafts"] / row["drafted_tokens"], 4)
   assert 1.0 <= row["tau"] <= 3.0
+  # The same sweep with the draft's linears multiplying as the GPU's dp4a kernel does: the
+  # emulation is in place while the sweep runs and gone after it.
+  from sparsedec.model import linear
+  plain, real, seen = linear.quant_matmul, quantspec_quality.draft_matmul, []
+
+  @contextlib.contextmanager
+  def spying(*args):
+    with real(*args):
+      seen.append((args, linear.quant_matmul is not plain))
+      yield
+  monkeypatch.setattr(quantspec_quality, "draft_matmul", spying)
+  emulated = quantspec_quality.main([
+      "--gguf", str(STORIES), "--skip-ppl", "--sets", "book", "--book-prompts", "1",
+      "--prompt-tokens", "64", "--new-tokens", "6", "--gammas", "2", "--group", "16",
+      "--weight-group", "32", "--emulate-one-row-gemv", "dp4a", "--out", str(out)])
+  assert seen == [((2, "exact"), True)] and linear.quant_matmul is plain
+  assert emulated["args"]["emulate_one_row_gemv"] == "dp4a"
+  assert 0 <= emulated["acceptance"][0]["accepted_drafts"] <= emulated["acceptance"][0][
+      "drafted_tokens"]
   with pytest.raises(SystemExit, match="do not fit"):
     quantspec_quality.main(["--gguf", str(STORIES), "--skip-ppl", "--book-prompts", "10000",
                             "--out", str(out)])
