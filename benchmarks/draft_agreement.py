@@ -88,7 +88,8 @@ def main(argv=None):
   ap.add_argument("--draft-weights", default="layout", choices=DRAFT_WEIGHTS,
                   help="the weights the draft's quantized linears multiply: exact (fp32, as the "
                        "GPU's dp4a kernel), dtype (rounded to the model dtype, as the W4A16 wgmma "
-                       "kernel), layout (the draft layout's jnp path: \"packed\" rounds to the dtype)")
+                       "kernel), layout (the draft layout's jnp path: \"packed\" rounds to the "
+                       "dtype)")
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "draft_agreement.json"))
   args = ap.parse_args(argv)

@@ -11,7 +11,8 @@ the Pallas kernels).
    windows of `--prompt-tokens`, each decoded alone) and MT-Bench turn-1 prompts (as one batch,
    or alone with `--mt-bench-one-at-a-time`); accepted and drafted tokens pooled over the
    prompts. At batch 1 a GPU draft's linears take one row: the dp4a kernel, or with
-   `--one-row-gemv wgmma` the W4A16 one. Target (issue): >= 90% at the best gamma. The draft's weights are
+   `--one-row-gemv wgmma` the W4A16 one (`--emulate-one-row-gemv`: either kernel's arithmetic
+   on any backend). Target (issue): >= 90% at the best gamma. The draft's weights are
    `--weight-bits` 4 (group-wise, `--weight-group` input rows per group; the defaults, 4 and 128,
    are QuantSpec's) or "none" (a KV-only draft: 4-bit KV view, full weights), for ablations;
    rounded to nearest, or with `--weight-quantizer gptq` chosen by GPTQ (`sparsedec.model.gptq`)

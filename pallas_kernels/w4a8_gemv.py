@@ -36,8 +36,9 @@ make a dp4a.
 Kernel (`_partials`), grid (Out / block_out, splits), one warpgroup a block, each thread owning
 block_out / 128 outputs over the block's input range (no cross-thread reduction):
   prologue: TMAs bring x over the block's range (one a 256 chunks; the splits are equal:
-    `plan`), the first steps' codes are requested, and the warps quantize x into its planes in SMEM (warp w blocks
-    w, w + 4, ..., lane l input l: two warp reductions, max |x| and the sum), one `bar.sync`;
+    `plan`), the first steps' codes are requested, and the warps quantize x into its planes in
+    SMEM (warp w blocks w, w + 4, ..., lane l input l: two warp reductions, max |x| and the sum),
+    one `bar.sync`;
   steps: a ring of `num_stages` pipeline steps of whole groups (128 input rows by default),
     three TMAs a step on one barrier (codes [chunks, block_out / 4, 32] words, scales and zeros
     [groups, block_out]), the step's dot products in `inline_mgpu` (per thread two 16-byte shared
@@ -460,7 +461,7 @@ def _partials(xc, codes_t, scale, zero, *, group: int, planes: int, p: Plan,
       plgpu.copy_gmem_to_smem(zero_ref.at[pl.ds(g0, gps), pl.ds(o0, block_out)],
                               meta_smem.at[slot, 1], bar)
 
-    if len(pieces) == 1:
+    if len(pieces) == 1:       # the one-TMA form the compiled tests and timings ran (session 43)
       plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(first * cps, span)], x_smem, x_barrier.at[0])
     else:                                       # x's range, <= 256 rows a TMA
       for a, b in pieces:
