@@ -74,5 +74,7 @@ def draft_matmul(planes: int = 0, weights: str = "layout"):
       jax.clear_caches()
 
 
-# What each GPU one-row kernel multiplies, for `draft_matmul` on a CPU: (x planes, weights).
-EMULATIONS = {"dp4a": (2, "exact"), "wgmma": (0, "dtype")}
+# What each GPU one-row kernel multiplies, for `draft_matmul` on any backend: (x planes,
+# weights); and the dp4a kernel's two departures from the W4A16 one taken one at a time.
+EMULATIONS = {"dp4a": (2, "exact"), "wgmma": (0, "dtype"),
+              "dp4a-x-only": (2, "dtype"), "dp4a-weights-only": (0, "exact")}

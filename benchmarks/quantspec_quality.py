@@ -10,9 +10,11 @@ the Pallas kernels).
 2. Draft acceptance rate versus gamma, greedy, continuing long book prompts (`--book-prompts`
    windows of `--prompt-tokens`, each decoded alone) and MT-Bench turn-1 prompts (as one batch,
    or alone with `--mt-bench-one-at-a-time`); accepted and drafted tokens pooled over the
-   prompts. At batch 1 a GPU draft's linears take one row: the dp4a kernel, or with
-   `--one-row-gemv wgmma` the W4A16 one (`--emulate-one-row-gemv`: either kernel's arithmetic
-   on any backend). Target (issue): >= 90% at the best gamma. The draft's weights are
+   prompts (each run's counts beside them, with the share of its tokens inside a repeated
+   8-gram: a looping continuation repeats its few disagreements every cycle). At batch 1 a GPU
+   draft's linears take one row: the dp4a kernel, or with `--one-row-gemv wgmma` the W4A16 one
+   (`--emulate-one-row-gemv`: either kernel's arithmetic, or one of the dp4a kernel's two
+   departures from the W4A16 one, on any backend). Target (issue): >= 90% at the best gamma. The draft's weights are
    `--weight-bits` 4 (group-wise, `--weight-group` input rows per group; the defaults, 4 and 128,
    are QuantSpec's) or "none" (a KV-only draft: 4-bit KV view, full weights), for ablations;
    rounded to nearest, or with `--weight-quantizer gptq` chosen by GPTQ (`sparsedec.model.gptq`)
@@ -52,18 +54,41 @@ from sparsedec.weights.checkpoint import load_model
 BOOK_STRIDE = 8192          # tokens between the starts of the book windows (--book-prompts)
 
 
+REPEAT_NGRAM = 8            # a generated token "repeats" when the 8-gram it ends occurred before
+
+
+def repeated_ngram_share(tokens: list[int], n: int = REPEAT_NGRAM) -> float:
+  """Share of a row's tokens, from its n-th on, that end an n-gram already ended earlier in the
+  row: how much of a greedy continuation is a loop (SmolLM2's book continuations are mostly one)."""
+  seen, repeats = set(), 0
+  for i in range(n - 1, len(tokens)):
+    gram = tuple(tokens[i - n + 1: i + 1])
+    repeats += gram in seen
+    seen.add(gram)
+  return repeats / (len(tokens) - n + 1) if len(tokens) >= n else 0.0
+
+
 def pooled_stats(runs) -> dict:
   """QuantSpec's figures over several generate() results: acceptance and tau pooled (sums of
   accepted drafts / drafted tokens, of generated tokens / steps), the memory figures of the
-  first run (the windows share their shapes)."""
+  first run (the windows share their shapes), and each run's own counts with the share of its
+  generated tokens inside a repeated 8-gram. In a looping continuation one draft disagreement
+  recurs every cycle, so the drafts are not independent: compare acceptances across runs, not
+  as independent draws (benchmarks/NOTES.md, session 45)."""
   drafted = sum(r.method_stats["drafted_tokens"] for r in runs)
   accepted = sum(r.method_stats["accepted_drafts"] for r in runs)
   steps = sum(sum(r.active_steps) for r in runs)
   made = sum(r.num_generated - len(r.tokens) for r in runs)
+  per_run = [{"drafted_tokens": r.method_stats["drafted_tokens"],
+              "accepted_drafts": r.method_stats["accepted_drafts"],
+              "repeated_8gram_share": round(float(np.mean([repeated_ngram_share(t)
+                                                           for t in r.tokens])), 4)}
+             for r in runs]
   return {**runs[0].method_stats, "runs": len(runs), "drafted_tokens": drafted,
           "accepted_drafts": accepted, "tau": made / steps if steps else 0.0,
           "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
-          "accepted_drafts_per_step": round(accepted / steps, 4) if steps else 0.0}
+          "accepted_drafts_per_step": round(accepted / steps, 4) if steps else 0.0,
+          "per_run": per_run}
 
 
 def _nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -200,7 +225,9 @@ def main(argv=None):
   add_one_row_gemv_arg(ap)
   ap.add_argument("--emulate-one-row-gemv", choices=tuple(EMULATIONS), default=None,
                   help="the acceptance sweep's draft linears multiply as that GPU kernel does "
-                       "(its x planes and weights, `_gemv_choice.draft_matmul`), e.g. on a CPU")
+                       "(its x planes and weights, `_gemv_choice.draft_matmul`), on any "
+                       "backend; dp4a-x-only / dp4a-weights-only: one of the dp4a kernel's "
+                       "two departures from the W4A16 kernel (x in int8 planes; exact weights)")
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "quantspec_quality.json"))
   args = ap.parse_args(argv)

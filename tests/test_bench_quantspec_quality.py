@@ -31,6 +31,19 @@ def test_pooled_stats_sum_counts_over_runs():
   assert row["acceptance_rate"] == 0.6                   # pooled, not the mean of 0.9 and 0.5
   assert row["tau"] == pytest.approx(44 / 20)
   assert row["accepted_drafts_per_step"] == pytest.approx(24 / 20)
+  assert [(r["drafted_tokens"], r["accepted_drafts"]) for r in row["per_run"]] == [(10, 9),
+                                                                                 (30, 15)]
+  # 15 and 31 zeros: every 8-gram but the first repeats
+  assert [r["repeated_8gram_share"] for r in row["per_run"]] == [round(7 / 8, 4),
+                                                                 round(23 / 24, 4)]
+
+
+def test_repeated_ngram_share_counts_tokens_that_end_a_seen_ngram():
+  share = quantspec_quality.repeated_ngram_share
+  assert share(list(range(20))) == 0.0
+  assert share([1, 2, 3] * 4, n=3) == 7 / 10             # the first cycle's three are new
+  assert share([5, 6, 7, 8, 5, 6, 7, 9], n=3) == 1 / 6   # only "5 6 7" comes back
+  assert share([1, 2], n=3) == 0.0
 
 
 def test_book_windows_one_at_a_time(tmp_path, monkeypatch):
@@ -45,6 +58,8 @@ def test_book_windows_one_at_a_time(tmp_path, monkeypatch):
   assert 0 < row["accepted_drafts"] <= row["drafted_tokens"]
   assert row["acceptance_rate"] == round(row["accepted_drafts"] / row["drafted_tokens"], 4)
   assert 1.0 <= row["tau"] <= 3.0
+  assert [r["drafted_tokens"] for r in row["per_run"]] != [] and sum(
+      r["drafted_tokens"] for r in row["per_run"]) == row["drafted_tokens"]
   # The same sweep with the draft's linears multiplying as the GPU's dp4a kernel does: the
   # emulation is in place while the sweep runs and gone after it.
   from sparsedec.model import linear
