@@ -75,7 +75,8 @@ def main(argv=None):
   p.add_argument("--stages", default="2,4")
   p.add_argument("--target-blocks", default="0,528,1056", help="0: the default (one wave)")
   p.add_argument("--bits", default="4,8")
-  p.add_argument("--block-m", default="32", help="query rows per q block at most (block_m)")
+  p.add_argument("--block-m", default="auto",
+                 help="query rows per q block at most (block_m; auto: the planner's, None)")
   p.add_argument("--path", default="fused",
                  help="QuantAttentionConfig.path values (fused,dequantize,auto); the kernel-only "
                       "parts are timed for fused only")
@@ -164,7 +165,8 @@ def main(argv=None):
     grid = itertools.product([int(x) for x in a.block_kv.split(",")],
                              [int(x) for x in a.stages.split(",")],
                              [int(x) for x in a.target_blocks.split(",")], bits_list,
-                             [int(x) for x in a.block_m.split(",")], a.path.split(","))
+                             [None if x == "auto" else int(x) for x in a.block_m.split(",")],
+                             a.path.split(","))
     for bkv, stages, tb, bits, block_m, path in grid:
       cfg = qa.QuantAttentionConfig(block_kv=bkv or None, num_stages=stages, target_blocks=tb or None,
                                     block_m=block_m, path=path)

@@ -31,8 +31,8 @@ at that range (its group's grid is clipped to it, `_grid`).
 
 Kernel (`quant_attention`), grid (E + num_splits, Hkv * q_blocks, B), one warpgroup per block,
 split-KV as decode_attention.py. The KEYS are the wgmma M dimension and the N = Tq * Hq / Hkv
-query rows (padded to a multiple of 8, at most `block_m` per q block: 32 by default, <= 64;
-each q block re-reads the codes) the N dimension, so a
+query rows (padded to a multiple of 8, at most `block_m` per q block: by default one block up to
+40 rows, else blocks of 32; <= 64; each q block re-reads the codes) the N dimension, so a
 4-query-head decode step computes a [64, 8] score tile, not a [64, 64] one:
   S^T [64, N] = codes_K @ (q * s_K)^T + bias          A = the key codes, from registers
   O^T [D, N] += codes_V^T @ (p * s_V)^T                A = the value codes, from registers
@@ -446,9 +446,12 @@ BLOCK_KV_CHOICES = (64, 128, 256)  # keys per pipeline stage: 1, 2 or 4 key tile
 # stage halve the per-stage chain (TMA wait, q * s_K, fences, the cross-warp softmax reductions)
 # per key. H200, S = 64K (benchmarks/NOTES.md, session 7): kernel 47.0 us with 128 keys against
 # 50.8 with 64 at Tq = 1 (4 bits), 72.9 against 95.2 at Tq = 5 (N = 24); 256 keys is slower (52.8).
-# Wider q blocks keep one tile: at 8 bits with N = 32 (two code planes a stage) 64 keys beat 128
-# (S = 128K, Tq = 16: 446 against 620 us; session 17), while N = 24 still prefers 128 (169 against
-# 201 us at Tq = 5); at 4 bits N = 32 prefers 128 (260 against 351 us).
+# Wider q blocks keep one tile. Narrow is N <= 40 at both widths: at 4 bits N = 32 prefers 128
+# (260 against 351 us at S = 128K, Tq = 16; session 17), and a 40-row block (H200, 128K, Tq = 9,
+# session 45) 199.7 against 218.9 us at 4 bits, 249.1 against 285.7 at 8. At 8 bits N = 32 once
+# preferred 64 (446 against 620 us at 128K, Tq = 16; session 17), but since session 37's fp16
+# code tiles the two tie (H200, session 45: 355.2 with 64, 353.9 with 128 at Tq = 16; 181.8 /
+# 182.4 at Tq = 8); N = 24 prefers 128 (169 against 201 us at Tq = 5).
 # A batched 4-bit decode call (N <= 8: one query with up to 8 query heads per KV head, and
 # B >= AUTO_DECODE_MIN_BATCH rows) takes four key tiles a stage: the per-stage work (the scale
 # folding, the two cross-warp reductions, the P and q * s_K stores and their barriers, ~600 of
@@ -465,7 +468,7 @@ AUTO_DECODE_ROWS = 8
 AUTO_DECODE_MIN_BATCH = 2
 AUTO_BLOCK_KV_NARROW = 128         # N <= AUTO_NARROW_ROWS[bits]
 AUTO_BLOCK_KV_WIDE = 64            # wider N
-AUTO_NARROW_ROWS = {4: 32, 8: 24}
+AUTO_NARROW_ROWS = {4: 40, 8: 40}
 # Query rows per q block at most (QuantAttentionConfig.block_m). Rows beyond it are cut into q
 # blocks of this many, each re-reading the codes: N = 64 blocks spill (255 registers, ~360 bytes of
 # stack) and were 2.5x slower than twice the N = 32 blocks. H200, S = 128K, B = 1, call us, 64-row
@@ -473,6 +476,14 @@ AUTO_NARROW_ROWS = {4: 32, 8: 24}
 # -> 260.1, 8-bit 725.5 -> 445.9; Tq = 64 (256 rows) 4-bit 2459.6 -> 936.7, 8-bit 2710.2 ->
 # 1659.6 (16-row blocks: slower than 32 in all four but 8 bits with 128-key stages).
 AUTO_BLOCK_M = 32
+# ... except that up to AUTO_ONE_BLOCK_ROWS rows stay one q block when block_m is left to the
+# planner (None): 33-40 rows (QuantSpec's verification at gamma 8 and 9 with 4 query heads per KV
+# head) read the codes once in one 40-row block instead of twice in two. H200, S = 128K, Tq = 9
+# (36 rows), call device us (`results/s45/quant_sweep_128k_tq9_blockm_s45_h200.json`), two
+# 32-row blocks -> one 40-row block, 128-key stages: 4-bit 244.3 -> 199.7, 8-bit 353.2 -> 249.1
+# (64-key stages: 313.6 -> 218.9, 353.8 -> 285.7). One 32-row block (Tq = 8) takes 129.8 /
+# 182.4, so 40 rows cost ~1.4-1.5x 32 and two 40-row blocks do not beat three 32-row ones.
+AUTO_ONE_BLOCK_ROWS = 40
 # Partials the planner merges in one launch: merge_partials folds a (row, KV head, q block)'s
 # splits in one thread block, ~0.065 us a split, so past ~128 a one-launch merge outgrows what
 # more splits save in the kernel (H200, 4-bit, Tq = 1, 128K, device us per call at 1 / 2 KV
@@ -514,7 +525,9 @@ class QuantAttentionConfig:
   num_splits: int | None = None
   target_blocks: int | None = None   # thread blocks to fill; None: one wave (`_one_wave`)
   min_tiles_per_split: int = 2
-  block_m: int = AUTO_BLOCK_M        # query rows per q block at most (a multiple of 8, <= 64)
+  # Query rows per q block at most (a multiple of 8, <= 64); None: one block up to
+  # AUTO_ONE_BLOCK_ROWS rows, else blocks of AUTO_BLOCK_M.
+  block_m: int | None = None
   # "fused": the Mosaic kernel reads the codes; "dequantize": the quantized region dequantized
   # into q's dtype by `pallas_kernels.dequantize_kv`, then decode_attention's kernel; "auto":
   # "dequantize" from AUTO_DEQUANT_ROWS[bits] query rows per KV head on (between its two
@@ -525,8 +538,10 @@ class QuantAttentionConfig:
   def __post_init__(self):
     if self.path not in PATHS:
       raise ValueError(f"path must be one of {PATHS}, got {self.path!r}")
-    if not isinstance(self.block_m, int) or not 8 <= self.block_m <= BLOCK_M or self.block_m % 8:
-      raise ValueError(f"block_m must be a multiple of 8 in [8, {BLOCK_M}], got {self.block_m!r}")
+    if self.block_m is not None and (not isinstance(self.block_m, int) or self.block_m % 8
+                                     or not 8 <= self.block_m <= BLOCK_M):
+      raise ValueError(f"block_m must be None or a multiple of 8 in [8, {BLOCK_M}], got "
+                       f"{self.block_m!r}")
     if self.block_kv is not None and self.block_kv not in BLOCK_KV_CHOICES:
       raise ValueError(f"block_kv must be one of {BLOCK_KV_CHOICES} (whole 64-key wgmma "
                        f"tiles) or None, got {self.block_kv}")
@@ -575,9 +590,14 @@ def _block_kv(cfg, rows, group, capacity, bits=4, batch=1):
                                                                  _fits(c, group, capacity)))
 
 
-def _q_blocks(n_rows, block_m=AUTO_BLOCK_M):
+def _q_blocks(n_rows, block_m=None, min_block=0):
   """Query rows (Tq * Hq / Hkv) -> (q blocks, rows per q block N): one block of the rows padded
-  to a multiple of 8, or blocks of block_m (the config's, at most BLOCK_M = 64)."""
+  to a multiple of 8, or blocks of block_m (at most BLOCK_M = 64). block_m None: one block up to
+  AUTO_ONE_BLOCK_ROWS rows, else AUTO_BLOCK_M. A block holds at least `min_block` rows (the
+  selected queries' score rows, which must all sit in q block 0)."""
+  if block_m is None:
+    block_m = AUTO_ONE_BLOCK_ROWS if n_rows <= AUTO_ONE_BLOCK_ROWS else AUTO_BLOCK_M
+  block_m = max(block_m, min_block)
   q_blocks = -(-n_rows // block_m)
   return q_blocks, block_m if q_blocks > 1 else -(-n_rows // 8) * 8
 
@@ -1201,7 +1221,7 @@ def _with_keys(q, qkv, lengths_quantized, key_sets, *, bits, return_lse, score_q
     return _dequantized_call(q, qkv, lengths_quantized, key_sets, bits=bits, num_selected=len(sel),
                              order=order, return_lse=return_lse, interpret=interpret)
   # q block 0 holds every selected query's rows (its score tiles are the ones written).
-  q_blocks, n = _q_blocks(n_rows, max(config.block_m, score_rows(len(sel), group)))
+  q_blocks, n = _q_blocks(n_rows, config.block_m, score_rows(len(sel), group))
   block_kv = _block_kv(config, n, qkv.group, capacity, bits, batch=b)
 
   q_rows = q.reshape(b, tq, hkv, group, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, n_rows, d)

@@ -393,8 +393,8 @@ def test_stage_sizes(block_kv, group, capacity, num_queries, bits):
 
 def test_auto_stage_size():
   """block_kv=None: 256 keys for batched 4-bit decode steps (N <= 8, B >= 2), 128 for other
-  narrow steps where the capacity and key group allow, else 64; narrow is N <= 32 at 4 bits,
-  N <= 24 at 8 bits (two code planes a stage)."""
+  narrow steps where the capacity and key group allow, else 64; narrow is N <= 40 (the widest
+  single q block the planner makes) at 4 and 8 bits."""
   auto = QuantAttentionConfig()
   assert _block_kv(auto, rows=8, group=128, capacity=4096) == 128    # one row
   assert _block_kv(auto, rows=8, group=128, capacity=4096, batch=2) == 256
@@ -404,25 +404,47 @@ def test_auto_stage_size():
   assert _block_kv(auto, rows=8, group=128, capacity=4224, batch=8) == 128   # 256 does not divide S
   assert _block_kv(auto, rows=24, group=64, capacity=4096, bits=8) == 128
   assert _block_kv(auto, rows=32, group=128, capacity=4096, bits=4) == 128
-  assert _block_kv(auto, rows=32, group=128, capacity=4096, bits=8) == 64
+  assert _block_kv(auto, rows=32, group=128, capacity=4096, bits=8) == 128
+  assert _block_kv(auto, rows=40, group=128, capacity=4096, bits=8) == 128
+  assert _block_kv(auto, rows=40, group=128, capacity=4096, bits=4) == 128
+  assert _block_kv(auto, rows=48, group=128, capacity=4096, bits=8) == 64
   assert _block_kv(auto, rows=8, group=128, capacity=192) == 64      # 128 does not divide S
   assert _block_kv(auto, rows=64, group=128, capacity=4096) == 64    # wide step
   assert _block_kv(QuantAttentionConfig(block_kv=256), rows=64, group=128, capacity=4096) == 256
 
 
 def test_query_rows_are_cut_into_q_blocks_of_block_m():
-  """More query rows than block_m (default 32): q blocks of block_m rows; fewer: one block of the
-  rows padded to 8. A bad block_m is refused by name."""
-  assert QuantAttentionConfig().block_m == 32
+  """block_m None (the default): one block of the rows padded to 8 up to 40 rows (QuantSpec's
+  gamma-8 verification, 36 rows, reads the codes once), more in blocks of 32; an explicit
+  block_m cuts blocks of block_m from block_m + 1 rows on; the selected queries' score rows widen
+  the blocks. A bad block_m is refused by name."""
+  assert QuantAttentionConfig().block_m is None
   assert _q_blocks(20) == (1, 24)
   assert _q_blocks(32) == (1, 32)
+  assert _q_blocks(36) == (1, 40)
+  assert _q_blocks(40) == (1, 40)
+  assert _q_blocks(41) == (2, 32)
   assert _q_blocks(64) == (2, 32)
   assert _q_blocks(256) == (8, 32)
+  assert _q_blocks(36, 32) == (2, 32)
   assert _q_blocks(64, 64) == (1, 64)
   assert _q_blocks(100, 16) == (7, 16)
+  assert _q_blocks(48, None, 40) == (2, 40)
+  assert _q_blocks(0) == (0, 0)
   for bad in (0, 12, 72, 32.0):
     with pytest.raises(ValueError, match="block_m"):
       QuantAttentionConfig(block_m=bad)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_one_forty_row_q_block_equals_the_reference(bits):
+  """9 queries x G = 4 = 36 rows: one q block of 40 rows under the default config (4 padding
+  rows), with the full-precision and in-flight keys; out and lse equal the reference's."""
+  q, qkv, k_full, v_full, k_new, v_new = _inputs(
+      23, batch=1, num_queries=9, num_q_heads=4, num_kv_heads=1, head_dim=64, capacity=128,
+      full_capacity=8, group=64, dtype=jnp.bfloat16)
+  _check(q, qkv, bits, jnp.array([100], jnp.int32), k_full, v_full, jnp.array([5], jnp.int32),
+         k_new, v_new, jnp.tril(jnp.ones((9, 9), bool)), QuantAttentionConfig(num_splits=2))
 
 
 def test_auto_path_dequantizes_wide_calls_within_the_copy_bound():
