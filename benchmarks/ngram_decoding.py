@@ -2,7 +2,9 @@
 wall-clock tokens/s (the FAFO paper's Figure 1 setting: greedy, 256 new tokens).
 
 Guesses per step: FAFO's fumble subsequences n, Lookahead's window W (each makes that many n-gram
-guesses per step). Same guess length (FAFO k = Lookahead N - 1) and the same number of verified
+guesses per step). The dense rows carry the share of the greedy text's tokens that end an
+8-gram seen before in the row (`repeated_8gram_share`): SmolLM2's 256-token answers, EOS ignored,
+partly loop, and the n-gram methods' tau is highest there. Same guess length (FAFO k = Lookahead N - 1) and the same number of verified
 candidates (FAFO m = Lookahead G). EOS is ignored so every prompt generates --max-new-tokens.
 
   --sweep: tau (and aggregate tokens/s) per method and guess count, each prompt set decoded as one
@@ -24,7 +26,8 @@ import os
 
 import numpy as np
 
-from sparsedec.bench import DEFAULT_SMOLLM2_GGUF, device_description, encode_prompts, log
+from sparsedec.bench import (DEFAULT_SMOLLM2_GGUF, device_description, encode_prompts, log,
+                             mean_repeated_ngram_share)
 from sparsedec.compress import POLICIES
 from sparsedec.decode.api import generate
 from sparsedec.decode.fafo import Fafo
@@ -96,7 +99,8 @@ def main(argv=None) -> dict:
     if args.sweep:
       dense = run(cfg, params, ids, "dense", args.max_new_tokens)
       result["sweep"].append({"prompt_set": set_name, "method": "dense", "guesses": 0, "tau": 1.0,
-                              "tokens_per_second": dense.tokens_per_second})
+                              "tokens_per_second": dense.tokens_per_second,
+                              "repeated_8gram_share": mean_repeated_ngram_share(dense.tokens)})
       log(f"{set_name} dense: {dense.tokens_per_second:.1f} tokens/s (B={len(ids)})")
       for guesses in args.guesses:
         for name in args.methods:
@@ -134,6 +138,9 @@ def main(argv=None) -> dict:
                "prompts": len(outputs)}
         if name == "dense":
           dense_tokens = outputs
+          # How much of the greedy text (every lossless method's) loops: n-gram guesses are
+          # cheap to verify there, so tau over looping text overstates typical text's.
+          row["repeated_8gram_share"] = mean_repeated_ngram_share(outputs)
         else:
           # Where a prompt's output first differs from dense greedy, and the dense model's top-1
           # minus top-2 logit there: a near-tie that another shape's rounding flips, or not.

@@ -39,7 +39,8 @@ import numpy as np
 from benchmarks._gemv_choice import (EMULATIONS, add_one_row_gemv_arg, apply_one_row_gemv,
                                      draft_matmul)
 from sparsedec.attention import AttentionPlan, QuantView, Segment, causal_plan
-from sparsedec.bench import DEFAULT_SMOLLM2_GGUF, device_description, encode_prompts, log
+from sparsedec.bench import (DEFAULT_SMOLLM2_GGUF, device_description, encode_prompts, log,
+                             mean_repeated_ngram_share)
 from sparsedec.decode.api import generate
 from sparsedec.decode.quantspec import QuantSpec
 from sparsedec.kv import quantized as qkv
@@ -52,20 +53,6 @@ from sparsedec.weights.checkpoint import load_model
 
 
 BOOK_STRIDE = 8192          # tokens between the starts of the book windows (--book-prompts)
-
-
-REPEAT_NGRAM = 8            # a generated token "repeats" when the 8-gram it ends occurred before
-
-
-def repeated_ngram_share(tokens: list[int], n: int = REPEAT_NGRAM) -> float:
-  """Share of a row's tokens, from its n-th on, that end an n-gram already ended earlier in the
-  row: how much of a greedy continuation is a loop (SmolLM2's book continuations are mostly one)."""
-  seen, repeats = set(), 0
-  for i in range(n - 1, len(tokens)):
-    gram = tuple(tokens[i - n + 1: i + 1])
-    repeats += gram in seen
-    seen.add(gram)
-  return repeats / (len(tokens) - n + 1) if len(tokens) >= n else 0.0
 
 
 def pooled_stats(runs) -> dict:
@@ -81,8 +68,7 @@ def pooled_stats(runs) -> dict:
   made = sum(r.num_generated - len(r.tokens) for r in runs)
   per_run = [{"drafted_tokens": r.method_stats["drafted_tokens"],
               "accepted_drafts": r.method_stats["accepted_drafts"],
-              "repeated_8gram_share": round(float(np.mean([repeated_ngram_share(t)
-                                                           for t in r.tokens])), 4)}
+              "repeated_8gram_share": mean_repeated_ngram_share(r.tokens)}
              for r in runs]
   return {**runs[0].method_stats, "runs": len(runs), "drafted_tokens": drafted,
           "accepted_drafts": accepted, "tau": made / steps if steps else 0.0,

@@ -56,6 +56,30 @@ def encode_prompts(tok: Tokenizer, texts: list[str], chat_template: bool) -> lis
           for t in texts]
 
 
+REPEAT_NGRAM = 8            # a generated token "repeats" when the 8-gram it ends occurred before
+
+
+def repeated_ngram_share(tokens, n: int = REPEAT_NGRAM) -> float:
+  """Share of a row's tokens, from its n-th on, that end an n-gram already ended earlier in the
+  row: how much of a greedy continuation is a loop. In a loop an n-gram guess or a draft that
+  matches once matches every cycle, and one near-tie disagreement recurs every cycle, so
+  acceptance and tau over looping text are neither typical nor made of independent draws
+  (benchmarks/NOTES.md, session 45)."""
+  tokens = list(tokens)
+  seen, repeats = set(), 0
+  for i in range(n - 1, len(tokens)):
+    gram = tuple(tokens[i - n + 1: i + 1])
+    repeats += gram in seen
+    seen.add(gram)
+  return repeats / (len(tokens) - n + 1) if len(tokens) >= n else 0.0
+
+
+def mean_repeated_ngram_share(rows) -> float:
+  """repeated_ngram_share averaged over rows (each a token list), rounded to 4 places."""
+  rows = list(rows)
+  return round(float(np.mean([repeated_ngram_share(r) for r in rows])), 4) if rows else 0.0
+
+
 def run_bench(cfg: ModelConfig, params: Params, tok: Tokenizer, *, prompts: str = "mt_bench",
               num_prompts: int = 10, batch_size: int = 1, max_new_tokens: int = 256,
               sampling: SamplingConfig | None = None, seed: int = 0,

@@ -37,6 +37,8 @@ def test_figure1_rows_and_plot(tmp_path):
     if r["method"] != "dense":
       assert r["identical_to_dense_prompts"] == 2 and r["divergences"] == []
   assert speed[0]["tau"] == 1.0 and speed[0]["speedup_vs_dense"] == 1.0
+  assert 0.0 <= speed[0]["repeated_8gram_share"] <= 1.0
+  assert result["sweep"][0]["repeated_8gram_share"] == speed[0]["repeated_8gram_share"]  # same text
   assert [r["method"] for r in result["sweep"]] == ["dense", "fafo", "lookahead"]
   assert all(r["identical_to_dense_rows"] == 2 for r in result["sweep"][1:])
 

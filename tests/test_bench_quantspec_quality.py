@@ -39,11 +39,13 @@ def test_pooled_stats_sum_counts_over_runs():
 
 
 def test_repeated_ngram_share_counts_tokens_that_end_a_seen_ngram():
-  share = quantspec_quality.repeated_ngram_share
+  from sparsedec.bench import mean_repeated_ngram_share, repeated_ngram_share as share
   assert share(list(range(20))) == 0.0
   assert share([1, 2, 3] * 4, n=3) == 7 / 10             # the first cycle's three are new
   assert share([5, 6, 7, 8, 5, 6, 7, 9], n=3) == 1 / 6   # only "5 6 7" comes back
   assert share([1, 2], n=3) == 0.0
+  assert mean_repeated_ngram_share([list(range(20)), [0] * 15]) == round(7 / 16, 4)
+  assert mean_repeated_ngram_share([]) == 0.0
 
 
 def test_book_windows_one_at_a_time(tmp_path, monkeypatch):
