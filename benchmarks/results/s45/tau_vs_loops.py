@@ -1,5 +1,6 @@
+"""Session 45 (CPU, fp32): FAFO and Lookahead tau per prompt beside the share of the text that loops
+(`sparsedec.bench.repeated_ngram_share`); writes /tmp/tau_loops_G.json.  PYTHONPATH=. python tau_vs_loops.py 40"""
 import json, sys, time
-import numpy as np
 from benchmarks.ngram_decoding import prompt_ids
 from sparsedec.bench import DEFAULT_SMOLLM2_GGUF, repeated_ngram_share
 from sparsedec.compress import POLICIES
