@@ -2,10 +2,11 @@
 wall-clock tokens/s (the FAFO paper's Figure 1 setting: greedy, 256 new tokens).
 
 Guesses per step: FAFO's fumble subsequences n, Lookahead's window W (each makes that many n-gram
-guesses per step). The dense rows carry the share of the greedy text's tokens that end an
-8-gram seen before in the row (`repeated_8gram_share`): SmolLM2's 256-token answers, EOS ignored,
-partly loop, and the n-gram methods' tau is highest there. Same guess length (FAFO k = Lookahead N - 1) and the same number of verified
+guesses per step). Same guess length (FAFO k = Lookahead N - 1) and the same number of verified
 candidates (FAFO m = Lookahead G). EOS is ignored so every prompt generates --max-new-tokens.
+The dense rows carry the share of the greedy text's tokens that end an 8-gram seen before in the
+row (`repeated_8gram_share`): SmolLM2's 256-token answers partly loop, and both methods' tau is
+highest there (benchmarks/NOTES.md, session 45).
 
   --sweep: tau (and aggregate tokens/s) per method and guess count, each prompt set decoded as one
            batch (tau is per row; rows are independent).

@@ -14,11 +14,12 @@ the Pallas kernels).
    8-gram: a looping continuation repeats its few disagreements every cycle). At batch 1 a GPU
    draft's linears take one row: the dp4a kernel, or with `--one-row-gemv wgmma` the W4A16 one
    (`--emulate-one-row-gemv`: either kernel's arithmetic, or one of the dp4a kernel's two
-   departures from the W4A16 one, on any backend). Target (issue): >= 90% at the best gamma. The draft's weights are
-   `--weight-bits` 4 (group-wise, `--weight-group` input rows per group; the defaults, 4 and 128,
-   are QuantSpec's) or "none" (a KV-only draft: 4-bit KV view, full weights), for ablations;
-   rounded to nearest, or with `--weight-quantizer gptq` chosen by GPTQ (`sparsedec.model.gptq`)
-   on `--calibration-tokens` tokens of the book from `--calibration-offset` (after the prompt).
+   departures from the W4A16 one, on any backend). Target (issue): >= 90% at the best gamma.
+   The draft's weights are `--weight-bits` 4 (group-wise, `--weight-group` input rows per group;
+   the defaults, 4 and 128, are QuantSpec's) or "none" (a KV-only draft: 4-bit KV view, full
+   weights), for ablations; rounded to nearest, or with `--weight-quantizer gptq` chosen by GPTQ
+   (`sparsedec.model.gptq`) on `--calibration-tokens` tokens of the book from
+   `--calibration-offset` (after the prompt).
 
   .venv/bin/python benchmarks/quantspec_quality.py --out benchmarks/results/quantspec_quality_cpu.json
 """

@@ -482,7 +482,7 @@ AUTO_BLOCK_M = 32
 # (36 rows), call device us (`results/s45/quant_sweep_128k_tq9_blockm_s45_h200.json`), two
 # 32-row blocks -> one 40-row block, 128-key stages: 4-bit 244.3 -> 199.7, 8-bit 353.2 -> 249.1
 # (64-key stages: 313.6 -> 218.9, 353.8 -> 285.7). One 32-row block (Tq = 8) takes 129.8 /
-# 182.4, so 40 rows cost ~1.4-1.5x 32 and two 40-row blocks do not beat three 32-row ones.
+# 182.4, so 40 rows cost ~1.4-1.6x 32 and two 40-row blocks do not beat three 32-row ones.
 AUTO_ONE_BLOCK_ROWS = 40
 # Partials the planner merges in one launch: merge_partials folds a (row, KV head, q block)'s
 # splits in one thread block, ~0.065 us a split, so past ~128 a one-launch merge outgrows what
