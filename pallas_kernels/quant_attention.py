@@ -466,9 +466,9 @@ BLOCK_KV_CHOICES = (64, 128, 256)  # keys per pipeline stage: 1, 2 or 4 key tile
 AUTO_BLOCK_KV_DECODE = 256         # bits 4, N <= AUTO_DECODE_ROWS, B >= AUTO_DECODE_MIN_BATCH
 AUTO_DECODE_ROWS = 8
 AUTO_DECODE_MIN_BATCH = 2
-AUTO_BLOCK_KV_NARROW = 128         # N <= AUTO_NARROW_ROWS[bits]
+AUTO_BLOCK_KV_NARROW = 128         # N <= AUTO_NARROW_ROWS, both widths
 AUTO_BLOCK_KV_WIDE = 64            # wider N
-AUTO_NARROW_ROWS = {4: 40, 8: 40}
+AUTO_NARROW_ROWS = 40              # query rows a q block (N), 4 and 8 bits alike
 # Query rows per q block at most (QuantAttentionConfig.block_m). Rows beyond it are cut into q
 # blocks of this many, each re-reading the codes: N = 64 blocks spill (255 registers, ~360 bytes of
 # stack) and were 2.5x slower than twice the N = 32 blocks. H200, S = 128K, B = 1, call us, 64-row
@@ -582,7 +582,7 @@ def _block_kv(cfg, rows, group, capacity, bits=4, batch=1):
     return cfg.block_kv
   if bits == 4 and rows <= AUTO_DECODE_ROWS and batch >= AUTO_DECODE_MIN_BATCH:
     preferred = AUTO_BLOCK_KV_DECODE
-  elif rows <= AUTO_NARROW_ROWS[bits]:
+  elif rows <= AUTO_NARROW_ROWS:
     preferred = AUTO_BLOCK_KV_NARROW
   else:
     preferred = AUTO_BLOCK_KV_WIDE

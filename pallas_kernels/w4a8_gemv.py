@@ -461,12 +461,9 @@ def _partials(xc, codes_t, scale, zero, *, group: int, planes: int, p: Plan,
       plgpu.copy_gmem_to_smem(zero_ref.at[pl.ds(g0, gps), pl.ds(o0, block_out)],
                               meta_smem.at[slot, 1], bar)
 
-    if len(pieces) == 1:       # the one-TMA form the compiled tests and timings ran (session 43)
-      plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(first * cps, span)], x_smem, x_barrier.at[0])
-    else:                                       # x's range, <= 256 rows a TMA
-      for a, b in pieces:
-        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(first * cps + a, b - a)],
-                                x_smem.at[pl.ds(a, b - a)], x_barrier.at[0])
+    for a, b in pieces:                         # x's range, <= 256 rows a TMA
+      plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(first * cps + a, b - a)],
+                              x_smem.at[pl.ds(a, b - a)], x_barrier.at[0])
     for s in range(num_stages):
       fetch(s, s)
     zero_acc(acc_smem)

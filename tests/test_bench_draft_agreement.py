@@ -44,7 +44,7 @@ def test_agreement_rows(tmp_path):
 
 def test_draft_matmul_replaces_only_the_quantized_linears_product():
   """Within `draft_matmul(P)` a QuantWeight linear multiplies x^ (x in P int8 planes per 32
-  inputs, as the GPU's one-row dp4a GEMV does); within `draft_matmul(weights_in_dtype=True)` it
+  inputs, as the GPU's one-row dp4a GEMV does); within `draft_matmul(weights=...)` it
   multiplies (weights="dtype") the dequantized weights rounded to x's dtype (the W4A16 kernel's
   operands) or (weights="exact") the exact ones in fp32 (the dp4a kernel's), whatever the
   layout's own path does; a plain weight is untouched; on exit the layout's product again."""
