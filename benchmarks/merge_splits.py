@@ -107,6 +107,9 @@ def main(argv=None):
       try:
         if merge is not None:
           qa.merge_partials_in_ranges = merge
+          # quant_attention is jitted with the config static: a cached trace of an equal
+          # config (the "current" row's) would keep the merge it was traced with.
+          jax.clear_caches()
         cfg = qa.QuantAttentionConfig(num_splits=forced)
         f = jax.jit(functools.partial(qa.quant_attention, bits=bits, config=cfg, interpret=ip))
         err = float(jnp.max(jnp.abs(f(q, *args).astype(jnp.float32) - ref)))
@@ -118,7 +121,9 @@ def main(argv=None):
         res["rows"].append(dict(cell=cell, impl=impl, part="call", error=repr(e)[:500]))
         write_json(a.out, res)
       finally:
-        qa.merge_partials_in_ranges = saved
+        if merge is not None:
+          qa.merge_partials_in_ranges = saved
+          jax.clear_caches()
     if a.skip_merge:
       continue
     ns, n_pad = splits + exact, max(n, 32)

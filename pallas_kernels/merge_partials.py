@@ -17,11 +17,15 @@ Contract:
 
 Grid (Hkv * QB, D / 64, B): one warpgroup per (KV head, q block, 64 channels, row). Two passes:
 the row max over every split first (all m and l arrive by one TMA each), then each split's
-weight 2**(m_s - m) and its [64, N] slice of acc (one TMA per split, in chunks of
-`splits_per_chunk` through up to MAX_SLOTS SMEM slots, every chunk that has a slot issued before
-the first wait) folded in without a dependency chain through exp2. Both passes loop over chunks,
-a chunk's splits unrolled, so the lowering's size does not grow with NS (an unrolled fold of ~200
-splits had overflowed Python's recursion limit in Mosaic GPU's lowering; 128 took 43 s).
+weight 2**(m_s - m) and its [64, N] slice of acc (in chunks of `splits_per_chunk`, one TMA a
+chunk: a [chunk, 64, N] box of acc viewed as [B * Hkv * QB * NS, D, N]; through up to MAX_SLOTS
+SMEM slots, every chunk that has a slot issued before the first wait) folded in without a
+dependency chain through exp2. Both passes loop over chunks, a chunk's splits unrolled, so the
+lowering's size does not grow with NS (an unrolled fold of ~200 splits had overflowed Python's
+recursion limit in Mosaic GPU's lowering; 128 took 43 s). One TMA a chunk instead of one a split
+(session 46, H200, the merge alone on partials not in L2): 54 partials, N = 8: 4.38 -> 3.39 us;
+38 partials, N = 24: 7.14 -> 5.45 us. Right after quant_attention's kernel (partials in L2) the
+two tie at N = 8 (3.7 us) and the new one gains 0.2 us at N = 24.
 
 `merge_partials_in_ranges` runs it twice for many splits (ranges of splits in parallel, then the
 ranges). `merge_partials_reference` (pure jnp) sits at the bottom.
@@ -104,7 +108,7 @@ def merge_partials(acc: jax.Array, m2: jax.Array, l: jax.Array, *, interpret: An
   full_chunks, rem = divmod(num_splits, chunk)
   col = plgpu.Layout.WGMMA.reduce(0)           # a vector along a tile's columns (N)
 
-  def body(acc_ref,          # [B, Hkv, QB, NS, D, N] fp32              GMEM
+  def body(acc_ref,          # [B * Hkv * QB * NS, D, N] fp32           GMEM (a free reshape)
            m_ref, l_ref,     # [B, Hkv, QB, NS, NP] fp32                GMEM
            out_ref,          # [B, Hkv, QB, D, N] fp32                  GMEM
            lse_ref,          # [B, Hkv, QB, NP] fp32                    GMEM
@@ -119,13 +123,14 @@ def merge_partials(acc: jax.Array, m2: jax.Array, l: jax.Array, *, interpret: An
     qb = lax.rem(head_qblock, jnp.int32(q_blocks))
     channels = pl.ds(mt * TILE, TILE)
 
+    first_split = ((b * num_kv_heads + h) * q_blocks + qb) * num_splits   # row of acc_ref
+
     def fetch(c, slot, count):
-      """Chunk c (static or traced) of `count` splits into SMEM slot `slot` (static or traced)."""
+      """Chunk c (static or traced) of `count` splits into SMEM slot `slot` (static or traced):
+      one TMA, a [count, 64, N] box of the three-dimensional view."""
       barrier = chunk_barriers.at[slot] if count == chunk else rem_barrier
-      # One TMA per split: a box over several splits' tiled [64, N] slices has six dimensions.
-      for i in range(count):
-        plgpu.copy_gmem_to_smem(acc_ref.at[b, h, qb, c * chunk + i, channels],
-                                acc_smem.at[slot, i], barrier)
+      plgpu.copy_gmem_to_smem(acc_ref.at[pl.ds(first_split + c * chunk, count), channels],
+                              acc_smem.at[slot, pl.ds(0, count)], barrier)
 
     plgpu.copy_gmem_to_smem(m_ref.at[b, h, qb], m_smem, ml_barrier)
     plgpu.copy_gmem_to_smem(l_ref.at[b, h, qb], l_smem, ml_barrier)
@@ -195,10 +200,10 @@ def merge_partials(acc: jax.Array, m2: jax.Array, l: jax.Array, *, interpret: An
       plgpu.SMEM((num_splits, n_pad), jnp.float32),
       plgpu.SMEM((n_pad,), jnp.float32),
       plgpu.Barrier(num_arrivals=2),
-      plgpu.Barrier(num_arrivals=chunk, num_barriers=slots),
+      plgpu.Barrier(num_barriers=slots),          # one TMA a chunk
   ]
   if rem:
-    scratch.append(plgpu.Barrier(num_arrivals=rem))   # the last, partial chunk
+    scratch.append(plgpu.Barrier())               # the last, partial chunk
   part = (batch, num_kv_heads, q_blocks)
   out_type = (jax.ShapeDtypeStruct((*part, head_dim, n), jnp.float32),
               jax.ShapeDtypeStruct((*part, n_pad), jnp.float32))
@@ -213,7 +218,7 @@ def merge_partials(acc: jax.Array, m2: jax.Array, l: jax.Array, *, interpret: An
       grid_names=("head_qblock", "channels", "batch"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
-  )(acc, m2, l)
+  )(acc.reshape(-1, head_dim, n), m2, l)
 
 
 def merge_partials_in_ranges(acc: jax.Array, m2: jax.Array, l: jax.Array, *, ranges: int,
