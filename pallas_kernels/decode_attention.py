@@ -623,7 +623,9 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 # Wrapper.
 # ----------------------------------------------------------------------------------------------
 
-def _check_inputs(q, k_cache, v_cache, lengths, k_new, v_new, inflight_mask, cfg):
+def check_cache_call(q, k_cache, v_cache, lengths, k_new, v_new, inflight_mask):
+  """The checks decode_attention and sparse_attention share (q, the bf16 / fp16 cache, lengths,
+  the in-flight K/V and mask, D a multiple of 64); returns (B, Tq, Hq, D, Hkv, S)."""
   if q.ndim != 4:
     raise ValueError(f"q must be [B, Tq, Hq, D], got shape {q.shape}")
   b, tq, hq, d = q.shape
@@ -649,6 +651,11 @@ def _check_inputs(q, k_cache, v_cache, lengths, k_new, v_new, inflight_mask, cfg
                      f"{v_cache.dtype}")
   if d % 64:
     raise ValueError(f"head dim D={d} must be a multiple of 64 (128-byte swizzle)")
+  return b, tq, hq, d, hkv, capacity
+
+
+def _check_inputs(q, k_cache, v_cache, lengths, k_new, v_new, inflight_mask, cfg):
+  capacity = check_cache_call(q, k_cache, v_cache, lengths, k_new, v_new, inflight_mask)[5]
   block_kv = cfg.block_kv or 64
   if capacity % block_kv:
     raise ValueError(f"cache capacity S={capacity} must be a multiple of block_kv={block_kv}")

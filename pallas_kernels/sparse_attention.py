@@ -77,8 +77,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import (check_inflight_mode, check_lengths, check_score_queries,
-                                    check_sizes, combine_partials,
+from pallas_kernels.combine import (check_inflight_mode, check_score_queries, combine_partials,
                                     inflight_choice, inflight_merges, permute_queries,
                                     score_rows, scores_to_probs, selected_first,
                                     wrapper_outputs)
@@ -88,8 +87,8 @@ from pallas_kernels.register_operand import a_staging, wgmma_register_a
 from pallas_kernels.split_plan import split_counts
 
 from pallas_kernels.decode_attention import _q_rows as decode_q_rows
-from pallas_kernels.decode_attention import (_SUPPORTED_DTYPES, BLOCK_M, LOG2E, SWIZZLED,
-                                             WS_MIN_Q_BLOCKS, check_plain_smem, loop_scratch,
+from pallas_kernels.decode_attention import (BLOCK_M, LOG2E, SWIZZLED, WS_MIN_Q_BLOCKS,
+                                             check_cache_call, check_plain_smem, loop_scratch,
                                              resident_blocks, smem_bytes,
                                              run_ws_block, ws_loop, ws_produce, ws_scores,
                                              ws_smem_bytes, ws_softmax_pv)
@@ -547,17 +546,8 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
 
 def _check_inputs(q, k_cache, v_cache, block_tables, num_blocks, lengths, k_new, v_new,
                   inflight_mask, block_size, sparse_queries, cfg):
-  if q.ndim != 4:
-    raise ValueError(f"q must be [B, Tq, Hq, D], got shape {q.shape}")
-  b, tq, hq, d = q.shape
-  if k_cache.ndim != 4 or k_cache.shape[0] != b or k_cache.shape[3] != d:
-    raise ValueError(f"k_cache must be [B={b}, Hkv, S, D={d}], got shape {k_cache.shape}")
-  hkv, capacity = k_cache.shape[1], k_cache.shape[2]
-  if v_cache.shape != k_cache.shape:
-    raise ValueError(f"v_cache shape {v_cache.shape} differs from k_cache shape {k_cache.shape}")
-  check_sizes(B=b, Tq=tq, Hq=hq, Hkv=hkv, S=capacity)
-  if hq % hkv:
-    raise ValueError(f"Hq={hq} query heads is not a multiple of Hkv={hkv} KV heads")
+  b, tq, _, d, hkv, capacity = check_cache_call(q, k_cache, v_cache, lengths, k_new, v_new,
+                                                inflight_mask)
   if block_tables.ndim != 3 or block_tables.shape[:2] != (b, hkv):
     raise ValueError(f"block_tables must be [B={b}, Hkv={hkv}, NB], got {block_tables.shape}")
   if num_blocks.shape != (b, hkv):
@@ -565,20 +555,6 @@ def _check_inputs(q, k_cache, v_cache, block_tables, num_blocks, lengths, k_new,
   for name, x in (("block_tables", block_tables), ("num_blocks", num_blocks)):
     if not jnp.issubdtype(x.dtype, jnp.integer):
       raise ValueError(f"{name} must be integer, got {x.dtype}")
-  check_lengths("lengths", lengths, b)
-  for name, x in (("k_new", k_new), ("v_new", v_new)):
-    if x.shape != (b, tq, hkv, d):
-      raise ValueError(f"{name} must be [B, Tq, Hkv, D] = {(b, tq, hkv, d)}, got {x.shape}")
-  if inflight_mask.shape != (tq, tq):
-    raise ValueError(f"inflight_mask must be [Tq, Tq] = {(tq, tq)}, got {inflight_mask.shape}")
-  for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-    if jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES:
-      raise ValueError(f"{name} must be bfloat16 or float16, got {x.dtype}")
-  if not (q.dtype == k_cache.dtype == v_cache.dtype):
-    raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, "
-                     f"{v_cache.dtype}")
-  if d % 64:
-    raise ValueError(f"head dim D={d} must be a multiple of 64 (128-byte swizzle)")
   if block_size <= 0 or block_size % 64:
     raise ValueError(f"block_size must be a positive multiple of 64, got {block_size}")
   block_kv = cfg.tile_rows(block_size, d)
