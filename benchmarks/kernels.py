@@ -515,23 +515,29 @@ def decode_case(bench: Bench, cache: dict, b: int, s: int, tq: int):
         expect=expect, expect_note=note_cache, extra=extra, alts=alts)
 
 
-def run_decode(bench: Bench, batches, seqs, tqs):
+def run_cache_grid(bench: Bench, kernel: str, make, case, batches, seqs, tqs, *case_args):
+  """case(bench, cache, B, S, Tq, *case_args) over the grid, one cache = make(bench, B, S, seed)
+  per (B, S); a failure is recorded and the grid goes on."""
   for b in batches:
     for s in seqs:
-      base = dict(kernel="decode", B=b, S=s)
+      base = dict(kernel=kernel, B=b, S=s)
       if bench.case_skipped(base):
         continue
       try:
-        cache = make_cache(bench, b, s, seed=b * 7 + s)
+        cache = make(bench, b, s, seed=b * 7 + s)
       except Exception as e:                                             # noqa: BLE001
-        bench.fail(base, "make_cache", e)
+        bench.fail(base, make.__name__, e)
         continue
       for tq in tqs:
         try:
-          decode_case(bench, cache, b, s, tq)
+          case(bench, cache, b, s, tq, *case_args)
         except Exception as e:                                           # noqa: BLE001
-          bench.fail(dict(base, Tq=tq), "decode_case", e)
+          bench.fail(dict(base, Tq=tq), case.__name__, e)
       del cache
+
+
+def run_decode(bench: Bench, batches, seqs, tqs):
+  run_cache_grid(bench, "decode", make_cache, decode_case, batches, seqs, tqs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -759,22 +765,7 @@ def quant_case(bench: Bench, cache: dict, b: int, s: int, tq: int, bits_list):
 
 
 def run_quant(bench: Bench, batches, seqs, tqs, bits_list):
-  for b in batches:
-    for s in seqs:
-      base = dict(kernel="quant", B=b, S=s)
-      if bench.case_skipped(base):
-        continue
-      try:
-        cache = make_quant_cache(bench, b, s, seed=b * 7 + s)
-      except Exception as e:                                             # noqa: BLE001
-        bench.fail(base, "make_quant_cache", e)
-        continue
-      for tq in tqs:
-        try:
-          quant_case(bench, cache, b, s, tq, bits_list)
-        except Exception as e:                                           # noqa: BLE001
-          bench.fail(dict(base, Tq=tq), "quant_case", e)
-      del cache
+  run_cache_grid(bench, "quant", make_quant_cache, quant_case, batches, seqs, tqs, bits_list)
 
 
 # ----------------------------------------------------------------------------------------------
