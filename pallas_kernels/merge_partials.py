@@ -23,9 +23,9 @@ SMEM slots, every chunk that has a slot issued before the first wait) folded in 
 dependency chain through exp2. Both passes loop over chunks, a chunk's splits unrolled, so the
 lowering's size does not grow with NS (an unrolled fold of ~200 splits had overflowed Python's
 recursion limit in Mosaic GPU's lowering; 128 took 43 s). One TMA a chunk instead of one a split
-(session 46, H200, the merge alone on partials not in L2): 54 partials, N = 8: 4.38 -> 3.39 us;
-38 partials, N = 24: 7.14 -> 5.45 us. Right after quant_attention's kernel (partials in L2) the
-two tie at N = 8 (3.7 us) and the new one gains 0.2 us at N = 24.
+(session 46, H200): the merge alone, 54 partials at N = 8 4.38 -> 3.39 us, 38 at N = 24 7.14 ->
+5.45 us; in QuantSpec's 8B forwards at 128K (against session 44's run) 4.92 -> 3.66 us a layer in
+the draft, 8.21 -> 6.28 in the verification.
 
 `merge_partials_in_ranges` runs it twice for many splits (ranges of splits in parallel, then the
 ranges). `merge_partials_reference` (pure jnp) sits at the bottom.
