@@ -180,3 +180,14 @@ def test_plot_kernels_writes_one_png_per_kernel(tmp_path):
   for name in ("decode", "sparse", "quant", "fafo"):
     assert (tmp_path / f"{name}.png").stat().st_size > 10_000
   assert len(json.loads(merged.read_text())["measurements"]) == len(ms)
+
+
+def test_plots_take_one_decode_time_per_shape():
+  """A shape's decode_attention timed by two runs (the decode grid and the quant grid's baseline)
+  is one point on the plots, the faster (the quant panel drew both, a zigzag, session 47)."""
+  from benchmarks import plot_kernels
+  row = lambda kernel, s, us: dict(kernel=kernel, impl="decode_attention", B=1, Tq=1, S=s,  # noqa: E731
+                                   us_per_call=us)
+  ms = [row("decode", 4096, 12.0), row("quant", 4096, 11.0), row("quant", 16384, 30.0),
+        dict(row("quant", 16384, 5.0), Tq=16)]
+  assert plot_kernels.fastest_decode(ms, 1, 1) == {4096: 11.0, 16384: 30.0}
