@@ -27,6 +27,10 @@ Choices where the paper leaves one:
 * C(kv) is a block list over the one cache, not a copied region: the list has a fixed shape
   [B, Hkv, NB] (the kernel reads it directly), so the fumble plan never changes shape and no mask
   is rebuilt per step; policies re-list blocks instead of swapping entries.
+* Subsequence j sits j positions further out than subsequence 0 (Lookahead's diagonal). SmolLM2,
+  40 subsequences, 20 prompts (benchmarks/NOTES.md, session 47): tau 2.644; with every
+  subsequence at p + 1 + i (they then guess alike) 2.436; half the spacing (j // 2) 2.642,
+  twice (2 j) 2.585.
 * Subsequences start as random tokens of the prompt; the pool is seeded with the prompt's n-grams
   (key: up to k preceding tokens, value: the next k tokens) and, with `output_ngrams`, with the
   n-grams of the accepted text, as Lookahead Decoding does, so the two are compared on equal terms.
