@@ -1,6 +1,6 @@
 """Session 47: chain_duplicates.py with every fumble subsequence at p + 1 + i (aligned).
   PYTHONPATH=. python benchmarks/results/s47/chain_duplicates_aligned.py"""
-import runpy, sys
+import runpy
 from sparsedec.decode import fafo as fafo_mod
 orig = fafo_mod.fafo_layout
 def layout(n, k, m):
