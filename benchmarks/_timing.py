@@ -2,7 +2,9 @@
 
 `time_loop` runs many calls inside one jit: a lax.fori_loop whose carry (the first argument, e.g.
 q) depends on each call's output, so no call is hoisted, dropped or sliced and no Python
-dispatch sits between calls. `read_bandwidth` measures the device's read bandwidth the same way
+dispatch sits between calls. Where the call's (first) output has the carry's shape and dtype (an
+attention call's out and q) that output is the next call's carry; elsewhere a select on the
+output's first element makes the dependency (see `time_loop`'s `chain`). `read_bandwidth` measures the device's read bandwidth the same way
 (a fused elementwise + reduction over a multi-GiB bf16 array).
 """
 
@@ -23,11 +25,12 @@ import numpy as np
 from jax import lax
 
 _SENTINEL = 12345.0           # an output value that never occurs: the dependency is never taken
+CHAINS = ("auto", "output", "select")
 
 
 def time_loop(fn: Callable, x: jax.Array, *rest: Any, num_calls: int, repeats: int = 3,
               rotate: Sequence[tuple] = (), with_index: bool = False, unroll: int = 1,
-              profile: bool = False, profile_top: int = 6) -> dict:
+              profile: bool = False, profile_top: int = 6, chain: str = "auto") -> dict:
   """Seconds per call of fn(x, *rest), calls chained inside one jit.
 
   rotate: further argument tuples (copies of the large arrays) used in turn with `rest`, so that
@@ -43,23 +46,40 @@ def time_loop(fn: Callable, x: jax.Array, *rest: Any, num_calls: int, repeats: i
     call (the summed durations of the kernels on the device's streams; no launch gaps), with
     `kernels_per_call` and the `profile_top` costliest kernels (`device_time_by_kernel`). GPU
     only; elsewhere these keys are absent.
-  Returns {"min_s", "median_s", "runs_s", "num_calls", "repeats", "unroll"} (+ the profile keys):
-  per-call seconds, min and median over `repeats` timed runs after one warm-up (compile) run.
+  chain: how a call's carry depends on the previous call's output. "output": the output's first
+    leaf IS the next carry (it must have x's shape and dtype): no device work beyond the calls.
+    "select": x + 1 where the output's first element equals a value it never takes, else x; an
+    XLA select, fused into the next call's first fusion that reads x where there is one, else
+    one more small kernel a call (the harness of sessions 8-47; at Tq = 1 it rode on the
+    in-flight score's reduction, `results/s48/`). "auto": "output" where the shapes allow.
+  Returns {"min_s", "median_s", "runs_s", "num_calls", "repeats", "unroll", "chain"} (+ the
+  profile keys): per-call seconds, min and median over `repeats` timed runs after one warm-up
+  (compile) run; "chain" is the one used.
   """
   if unroll < 1:
     raise ValueError(f"unroll must be >= 1, got {unroll}")
+  if chain not in CHAINS:
+    raise ValueError(f"chain must be one of {CHAINS}, got {chain!r}")
   arg_sets = (tuple(rest), *map(tuple, rotate))
   per_iteration = unroll * len(arg_sets)
   iterations = -(-num_calls // per_iteration)
   # One jitted callee: its lowering (a Pallas kernel's compilation included) is reused by every
   # unrolled call site.
   callee = jax.jit(fn)
+  used = []                                            # the chain, decided while tracing
 
   def call(x, it, args):
     out = callee(x, it, *args) if with_index else callee(x, *args)
-    # The barrier keeps XLA from shrinking the call to the one element the dependency reads.
+    # The barrier keeps XLA from shrinking the call to the part of it the dependency reads.
     out = lax.optimization_barrier(out)
     first = jax.tree.leaves(out)[0]
+    same = (first.shape, first.dtype) == (x.shape, x.dtype)
+    if chain == "output" and not same:
+      raise ValueError(f"chain='output' needs the call's first output to match the carry: "
+                       f"{first.shape} {first.dtype} vs {x.shape} {x.dtype}")
+    used.append("output" if chain == "output" or (chain == "auto" and same) else "select")
+    if used[-1] == "output":
+      return first
     return jnp.where(first.reshape(-1)[0] == _SENTINEL, x + 1, x)
 
   @jax.jit
@@ -78,7 +98,8 @@ def time_loop(fn: Callable, x: jax.Array, *rest: Any, num_calls: int, repeats: i
     jax.block_until_ready(loop(x, arg_sets))
     runs.append((time.perf_counter() - t0) / (iterations * per_iteration))
   result = dict(min_s=min(runs), median_s=statistics.median(runs), runs_s=runs,
-                num_calls=iterations * per_iteration, repeats=repeats, unroll=unroll)
+                num_calls=iterations * per_iteration, repeats=repeats, unroll=unroll,
+                chain=used[0])
   if profile and jax.default_backend() == "gpu":
     result.update(device_time(lambda: jax.block_until_ready(loop(x, arg_sets)),
                               iterations * per_iteration, top=profile_top))
@@ -105,6 +126,7 @@ def loop_fields(t: dict, nbytes: float, read_bw_gb_per_s: float | None) -> dict:
   calls, us per call (min and median), GB/s and its fraction of the read bandwidth, and the
   profiler's GPU busy time (with the costliest kernels) when `t` has it."""
   out = dict(num_calls=t["num_calls"], repeats=t["repeats"], unroll=t["unroll"],
+             chain=t.get("chain"),
              us_per_call=t["min_s"] * 1e6, us_per_call_median=t["median_s"] * 1e6,
              gb_per_s=nbytes / t["min_s"] / 1e9, read_bw_gb_per_s=read_bw_gb_per_s)
   if read_bw_gb_per_s:

@@ -67,7 +67,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 from benchmarks._targets import TARGETS, compute_targets, format_targets  # noqa: E402
-from benchmarks._timing import (add_loop_args, call_seconds, default_out_dir,  # noqa: E402
+from benchmarks._timing import (CHAINS, add_loop_args, call_seconds, default_out_dir,  # noqa: E402
                                 loop_fields, loop_summary, max_abs_err, num_calls_for,
                                 read_bandwidth,
                                 time_loop, write_json)
@@ -121,6 +121,7 @@ class Settings:
   partials: bool = True             # also time the kernels without their jnp combine
   refs: tuple[str, ...] = ("jnp", "dpa", "bundled")
   unroll: int = 8                   # calls per timed-loop iteration (spreads its host sync)
+  chain: str = "auto"               # how a call waits for the previous one (`time_loop`)
   profile: bool = True              # also the profiler's GPU busy time per call
   verbose: bool = False
 
@@ -242,14 +243,16 @@ class Bench:
     self.save()
 
   def measure_loop_overhead(self):
-    """Per-call cost of the timing loop itself (its select on q), for a [1, 1, Hq, D] q."""
+    """Per-call cost of the timing loop itself (its counter; with the select chain its select on
+    q), for a [1, 1, Hq, D] q."""
     q = jnp.zeros((1, 1, self.st.hq, self.st.d), DTYPE)
     n = 1000 if not self.st.interpret else 2
     try:
       t = time_loop(lambda x: x, q, num_calls=n, repeats=self.st.repeats,
-                    unroll=self.st.unroll)
+                    unroll=self.st.unroll, chain=self.st.chain)
       self.results["loop_overhead"] = dict(us_per_call=t["min_s"] * 1e6,
-                                           us_per_call_median=t["median_s"] * 1e6, num_calls=n)
+                                           us_per_call_median=t["median_s"] * 1e6, num_calls=n,
+                                           chain=t["chain"])
     except Exception as e:                                               # noqa: BLE001
       self.results["loop_overhead"] = dict(error=_error(e))
     print(f"[{self.elapsed():7.1f}s] loop overhead: {self.results['loop_overhead']}", flush=True)
@@ -312,7 +315,7 @@ class Bench:
                         max_loop_seconds=self.st.max_loop_seconds)
       t = time_loop(fn, args[0], *args[1:], num_calls=n, repeats=self.st.repeats,
                     rotate=_rotations(args, alts), with_index=with_index,
-                    unroll=self.st.unroll, profile=self.st.profile)
+                    unroll=self.st.unroll, profile=self.st.profile, chain=self.st.chain)
       entry.update(copies=1 + len(alts), **loop_fields(t, entry["bytes"], self.read_bw))
       if est is not None:
         entry["calibration_call_us"] = est * 1e6
@@ -808,6 +811,9 @@ def parse_args(argv=None):
   p.add_argument("--max-working-set-gb", type=float, default=20.0)
   add_loop_args(p, target_gb=4.0, min_calls=20, max_copies=4, copies_of="the cache")
   p.add_argument("--bw-gib", type=float, default=4.0, help="array size of the read-BW test")
+  p.add_argument("--chain", choices=CHAINS, default="auto",
+                 help="how each timed call waits for the previous one: its output as the next "
+                 "q (output; auto where shapes match) or a select on it (select, sessions 8-47)")
   p.add_argument("--verbose", action="store_true", help="print tracebacks")
   args = p.parse_args(argv)
   preset = dict(FULL, **(DRY_RUN if args.dry_run else QUICK if args.quick else {}))
@@ -824,7 +830,8 @@ def settings_from(args) -> Settings:
                 rotate_bytes=args.rotate_mb * 1e6, max_copies=args.max_copies,
                 max_seconds=480.0 if args.max_seconds is None else args.max_seconds,
                 partials=not args.no_partials, refs=tuple(args.refs.split(",")),
-                unroll=args.unroll, profile=not args.no_profile, verbose=args.verbose)
+                unroll=args.unroll, chain=args.chain, profile=not args.no_profile,
+                verbose=args.verbose)
   if args.dry_run:
     # Interpret mode runs each grid point in Python (~0.5 s): one call per timed run, and two
     # cache copies (always) so the copy-cycling path runs too.
@@ -864,7 +871,9 @@ def main(argv=None) -> int:
                   "us_per_call_median: the median; device_us_per_call: the profiler's GPU busy "
                   "time per call (one more run of the loop, traced)",
                   loop="calls chained in one jit (lax.fori_loop, `unroll` calls per "
-                  "iteration), cycling through `copies` copies of the cache"),
+                  "iteration), cycling through `copies` copies of the cache; each entry's "
+                  "`chain`: `output` = a call's output is the next call's q, `select` = a select "
+                  "on its first element feeds q (sessions 8-47)"),
       bytes="must-read bytes per call: K + V of the valid length (sparse: of the listed blocks; "
             "quant: codes + scales/zeros + the bf16 recent segment), plus q",
       targets_spec={k: dict(threshold=t, comparison=c, what=w)

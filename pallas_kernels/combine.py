@@ -158,6 +158,15 @@ def inflight_choice(mode: str, num_queries: int) -> bool:
                                           and num_queries >= INFLIGHT_KERNEL_MIN_QUERIES)
 
 
+def in_kernel_score(mode: str, q: jax.Array, k_new: jax.Array) -> bool:
+  """Whether a cache kernel computes the Tq = 1 in-flight score q . k_new itself
+  (`decode_attention.store_inflight_score`; the combine takes it as `given_scores`): "auto" at
+  one query whose k_new has q's dtype (so the kernel reads it in place). "jnp" keeps the
+  combine's einsum (an XLA reduction launch; session 48, H200: 1.2-1.5 us a call)."""
+  check_inflight_mode(mode)
+  return mode == "auto" and q.shape[1] == 1 and k_new.dtype == q.dtype
+
+
 def inflight_merges(mode: str, num_queries: int, max_splits: int, blocks: int, group: int,
                     chunked: bool) -> bool:
   """Whether the in-flight kernel also merges the cache kernel's split partials and writes the
@@ -184,13 +193,17 @@ UNROLL_MAX_KEYS = 4
 
 def combine_partials(acc: jax.Array, m2: jax.Array, l: jax.Array, q: jax.Array,
                      exact: Sequence[tuple[jax.Array, jax.Array, jax.Array]], *, group: int,
-                     extra: tuple[jax.Array, jax.Array, jax.Array] | None = None
+                     extra: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+                     given_scores: jax.Array | None = None
                      ) -> tuple[jax.Array, jax.Array]:
   """acc [B, Hkv, NQB, NS, R, D] fp32; m2, l [B, Hkv, NQB, NS, 64] (m2 in log2 units; rows
   r = t * G + g of q block j are j * 64 + r); q [B, T, Hq, D];
   exact: (k [B, U, Hkv, D], v [B, U, Hkv, D], mask [B or 1, T, U] bool) key sets;
   extra: one more partial per q block (acc [B, Hkv, NQB, R, D], m2, l [B, Hkv, NQB, 64]: the
   in-flight kernel's), or None.
+  given_scores: at T = 1, the first exact set's (one key's) unscaled q . k [B, Hkv, 64] fp32
+  (rows r = g of q block 0, as the cache kernel's `store_inflight_score` writes them), used
+  instead of computing them here; None: the einsum.
   Returns out [B, T, Hq, D] fp32 and lse [B, T, Hq] fp32.
 
   Everything stays in the kernels' [B, Hkv, NQB, (NS,) R] layout (no transpose or concatenation
@@ -208,9 +221,14 @@ def combine_partials(acc: jax.Array, m2: jax.Array, l: jax.Array, q: jax.Array,
                   l_e[..., :rows_out][:, :, :, None]))
   qg = q.reshape(b, tq, hkv, group, d)                                     # [B, T, Hkv, G, D]
   scores = []
-  for k, _, mask in exact:
-    s = jnp.einsum("bthgd,buhd->bhtgu", qg, k,
-                   preferred_element_type=jnp.float32) * d ** -0.5        # [B, Hkv, T, G, U]
+  for i, (k, _, mask) in enumerate(exact):
+    if i == 0 and given_scores is not None:
+      if tq != 1 or k.shape[1] != 1:
+        raise ValueError(f"given_scores need one query and one key, got T={tq}, U={k.shape[1]}")
+      s = given_scores[:, :, :group].reshape(b, hkv, 1, group, 1) * d ** -0.5
+    else:
+      s = jnp.einsum("bthgd,buhd->bhtgu", qg, k,
+                     preferred_element_type=jnp.float32) * d ** -0.5      # [B, Hkv, T, G, U]
     s = jnp.where(mask[:, None, :, None, :], s, -jnp.inf).reshape(b, hkv, n_rows, -1)
     s = jnp.pad(s, [(0, 0), (0, 0), (0, rows - n_rows), (0, 0)], constant_values=-jnp.inf)
     scores.append(s.reshape(b, hkv, nqb, rows_out, -1))                    # [B, Hkv, NQB, R, U]

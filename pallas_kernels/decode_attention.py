@@ -57,6 +57,13 @@ Two steps:
      splitting D over blocks) the in-flight kernel merges the split partials itself and writes
      the output (`inflight_attention.inflight_merged`, no combine): Lookahead's 8B call at 4K
      64.2 -> 60.1 us, B 8 16K Tq 64 259.0 -> 249.2, B 1 16K Tq 16 32.1 -> 30.1 (H200).
+     At Tq = 1 ("auto", k_new in q's dtype, plain blocks) the score q . k_new comes from the
+     cache kernel: split 0's block TMAs k_new's row as an [8, D] tile (rows past it
+     zero-filled), multiplies it with its q tile in one [64, 8] wgmma and writes the row
+     scores beside its partials (`store_inflight_score`); the combine applies the mask and adds
+     v_new as before, with no XLA reduction launch for the score. H200, device us a call
+     (`benchmarks/results/s48/`): B 1 16K 24.17 -> 22.85, B 1 64K 68.49 -> 67.31, B 8 16K
+     126.64 -> 125.14; the split kernel +0.0-0.1 us.
 
 The pure-jnp reference `decode_attention_reference` sits at the bottom of this file.
 """
@@ -76,6 +83,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from pallas_kernels.combine import (check_inflight_mode, check_lengths, check_score_queries,
+                                    in_kernel_score,
                                     check_sizes, combine_partials,
                                     inflight_choice, inflight_merges, permute_queries,
                                     score_rows, scores_to_probs, selected_first,
@@ -160,6 +168,54 @@ def loop_scratch(num_stages: int, block_kv: int, head_dim: int, dtype, score_row
   if score_rows:
     loop_refs += (plgpu.SMEM((BLOCK_M, block_kv), jnp.float32),)
   return plgpu.RefUnion(loop_refs, plgpu.SMEM((BLOCK_M, head_dim), jnp.float32))
+
+
+# ----------------------------------------------------------------------------------------------
+# The Tq = 1 in-flight score in the cache kernel (decode_attention and sparse_attention): the
+# block of split 0 also computes q . k_new for its rows and writes it beside the partials, so the
+# combine takes the score as given (`combine_partials`' `given_scores`) and no XLA reduction
+# launch computes it (session 48: that launch cost 1.2-1.5 us a call on an H200).
+# ----------------------------------------------------------------------------------------------
+
+KN_ROWS = 8                      # the key tile of the in-flight score: wgmma's smallest N
+
+
+def inflight_score_scratch(head_dim: int, dtype) -> list:
+  """SMEM of `fetch_inflight_key` / `store_inflight_score`: the step's key as a [KN_ROWS, D]
+  tile (row 0; the TMA zero-fills the rows past k_new's one), the [64] fp32 score rows on their
+  way to GMEM, and the key's barrier."""
+  return [plgpu.SMEM((KN_ROWS, head_dim), dtype, **SWIZZLED),
+          plgpu.SMEM((BLOCK_M,), jnp.float32), plgpu.Barrier()]
+
+
+def fetch_inflight_key(kn_rows, smem) -> None:
+  """Starts the TMA of kn_rows (GMEM [1, D] view of k_new[b, 0, h], sliced [KN_ROWS, D] from a
+  dynamic start 0: rows past the array are zero-filled, as q's rows at Tq = 1)."""
+  kn_smem, _, barrier = smem
+  plgpu.copy_gmem_to_smem(kn_rows, kn_smem, barrier)
+
+
+def store_inflight_score(q_smem, smem, sn_out) -> None:
+  """sn_out (GMEM [64] fp32) <- q_r . k_new for each of the q block's rows r (unscaled, fp32
+  accumulation of q's dtype, as the combine's einsum), by one [64, KN_ROWS] wgmma whose
+  column 0 is the step's key. The block's epilogue waits for the TMA."""
+  kn_smem, sn_smem, barrier = smem
+  plgpu.barrier_wait(barrier)
+
+  def scope(s_ref):                                # [64, KN_ROWS] fp32 accumulator
+    plgpu.wgmma(s_ref, q_smem, kn_smem.transpose((1, 0)))
+    return s_ref[...]
+  s = pl.run_scoped(scope, plgpu.ACC((BLOCK_M, KN_ROWS), jnp.float32))
+  col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, KN_ROWS), 1, layout=plgpu.Layout.WGMMA)
+  sn_smem[...] = jnp.where(col == 0, s, 0.0).sum(axis=1)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(sn_smem, sn_out)
+
+
+def inflight_key_rows(k_new: jax.Array) -> jax.Array:
+  """k_new [B, 1, Hkv, D] -> [B, Hkv, 1, D], a bitcast (the moved axis has size 1)."""
+  b, _, hkv, d = k_new.shape
+  return k_new.reshape(b, hkv, 1, d)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -317,7 +373,9 @@ class DecodeConfig:
   num_splits: int | None = None   # thread blocks along S per (row, KV head, q block)
   target_blocks: int | None = None
   min_tiles_per_split: int = 2
-  inflight: str = "auto"          # the in-flight part: "merged", "kernel", "jnp", "auto" (combine)
+  # The in-flight part: "merged", "kernel", "jnp", "auto" (combine.inflight_choice; at Tq = 1
+  # the cache kernel computes q . k_new, combine.in_kernel_score; "jnp": the combine's einsum).
+  inflight: str = "auto"
   # Warp-specialized blocks (FlashAttention-3's structure): a producer warpgroup issues the
   # K/V TMAs, one or two compute warpgroups (`compute_warpgroups`) take a q block each and
   # alternate their softmax with the other's wgmmas. None: on the GPU from WS_MIN_Q_BLOCKS q
@@ -384,7 +442,8 @@ def _pick_num_splits(cfg: DecodeConfig, batch: int, num_kv_heads: int, q_blocks:
 
 def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                     lengths: jax.Array, *, rows_out: int, num_splits: int, cfg: DecodeConfig,
-                    score_rows: int = 0, interpret: Any = None):
+                    score_rows: int = 0, inflight_key: jax.Array | None = None,
+                    interpret: Any = None):
   """Split partials of the cache part.
 
   q_rows [B, Hkv, M, D] (row r of q block j is query row j * 64 + r, r = t * G + g; NQB =
@@ -396,6 +455,9 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   <= 64) also scores [B, Hkv, score_rows, S] fp32: rows [0, score_rows) of q block 0, the scaled
   scores (log2 units) of the slots s < lengths[b], -inf for the rest of their last tile; the
   other slots are never written (undefined).
+  inflight_key: at Tq = 1 (one q block, plain blocks) k_new [B, Hkv, 1, D] in q's dtype
+  (`inflight_key_rows`): split 0 also returns, last, the in-flight scores [B, Hkv, 64] fp32,
+  q_r . k_new unscaled (`store_inflight_score`).
   """
   batch, num_kv_heads, m_total, head_dim = q_rows.shape
   capacity = k_cache.shape[2]
@@ -407,6 +469,9 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   dtype = q_rows.dtype
   if not ws:
     check_plain_smem(block_kv, num_stages, head_dim, dtype=dtype, score_rows=score_rows)
+  if inflight_key is not None and (ws or q_blocks != 1):
+    raise ValueError("the in-flight score needs one q block of plain (not warp-specialized) "
+                     "blocks")
   score_scale = head_dim ** -0.5 * LOG2E       # scores kept in log2 units (exp2 in the loop)
 
   def row_tiles(lengths_ref, b, split):
@@ -439,7 +504,10 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
            s_smem=None,     # [64, block_kv] fp32 (score_rows > 0)      SMEM
            a_smem=None,     # [64, block_kv] (interpret mode only)      SMEM (tiled, swizzled)
            wg=0,            # this compute warpgroup (warp-specialized: 0 or 1)
-           ws=None):        # warp-specialized: (k_consumed, v_consumed, schedule, done)
+           ws=None,         # warp-specialized: (k_consumed, v_consumed, schedule, done)
+           kn_ref=None,     # [B, Hkv, 1, D] (inflight_key)             GMEM
+           sn_out_ref=None,  # [B, Hkv, 64] fp32 (inflight_key)          GMEM
+           kn_smem=None):   # `inflight_score_scratch` (inflight_key)   SMEM
     split = lax.axis_index("split")
     head_qblock = lax.axis_index("head_qblock")
     b = lax.axis_index("batch")
@@ -468,10 +536,15 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     # (An odd count's last warpgroup reads the last q block again and writes nothing.)
     q_first = jnp.minimum(qb, q_blocks - 1) * BLOCK_M
     plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(q_first, BLOCK_M)], q_smem, q_barrier)
+    if kn_ref is not None:
+      pl.when(split == 0)(lambda: fetch_inflight_key(
+          kn_ref.at[b, h, pl.ds(q_first, KN_ROWS)], kn_smem))     # q_first is 0 here
     if ws is None:
       for step in range(num_stages):               # prologue: fill the ring
         pl.when(step < my_tiles)(functools.partial(fetch, step, step))
     plgpu.barrier_wait(q_barrier)
+    if kn_ref is not None:
+      pl.when(split == 0)(lambda: store_inflight_score(q_smem, kn_smem, sn_out_ref.at[b, h]))
 
     acc = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), jnp.float32), plgpu.Layout.WGMMA)
     m_i = plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32),
@@ -578,15 +651,22 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   if score_rows:               # only then: score_rows == 0 builds the plain kernel
     out_type.append(jax.ShapeDtypeStruct((batch, num_kv_heads, score_rows, capacity),
                                          jnp.float32))
+  keyed = inflight_key is not None
+  if keyed:                    # only then: the plain kernel has no in-flight score
+    scratch.append(inflight_score_scratch(head_dim, dtype))
+    out_type.append(jax.ShapeDtypeStruct((batch, num_kv_heads, BLOCK_M), jnp.float32))
 
-  def decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
-                              *scores_ref):
-    def scoped(q_smem, union, m_smem, l_smem, q_bar, k_bars, v_bars, a_smem=None):
+  def decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs):
+    kn_ref, (acc_ref, m_ref, l_ref, *outs) = (refs[0], refs[1:]) if keyed else (None, refs)
+    scores_ref, sn_ref = outs[:len(outs) - keyed], (outs[-1] if keyed else None)
+
+    def scoped(q_smem, union, m_smem, l_smem, q_bar, k_bars, v_bars, *kn_smem, a_smem=None):
       (k_smem, v_smem, *s_smem), o_smem = union    # the union's two views
       extra = (scores_ref[0], s_smem[0]) if score_rows else ()
       body(lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
            q_smem, k_smem, v_smem, o_smem, m_smem, l_smem, q_bar, k_bars, v_bars, *extra,
-           a_smem=a_smem)
+           a_smem=a_smem, kn_ref=kn_ref, sn_out_ref=sn_ref,
+           kn_smem=kn_smem[0] if keyed else None)
     pl.run_scoped(scoped, *scratch,
                   **a_staging((BLOCK_M, block_kv), dtype, interpret, **SWIZZLED))
 
@@ -616,7 +696,7 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       **(dict(num_threads=wgs + 1, thread_name="wg") if ws else {}),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
-  )(lengths, q_rows, k_cache, v_cache)
+  )(lengths, q_rows, k_cache, v_cache, *(() if inflight_key is None else (inflight_key,)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -701,18 +781,28 @@ def split_partials(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths
 
 def _rows_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                    lengths: jax.Array, *, num_queries: int, group: int, config: DecodeConfig,
-                   num_score_queries: int, interpret: Any):
-  """`split_partials` from q rows already packed by `_q_rows` (Tq = num_queries queries)."""
+                   num_score_queries: int, interpret: Any, k_new: jax.Array | None = None):
+  """`split_partials` from q rows already packed by `_q_rows` (Tq = num_queries queries).
+  k_new: the step's keys [B, 1, Hkv, D] where the kernel may compute the Tq = 1 in-flight
+  score (`in_kernel_score`); the partials then end with those scores [B, Hkv, 64], else
+  with None."""
   b, hkv, m_total, _ = q_rows.shape
   capacity = k_cache.shape[2]
   q_blocks = -(-m_total // BLOCK_M)
   config = config.resolve(q_blocks, capacity, q_rows.shape[3], interpret is not None)
+  keyed = k_new is not None and not config.specialized(q_blocks, q_rows.shape[3],
+                                                       interpret is not None)
   rows_out = BLOCK_M if q_blocks > 1 else -(-num_queries * group // 8) * 8
   num_splits = _pick_num_splits(config, b, hkv, q_blocks, capacity, q_rows.shape[3],
                                 interpret is not None)
-  return _cache_partials(q_rows, k_cache, v_cache, lengths.astype(jnp.int32), rows_out=rows_out,
-                         num_splits=num_splits, cfg=config,
-                         score_rows=score_rows(num_score_queries, group), interpret=interpret)
+  parts = _cache_partials(q_rows, k_cache, v_cache, lengths.astype(jnp.int32), rows_out=rows_out,
+                          num_splits=num_splits, cfg=config,
+                          score_rows=score_rows(num_score_queries, group),
+                          inflight_key=inflight_key_rows(k_new) if keyed else None,
+                          interpret=interpret)
+  if k_new is None:
+    return parts
+  return (*parts, None) if not keyed else parts
 
 
 @functools.partial(jax.jit, static_argnames=("return_lse", "score_queries", "config",
@@ -742,7 +832,9 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
   use_kernel = inflight_choice(config.inflight, tq)
   q_rows = _q_rows(q, k_cache.shape[1], whole_blocks=use_kernel)
   parts = _rows_partials(q_rows, k_cache, v_cache, lengths, num_queries=tq, group=group,
-                         config=config, num_score_queries=len(sel), interpret=interpret)
+                         config=config, num_score_queries=len(sel), interpret=interpret,
+                         k_new=k_new if in_kernel_score(config.inflight, q, k_new) else None)
+  given = parts[-1] if in_kernel_score(config.inflight, q, k_new) else None
   acc, m2, l = parts[:3]
   b, hkv, q_blocks, num_splits = acc.shape[:4]
   if use_kernel:
@@ -762,7 +854,8 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
     extra = inflight_partials(*inflight, rows_out=acc.shape[4], interpret=interpret)
     out, lse = combine_partials(acc, m2, l, q, [], group=group, extra=extra)
   else:
-    out, lse = combine_partials(acc, m2, l, q, [(k_new, v_new, mask[None])], group=group)
+    out, lse = combine_partials(acc, m2, l, q, [(k_new, v_new, mask[None])], group=group,
+                                given_scores=given)
   probs = None
   if sel:
     slots = jnp.arange(k_cache.shape[2])

@@ -59,6 +59,10 @@ Two steps, as `pallas_kernels.decode_attention`:
      (`inflight_attention.inflight_merged`, no combine): 4 listed blocks at B 8 16K, Tq 256
      101.6 -> 82.2 us, Tq 16 16.1 -> 13.2, B 1 Tq 16 10.1 -> 9.3; FAFO's 8B call 42.2 -> 37.4
      (4K), 112.9 -> 105.3 (32K); SmolLM2's FAFO call 14.6 -> 14.4 (H200).
+     At Tq = 1 work item 0 computes q . k_new in the cache kernel and the combine takes it
+     (decode_attention's `store_inflight_score`; no XLA reduction launch): 4 listed blocks of
+     16K, device us a call on an H200 (`benchmarks/results/s48/`), B 8 7.34 -> 6.26, B 1
+     5.57 -> 4.34.
 
 The pure-jnp reference `sparse_attention_reference` (gather the listed blocks, mask, two-part
 softmax) sits at the bottom of this file.
@@ -78,7 +82,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from pallas_kernels.combine import (check_inflight_mode, check_score_queries, combine_partials,
-                                    inflight_choice, inflight_merges, permute_queries,
+                                    in_kernel_score, inflight_choice, inflight_merges,
+                                    permute_queries,
                                     score_rows, scores_to_probs, selected_first,
                                     wrapper_outputs)
 from pallas_kernels.inflight_attention import (MergeSegment, inflight_merged, inflight_partials,
@@ -87,9 +92,11 @@ from pallas_kernels.register_operand import a_staging, wgmma_register_a
 from pallas_kernels.split_plan import split_counts
 
 from pallas_kernels.decode_attention import _q_rows as decode_q_rows
-from pallas_kernels.decode_attention import (BLOCK_M, LOG2E, SWIZZLED, WS_MIN_Q_BLOCKS,
-                                             check_cache_call, check_plain_smem, loop_scratch,
-                                             resident_blocks, smem_bytes,
+from pallas_kernels.decode_attention import (BLOCK_M, KN_ROWS, LOG2E, SWIZZLED, WS_MIN_Q_BLOCKS,
+                                             check_cache_call, check_plain_smem,
+                                             fetch_inflight_key, inflight_key_rows,
+                                             inflight_score_scratch, loop_scratch,
+                                             resident_blocks, smem_bytes, store_inflight_score,
                                              run_ws_block, ws_loop, ws_produce, ws_scores,
                                              ws_smem_bytes, ws_softmax_pv)
 from pallas_kernels.hopper import SM_COUNT, SMEM_PER_SM
@@ -128,7 +135,9 @@ class SparseConfig:
   num_splits_full: int | None = None
   target_blocks: int | None = None
   min_tiles_per_split: int = 1    # a 2-block list on 16 thread blocks beats one on 8: latency
-  inflight: str = "auto"          # the in-flight part: "merged", "kernel", "jnp", "auto" (combine)
+  # The in-flight part: "merged", "kernel", "jnp", "auto" (combine.inflight_choice; at Tq = 1
+  # the cache kernel computes q . k_new, combine.in_kernel_score; "jnp": the combine's einsum).
+  inflight: str = "auto"
   warp_specialized: bool | None = None
 
   def __post_init__(self):
@@ -231,7 +240,7 @@ def _plan_segments(cfg: SparseConfig, *, batch, num_kv_heads, group, num_queries
 def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths, *,
                     segments: tuple[_Segment, ...], rows_out: int, block_size: int,
                     cfg: SparseConfig, score_rows: int = 0, ws: bool = False,
-                    interpret: Any = None):
+                    inflight_key: jax.Array | None = None, interpret: Any = None):
   """Split partials of the cache part, all segments in one launch.
 
   q_rows [B, Hkv, QB * 64, D] (at Tq = 1 [B, Hkv, G, D]: rows past G read as zeros);
@@ -247,6 +256,9 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
   ws: warp-specialized blocks (GPU only): grid items are (pair of q blocks, split) per segment,
   a producer warpgroup issues the K/V TMAs, two compute warpgroups take the pair's q blocks
   (decode_attention's `decode_attention_kernel_ws`); the outputs are laid out as above.
+  inflight_key: at Tq = 1 (one segment of one q block, plain blocks) k_new [B, Hkv, 1, D] in
+  q's dtype: work item 0 (split 0) also returns, last, the in-flight scores [B, Hkv, 64] fp32,
+  q_r . k_new unscaled (decode_attention's `store_inflight_score`).
   """
   batch, num_kv_heads, _, head_dim = q_rows.shape
   capacity = k_cache.shape[2]
@@ -260,6 +272,10 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
   score_scale = head_dim ** -0.5 * LOG2E
   num_work = sum(seg.num_work for seg in segments)
   score_slots = sum(seg.score_slot >= 0 for seg in segments)
+  keyed = inflight_key is not None
+  if keyed and (ws or len(segments) != 1 or segments[0].q_blocks != 1):
+    raise ValueError("the in-flight score needs one segment of one q block on plain (not "
+                     "warp-specialized) blocks")
   i32 = lambda x: jnp.int32(x)
 
   def locate(work):
@@ -356,7 +372,10 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
            s_smem=None,     # [64, block_kv] fp32 (score_rows > 0)      SMEM
            a_smem=None,     # [64, block_kv] (interpret mode only)      SMEM (tiled, swizzled)
            wg=0,            # warp-specialized: this compute warpgroup (0 or 1)
-           ws_barriers=None):  # warp-specialized: (k_consumed, v_consumed, schedule, done)
+           ws_barriers=None,  # warp-specialized: (k_consumed, v_consumed, schedule, done)
+           kn_ref=None,     # [B, Hkv, 1, D] (inflight_key)             GMEM
+           sn_out_ref=None,  # [B, Hkv, 64] fp32 (inflight_key)          GMEM
+           kn_smem=None):   # `inflight_score_scratch` (inflight_key)   SMEM
     h = lax.axis_index("head")
     b = lax.axis_index("batch")
     if ws_barriers is None:
@@ -387,10 +406,15 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
     if writes is not None and score_rows:          # an idle warpgroup writes no scores
       score_slot = jnp.where(writes, score_slot, -1)
     plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(qb * BLOCK_M, BLOCK_M)], q_smem, q_barrier)
+    if kn_ref is not None:
+      pl.when(work == 0)(lambda: fetch_inflight_key(
+          kn_ref.at[b, h, pl.ds(qb * BLOCK_M, KN_ROWS)], kn_smem))   # qb is 0 here
     if ws_barriers is None:
       for step in range(num_stages):               # prologue: fill the ring
         pl.when(step < my_tiles)(functools.partial(fetch, step, step))
     plgpu.barrier_wait(q_barrier)
+    if kn_ref is not None:
+      pl.when(work == 0)(lambda: store_inflight_score(q_smem, kn_smem, sn_out_ref.at[b, h]))
 
     acc = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), jnp.float32), plgpu.Layout.WGMMA)
     m_i = plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32),
@@ -498,14 +522,21 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
   if score_rows:               # only then: score_rows == 0 builds the plain kernel
     out_type.append(jax.ShapeDtypeStruct(
         (batch, num_kv_heads, score_slots, score_rows, k_cache.shape[2]), jnp.float32))
+  if keyed:                    # only then: the plain kernel has no in-flight score
+    scratch.append(inflight_score_scratch(head_dim, dtype))
+    out_type.append(jax.ShapeDtypeStruct((batch, num_kv_heads, BLOCK_M), jnp.float32))
 
-  def sparse_attention_kernel(tables_ref, counts_ref, lengths_ref, q_ref, k_ref, v_ref, acc_ref,
-                              m_ref, l_ref, *scores_ref):
+  def sparse_attention_kernel(tables_ref, counts_ref, lengths_ref, q_ref, k_ref, v_ref, *refs):
+    kn_ref, (acc_ref, m_ref, l_ref, *outs) = (refs[0], refs[1:]) if keyed else (None, refs)
+    scores_ref, sn_ref = outs[:len(outs) - keyed], (outs[-1] if keyed else None)
+
     def scoped(q_smem, union, *rest, a_smem=None):
       (k_smem, v_smem, *s_smem), o_smem = union    # the union's two views
+      rest, kn_smem = (rest[:-1], rest[-1]) if keyed else (rest, None)
       extra = (scores_ref[0], s_smem[0]) if score_rows else ()
       body(tables_ref, counts_ref, lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
-           q_smem, k_smem, v_smem, o_smem, *rest, *extra, a_smem=a_smem)
+           q_smem, k_smem, v_smem, o_smem, *rest, *extra, a_smem=a_smem, kn_ref=kn_ref,
+           sn_out_ref=sn_ref, kn_smem=kn_smem)
     pl.run_scoped(scoped, *scratch,
                   **a_staging((BLOCK_M, block_kv), dtype, interpret, **SWIZZLED))
 
@@ -537,7 +568,8 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
       **(dict(num_threads=3, thread_name="wg") if ws else {}),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
-  )(block_tables, num_blocks, lengths, q_rows, k_cache, v_cache)
+  )(block_tables, num_blocks, lengths, q_rows, k_cache, v_cache,
+    *(() if inflight_key is None else (inflight_key,)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -640,8 +672,10 @@ def _layout(q_shape, cache_shape, table_len: int, *, block_size: int, sparse_que
 
 
 def _rows_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths, layout, *,
-                   block_size: int, config: SparseConfig, interpret: Any) -> tuple:
-  """The kernel's outputs (acc, m, l, *scores) from q rows packed by `_q_rows` for `layout`."""
+                   block_size: int, config: SparseConfig, interpret: Any,
+                   inflight_key: jax.Array | None = None) -> tuple:
+  """The kernel's outputs (acc, m, l, *scores, + the in-flight scores with inflight_key) from q
+  rows packed by `_q_rows` for `layout`."""
   segments, rows_out, rows_score, ws = layout
   b, hkv = k_cache.shape[0], k_cache.shape[1]
   if block_tables.shape[2] == 0:              # one (never used) entry for the loads, no blocks
@@ -652,7 +686,7 @@ def _rows_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths, 
       q_rows, k_cache, v_cache, block_tables.astype(jnp.int32), num_blocks.astype(jnp.int32),
       lengths.astype(jnp.int32), segments=segments,
       rows_out=rows_out, block_size=block_size, cfg=config, score_rows=rows_score, ws=ws,
-      interpret=interpret))
+      inflight_key=inflight_key, interpret=interpret))
 
 
 def _read_counts(block_tables, num_blocks, lengths, *, block_size: int, capacity: int):
@@ -709,10 +743,14 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                    interpret=interpret is not None)
   segments = layout[0]
   use_kernel = inflight_choice(config.inflight, tq)
+  # At Tq = 1 the cache kernel computes q . k_new itself (plain blocks; see combine_partials).
+  keyed = in_kernel_score(config.inflight, q, k_new) and not layout[3]
   q_rows = _q_rows(q, segments, k_cache.shape[1], whole_blocks=use_kernel)
-  acc, m2, l, *scores = _rows_partials(q_rows, k_cache, v_cache, block_tables, num_blocks,
-                                       lengths, layout, block_size=block_size, config=config,
-                                       interpret=interpret)
+  acc, m2, l, *scores = _rows_partials(
+      q_rows, k_cache, v_cache, block_tables, num_blocks, lengths, layout,
+      block_size=block_size, config=config, interpret=interpret,
+      inflight_key=inflight_key_rows(k_new) if keyed else None)
+  given = scores.pop() if keyed else None
   launch_blocks = q_rows.shape[0] * q_rows.shape[1] * q_rows.shape[2] // BLOCK_M
   d_chunks = merge_chunks(launch_blocks, q.shape[3], group, q.dtype.itemsize)
   merged = use_kernel and inflight_merges(
@@ -745,7 +783,8 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                                         extra=tuple(x[:, :, blocks] for x in extra))
       else:
         out_s, lse_s = combine_partials(acc_s, m2_s, l_s, q[:, queries],
-                                        [(k_new, v_new, mask[queries][None])], group=group)
+                                        [(k_new, v_new, mask[queries][None])], group=group,
+                                        given_scores=given)
       outs.append(out_s.astype(q.dtype))           # concatenated in q's dtype: half the bytes
       lses.append(lse_s)
     if seg.score_slot >= 0:

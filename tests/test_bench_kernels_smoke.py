@@ -126,6 +126,19 @@ def test_time_loop_counts_rotations_and_index():
     time_loop(fn, x, a, num_calls=1, unroll=0)
 
 
+def test_time_loop_chains_through_the_output_where_it_matches_the_carry():
+  x, a = jnp.zeros(4), jnp.ones(4)
+  same = lambda x, a: x * 0.5 + a                      # out [4] float32, as x
+  other = lambda x, a: (x * 0.5 + a)[:2]               # out [2]
+  assert time_loop(same, x, a, num_calls=2, repeats=1)["chain"] == "output"
+  assert time_loop(other, x, a, num_calls=2, repeats=1)["chain"] == "select"
+  assert time_loop(same, x, a, num_calls=2, repeats=1, chain="select")["chain"] == "select"
+  with pytest.raises(ValueError, match="first output to match"):
+    time_loop(other, x, a, num_calls=1, chain="output")
+  with pytest.raises(ValueError, match="chain must be"):
+    time_loop(same, x, a, num_calls=1, chain="barrier")
+
+
 def test_helpers():
   assert num_calls_for(1e6, None, target_bytes=4e9, min_calls=20, max_calls=2000,
                        max_loop_seconds=1.0) == 2000

@@ -331,3 +331,33 @@ def test_lowers_to_mosaic_gpu_custom_call_for_cuda(num_queries, score_queries, w
   # three q blocks per KV head on (Tq * G > 128 rows), or when asked for.
   wanted = num_queries * hq // hkv > 128 if ws is None else ws
   assert ("decode_attention_kernel_ws" in text) == wanted
+
+
+def _cuda_text(fn, *args) -> str:
+  sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+  return jax.jit(fn).trace(*map(sds, args)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_single_query_in_flight_score_from_the_cache_kernel(on):
+  """Tq = 1 ("auto"): split 0's block computes q . k_new (one [64, 8] wgmma on k_new's row,
+  the TMA zero-filling the 7 rows past it) and the combine takes it, so the call has no XLA dot
+  (lowered for cuda: the jnp mode has one); B x Hkv = 6 (not a multiple of 8), the mask's one
+  entry on and off, outputs equal to the jnp mode's and the reference's. A k_new in another
+  dtype than q keeps the einsum."""
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      21, batch=2, num_queries=1, num_q_heads=6, num_kv_heads=3, head_dim=128, capacity=192,
+      dtype=jnp.bfloat16)
+  lengths, mask = jnp.array([150, 64], jnp.int32), jnp.full((1, 1), on)
+  out, lse = _check(q, k_cache, v_cache, lengths, k_new, v_new, mask, DecodeConfig())
+  out_jnp, lse_jnp = _check(q, k_cache, v_cache, lengths, k_new, v_new, mask,
+                            DecodeConfig(inflight="jnp"))
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(out_jnp, np.float32),
+                             atol=1e-2)
+  np.testing.assert_allclose(lse, lse_jnp, atol=1e-5, rtol=1e-6)
+  args = (q, k_cache, v_cache, lengths, k_new, v_new, mask)
+  call = lambda mode: lambda *a: decode_attention(*a, config=DecodeConfig(inflight=mode))
+  assert "stablehlo.dot_general" not in _cuda_text(call("auto"), *args)
+  assert "stablehlo.dot_general" in _cuda_text(call("jnp"), *args)
+  f32_keys = (q, k_cache, v_cache, lengths, k_new.astype(jnp.float32), v_new, mask)
+  assert "stablehlo.dot_general" in _cuda_text(call("auto"), *f32_keys)

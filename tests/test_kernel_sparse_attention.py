@@ -450,3 +450,30 @@ def test_lowers_to_mosaic_gpu_custom_call_for_cuda(num_queries, sparse_queries, 
   wide = max(sparse_queries or tq, tq - (sparse_queries or tq)) * hq // hkv > 128
   long = max(table_len, s // block_size if (sparse_queries or tq) < tq else 0) >= 8
   assert ("sparse_attention_kernel_ws" in text) == (wide and long)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_single_query_in_flight_score_from_the_cache_kernel(on):
+  """Tq = 1 ("auto"): work item 0 computes q . k_new in the cache kernel (decode_attention's
+  `store_inflight_score`), so the call has no XLA dot (lowered for cuda); B x Hkv = 6, the
+  mask's one entry on and off, an empty list beside full ones; the same outputs as the jnp
+  mode's and the reference's."""
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      22, batch=2, num_queries=1, num_q_heads=6, num_kv_heads=3, head_dim=128, capacity=256,
+      dtype=jnp.bfloat16)
+  tables = jnp.array([[[0, 2, 3], [1, 3, 0], [2, 2, 1]],
+                      [[0, 1, 2], [3, 0, 1], [1, 2, 3]]], jnp.int32)
+  counts = jnp.array([[3, 2, 1], [0, 3, 2]], jnp.int32)
+  lengths, mask = jnp.array([200, 37], jnp.int32), jnp.full((1, 1), on)
+  args = (q, k_cache, v_cache, tables, counts, lengths, k_new, v_new, mask)
+  out, lse = _check(*args, block_size=64)
+  out_jnp, lse_jnp = _check(*args, block_size=64, config=SparseConfig(inflight="jnp"))
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(out_jnp, np.float32),
+                             atol=1e-2)
+  np.testing.assert_allclose(lse, lse_jnp, atol=1e-5, rtol=1e-6)
+  sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+  text = lambda mode: jax.jit(lambda *a: sparse_attention(
+      *a, block_size=64, config=SparseConfig(inflight=mode))).trace(*map(sds, args)).lower(
+          lowering_platforms=("cuda",)).as_text()
+  assert "stablehlo.dot_general" not in text("auto")
+  assert "stablehlo.dot_general" in text("jnp")
