@@ -406,16 +406,20 @@ def _kernel_attention(kind, q, k_cache, v_cache, lengths, k_new, v_new, q_pos, p
                                     inflight[:, seg.start:seg.stop], interpret)
             for seg in plan.segments]
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+  # A model's k_new is its RoPE'd keys, which XLA otherwise fuses into the cache write and the
+  # combine's q . k_new: the kernels' Tq = 1 score would need them as an array, one copy launch
+  # for the reduction it saves (SmolLM2-shaped dense step, H200, device us a step: 1151.5 with
+  # the einsum, 1167.0 with the kernel's score; `benchmarks/results/s48/`). So: the einsum.
   if kind == "decode":
-    from pallas_kernels.decode_attention import decode_attention
+    from pallas_kernels.decode_attention import DecodeConfig, decode_attention
     return decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, mask,
-                            interpret=interpret)
-  from pallas_kernels.sparse_attention import sparse_attention
+                            config=DecodeConfig(kernel_score=False), interpret=interpret)
+  from pallas_kernels.sparse_attention import SparseConfig, sparse_attention
   first = plan.segments[0]
   view = first.view
   return sparse_attention(q, k_cache, v_cache, view.tables, view.counts, lengths, k_new, v_new,
                           mask, block_size=view.block_size, sparse_queries=first.stop,
-                          interpret=interpret)
+                          config=SparseConfig(kernel_score=False), interpret=interpret)
 
 
 def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array,

@@ -359,5 +359,7 @@ def test_single_query_in_flight_score_from_the_cache_kernel(on):
   call = lambda mode: lambda *a: decode_attention(*a, config=DecodeConfig(inflight=mode))
   assert "stablehlo.dot_general" not in _cuda_text(call("auto"), *args)
   assert "stablehlo.dot_general" in _cuda_text(call("jnp"), *args)
+  no_score = lambda *a: decode_attention(*a, config=DecodeConfig(kernel_score=False))
+  assert "stablehlo.dot_general" in _cuda_text(no_score, *args)
   f32_keys = (q, k_cache, v_cache, lengths, k_new.astype(jnp.float32), v_new, mask)
   assert "stablehlo.dot_general" in _cuda_text(call("auto"), *f32_keys)
