@@ -1,12 +1,14 @@
 """Issue 3's Tq = 1 sparse cell (S = 16K, 4 listed 64-slot blocks, Llama-3.1-8B heads) under
 other launch plans, in one run (GPU): split counts (the planner's, 1, 2, 4) x in-flight modes
-("jnp": the combine's jnp term, "merged": the in-flight kernel merges the splits) x ring depths
-(2, 4), at B 8 and B 1; wall and device us per call, the costliest kernels, and how far each
-output moves from the first plan's.
+("auto": the cache kernel's q . k_new, the combine's jnp term; "jnp": the combine's einsum;
+"merged": the in-flight kernel merges the splits) x ring depths (2, 4), at B 8 and B 1; wall and
+device us per call, the costliest kernels, and how far each output moves from the first plan's.
 
   python benchmarks/sparse_tq1_plans.py --out $OUT/sparse_tq1_plans.json
+  python benchmarks/sparse_tq1_plans.py --batches 8 --modes auto --stages 2   # a subset
 
-Session 35's figures (H200): `results/s35/sparse_tq1_plans_s35_h200.json`.
+Session 35's figures (H200): `results/s35/sparse_tq1_plans_s35_h200.json`; session 48's ("auto",
+B 8): `results/s48/sparse_tq1_plans_auto_s48_h200.json`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ CAPACITY = 16384
 LISTED = (0, 50, 100, 200)        # 4 of 256 blocks of 64 slots: 1.6%
 
 
-def plan_rows(batch: int) -> list[dict]:
+def plan_rows(batch: int, modes=("jnp", "merged"), stage_counts=(2, 4)) -> list[dict]:
   """Every plan of one batch size, timed; the first plan's output is the comparison's."""
   q, k, v, kn, vn = arrays(batch, 1, HQ, HKV, D, CAPACITY)
   lengths = jnp.full((batch,), CAPACITY)
@@ -38,8 +40,8 @@ def plan_rows(batch: int) -> list[dict]:
   mask = jnp.ones((1, 1), bool)
   rows, first = [], None
   for splits in (None, 1, 2, 4):
-    for mode in ("jnp", "merged"):
-      for stages in (2, 4):
+    for mode in modes:
+      for stages in stage_counts:
         cfg = SparseConfig(inflight=mode, num_splits=splits, num_stages=stages)
         fn = jax.jit(lambda q, k, v, kn, vn, cfg=cfg: sparse_attention(
             q, k, v, tables, counts, lengths, kn, vn, mask, block_size=64, config=cfg))
@@ -61,8 +63,12 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                "sparse_tq1_plans.json"))
+  p.add_argument("--batches", type=int, nargs="+", default=[8, 1])
+  p.add_argument("--modes", nargs="+", default=["auto", "jnp", "merged"],
+                 choices=["auto", "jnp", "merged", "kernel"])
+  p.add_argument("--stages", type=int, nargs="+", default=[2, 4])
   args = p.parse_args(argv)
-  rows = [row for batch in (8, 1) for row in plan_rows(batch)]
+  rows = [row for batch in args.batches for row in plan_rows(batch, args.modes, args.stages)]
   write_json(args.out, dict(device=str(jax.devices()[0]), rows=rows))
 
 
