@@ -4,8 +4,9 @@
 q) depends on each call's output, so no call is hoisted, dropped or sliced and no Python
 dispatch sits between calls. Where the call's (first) output has the carry's shape and dtype (an
 attention call's out and q) that output is the next call's carry; elsewhere a select on the
-output's first element makes the dependency (see `time_loop`'s `chain`). `read_bandwidth` measures the device's read bandwidth the same way
-(a fused elementwise + reduction over a multi-GiB bf16 array).
+output's first element makes the dependency (see `time_loop`'s `chain`). `read_bandwidth`
+measures the device's read bandwidth the same way (a fused elementwise + reduction over a
+multi-GiB bf16 array).
 """
 
 from __future__ import annotations

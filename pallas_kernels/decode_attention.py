@@ -794,8 +794,8 @@ def _rows_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   capacity = k_cache.shape[2]
   q_blocks = -(-m_total // BLOCK_M)
   config = config.resolve(q_blocks, capacity, q_rows.shape[3], interpret is not None)
-  keyed = k_new is not None and not config.specialized(q_blocks, q_rows.shape[3],
-                                                       interpret is not None)
+  keyed = k_new is not None and q_blocks == 1 and not config.specialized(
+      q_blocks, q_rows.shape[3], interpret is not None)
   rows_out = BLOCK_M if q_blocks > 1 else -(-num_queries * group // 8) * 8
   num_splits = _pick_num_splits(config, b, hkv, q_blocks, capacity, q_rows.shape[3],
                                 interpret is not None)

@@ -748,7 +748,8 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   segments = layout[0]
   use_kernel = inflight_choice(config.inflight, tq)
   # At Tq = 1 the cache kernel computes q . k_new itself (plain blocks; see combine_partials).
-  keyed = in_kernel_score(config, q, k_new) and not layout[3]
+  keyed = (in_kernel_score(config, q, k_new) and not layout[3]
+           and all(seg.q_blocks == 1 for seg in segments))
   q_rows = _q_rows(q, segments, k_cache.shape[1], whole_blocks=use_kernel)
   acc, m2, l, *scores = _rows_partials(
       q_rows, k_cache, v_cache, block_tables, num_blocks, lengths, layout,

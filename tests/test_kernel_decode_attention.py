@@ -363,3 +363,8 @@ def test_single_query_in_flight_score_from_the_cache_kernel(on):
   assert "stablehlo.dot_general" in _cuda_text(no_score, *args)
   f32_keys = (q, k_cache, v_cache, lengths, k_new.astype(jnp.float32), v_new, mask)
   assert "stablehlo.dot_general" in _cuda_text(call("auto"), *f32_keys)
+  # 128 query heads a KV head: two q blocks at Tq = 1, which the kernel's score does not take.
+  wide = _inputs(3, batch=1, num_queries=1, num_q_heads=128, num_kv_heads=1, head_dim=128,
+                 capacity=128, dtype=jnp.bfloat16)
+  wide_args = (*wide[:3], lengths[:1], *wide[3:], mask)
+  assert "stablehlo.dot_general" in _cuda_text(call("auto"), *wide_args)

@@ -477,3 +477,6 @@ def test_single_query_in_flight_score_from_the_cache_kernel(on):
           lowering_platforms=("cuda",)).as_text()
   assert "stablehlo.dot_general" not in text("auto")
   assert "stablehlo.dot_general" in text("jnp")
+  assert "stablehlo.dot_general" in jax.jit(lambda *a: sparse_attention(
+      *a, block_size=64, config=SparseConfig(kernel_score=False))).trace(*map(sds, args)).lower(
+          lowering_platforms=("cuda",)).as_text()
