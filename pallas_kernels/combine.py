@@ -158,15 +158,15 @@ def inflight_choice(mode: str, num_queries: int) -> bool:
                                           and num_queries >= INFLIGHT_KERNEL_MIN_QUERIES)
 
 
-def in_kernel_score(config, q: jax.Array, k_new: jax.Array) -> bool:
-  """Whether a cache kernel (`config`: a DecodeConfig or SparseConfig) computes the Tq = 1
-  in-flight score q . k_new itself (`decode_attention.store_inflight_score`; the combine takes
-  it as `given_scores`): with inflight "auto" and kernel_score, at one query whose k_new has q's
-  dtype (so the kernel reads it in place). Else the combine's einsum (an XLA reduction launch;
-  session 48, H200: 1.2-1.5 us a call when k_new is an array)."""
-  check_inflight_mode(config.inflight)
-  return (config.inflight == "auto" and config.kernel_score and q.shape[1] == 1
-          and k_new.dtype == q.dtype)
+def in_kernel_score(mode: str, q: jax.Array, k_new: jax.Array) -> bool:
+  """Whether a cache kernel computes the Tq = 1 in-flight score q . k_new itself
+  (`decode_attention.store_inflight_score`; the combine takes it as `given_scores`): "auto" at
+  one query whose k_new has q's dtype (so the kernel reads it in place). "jnp" (at Tq = 1 the
+  same call otherwise) keeps the combine's einsum, an XLA reduction launch (session 48, H200:
+  1.2-1.5 us a call where k_new is an array; where XLA would have to copy k_new out of a fusion
+  for the kernel, as in a model, the einsum is as fast: `sparsedec.attention`)."""
+  check_inflight_mode(mode)
+  return mode == "auto" and q.shape[1] == 1 and k_new.dtype == q.dtype
 
 
 def inflight_merges(mode: str, num_queries: int, max_splits: int, blocks: int, group: int,

@@ -373,13 +373,9 @@ class DecodeConfig:
   num_splits: int | None = None   # thread blocks along S per (row, KV head, q block)
   target_blocks: int | None = None
   min_tiles_per_split: int = 2
-  # The in-flight part: "merged", "kernel", "jnp", "auto" (combine.inflight_choice).
+  # The in-flight part: "merged", "kernel", "jnp", "auto" (combine.inflight_choice; at Tq = 1
+  # "auto" has the cache kernel compute q . k_new, combine.in_kernel_score, "jnp" the combine).
   inflight: str = "auto"
-  # At Tq = 1 under "auto": the cache kernel computes q . k_new (combine.in_kernel_score). It
-  # pays where k_new is an array anyway (the kernel call alone: one launch fewer); in a model
-  # whose k_new is a RoPE product XLA fuses elsewhere, taking it costs a copy that launches as
-  # much as it saves, so sparsedec.attention turns it off (session 48).
-  kernel_score: bool = True
   # Warp-specialized blocks (FlashAttention-3's structure): a producer warpgroup issues the
   # K/V TMAs, one or two compute warpgroups (`compute_warpgroups`) take a q block each and
   # alternate their softmax with the other's wgmmas. None: on the GPU from WS_MIN_Q_BLOCKS q
@@ -835,10 +831,11 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
   q, mask = permute_queries(order, q, mask)
   use_kernel = inflight_choice(config.inflight, tq)
   q_rows = _q_rows(q, k_cache.shape[1], whole_blocks=use_kernel)
+  scored = in_kernel_score(config.inflight, q, k_new)
   parts = _rows_partials(q_rows, k_cache, v_cache, lengths, num_queries=tq, group=group,
                          config=config, num_score_queries=len(sel), interpret=interpret,
-                         k_new=k_new if in_kernel_score(config, q, k_new) else None)
-  given = parts[-1] if in_kernel_score(config, q, k_new) else None
+                         k_new=k_new if scored else None)
+  given = parts[-1] if scored else None
   acc, m2, l = parts[:3]
   b, hkv, q_blocks, num_splits = acc.shape[:4]
   if use_kernel:

@@ -135,13 +135,9 @@ class SparseConfig:
   num_splits_full: int | None = None
   target_blocks: int | None = None
   min_tiles_per_split: int = 1    # a 2-block list on 16 thread blocks beats one on 8: latency
-  # The in-flight part: "merged", "kernel", "jnp", "auto" (combine.inflight_choice).
+  # The in-flight part: "merged", "kernel", "jnp", "auto" (combine.inflight_choice; at Tq = 1
+  # "auto" has the cache kernel compute q . k_new, combine.in_kernel_score, "jnp" the combine).
   inflight: str = "auto"
-  # At Tq = 1 under "auto": the cache kernel computes q . k_new (combine.in_kernel_score). It
-  # pays where k_new is an array anyway (the kernel call alone: one launch fewer); in a model
-  # whose k_new is a RoPE product XLA fuses elsewhere, taking it costs a copy that launches as
-  # much as it saves, so sparsedec.attention turns it off (session 48).
-  kernel_score: bool = True
   warp_specialized: bool | None = None
 
   def __post_init__(self):
@@ -748,7 +744,7 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   segments = layout[0]
   use_kernel = inflight_choice(config.inflight, tq)
   # At Tq = 1 the cache kernel computes q . k_new itself (plain blocks; see combine_partials).
-  keyed = (in_kernel_score(config, q, k_new) and not layout[3]
+  keyed = (in_kernel_score(config.inflight, q, k_new) and not layout[3]
            and all(seg.q_blocks == 1 for seg in segments))
   q_rows = _q_rows(q, segments, k_cache.shape[1], whole_blocks=use_kernel)
   acc, m2, l, *scores = _rows_partials(

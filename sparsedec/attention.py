@@ -407,19 +407,21 @@ def _kernel_attention(kind, q, k_cache, v_cache, lengths, k_new, v_new, q_pos, p
             for seg in plan.segments]
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
   # A model's k_new is its RoPE'd keys, which XLA otherwise fuses into the cache write and the
-  # combine's q . k_new: the kernels' Tq = 1 score would need them as an array, one copy launch
-  # for the reduction it saves (SmolLM2-shaped dense step, H200, device us a step: 1151.5 with
-  # the einsum, 1167.0 with the kernel's score; `benchmarks/results/s48/`). So: the einsum.
+  # combine's q . k_new: the kernels' Tq = 1 score ("auto") would need them as an array, one
+  # copy launch for the reduction it saves (SmolLM2-shaped dense step, H200, device us a step:
+  # 1151.5 with the einsum, 1167.0 with the kernel's score; `benchmarks/results/s48/`). So at
+  # Tq = 1 "jnp", which is "auto" but for that score.
+  inflight = "jnp" if q.shape[1] == 1 else "auto"
   if kind == "decode":
     from pallas_kernels.decode_attention import DecodeConfig, decode_attention
     return decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, mask,
-                            config=DecodeConfig(kernel_score=False), interpret=interpret)
+                            config=DecodeConfig(inflight=inflight), interpret=interpret)
   from pallas_kernels.sparse_attention import SparseConfig, sparse_attention
   first = plan.segments[0]
   view = first.view
   return sparse_attention(q, k_cache, v_cache, view.tables, view.counts, lengths, k_new, v_new,
                           mask, block_size=view.block_size, sparse_queries=first.stop,
-                          config=SparseConfig(kernel_score=False), interpret=interpret)
+                          config=SparseConfig(inflight=inflight), interpret=interpret)
 
 
 def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array,

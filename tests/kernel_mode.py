@@ -6,3 +6,10 @@ import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 INTERPRET = None if jax.default_backend() == "gpu" else plgpu.InterpretGPUParams()
+
+
+def cuda_text(fn, *args) -> str:
+  """The StableHLO text of jit(fn) lowered for the cuda platform (works on a CPU-only machine;
+  the Mosaic GPU kernels appear as custom calls) at args' shapes and dtypes."""
+  sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+  return jax.jit(fn).trace(*map(sds, args)).lower(lowering_platforms=("cuda",)).as_text()

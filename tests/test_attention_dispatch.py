@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import rand
+from kernel_mode import cuda_text
 import sparsedec
 from sparsedec.attention import attend, causal_plan
 from sparsedec.errors import UnsupportedConfigError
@@ -121,22 +122,20 @@ def test_attend_refuses_a_misspelt_impl_and_segments_that_do_not_cover_the_queri
 
 
 def test_model_single_query_calls_keep_the_combine_score():
-  """At Tq = 1 the model's kernel call computes q . k_new in the combine (an XLA dot), not in
-  the cache kernel: a model's k_new is a RoPE product XLA fuses into the cache write, and the
-  kernel's score would need it copied out (session 48). The kernel call alone still takes it
-  (no dot)."""
+  """At Tq = 1 the model's kernel call computes q . k_new in the combine (an XLA dot: inflight
+  "jnp"), not in the cache kernel ("auto"): a model's k_new is a RoPE product XLA fuses into the
+  cache write, and the kernel's score would need it copied out (session 48). The kernel call
+  alone, in "auto", has no dot."""
   from pallas_kernels.decode_attention import decode_attention
   b, hq, hkv, d, s = 1, 4, 2, 64, 128
-  sds = jax.ShapeDtypeStruct
-  q, kc, kn = (sds((b, 1, hq, d), jnp.bfloat16), sds((b, hkv, s, d), jnp.bfloat16),
-               sds((b, 1, hkv, d), jnp.bfloat16))
-  lengths, pos = sds((b,), jnp.int32), sds((b, 1), jnp.int32)
-  cuda = lambda fn, *a: jax.jit(fn).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
-  model = cuda(lambda q, kc, lengths, kn, pos: attend(q, kc, kc, lengths, kn, kn, pos,
-                                                      causal_plan(1), impl="pallas"),
-               q, kc, lengths, kn, pos)
+  q, kc, kn = (jnp.zeros((b, 1, hq, d), jnp.bfloat16), jnp.zeros((b, hkv, s, d), jnp.bfloat16),
+               jnp.zeros((b, 1, hkv, d), jnp.bfloat16))
+  lengths, pos = jnp.zeros((b,), jnp.int32), jnp.zeros((b, 1), jnp.int32)
+  model = cuda_text(lambda q, kc, lengths, kn, pos: attend(q, kc, kc, lengths, kn, kn, pos,
+                                                           causal_plan(1), impl="pallas"),
+                    q, kc, lengths, kn, pos)
   assert "stablehlo.custom_call @mosaic_gpu" in model and "stablehlo.dot_general" in model
-  alone = cuda(lambda q, kc, lengths, kn: decode_attention(q, kc, kc, lengths, kn, kn,
-                                                           jnp.ones((1, 1), bool)),
-               q, kc, lengths, kn)
+  alone = cuda_text(lambda q, kc, lengths, kn: decode_attention(q, kc, kc, lengths, kn, kn,
+                                                                jnp.ones((1, 1), bool)),
+                    q, kc, lengths, kn)
   assert "stablehlo.dot_general" not in alone

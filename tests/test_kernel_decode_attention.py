@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rand
-from kernel_mode import INTERPRET
+from kernel_mode import INTERPRET, cuda_text
 from pallas_kernels.decode_attention import (DecodeConfig, decode_attention, resident_blocks,
                                              decode_attention_reference, ws_smem_bytes)
 
@@ -333,11 +333,6 @@ def test_lowers_to_mosaic_gpu_custom_call_for_cuda(num_queries, score_queries, w
   assert ("decode_attention_kernel_ws" in text) == wanted
 
 
-def _cuda_text(fn, *args) -> str:
-  sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-  return jax.jit(fn).trace(*map(sds, args)).lower(lowering_platforms=("cuda",)).as_text()
-
-
 @pytest.mark.parametrize("on", [True, False])
 def test_single_query_in_flight_score_from_the_cache_kernel(on):
   """Tq = 1 ("auto"): split 0's block computes q . k_new (one [64, 8] wgmma on k_new's row,
@@ -357,14 +352,12 @@ def test_single_query_in_flight_score_from_the_cache_kernel(on):
   np.testing.assert_allclose(lse, lse_jnp, atol=1e-5, rtol=1e-6)
   args = (q, k_cache, v_cache, lengths, k_new, v_new, mask)
   call = lambda mode: lambda *a: decode_attention(*a, config=DecodeConfig(inflight=mode))
-  assert "stablehlo.dot_general" not in _cuda_text(call("auto"), *args)
-  assert "stablehlo.dot_general" in _cuda_text(call("jnp"), *args)
-  no_score = lambda *a: decode_attention(*a, config=DecodeConfig(kernel_score=False))
-  assert "stablehlo.dot_general" in _cuda_text(no_score, *args)
+  assert "stablehlo.dot_general" not in cuda_text(call("auto"), *args)
+  assert "stablehlo.dot_general" in cuda_text(call("jnp"), *args)
   f32_keys = (q, k_cache, v_cache, lengths, k_new.astype(jnp.float32), v_new, mask)
-  assert "stablehlo.dot_general" in _cuda_text(call("auto"), *f32_keys)
+  assert "stablehlo.dot_general" in cuda_text(call("auto"), *f32_keys)
   # 128 query heads a KV head: two q blocks at Tq = 1, which the kernel's score does not take.
   wide = _inputs(3, batch=1, num_queries=1, num_q_heads=128, num_kv_heads=1, head_dim=128,
                  capacity=128, dtype=jnp.bfloat16)
   wide_args = (*wide[:3], lengths[:1], *wide[3:], mask)
-  assert "stablehlo.dot_general" in _cuda_text(call("auto"), *wide_args)
+  assert "stablehlo.dot_general" in cuda_text(call("auto"), *wide_args)
