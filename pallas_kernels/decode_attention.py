@@ -433,7 +433,8 @@ def _pick_num_splits(cfg: DecodeConfig, batch: int, num_kv_heads: int, q_blocks:
   if cfg.specialized(q_blocks, head_dim, interpret):
     q_blocks = -(-q_blocks // compute_warpgroups(q_blocks))   # thread blocks per KV head
   return split_counts(((q_blocks, tiles, None),), copies=batch * num_kv_heads,
-                      slots=cfg.target_blocks, min_tiles=cfg.min_tiles_per_split)[0]
+                      slots=cfg.target_blocks, min_tiles=cfg.min_tiles_per_split,
+                      sms=SM_COUNT)[0]
 
 
 # ----------------------------------------------------------------------------------------------

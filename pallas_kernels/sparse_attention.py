@@ -224,7 +224,7 @@ def _plan_segments(cfg: SparseConfig, *, batch, num_kv_heads, group, num_queries
                for (full, _, _), qb in zip(parts, q_blocks))
   splits = split_counts(plan, copies=batch * num_kv_heads, slots=slots,
                         min_tiles=cfg.min_tiles_per_split,
-                        wave_tiles=WAVE_KEYS // tile_keys if ws else 0)
+                        wave_tiles=WAVE_KEYS // tile_keys if ws else 0, sms=SM_COUNT)
   segments, qblock, work = [], 0, 0
   for (full, first, n), qb, s in zip(parts, q_blocks, splits):
     segments.append(_Segment(full, first, n, qblock, qb, s, work))

@@ -6,7 +6,8 @@ blocks times `splits` contiguous runs of that segment's `tiles` KV tiles. The GP
 blocks to its `slots` resident places (SMs x blocks per SM) in launch order, each as soon as one
 is free, so the time of a launch is the makespan of that list schedule. Each item costs its tiles
 plus a fixed `overhead` (in tiles: the prologue's loads before the first tile arrives, writing the
-partial and reading it back in the combine).
+partial and reading it back in the combine). Blocks resident on one SM stream their tiles side by
+side but pay their overheads one after another (`makespan`'s sms; session 49).
 
 `split_counts` picks, per segment, the split count whose simulated makespan is the smallest
 (ties: fewer items). One rule covers the cases a fixed "fill one wave" rule got wrong: a short
@@ -31,28 +32,46 @@ def split_tiles(tiles: int, splits: int) -> list[int]:
   return [max(0, min(per, tiles - i * per)) for i in range(splits)]
 
 
-def makespan(items: tuple[int, ...], *, copies: int, slots: int, overhead: float) -> float:
+def makespan(items: tuple[int, ...], *, copies: int, slots: int, overhead: float,
+             sms: int | None = None) -> float:
   """Finish time of `copies` repeats of `items` (tiles per item, launch order) list-scheduled on
-  `slots` places, each item taking its tiles + `overhead`."""
-  if copies * len(items) <= slots:
+  `slots` resident places, each item taking its tiles + `overhead`.
+
+  sms: the SMs the slots sit on, slots // sms resident blocks each (None, or not dividing
+  slots: each slot its own place). Co-resident blocks' tiles overlap, their overheads do not:
+  an item's overhead waits for those of the items before it on its SM, then its tiles run. The
+  first wave is dealt one block an SM at a time. H200, sparse_attention with two 64-key blocks
+  an SM (`benchmarks/results/s49/plan_ab_s49_h200.json`, device us a call): the plans this
+  changes ran 6.12 -> 5.74 (B 8, 16K, 4 listed blocks, Tq 1), 11.07 -> 9.10 (B 1, 64 blocks),
+  16.48 -> 13.13 (SmolLM2's FAFO step at 4K), faster in all 8 cells changed."""
+  per_sm = slots // sms if sms and slots % sms == 0 else 1
+  places = slots // per_sm
+  if copies * len(items) <= places:
     return max(items, default=0) + overhead
-  free = [0.0] * slots                # a min-heap of the places' next free times
+  # (free time, resident slot, place): at time 0 every place's slot 0 comes before any slot 1.
+  free = [(0.0, k, p) for k in range(per_sm) for p in range(places)]
+  serial = [0.0] * places               # when each place's overhead chain is next free
+  end = 0.0
   for _ in range(copies):
     for tiles in items:
-      heapq.heapreplace(free, free[0] + tiles + overhead)
-  return max(free)
+      start, k, p = free[0]
+      serial[p] = max(start, serial[p]) + overhead
+      done = serial[p] + tiles
+      end = max(end, done)
+      heapq.heapreplace(free, (done, k, p))
+  return end
 
 
 @functools.lru_cache(maxsize=512)
 def split_counts(segments: tuple[tuple[int, int, int | None], ...], *, copies: int, slots: int,
                  min_tiles: int, overhead: float = OVERHEAD_TILES,
-                 wave_tiles: int = 0) -> tuple[int, ...]:
+                 wave_tiles: int = 0, sms: int | None = None) -> tuple[int, ...]:
   """Split count per segment.
 
   segments: (q_blocks, tiles, fixed) per segment in launch order, `tiles` the static bound on
   the segment's KV tiles, `fixed` a split count to keep (None: choose). copies: (row, KV head)
-  pairs; slots: thread blocks resident at once; min_tiles: the fewest tiles a split may get
-  (never below one split). Items run segment by segment, q block by q block, split by split
+  pairs; slots: thread blocks resident at once (on `sms` SMs, `makespan`); min_tiles: the
+  fewest tiles a split may get (never below one split). Items run segment by segment, q block by q block, split by split
   (the model's order; warp-specialized sparse launches run a segment split by split).
 
   wave_tiles > 0 (warp-specialized launches, one block an SM, where the model alone ranks plans
@@ -91,7 +110,8 @@ def split_counts(segments: tuple[tuple[int, int, int | None], ...], *, copies: i
   def key(splits):
     items = tuple(t for (qb, tiles, _), s in zip(segments, splits)
                   for _ in range(qb) for t in split_tiles(tiles, s))
-    return (makespan(items, copies=copies, slots=slots, overhead=overhead), num_items(splits))
+    return (makespan(items, copies=copies, slots=slots, overhead=overhead, sms=sms),
+            num_items(splits))
 
   best, best_key = None, None
   for length in sorted(lengths, reverse=True):

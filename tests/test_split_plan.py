@@ -22,6 +22,28 @@ def test_makespan_is_a_list_schedule():
   assert makespan((3, 3), copies=1, slots=8, overhead=0.5) == 3.5       # fewer items than places
 
 
+def test_blocks_on_one_sm_pay_their_overheads_one_after_another():
+  # 4 one-tile items, 2 SMs of 2 slots: SM 0 runs items 0 and 2; item 2's overhead waits for
+  # item 0's (0-2), then runs (2-4), then its tile (4-5).
+  assert makespan((1,), copies=4, slots=4, overhead=2, sms=2) == 5
+  assert makespan((1,), copies=4, slots=4, overhead=2) == 3             # four independent places
+  assert makespan((1,), copies=2, slots=4, overhead=2, sms=2) == 3      # one item an SM
+  assert makespan((1,), copies=4, slots=4, overhead=2, sms=3) == 3      # 3 does not divide 4
+  # One slot an SM is the plain list schedule.
+  assert makespan((5, 1, 4), copies=1, slots=2, overhead=1, sms=2) == 7
+
+
+def test_two_blocks_an_sm_plans_match_the_h200():
+  """sparse_attention at B 8, Tq 1, Hkv 8 (64 copies), 64-key tiles, two blocks an SM (264
+  slots): 4 listed tiles ran fastest in 2 splits (5.74 against 6.12 us at 4), 16 tiles in 4
+  (10.49 against 11.70 at 2; `results/s49/plan_ab_s49_h200.json`, `results/s48/
+  sparse_slots_ab_s48_h200.json`). The slots model (sms None) picked 4 for both."""
+  plan = lambda tiles, sms: split_counts(((1, tiles, None),), copies=64, slots=264, min_tiles=1,
+                                         sms=sms)[0]
+  assert (plan(4, 132), plan(16, 132)) == (2, 4)
+  assert (plan(4, None), plan(16, None)) == (4, 4)
+
+
 def _items(segments, splits):
   return tuple(t for (qb, tiles, _), s in zip(segments, splits)
                for _ in range(qb) for t in split_tiles(tiles, s))
