@@ -214,6 +214,12 @@ def combine_partials(acc: jax.Array, m2: jax.Array, l: jax.Array, q: jax.Array,
   (`_combine_elementwise`), else with reductions over NS (`_combine_reduced`)."""
   b, hkv, nqb, ns, rows_out, d = acc.shape
   tq = q.shape[1]
+  if given_scores is not None and (
+      not exact or given_scores.ndim != 3 or given_scores.shape[:2] != (b, hkv)
+      or given_scores.shape[2] < group or not jnp.issubdtype(given_scores.dtype, jnp.floating)):
+    raise ValueError(f"given_scores must be a float [B={b}, Hkv={hkv}, >= G={group}] array for "
+                     f"the first exact key set, got {given_scores.dtype}{list(given_scores.shape)}"
+                     f" with {len(exact)} exact key sets")
   n_rows = tq * group                                                      # real rows
   rows = nqb * rows_out                                                    # >= n_rows
   parts = [(acc, m2[..., :rows_out] * LN2, l[..., :rows_out])]             # [B, Hkv, NQB, NS, R]

@@ -394,6 +394,8 @@ class DecodeConfig:
       raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
     if self.target_blocks is not None and self.target_blocks < 1:
       raise ValueError(f"target_blocks must be >= 1, got {self.target_blocks}")
+    if self.min_tiles_per_split < 1:
+      raise ValueError(f"min_tiles_per_split must be >= 1, got {self.min_tiles_per_split}")
 
   def resolve(self, q_blocks: int, capacity: int, head_dim: int = 128,
               interpret: bool = False) -> "DecodeConfig":
@@ -722,6 +724,8 @@ def check_cache_call(q, k_cache, v_cache, lengths, k_new, v_new, inflight_mask):
   for name, x in (("k_new", k_new), ("v_new", v_new)):
     if x.shape != (b, tq, hkv, d):
       raise ValueError(f"{name} must be [B, Tq, Hkv, D] = {(b, tq, hkv, d)}, got {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f"{name} must be floating point, got {x.dtype}")
   if inflight_mask.shape != (tq, tq):
     raise ValueError(f"inflight_mask must be [Tq, Tq] = {(tq, tq)}, got {inflight_mask.shape}")
   for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):

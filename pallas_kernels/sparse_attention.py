@@ -587,8 +587,8 @@ def _check_inputs(q, k_cache, v_cache, block_tables, num_blocks, lengths, k_new,
   for name, x in (("block_tables", block_tables), ("num_blocks", num_blocks)):
     if not jnp.issubdtype(x.dtype, jnp.integer):
       raise ValueError(f"{name} must be integer, got {x.dtype}")
-  if block_size <= 0 or block_size % 64:
-    raise ValueError(f"block_size must be a positive multiple of 64, got {block_size}")
+  if not isinstance(block_size, (int, np.integer)) or block_size <= 0 or block_size % 64:
+    raise ValueError(f"block_size must be a positive multiple of 64 (an int), got {block_size!r}")
   block_kv = cfg.tile_rows(block_size, d)
   if block_size % block_kv:
     raise ValueError(f"block_kv={block_kv} must divide block_size={block_size}")

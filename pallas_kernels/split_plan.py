@@ -44,6 +44,10 @@ def makespan(items: tuple[int, ...], *, copies: int, slots: int, overhead: float
   an SM (`benchmarks/results/s49/plan_ab_s49_h200.json`, device us a call): the plans this
   changes ran 6.12 -> 5.74 (B 8, 16K, 4 listed blocks, Tq 1), 11.07 -> 9.10 (B 1, 64 blocks),
   16.48 -> 13.13 (SmolLM2's FAFO step at 4K), faster in all 8 cells changed."""
+  if slots < 1 or copies < 0:
+    raise ValueError(f"makespan needs slots >= 1 and copies >= 0, got {slots}, {copies}")
+  if copies == 0 or not items:
+    return 0.0
   per_sm = slots // sms if sms and slots % sms == 0 else 1
   places = slots // per_sm
   if copies * len(items) <= places:
@@ -70,9 +74,11 @@ def split_counts(segments: tuple[tuple[int, int, int | None], ...], *, copies: i
 
   segments: (q_blocks, tiles, fixed) per segment in launch order, `tiles` the static bound on
   the segment's KV tiles, `fixed` a split count to keep (None: choose). copies: (row, KV head)
-  pairs; slots: thread blocks resident at once (on `sms` SMs, `makespan`); min_tiles: the
-  fewest tiles a split may get (never below one split). Items run segment by segment, q block by q block, split by split
-  (the model's order; warp-specialized sparse launches run a segment split by split).
+  pairs; slots: thread blocks resident at once (on `sms` SMs, `makespan`); min_tiles: a free
+  segment gets at most tiles // min_tiles splits (never below one), so its splits average
+  min_tiles tiles or more (shared out by `split_tiles`, the last may get fewer). Items run
+  segment by segment, q block by q block, split by split (the model's order; warp-specialized
+  sparse launches run a segment split by split).
 
   wave_tiles > 0 (warp-specialized launches, one block an SM, where the model alone ranks plans
   wrongly): a segment whose W = slots // (copies * q_blocks) splits would each still get
@@ -85,9 +91,13 @@ def split_counts(segments: tuple[tuple[int, int, int | None], ...], *, copies: i
   if slots < 1 or copies < 1 or min_tiles < 1:
     raise ValueError(f"slots, copies and min_tiles must be >= 1, got {slots}, {copies}, "
                      f"{min_tiles}")
+  for qb, tiles, fixed in segments:
+    if qb < 1 or tiles < 1 or (fixed is not None and fixed < 1):
+      raise ValueError(f"a segment needs q_blocks >= 1, tiles >= 1 and a fixed split count >= 1 "
+                       f"or None, got {(qb, tiles, fixed)}")
   if wave_tiles:
     waves = [max(1, slots // (copies * qb)) for qb, _, _ in segments]
-    segments = tuple((qb, t, w if f is None and t // w >= wave_tiles else f)
+    segments = tuple((qb, t, -(-t // -(-t // w)) if f is None and t // w >= wave_tiles else f)
                      for (qb, t, f), w in zip(segments, waves))
 
   def cap(tiles, fixed):

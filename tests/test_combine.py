@@ -73,3 +73,12 @@ def test_the_form_follows_the_counts(monkeypatch, ns, keys, expect):
                         lambda *a, _real=real, _name=name: called.append(_name) or _real(*a))
   combine_partials(acc, m2, l, q, [key_set], group=4)
   assert called == [expect]
+
+
+def test_given_scores_are_checked():
+  (acc, m2, l, q), exact = _inputs(0, 1, 2, 4, 1, 3, 64, 1, ())
+  for bad in (jnp.zeros((1, 2, 2)), jnp.zeros((1, 1, 64)), jnp.zeros((1, 2, 64), jnp.int32)):
+    with pytest.raises(ValueError, match="given_scores must be"):
+      combine_partials(acc, m2, l, q, [exact], group=4, given_scores=bad)
+  with pytest.raises(ValueError, match="0 exact key sets"):           # was silently ignored
+    combine_partials(acc, m2, l, q, [], group=4, given_scores=jnp.zeros((1, 2, 64)))

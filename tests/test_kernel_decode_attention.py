@@ -235,7 +235,11 @@ def test_bad_inputs_are_rejected_in_plain_words():
     decode_attention(q, k_cache, v_cache, jnp.array([1]), k_new, v_new, jnp.ones((1, 1), bool))
   with pytest.raises(ValueError, match="target_blocks must be >= 1"):
     DecodeConfig(target_blocks=0)
+  with pytest.raises(ValueError, match="min_tiles_per_split must be >= 1"):  # was a planner error
+    DecodeConfig(min_tiles_per_split=0)
   mask = jnp.ones((1, 1), bool)
+  with pytest.raises(ValueError, match="k_new must be floating point, got int32"):  # was silent
+    decode_attention(q, k_cache, v_cache, jnp.array([1]), k_new.astype(jnp.int32), v_new, mask)
   with pytest.raises(ValueError, match="lengths must be integer"):   # was silently truncated
     decode_attention(q, k_cache, v_cache, jnp.array([1.7]), k_new, v_new, mask)
   with pytest.raises(ValueError, match="Tq=0"):

@@ -389,6 +389,8 @@ def test_bad_inputs_are_rejected_in_plain_words():
     sparse_attention(*args(good), block_size=128)
   with pytest.raises(ValueError, match="positive multiple of 64"):
     sparse_attention(*args(good), block_size=32)
+  with pytest.raises(ValueError, match=r"positive multiple of 64 \(an int\), got 64.0"):
+    sparse_attention(*args(good), block_size=64.0)
   with pytest.raises(ValueError, match="block_tables must be"):
     sparse_attention(*args(jnp.zeros((1, 1, 1), jnp.int32)), block_size=64)
   with pytest.raises(ValueError, match="sparse_queries"):

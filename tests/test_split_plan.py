@@ -83,6 +83,22 @@ def test_fixed_split_counts_are_kept():
 def test_bad_arguments():
   with pytest.raises(ValueError, match="slots"):
     split_counts(((1, 8, None),), copies=1, slots=0, min_tiles=1)
+  for segment in ((1, 0, None), (1, 8, 0), (0, 8, None)):      # were ZeroDivisionError / silent
+    with pytest.raises(ValueError, match="a segment needs"):
+      split_counts((segment,), copies=1, slots=4, min_tiles=1)
+  with pytest.raises(ValueError, match="slots >= 1"):
+    makespan((1,), copies=1, slots=0, overhead=1)
+  assert makespan((3,), copies=0, slots=4, overhead=1) == 0     # nothing to run
+  assert makespan((), copies=2, slots=4, overhead=1) == 0
+
+
+def test_the_wave_rule_leaves_no_split_empty():
+  # W = 132 splits of 4290 tiles share out as 33 each with the last two empty: 130 splits of
+  # the same length instead.
+  (splits,) = split_counts(((1, 4290, None),), copies=1, slots=132, min_tiles=1, wave_tiles=16)
+  assert splits == 130 and min(split_tiles(4290, splits)) > 0
+  # Where W splits share out evenly they stay W (128 tiles, W = 132 // 8 = 16).
+  assert split_counts(((1, 128, None),), copies=8, slots=132, min_tiles=1, wave_tiles=4) == (16,)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
