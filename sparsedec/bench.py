@@ -85,7 +85,7 @@ def run_bench(cfg: ModelConfig, params: Params, tok: Tokenizer, *, prompts: str 
               sampling: SamplingConfig | None = None, seed: int = 0,
               method: str | DecodeMethod = "dense",
               chat_template: bool = False, ignore_eos: bool = False,
-              model_name: str = "") -> dict:
+              model_name: str = "", cache_size: int | None = None) -> dict:
   for name, value in (("num_prompts", num_prompts), ("batch_size", batch_size)):
     if not is_int(value) or value < 1:
       raise InputError(f"bench {name} must be an integer >= 1, got {value!r}")
@@ -95,7 +95,7 @@ def run_bench(cfg: ModelConfig, params: Params, tok: Tokenizer, *, prompts: str 
   ids = encode_prompts(tok, texts, chat_template)
   stop = () if ignore_eos else None
   kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, method=method,
-            stop_tokens=stop)
+            stop_tokens=stop, cache_size=cache_size)
   # Warm-up with the very same arguments (same buckets, same cache capacity): every compile
   # happens here, outside the timed runs.
   t0 = time.perf_counter()
@@ -116,7 +116,7 @@ def run_bench(cfg: ModelConfig, params: Params, tok: Tokenizer, *, prompts: str 
       "method_config": method_config(method),
       "dtype": cfg.dtype,
       "param_bytes": num_bytes(params), "prompt_set": prompts, "num_prompts": len(ids),
-      "batch_size": batch_size, "max_new_tokens": max_new_tokens,
+      "batch_size": batch_size, "max_new_tokens": max_new_tokens, "cache_size": cache_size,
       "sampling": None if sampling is None else vars(sampling),
       # The decode loop's tokens per second of it (each row's first token is prefill's).
       "tokens_per_second": (gen - len(ids)) / dec if dec else 0.0,

@@ -309,6 +309,12 @@ def cmd_convert(args) -> int:
 
 def cmd_bench(args) -> int:
   from sparsedec.bench import run_bench
+  from sparsedec.errors import InputError, unwritable_reason
+  if args.output:                        # before the run, not after it
+    reason = ("it is a directory" if os.path.isdir(args.output)
+              else unwritable_reason(args.output))
+    if reason:
+      raise InputError(f"--output {args.output}: cannot write there: {reason}")
   method = _exact_draft_group(args, _method(args))
   calibration = _draft_tokens(args, method)
   cfg, params, tok = _load(args)
@@ -317,12 +323,15 @@ def cmd_bench(args) -> int:
                      batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                      sampling=_sampling(args), seed=args.seed, method=method,
                      chat_template=args.chat_template, ignore_eos=args.ignore_eos,
-                     model_name=args.model or default_model())
+                     model_name=args.model or default_model(), cache_size=args.cache_size)
   text = json.dumps(result, indent=2)
-  if args.output:
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(text + "\n")
-  print(text)
+  print(text)                            # first: a write that still fails loses nothing
+  if args.output:                        # whole or not at all: a temporary file, then a rename
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp.write_text(text + "\n")
+    os.replace(tmp, out)
   return 0
 
 

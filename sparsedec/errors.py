@@ -1,6 +1,8 @@
 """Errors raised for the user: each names the bad value in plain words."""
 
 import json
+import os
+import tempfile
 
 import numpy as np
 
@@ -35,3 +37,19 @@ def read_json(path, error: type[SparsedecError] | None = None):
       return json.load(f)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise (error or CheckpointError)(f"{path} is not valid JSON: {e}") from e
+
+
+def unwritable_reason(path) -> str | None:
+  """Why `path` (a file or directory to create or replace) could not be written, checked before
+  a long run: its nearest existing ancestor is not a directory or takes no new entry; None if
+  it can be."""
+  parent = os.path.dirname(os.path.abspath(os.fspath(path)))
+  while not os.path.lexists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    return f"{parent} is not a directory"
+  try:                                   # a probe, not os.access: root passes that everywhere
+    os.rmdir(tempfile.mkdtemp(prefix=".sparsedec-probe-", dir=parent))
+  except OSError as e:
+    return f"{parent} does not take new entries ({e.strerror})"
+  return None

@@ -108,6 +108,45 @@ def test_bench_refuses_no_prompts_and_empty_batches(capsys, tmp_path):
   assert code == 2 and "holds no prompts" in err, err
 
 
+def test_bench_checks_its_output_first_and_uses_the_cache_size(capsys, tmp_path, monkeypatch):
+  """An --output that cannot be written used to fail after the whole run (the results lost: the
+  file was written before they were printed); --cache-size used to be ignored by bench."""
+  from sparsedec import bench
+  runs = []
+  monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: runs.append(kw) or {"ok": 1})
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  for target, message in ((blocker / "bench.json", "is not a directory"),
+                          (tmp_path, "it is a directory")):
+    code, out, err = run_cli(capsys, "bench", "--max-new-tokens", "2", "--output", str(target))
+    assert code == 2 and out == "" and message in err, err
+  assert runs == []                                      # refused before any run
+  code, out, _ = run_cli(capsys, "bench", "--max-new-tokens", "2", "--cache-size", "10")
+  assert code == 0 and runs[-1]["cache_size"] == 10
+  monkeypatch.undo()                                     # the real bench: the capacity applies
+  code, _, err = run_cli(capsys, "bench", "--num-prompts", "1", "--max-new-tokens", "4",
+                         "--cache-size", "10")
+  assert code == 2 and "does not fit in the KV cache of 10 tokens" in err, err
+
+
+def test_convert_refuses_an_unwritable_output_before_loading(capsys, tmp_path, stories_hf_dir,
+                                                             monkeypatch):
+  from sparsedec.weights import checkpoint
+  monkeypatch.setattr(checkpoint, "_load_source", lambda *a: pytest.fail("loaded the source"))
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  code, _, err = run_cli(capsys, "convert", str(stories_hf_dir), str(blocker / "out"))
+  assert code == 2 and f"{blocker} is not a directory" in err, err
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]      # nothing written
+
+
+def test_sampling_must_be_a_sampling_config(default_model):
+  cfg, params, tok = default_model
+  with pytest.raises(sparsedec.InputError, match="sampling must be a SamplingConfig"):
+    sparsedec.generate(cfg, params, [tok.encode("Once")], max_new_tokens=2,
+                       sampling={"temperature": 0.5})
+
+
 def test_convert_then_chat_with_smollm2(capsys, tmp_path, smollm2_gguf):
   out_dir = tmp_path / "smollm2"
   code, _, _ = run_cli(capsys, "convert", str(smollm2_gguf), str(out_dir))

@@ -133,6 +133,19 @@ def test_sampling_first_token_distribution_matches_processed_probs(stories):
   assert stats.chisquare(observed, expected).pvalue > 1e-3
 
 
+@pytest.mark.parametrize("temperature", [1e-10, 1e-30])
+def test_tiny_temperatures_give_the_argmax_under_jit(stories, temperature):
+  """At T -> 0 the distribution is the argmax one-hot. Computed as l / T - max(l / T) under jit,
+  XLA rounded the two terms differently and exp overflowed (NaN probabilities: FAFO, Lookahead
+  and QuantSpec's argmax draft drew token 0 at T = 1e-10)."""
+  from sparsedec.decode.sampling import probabilities
+  cfg, params, tok = stories
+  logits = jnp.asarray(testing.dense_logits(cfg, params, tok.encode("Once upon a time")))  # [T, V]
+  sampling = sparsedec.SamplingConfig(temperature=temperature)
+  probs = np.asarray(jax.jit(lambda x: probabilities(x, sampling))(logits))
+  np.testing.assert_array_equal(probs, np.eye(logits.shape[-1])[np.argmax(logits, -1)])
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(sampling_kw=dict(top_p=0.0)), "top_p"),
     (dict(sampling_kw=dict(top_p=1.5)), "top_p"),

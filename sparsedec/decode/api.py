@@ -154,6 +154,9 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
           method: str | DecodeMethod = "dense", cache_size: int | None = None,
           prefill_chunk: int = 256) -> tuple[DecodeState, "Run"]:
   """Validate, prefill and attach the method: the state the decode loop starts from."""
+  if sampling is not None and not isinstance(sampling, SamplingConfig):
+    raise InputError(f"sampling must be a SamplingConfig (or None: greedy), got "
+                     f"{type(sampling).__name__} {sampling!r}")
   sampling = sampling or SamplingConfig()
   if not is_int(max_new_tokens) or max_new_tokens < 1:
     raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")

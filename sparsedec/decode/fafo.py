@@ -153,7 +153,8 @@ class Fafo:
                        f"(sliding_window={cfg.sliding_window})")
     if state.cache.capacity % self.policy.block_size:
       raise InputError(f"fafo: cache capacity {state.cache.capacity} is not a multiple of the "
-                       f"policy's block_size {self.policy.block_size}")
+                       f"policy's block_size {self.policy.block_size} (pass a cache_size, "
+                       f"--cache-size, that is one)")
     b, n, k = state.batch_size, self.subsequences, self.length
     fumble = context_tokens(row_salt(state, _FUMBLE_SEED), state.tokens, state.num_tokens, (n, k))
     pool = ngram_pool.init_pool(self.pool_config, b)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from sparsedec.errors import InputError, is_int
 
 
-MIN_TEMPERATURE = 1e-30   # logits / T stays finite in fp32 for |logits| < 1e8
+MIN_TEMPERATURE = 1e-30   # (logits - max) / T: the top one 0, the others finite or -inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,12 @@ def processed_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
   x = logits.astype(jnp.float32)
   if cfg.greedy:
     return x
-  x = x / cfg.temperature
+  # The max subtracted before the division: the top token's scaled logit is then exactly 0. As
+  # x / T - max(x / T), XLA's rounding of the two terms under jit can differ (a reciprocal
+  # multiply against a division), and at T ~ 1e-10 that difference alone overflows exp (the
+  # softmax NaN, draws of token 0).
+  top = jnp.max(x, axis=-1, keepdims=True)                              # [..., 1]
+  x = (x - jnp.where(jnp.isfinite(top), top, 0.0)) / cfg.temperature
   if 0 < cfg.top_k < x.shape[-1]:
     kth = jax.lax.top_k(x, cfg.top_k)[0][..., -1:]                      # [..., 1]
     x = jnp.where(x < kth, -jnp.inf, x)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from sparsedec.errors import CheckpointError, read_json
+from sparsedec.errors import CheckpointError, read_json, unwritable_reason
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.params import Params, abstract_params, cast_params, check_params
 from sparsedec.tokenizer import GENERATION_CONFIG_FILE, Tokenizer
@@ -65,6 +65,9 @@ def check_output_dir(out_dir: str | os.PathLike, overwrite: bool) -> str:
   overwrite is off, and, with overwrite, unless it is a sparsedec checkpoint or an empty
   directory (replacing is deleting: never another directory's files, nor a plain file)."""
   out_dir = os.path.abspath(os.fspath(out_dir))
+  reason = unwritable_reason(out_dir)
+  if reason:
+    raise CheckpointError(f"cannot write the checkpoint {out_dir}: {reason}")
   if not os.path.lexists(out_dir):
     return out_dir
   if not overwrite:
