@@ -97,6 +97,7 @@ def split_counts(segments: tuple[tuple[int, int, int | None], ...], *, copies: i
                        f"or None, got {(qb, tiles, fixed)}")
   if wave_tiles:
     waves = [max(1, slots // (copies * qb)) for qb, _, _ in segments]
+    # W splits of cdiv(t, W) tiles, or the fewest splits of that length: cdiv(t, cdiv(t, W)).
     segments = tuple((qb, t, -(-t // -(-t // w)) if f is None and t // w >= wave_tiles else f)
                      for (qb, t, f), w in zip(segments, waves))
 
