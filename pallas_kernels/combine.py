@@ -46,6 +46,8 @@ def check_sizes(**sizes: int) -> None:
 
 def check_lengths(name: str, lengths: jax.Array, batch: int) -> None:
   """A per-row length array: [B] and integer (a float length was silently truncated)."""
+  if not hasattr(lengths, "shape") or not hasattr(lengths, "dtype"):
+    raise ValueError(f"{name} must be a [B={batch}] integer array, got {type(lengths).__name__}")
   if lengths.shape != (batch,):
     raise ValueError(f"{name} must be [B={batch}], got shape {lengths.shape}")
   if not jnp.issubdtype(lengths.dtype, jnp.integer):

@@ -253,14 +253,22 @@ def _round_to_meta(x, direction):
 def _grid(lo, hi):
   """Group min / max (fp32) -> stored (zero, s4) with lo >= zero, hi <= zero + 15 * s4, the
   extremes first clipped to META_DTYPE's finite range (+-65504): a group holding a value beyond
-  it gets a finite grid and that value's code saturates (0 or 240), instead of an infinite zero
-  or step turning the whole group into NaN."""
+  it gets a finite grid and that value is coded as the range's end (`_codes8` clips it too),
+  instead of an infinite zero or step turning the whole group into NaN. The grid's top, zero +
+  15 * s4, never passes 65504 either (s4 rounded up could put it at 65520 or 65536, infinite once
+  dequantized to fp16): where it would, s4 is rounded down instead and the group's highest
+  values saturate at code 240. (A constant group's step of 1 may put the top past 65504; its
+  codes are all 0.)"""
   lo = jnp.clip(lo, -META_MAX, META_MAX)
   hi = jnp.clip(hi, -META_MAX, META_MAX)
   zero = _round_to_meta(lo, -1)
+  zero_f = zero.astype(jnp.float32)
   # A multiply by the fp32 constant 1/15 (not a division, which XLA may rewrite): the grid is
   # then bit-reproducible by any fp32 implementation.
-  step = _round_to_meta((hi - zero.astype(jnp.float32)) * jnp.float32(1 / UPPER_LEVELS), +1)
+  fifteenth = jnp.float32(1 / UPPER_LEVELS)
+  step = _round_to_meta((hi - zero_f) * fifteenth, +1)
+  below_top = _round_to_meta((META_MAX - zero_f) * fifteenth, -1)
+  step = jnp.where(zero_f + UPPER_LEVELS * step.astype(jnp.float32) > META_MAX, below_top, step)
   step = jnp.where(step > 0, step, jnp.ones_like(step))   # constant group: any step works
   return zero, step
 
@@ -273,7 +281,7 @@ def _codes8(x, zero, step4):
   products that are exact in fp32 (a 10-bit by an 11-bit significand), so every backend gives
   the same codes."""
   step8 = step4.astype(jnp.float32) * (1.0 / 16.0)
-  d = x - zero.astype(jnp.float32)
+  d = jnp.clip(x, -META_MAX, META_MAX) - zero.astype(jnp.float32)   # as the grid's extremes
   g = jnp.round(d * (1.0 / step8))
   above, below = (g + 0.5) * step8, (g - 0.5) * step8
   odd = jnp.mod(g, 2.0) == 1.0

@@ -240,6 +240,8 @@ def test_bad_inputs_are_rejected_in_plain_words():
   mask = jnp.ones((1, 1), bool)
   with pytest.raises(ValueError, match="k_new must be floating point, got int32"):  # was silent
     decode_attention(q, k_cache, v_cache, jnp.array([1]), k_new.astype(jnp.int32), v_new, mask)
+  with pytest.raises(ValueError, match="lengths must be a \\[B=1\\] integer array, got list"):
+    decode_attention(q, k_cache, v_cache, [1], k_new, v_new, mask)      # was an AttributeError
   with pytest.raises(ValueError, match="lengths must be integer"):   # was silently truncated
     decode_attention(q, k_cache, v_cache, jnp.array([1.7]), k_new, v_new, mask)
   with pytest.raises(ValueError, match="Tq=0"):

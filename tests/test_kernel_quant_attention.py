@@ -37,8 +37,9 @@ def _int8_reference(x, axis):
   zero = group min rounded down to fp16; step = (max - zero) / 240 rounded up to fp16 (computed
   as the fp16 4-bit step / 16, exact); code = clip(round_half_even((x - zero) / step), 0, 240),
   x - zero in fp32 (the 1/15 as an fp32 constant multiply), the quotient in float64 (exact
-  enough: its ties and roundings are the exact quotient's). Returns (code int32, zero fp16,
-  4-bit step fp16)."""
+  enough: its ties and roundings are the exact quotient's); x and the extremes clipped to fp16's
+  +-65504, and the step capped so that zero + 15 * step <= 65504. Returns (code int32, zero
+  fp16, 4-bit step fp16)."""
   x = np.asarray(x, np.float32)
   lo, hi = (np.clip(x.min(axis, keepdims=True), -65504, 65504),
             np.clip(x.max(axis, keepdims=True), -65504, 65504))
@@ -48,9 +49,15 @@ def _int8_reference(x, axis):
   want = (hi - zero.astype(np.float32)) * np.float32(1 / 15)
   step4 = want.astype(np.float16)
   step4 = np.where(step4.astype(np.float32) < want, np.nextafter(step4, np.float16(np.inf)), step4)
+  # The grid's top stays <= 65504: else the step rounded down from (65504 - zero) / 15.
+  cap = (np.float32(65504) - zero.astype(np.float32)) * np.float32(1 / 15)
+  cap16 = cap.astype(np.float16)
+  cap16 = np.where(cap16.astype(np.float32) > cap, np.nextafter(cap16, np.float16(0)), cap16)
+  over = zero.astype(np.float32) + np.float32(15) * step4.astype(np.float32) > 65504
+  step4 = np.where(over, cap16, step4)
   step4 = np.where(step4 > 0, step4, np.float16(1))
   step8 = step4.astype(np.float32) * np.float32(1 / 16)
-  diff = (x - zero.astype(np.float32)).astype(np.float64)
+  diff = (np.clip(x, -65504, 65504) - zero.astype(np.float32)).astype(np.float64)
   code = np.clip(np.rint(diff / step8.astype(np.float64)), 0, 240).astype(np.int32)
   return code, zero, step4
 
@@ -116,8 +123,8 @@ def test_values_beyond_fp16_range_saturate_instead_of_poisoning_their_group():
   dk, dv = (np.asarray(x) for x in dequantize(qkv, 8))
   assert np.isfinite(dk).all() and np.isfinite(dv).all()
   assert dk[0, 0, 3, 5] == -65504 and dv[0, 1, 9, 2] == -65504
-  assert 65504 - 16 * 65504 / 240 < dk[0, 1, 40, 7] <= 65504 + 1e-3 * 65504
-  assert 65504 - 16 * 65504 / 240 < dv[0, 0, 20, 0] <= 65504 + 1e-3 * 65504
+  assert 65504 - 16 * 65504 / 240 < dk[0, 1, 40, 7] <= 65504
+  assert 65504 - 16 * 65504 / 240 < dv[0, 0, 20, 0] <= 65504
   # Groups without an outlier: as quantized without any.
   dk0, dv0 = (np.asarray(x) for x in dequantize(quantize_kv(k.astype(jnp.bfloat16),
                                                             v.astype(jnp.bfloat16), group=32), 8))
@@ -125,6 +132,26 @@ def test_values_beyond_fp16_range_saturate_instead_of_poisoning_their_group():
   np.testing.assert_array_equal(dk[0, 1, :32], dk0[0, 1, :32])
   untouched = np.setdiff1d(np.arange(64), [9, 20])
   np.testing.assert_array_equal(dv[0, :, untouched], dv0[0, :, untouched])
+
+
+def test_a_group_spanning_fp16s_range_dequantizes_to_finite_fp16():
+  """Finite fp16 extremes used to give a grid whose top, zero + 15 * s4 (s4 rounded up), was
+  65520 / 65536: infinite once dequantized to fp16. The top now stays <= 65504 (s4 rounded
+  down there) and the codes are the numpy reference's."""
+  s, d = 64, 64
+  k = jnp.zeros((1, 1, s, d)).at[0, 0, 0, :].set(-65504.).at[0, 0, 1, :].set(65504.)
+  v = jnp.zeros((1, 1, s, d)).at[0, 0, :, 0].set(-65504.).at[0, 0, :, 1].set(65504.)
+  v = v.at[0, 0, 3, :].set(0.).at[0, 0, 3, 5].set(65504.)            # zero 0: s4 4368 before
+  qkv = quantize_kv(k.astype(jnp.float16), v.astype(jnp.float16), group=64)
+  top = lambda z, st: z.astype(np.float32) + 15 * st.astype(np.float32)
+  assert top(np.asarray(qkv.k_zero), np.asarray(qkv.k_scale)).max() <= 65504
+  assert top(np.asarray(qkv.v_zero), np.asarray(qkv.v_scale)).max() <= 65504
+  k8, v8 = codes8(qkv)
+  np.testing.assert_array_equal(np.asarray(v8), _int8_reference(np.asarray(v, np.float32), 3)[0])
+  np.testing.assert_array_equal(np.asarray(k8), _int8_reference(np.asarray(k, np.float32), 2)[0])
+  for bits in (4, 8):
+    for x in dequantize(qkv, bits, jnp.float16):
+      assert np.isfinite(np.asarray(x, np.float32)).all(), bits
 
 
 @settings(max_examples=6, deadline=None, derandomize=True)
