@@ -51,7 +51,7 @@ def makespan(items: tuple[int, ...], *, copies: int, slots: int, overhead: float
   per_sm = slots // sms if sms and slots % sms == 0 else 1
   places = slots // per_sm
   if copies * len(items) <= places:
-    return max(items, default=0) + overhead
+    return max(items) + overhead
   # (free time, resident slot, place): at time 0 every place's slot 0 comes before any slot 1.
   free = [(0.0, k, p) for k in range(per_sm) for p in range(places)]
   serial = [0.0] * places               # when each place's overhead chain is next free

@@ -50,4 +50,4 @@ for cell in cells:
                  out_max_diff=diff)
       print(json.dumps(row), flush=True)
       rows.append(row)
-json.dump(dict(device=str(jax.devices()[0]), rows=rows), open(sys.argv[2], "w"), indent=1)
+json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), open(sys.argv[2], "w"), indent=1)
