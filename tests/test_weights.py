@@ -177,6 +177,44 @@ def test_unsupported_architecture_is_named(hf_copy):
     hf_config_from_metadata({"general.architecture": "gemma2"}, set())
 
 
+# ---------------------------------------------------------------------------------- HF config
+LLAMA_HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 256,
+                   "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "vocab_size": 100, "rope_theta": 500000.0}
+
+
+def hf_llama3_inv_freq(theta, dim, factor, low, high, old_context_len):
+  """transformers' _compute_llama3_parameters, one frequency at a time (float64)."""
+  out = []
+  for i in range(0, dim, 2):
+    inv = 1.0 / theta ** (i / dim)
+    wavelen = 2 * np.pi / inv
+    if wavelen < old_context_len / high:
+      out.append(inv)
+    elif wavelen > old_context_len / low:
+      out.append(inv / factor)
+    else:
+      smooth = (old_context_len / wavelen - low) / (high - low)
+      out.append((1 - smooth) * inv / factor + smooth * inv)
+  return np.asarray(out)
+
+
+def test_llama3_rope_without_original_max_position_embeddings():
+  """transformers (>= 5) falls back to max_position_embeddings when the llama3 rope_scaling has
+  no original_max_position_embeddings (4.x refused it); 8192 matched neither."""
+  from sparsedec.model.config import ModelConfig
+  from sparsedec.model.rope import inverse_frequencies
+  scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+             "high_freq_factor": 4.0}
+  for omp in (1024, None):
+    rope = dict(scaling, **({"original_max_position_embeddings": omp} if omp else {}))
+    cfg = ModelConfig.from_hf(dict(LLAMA_HF_CONFIG, max_position_embeddings=1024,
+                                   rope_scaling=rope))
+    assert cfg.rope_scaling.original_max_position_embeddings == 1024
+    np.testing.assert_allclose(inverse_frequencies(cfg),
+                               hf_llama3_inv_freq(500000.0, 64, 8.0, 1.0, 4.0, 1024), rtol=1e-5)
+
+
 # ----------------------------------------------------------------------------- conversion
 def leftovers(parent: pathlib.Path) -> list[str]:
   return sorted(os.listdir(parent)) if parent.exists() else []

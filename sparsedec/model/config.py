@@ -213,7 +213,9 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         float(scaling["factor"]),
         float(scaling.get("low_freq_factor", 1.0)),
         float(scaling.get("high_freq_factor", 4.0)),
-        int(scaling.get("original_max_position_embeddings", 8192)),
+        # transformers (>= 5) falls back to max_position_embeddings, as here.
+        int(scaling.get("original_max_position_embeddings",
+                        hf.get("max_position_embeddings", 2048))),
     )
   raise UnsupportedConfigError(
       f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
