@@ -215,6 +215,16 @@ def test_llama3_rope_without_original_max_position_embeddings():
                                hf_llama3_inv_freq(500000.0, 64, 8.0, 1.0, 4.0, 1024), rtol=1e-5)
 
 
+def test_mistral_sliding_window_defaults_like_transformers():
+  """MistralConfig's sliding_window defaults to 4096: a config.json without the key gets that
+  window in transformers (4.x and 5.x); an explicit null is full attention."""
+  from sparsedec.model.config import ModelConfig
+  mistral = dict(LLAMA_HF_CONFIG, architectures=["MistralForCausalLM"])
+  assert ModelConfig.from_hf(mistral).sliding_window == 4096
+  assert ModelConfig.from_hf(dict(mistral, sliding_window=None)).sliding_window is None
+  assert ModelConfig.from_hf(dict(mistral, sliding_window=16)).sliding_window == 16
+
+
 # ----------------------------------------------------------------------------- conversion
 def leftovers(parent: pathlib.Path) -> list[str]:
   return sorted(os.listdir(parent)) if parent.exists() else []

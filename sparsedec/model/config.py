@@ -235,6 +235,7 @@ def _sliding_window(family: str, hf: Mapping[str, Any]) -> int | None:
     if layer_types and len(set(layer_types)) > 1:
       raise UnsupportedConfigError(
           f"mixed layer_types {sorted(set(layer_types))} are not supported")
+    window = hf.get("sliding_window", 4096)     # transformers' MistralConfig default
     return int(window) if window else None
   if window:
     raise UnsupportedConfigError(f"sliding_window={window} is not supported for {family}")
