@@ -225,6 +225,17 @@ def test_mistral_sliding_window_defaults_like_transformers():
   assert ModelConfig.from_hf(dict(mistral, sliding_window=16)).sliding_window == 16
 
 
+def test_qwen3_head_dim_defaults_like_transformers():
+  """Qwen3Config's head_dim defaults to 128 (transformers 4.x and 5.x), not hidden/heads; Llama
+  and Qwen2 configs without it still derive hidden/heads."""
+  from sparsedec.model.config import ModelConfig
+  qwen3 = dict(LLAMA_HF_CONFIG, architectures=["Qwen3ForCausalLM"])
+  assert ModelConfig.from_hf(qwen3).head_dim == 128
+  assert ModelConfig.from_hf(dict(qwen3, head_dim=32)).head_dim == 32
+  for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
+    assert ModelConfig.from_hf(dict(LLAMA_HF_CONFIG, architectures=[arch])).head_dim == 64
+
+
 # ----------------------------------------------------------------------------- conversion
 def leftovers(parent: pathlib.Path) -> list[str]:
   return sorted(os.listdir(parent)) if parent.exists() else []

@@ -260,7 +260,8 @@ def _from_hf(hf: Mapping[str, Any], dtype: str | None) -> ModelConfig:
   theta, scaling = _rope(hf)
   num_heads = int(hf["num_attention_heads"])
   hidden = int(hf["hidden_size"])
-  head_dim = hf.get("head_dim") or hidden // num_heads
+  # Qwen3Config defaults head_dim to 128 (transformers 4.x and 5.x); the others derive it.
+  head_dim = hf.get("head_dim", 128 if family == "qwen3" else None) or hidden // num_heads
   attention_bias = bool(hf.get("attention_bias", False))
   if family == "qwen2":
     qkv_bias, o_bias = True, False   # Qwen2 always has q/k/v bias, never o bias
