@@ -236,6 +236,34 @@ def test_qwen3_head_dim_defaults_like_transformers():
     assert ModelConfig.from_hf(dict(LLAMA_HF_CONFIG, architectures=[arch])).head_dim == 64
 
 
+@pytest.mark.parametrize("change, needle", [
+    ({"num_attention_heads": 0}, "num_attention_heads"),
+    ({"vocab_size": None}, "vocab_size"),
+    ({"hidden_size": "wide"}, "hidden_size"),
+    ({"rope_scaling": "linear"}, "rope_scaling"),
+    ({"rope_scaling": [8.0]}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": None}}, "factor"),
+    (None, "not a JSON object"),
+])
+def test_malformed_config_is_named(hf_copy, change, needle):
+  """Malformed config.json values raise UnsupportedConfigError naming the field and the file (they
+  were ZeroDivisionError, TypeError, ValueError, AttributeError)."""
+  config = json.loads((hf_copy / "config.json").read_text())
+  config = [config] if change is None else dict(config, **change)
+  (hf_copy / "config.json").write_text(json.dumps(config))
+  with pytest.raises(UnsupportedConfigError, match=rf"config\.json.*{needle}"):
+    load_hf(hf_copy)
+
+
+@pytest.mark.parametrize("index", [["model.safetensors"], "x", {"metadata": {}},
+                                   {"weight_map": ["model.safetensors"]},
+                                   {"weight_map": {"lm_head.weight": 1}}])
+def test_malformed_safetensors_index_is_named(hf_copy, index):
+  (hf_copy / "model.safetensors.index.json").write_text(json.dumps(index))
+  with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json .*'weight_map'"):
+    load_hf(hf_copy)
+
+
 # ----------------------------------------------------------------------------- conversion
 def leftovers(parent: pathlib.Path) -> list[str]:
   return sorted(os.listdir(parent)) if parent.exists() else []

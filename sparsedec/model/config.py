@@ -156,6 +156,9 @@ class ModelConfig:
   @classmethod
   def from_hf(cls, hf: Mapping[str, Any], dtype: str | None = None) -> "ModelConfig":
     """Build from a Hugging Face config dict, refusing what the forward does not implement."""
+    if not isinstance(hf, Mapping):
+      raise UnsupportedConfigError(
+          f"the model config is not a JSON object (got a {type(hf).__name__})")
     try:
       return _from_hf(hf, dtype)
     except KeyError as e:
@@ -166,7 +169,19 @@ class ModelConfig:
   def from_hf_file(cls, path: str | os.PathLike, dtype: str | None = None) -> "ModelConfig":
     if not os.path.isfile(path):
       raise UnsupportedConfigError(f"config file not found: {path}")
-    return cls.from_hf(read_json(path, UnsupportedConfigError), dtype)
+    try:
+      return cls.from_hf(read_json(path, UnsupportedConfigError), dtype)
+    except UnsupportedConfigError as e:
+      raise UnsupportedConfigError(f"{path}: {e}") from e
+
+
+def _number(key: str, value: Any, kind: type = int):
+  """`value` (config attribute `key`) as `kind`; a value that is no number (null, a string)
+  raises an UnsupportedConfigError naming `key`, not a bare TypeError/ValueError."""
+  try:
+    return kind(value)
+  except (TypeError, ValueError):
+    raise UnsupportedConfigError(f"{key} must be a number, got {value!r}") from None
 
 
 def _family(hf: Mapping[str, Any]) -> str:
@@ -189,33 +204,39 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
   params = hf.get("rope_parameters")
   if isinstance(params, Mapping) and params and not all(
       isinstance(v, Mapping) for v in params.values()):
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = _number("rope_theta", params.get("rope_theta", hf.get("rope_theta", 10000.0)),
+                    float)
     scaling = params
   elif isinstance(params, Mapping) and params:
     raise UnsupportedConfigError(
         f"per-layer-type rope_parameters {sorted(params)} are not supported")
+  elif params is not None and not isinstance(params, Mapping):
+    raise UnsupportedConfigError(f"rope_parameters must be a JSON object, got {params!r}")
   else:
-    theta = float(hf.get("rope_theta", 10000.0))
+    theta = _number("rope_theta", hf.get("rope_theta", 10000.0), float)
     scaling = hf.get("rope_scaling")
   if hf.get("partial_rotary_factor", 1.0) not in (None, 1.0):
     raise UnsupportedConfigError(
         f"partial_rotary_factor={hf['partial_rotary_factor']} is not supported (only 1.0)")
   if not scaling:
     return theta, None
+  if not isinstance(scaling, Mapping):
+    raise UnsupportedConfigError(f"rope_scaling must be a JSON object, got {scaling!r}")
   kind = scaling.get("rope_type", scaling.get("type", "default"))
   if kind == "default":
     return theta, None
   if kind == "linear":
-    return theta, RopeScaling("linear", float(scaling["factor"]))
+    return theta, RopeScaling("linear", _number("rope_scaling factor", scaling["factor"], float))
   if kind == "llama3":
     return theta, RopeScaling(
         "llama3",
-        float(scaling["factor"]),
-        float(scaling.get("low_freq_factor", 1.0)),
-        float(scaling.get("high_freq_factor", 4.0)),
+        _number("rope_scaling factor", scaling["factor"], float),
+        _number("rope_scaling low_freq_factor", scaling.get("low_freq_factor", 1.0), float),
+        _number("rope_scaling high_freq_factor", scaling.get("high_freq_factor", 4.0), float),
         # transformers (>= 5) falls back to max_position_embeddings, as here.
-        int(scaling.get("original_max_position_embeddings",
-                        hf.get("max_position_embeddings", 2048))),
+        _number("rope_scaling original_max_position_embeddings",
+                scaling.get("original_max_position_embeddings",
+                            hf.get("max_position_embeddings", 2048))),
     )
   raise UnsupportedConfigError(
       f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
@@ -236,7 +257,7 @@ def _sliding_window(family: str, hf: Mapping[str, Any]) -> int | None:
       raise UnsupportedConfigError(
           f"mixed layer_types {sorted(set(layer_types))} are not supported")
     window = hf.get("sliding_window", 4096)     # transformers' MistralConfig default
-    return int(window) if window else None
+    return _number("sliding_window", window) if window else None
   if window:
     raise UnsupportedConfigError(f"sliding_window={window} is not supported for {family}")
   return None
@@ -258,8 +279,10 @@ def _from_hf(hf: Mapping[str, Any], dtype: str | None) -> ModelConfig:
   family = _family(hf)
   _check_unsupported(hf)
   theta, scaling = _rope(hf)
-  num_heads = int(hf["num_attention_heads"])
-  hidden = int(hf["hidden_size"])
+  num_heads = _number("num_attention_heads", hf["num_attention_heads"])
+  hidden = _number("hidden_size", hf["hidden_size"])
+  if num_heads <= 0:
+    raise UnsupportedConfigError(f"num_attention_heads must be a positive integer, got {num_heads}")
   # Qwen3Config defaults head_dim to 128 (transformers 4.x and 5.x); the others derive it.
   head_dim = hf.get("head_dim", 128 if family == "qwen3" else None) or hidden // num_heads
   attention_bias = bool(hf.get("attention_bias", False))
@@ -276,23 +299,24 @@ def _from_hf(hf: Mapping[str, Any], dtype: str | None) -> ModelConfig:
     dtype = "bfloat16" if src in ("bfloat16", "float16") else "float32"
   return ModelConfig(
       family=family,
-      vocab_size=int(hf["vocab_size"]),
+      vocab_size=_number("vocab_size", hf["vocab_size"]),
       hidden_size=hidden,
-      intermediate_size=int(hf["intermediate_size"]),
-      num_layers=int(hf["num_hidden_layers"]),
+      intermediate_size=_number("intermediate_size", hf["intermediate_size"]),
+      num_layers=_number("num_hidden_layers", hf["num_hidden_layers"]),
       num_heads=num_heads,
-      num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-      head_dim=int(head_dim),
-      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      num_kv_heads=_number("num_key_value_heads", hf.get("num_key_value_heads") or num_heads),
+      head_dim=_number("head_dim", head_dim),
+      rms_norm_eps=_number("rms_norm_eps", hf.get("rms_norm_eps", 1e-6), float),
       rope_theta=theta,
       rope_scaling=scaling,
-      max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+      max_position_embeddings=_number("max_position_embeddings",
+                                      hf.get("max_position_embeddings", 2048)),
       tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
       qkv_bias=qkv_bias,
       o_bias=o_bias,
       qk_norm=family == "qwen3",
       sliding_window=_sliding_window(family, hf),
       bos_token_id=hf.get("bos_token_id"),
-      eos_token_ids=tuple(int(e) for e in eos_ids),
+      eos_token_ids=tuple(_number("eos_token_id", e) for e in eos_ids),
       dtype=dtype,
   )

@@ -14,7 +14,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors ca
 import numpy as np
 from safetensors import safe_open
 
-from sparsedec.errors import CheckpointError, read_json
+from sparsedec.errors import CheckpointError, UnsupportedConfigError, read_json
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.params import Params, check_params
 
@@ -149,7 +149,10 @@ def load_hf_config(path: str | os.PathLike, dtype: str | None = None) -> ModelCo
   config_file = os.path.join(path, CONFIG_FILE)
   if not os.path.isfile(config_file):
     raise CheckpointError(f"{CONFIG_FILE} not found in HF checkpoint directory {path}")
-  cfg = ModelConfig.from_hf(read_json(config_file), dtype)
+  try:
+    cfg = ModelConfig.from_hf(read_json(config_file), dtype)
+  except UnsupportedConfigError as e:
+    raise UnsupportedConfigError(f"{config_file}: {e}") from e
   gen = read_generation_config(path)
   eos = _as_ids(gen.get("eos_token_id"))
   merged = tuple(dict.fromkeys(cfg.eos_token_ids + eos))
@@ -178,9 +181,12 @@ def safetensors_files(path: str | os.PathLike) -> dict[str, str]:
   index_file = os.path.join(path, INDEX_FILE)
   single = os.path.join(path, SINGLE_FILE)
   if os.path.isfile(index_file):
-    weight_map = read_json(index_file).get("weight_map")
-    if not isinstance(weight_map, Mapping):
-      raise CheckpointError(f"{index_file} has no 'weight_map'")
+    index = read_json(index_file)
+    weight_map = index.get("weight_map") if isinstance(index, Mapping) else None
+    if not isinstance(weight_map, Mapping) or not all(
+        isinstance(shard, str) for shard in weight_map.values()):
+      raise CheckpointError(f"{index_file} has no 'weight_map' (an object of tensor name -> "
+                            "shard file name)")
     for shard in sorted(set(weight_map.values())):
       if not os.path.isfile(os.path.join(path, shard)):
         raise CheckpointError(f"shard file {shard} listed in {INDEX_FILE} is missing from {path}")
