@@ -307,6 +307,24 @@ def test_stories_gguf_config_matches_hf(stories_hf_dir, stories_loaded, stories_
   assert params16["layers"][2]["wqkv"].dtype == ml_dtypes.bfloat16
 
 
+
+def test_gguf_end_of_turn_tokens_stop_generation(stories_hf_dir, stories_hf_tensors, tmp_path):
+  """tokenizer.ggml.eot_token_id / eom_token_id (Llama 3.1's <|eot_id|>, <|eom_id|>) are
+  end-of-generation tokens in llama.cpp (special_eog_ids): they join the eos id in the default
+  stop set (cfg.eos_token_ids) and the tokenizer's eos_ids, as generation_config.json's eos list
+  does for an HF directory."""
+  pieces = read_sentencepiece_model(stories_hf_dir / "tokenizer.model")
+  plan = stories_tensor_plan(stories_hf_tensors, 8, 4)
+  kv = dict(stories_kv(pieces), add_eot_token_id=5, add_eom_token_id=6)
+  path = write_gguf(tmp_path / "eot.gguf", "llama", kv, [(g, w, q) for g, _, w, q in plan])
+  cfg, _, tok = load_gguf(path)
+  assert cfg.eos_token_ids == (2, 5, 6) and tok.eos_ids == (2, 5, 6)
+  assert load_gguf_tokenizer(path).eos_ids == (2, 5, 6)
+  kv = dict(stories_kv(pieces), add_eot_token_id=2)              # eot == eos: listed once
+  path = write_gguf(tmp_path / "eot2.gguf", "llama", kv, [(g, w, q) for g, _, w, q in plan])
+  cfg, _, tok = load_gguf(path)
+  assert cfg.eos_token_ids == (2,) and tok.eos_ids == (2,)
+
 def test_stories_gguf_params_match_hf(stories_hf_dir, stories_hf_tensors, stories_gguf,
                                       stories_loaded):
   cfg, params, _ = stories_loaded

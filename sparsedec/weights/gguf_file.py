@@ -50,6 +50,11 @@ LAYER_NAMES = {
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
+# The ids llama.cpp ends generation on (its special_eog_ids; eot/eom: Llama 3.1's <|eot_id|>,
+# <|eom_id|>): the GGUF counterpart of generation_config.json's eos_token_id list.
+END_OF_GENERATION_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                          "tokenizer.ggml.eom_token_id")
+
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
 
@@ -69,6 +74,12 @@ def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
   """Every metadata field as a Python value (strings, numbers, lists)."""
   return {name: field.contents() for name, field in reader.fields.items()
           if not name.startswith("GGUF.")}
+
+
+def end_of_generation_ids(meta: dict[str, Any]) -> list[int]:
+  """The eos, eot and eom token ids the metadata has, in that order, each once."""
+  return list(dict.fromkeys(int(meta[k]) for k in END_OF_GENERATION_KEYS
+                            if meta.get(k) is not None))
 
 
 def hf_config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
@@ -109,7 +120,7 @@ def hf_config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> dic
       "tie_word_embeddings": "output.weight" not in tensor_names,
       "attention_bias": "blk.0.attn_output.bias" in tensor_names,
       "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-      "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+      "eos_token_id": end_of_generation_ids(meta),
   }
   if key("attention.value_length", head_dim) != head_dim:
     raise UnsupportedConfigError(f"{arch}.attention.value_length {key('attention.value_length')} "
@@ -336,7 +347,7 @@ def tokenizer_from_metadata(meta: dict[str, Any]) -> Tokenizer:
   }
   if meta.get("tokenizer.chat_template"):
     config["chat_template"] = meta["tokenizer.chat_template"]
-  return Tokenizer(backend, config)
+  return Tokenizer(backend, config, end_of_generation_ids(meta))
 
 
 def load_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
