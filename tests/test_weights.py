@@ -110,6 +110,16 @@ def test_sharded_safetensors_load_identically(stories_hf_dir, hf_copy):
     load_hf(hf_copy)
 
 
+
+def test_single_safetensors_file_wins_over_index(stories_hf_dir, hf_copy):
+  """A directory with both model.safetensors and model.safetensors.index.json: transformers'
+  from_pretrained loads the single file (it checks SAFE_WEIGHTS_NAME before the index)."""
+  tensors = read_tensors(hf_copy / "model.safetensors")
+  save_file({n: np.zeros_like(t) for n, t in tensors.items()}, hf_copy / "zeros.safetensors")
+  index = {"metadata": {}, "weight_map": {n: "zeros.safetensors" for n in tensors}}
+  (hf_copy / "model.safetensors.index.json").write_text(json.dumps(index))
+  assert_same_params(load_hf(stories_hf_dir)[1], load_hf(hf_copy)[1])
+
 def test_missing_config_is_named(hf_copy):
   os.remove(hf_copy / "config.json")
   with pytest.raises(CheckpointError, match="config.json"):
@@ -259,6 +269,7 @@ def test_malformed_config_is_named(hf_copy, change, needle):
                                    {"weight_map": ["model.safetensors"]},
                                    {"weight_map": {"lm_head.weight": 1}}])
 def test_malformed_safetensors_index_is_named(hf_copy, index):
+  os.remove(hf_copy / "model.safetensors")              # else the single file is loaded
   (hf_copy / "model.safetensors.index.json").write_text(json.dumps(index))
   with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json .*'weight_map'"):
     load_hf(hf_copy)

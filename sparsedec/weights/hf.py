@@ -177,9 +177,13 @@ def _safetensors(file: str):
 
 
 def safetensors_files(path: str | os.PathLike) -> dict[str, str]:
-  """HF tensor name -> the safetensors file holding it (single file or sharded index)."""
+  """HF tensor name -> the safetensors file holding it (single file or sharded index; the single
+  file where both are present, as transformers' from_pretrained does)."""
   index_file = os.path.join(path, INDEX_FILE)
   single = os.path.join(path, SINGLE_FILE)
+  if os.path.isfile(single):
+    with _safetensors(single) as f:
+      return {name: single for name in f.keys()}
   if os.path.isfile(index_file):
     index = read_json(index_file)
     weight_map = index.get("weight_map") if isinstance(index, Mapping) else None
@@ -191,9 +195,6 @@ def safetensors_files(path: str | os.PathLike) -> dict[str, str]:
       if not os.path.isfile(os.path.join(path, shard)):
         raise CheckpointError(f"shard file {shard} listed in {INDEX_FILE} is missing from {path}")
     return {name: os.path.join(path, shard) for name, shard in weight_map.items()}
-  if os.path.isfile(single):
-    with _safetensors(single) as f:
-      return {name: single for name in f.keys()}
   raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in HF checkpoint directory {path}")
 
 
