@@ -243,3 +243,21 @@ def test_stories_bf16_logits_track_fp32(stories):
   assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
   r16 = sparsedec.generate(cfg16, cast_params(params, "bfloat16"), [prompt], max_new_tokens=8)
   assert len(r16.tokens[0]) >= 1
+
+
+@pytest.mark.parametrize("method", ["lookahead", "fafo"])
+def test_methods_run_with_jax_enable_x64(method):
+  """Under jax_enable_x64 the n-gram methods' guess counter was promoted to int64 in the loop
+  body (a bool sum) and the while_loop refused the carry: TypeError for every call."""
+  from sparsedec.compress import StreamingLLM
+  from sparsedec.decode.methods import get_method
+  cfg = CONFIGS["llama3"]
+  params = init_random(cfg, jax.random.key(1), scale=0.3)
+  m = (get_method("lookahead", window=3, ngram=3, guesses=2) if method == "lookahead" else
+       get_method("fafo", subsequences=2, length=2, candidates=2,
+                  policy=StreamingLLM(block_size=16, budget_blocks=2)))
+  prompts = [[5, 6, 7, 8, 5, 6, 7], [12, 13]]
+  kw = dict(max_new_tokens=8, stop_tokens=(), method=m)
+  expected = sparsedec.generate(cfg, params, prompts, **kw).tokens
+  with jax.enable_x64(True):
+    assert sparsedec.generate(cfg, params, prompts, **kw).tokens == expected

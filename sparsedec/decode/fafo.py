@@ -232,7 +232,7 @@ class Fafo:
         pool=pool,
         policy_state=self.policy.update(
             x.policy_state, cache, [q[:, f] for q in kv.q] if needs_queries else None),
-        guesses=x.guesses + jnp.sum(cand_ok, axis=1),
+        guesses=x.guesses + jnp.sum(cand_ok, axis=1, dtype=jnp.int32),
         hit_steps=x.hit_steps + jnp.any(cand_ok, axis=1),
         accepted_guesses=x.accepted_guesses + accepted)
     return state.replace(cache=cache, extras=extras)

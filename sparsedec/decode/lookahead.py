@@ -204,7 +204,7 @@ class Lookahead:
         window=jnp.where(active[:, None, None], moved, x.window),
         window_age=x.window_age + active,
         pool=pool,
-        guesses=x.guesses + jnp.sum(cand_ok, axis=1),
+        guesses=x.guesses + jnp.sum(cand_ok, axis=1, dtype=jnp.int32),
         hit_steps=x.hit_steps + jnp.any(cand_ok, axis=1),
         accept_steps=x.accept_steps + (accepted > 0),
         accepted_guesses=x.accepted_guesses + accepted)
