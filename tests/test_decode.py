@@ -261,3 +261,37 @@ def test_methods_run_with_jax_enable_x64(method):
   expected = sparsedec.generate(cfg, params, prompts, **kw).tokens
   with jax.enable_x64(True):
     assert sparsedec.generate(cfg, params, prompts, **kw).tokens == expected
+
+
+def test_jax_arrays_are_taken_as_prompts_and_stop_tokens():
+  """A [B, P] jax array of prompts was refused ("must be a non-empty list") though numpy arrays
+  and per-row jax arrays were taken; a jax array of stop tokens, or a jax scalar seed, was
+  refused as well."""
+  cfg = CONFIGS["llama3"]
+  params = init_random(cfg, jax.random.key(0))
+  prompts = [[1, 2, 3], [4, 5, 6]]
+  free = sparsedec.generate(cfg, params, prompts, max_new_tokens=6, stop_tokens=())
+  stop = free.tokens[0][2]
+  expected = sparsedec.generate(cfg, params, prompts, max_new_tokens=6, stop_tokens=(stop,))
+  got = sparsedec.generate(cfg, params, jnp.asarray(prompts), max_new_tokens=6,
+                           stop_tokens=jnp.asarray([stop]))
+  assert got.tokens == expected.tokens and got.stopped == expected.stopped
+  with pytest.raises(sparsedec.InputError, match="flat list"):
+    sparsedec.generate(cfg, params, jnp.asarray([1, 2, 3]), max_new_tokens=2)
+  sampling = sparsedec.SamplingConfig(temperature=1.0)
+  seeded = sparsedec.generate(cfg, params, prompts, max_new_tokens=4, sampling=sampling, seed=3)
+  for seed in (jnp.int32(3), jnp.asarray([3, 3]), np.array(3)):
+    assert sparsedec.generate(cfg, params, prompts, max_new_tokens=4, sampling=sampling,
+                              seed=seed).tokens == seeded.tokens
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(seed="12"), "seed must be an int"),      # was split into the seeds 1 and 2
+    (dict(stop_tokens=[2 ** 40]), "stop token 1099511627776 outside the vocabulary"),  # OverflowError
+    (dict(stop_tokens=[97]), "stop token 97 outside the vocabulary"),
+])
+def test_bad_seeds_and_stop_tokens(kwargs, message):
+  cfg = CONFIGS["llama3"]
+  params = init_random(cfg, jax.random.key(0))
+  with pytest.raises(sparsedec.InputError, match=message):
+    sparsedec.generate(cfg, params, [[1, 2, 3], [4, 5, 6]], max_new_tokens=2, **kwargs)

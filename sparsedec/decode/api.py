@@ -110,7 +110,7 @@ def plan_capacity(cfg: ModelConfig, max_prompt: int, max_new_tokens: int,
 
 
 def _check_prompts(cfg: ModelConfig, prompts) -> list[list[int]]:
-  if isinstance(prompts, np.ndarray):
+  if hasattr(prompts, "tolist") and not isinstance(prompts, (list, tuple)):  # numpy / jax
     prompts = prompts.tolist()
   if not isinstance(prompts, (list, tuple)) or not prompts:
     raise InputError("prompts must be a non-empty list of token-id lists")
@@ -136,8 +136,12 @@ def _check_prompts(cfg: ModelConfig, prompts) -> list[list[int]]:
 def _seeds(seed, batch: int) -> np.ndarray:
   """[B] int32 seeds: any Python / numpy integer, taken modulo 2**32 (so 2**31, 2**40 or a
   getrandbits(32) value work; seeds within int32 are unchanged)."""
+  if hasattr(seed, "tolist") and not is_int(seed):   # numpy / jax arrays (0-d: one seed)
+    seed = seed.tolist()
   if is_int(seed):
     seed = [int(seed)] * batch
+  if isinstance(seed, (str, bytes)):           # iterable, but not ints
+    raise InputError(f"seed must be an int or one int per prompt ({batch}), got {seed!r}")
   try:
     seeds = np.asarray([int(s) % 2 ** 32 for s in seed], np.uint32).view(np.int32)
   except (TypeError, ValueError):
@@ -165,11 +169,17 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
   rows = _check_prompts(cfg, prompts)
   method = get_method(method)
   stops = cfg.eos_token_ids if stop_tokens is None else stop_tokens
+  if hasattr(stops, "tolist") and not isinstance(stops, (list, tuple)):   # numpy / jax arrays
+    stops = stops.tolist()
   if (isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__")
       or not all(is_int(t) for t in stops)):
     raise InputError(f"stop_tokens must be a sequence of token ids (() for none), "
                      f"got {stop_tokens!r}")
   stop_ids = tuple(int(t) for t in stops)
+  if stop_tokens is not None:
+    bad = [t for t in stop_ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+      raise InputError(f"stop token {bad[0]} outside the vocabulary [0, {cfg.vocab_size})")
   lengths = np.array([len(p) for p in rows], np.int32)
   capacity = plan_capacity(cfg, int(lengths.max()), int(max_new_tokens), cache_size)
   bucket = prompt_bucket(int(lengths.max()))
