@@ -295,3 +295,23 @@ def test_bad_seeds_and_stop_tokens(kwargs, message):
   params = init_random(cfg, jax.random.key(0))
   with pytest.raises(sparsedec.InputError, match=message):
     sparsedec.generate(cfg, params, [[1, 2, 3], [4, 5, 6]], max_new_tokens=2, **kwargs)
+
+
+def test_greedy_ignores_top_k_and_top_p_without_recompiling():
+  """Temperature 0 is greedy whatever top_k / top_p say, but each of their values was a new
+  static sampling config: prefill and the decode loop compiled again for the same argmax."""
+  cfg = CONFIGS["llama3"]
+  params = init_random(cfg, jax.random.key(0))
+  kw = dict(max_new_tokens=5, stop_tokens=())
+  expected = sparsedec.generate(cfg, params, [[1, 2, 3]], **kw).tokens
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, duration, **k: compiles.append(event) if "backend_compile" in event else None)
+  try:
+    for top_k, top_p in ((5, 1.0), (0, 0.5), (7, 0.9)):
+      sampling = sparsedec.SamplingConfig(temperature=0.0, top_k=top_k, top_p=top_p)
+      assert sparsedec.generate(cfg, params, [[1, 2, 3]], sampling=sampling,
+                                **kw).tokens == expected
+  finally:
+    jax.monitoring.clear_event_listeners()
+  assert compiles == [], f"recompiled: {compiles}"

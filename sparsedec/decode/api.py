@@ -161,7 +161,8 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
   if sampling is not None and not isinstance(sampling, SamplingConfig):
     raise InputError(f"sampling must be a SamplingConfig (or None: greedy), got "
                      f"{type(sampling).__name__} {sampling!r}")
-  sampling = sampling or SamplingConfig()
+  # Greedy ignores top_k / top_p: one static config for all of them (no recompilation).
+  sampling = SamplingConfig() if sampling is None or sampling.greedy else sampling
   if not is_int(max_new_tokens) or max_new_tokens < 1:
     raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
   if not is_int(prefill_chunk) or prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
