@@ -344,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
   except SparsedecError as err:
     print(f"sparsedec: error: {err}", file=sys.stderr)
     return 2
+  except BrokenPipeError:                # stdout's reader is gone (`| head`): end quietly
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no 2nd error at exit
+    return 1
 
 
 if __name__ == "__main__":

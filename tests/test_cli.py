@@ -157,3 +157,21 @@ def test_convert_then_chat_with_smollm2(capsys, tmp_path, smollm2_gguf):
   assert "Paris" in out
   code, _, err = run_cli(capsys, "convert", str(smollm2_gguf), str(out_dir))
   assert code == 2 and "exists" in err
+
+
+def test_a_closed_stdout_ends_quietly(tmp_path):
+  """`sparsedec generate --stream ... | head -c 5`: once the reader is gone, the next write
+  raised BrokenPipeError and the command ended on a traceback."""
+  import os
+  import subprocess
+  import sys
+  read, write = os.pipe()
+  os.close(read)                                   # the reader is gone before the first write
+  try:
+    proc = subprocess.run([sys.executable, "-m", "sparsedec", "generate", "--prompt", "Once",
+                           "--max-new-tokens", "4", "--stream"], stdout=write,
+                          stderr=subprocess.PIPE, text=True, timeout=300, check=False)
+  finally:
+    os.close(write)
+  assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
+  assert proc.returncode == 1
