@@ -315,3 +315,14 @@ def test_greedy_ignores_top_k_and_top_p_without_recompiling():
   finally:
     jax.monitoring.clear_event_listeners()
   assert compiles == [], f"recompiled: {compiles}"
+
+
+def test_a_method_class_or_other_object_is_refused_by_name():
+  """method=Lookahead (the class, not Lookahead()) failed after prefill with "init() missing 1
+  required positional argument", any other object with an AttributeError."""
+  from sparsedec.decode.lookahead import Lookahead
+  cfg = CONFIGS["llama3"]
+  params = init_random(cfg, jax.random.key(0))
+  for method, message in ((Lookahead, r"Lookahead\(\)"), (42, "method must be")):
+    with pytest.raises(sparsedec.InputError, match=message):
+      sparsedec.generate(cfg, params, [[1, 2, 3]], max_new_tokens=2, method=method)

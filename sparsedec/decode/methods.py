@@ -26,6 +26,12 @@ def method_names() -> list[str]:
 def get_method(name_or_method: str | DecodeMethod, **knobs) -> DecodeMethod:
   """A method object by name, built with its knobs (e.g. get_method("lookahead", window=5))."""
   if not isinstance(name_or_method, str):
+    if isinstance(name_or_method, type):
+      raise InputError(f"method must be a method object, e.g. {name_or_method.__name__}(), or a "
+                       f"name, got the class {name_or_method.__name__}")
+    if not all(hasattr(name_or_method, a) for a in ("init", "step", "max_steps")):
+      raise InputError(f"method must be a name ({method_names()}) or a decoding method object "
+                       f"(init, step, max_steps), got {name_or_method!r:.80}")
     if knobs:
       raise InputError(f"knobs {sorted(knobs)} given with a method object: set them on it")
     return name_or_method
