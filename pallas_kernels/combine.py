@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence
+import operator
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,12 +55,49 @@ def check_lengths(name: str, lengths: jax.Array, batch: int) -> None:
     raise ValueError(f"{name} must be integer, got {lengths.dtype}")
 
 
+def static_ints(value):
+  """A static sequence of ints (`score_queries`) as a hashable tuple, for the jit boundary (jit
+  hashes its static arguments: a list raised JAX's 'Non-hashable static arguments are not
+  supported'): any iterable becomes a tuple, its numpy / concrete JAX integers Python ints.
+  Anything else (a bare int, a str, bools, floats) is passed on for the wrapper's own check to
+  name."""
+  if isinstance(value, (str, bytes)):
+    return value
+  try:
+    items = tuple(value)
+  except TypeError:
+    return value
+  def index(t):
+    if isinstance(t, (bool, np.bool_)):
+      return t
+    try:
+      return operator.index(t)
+    except TypeError:
+      return t
+  return tuple(index(t) for t in items)
+
+
+def normalised(**normalisers: Callable) -> Callable:
+  """Decorates a jitted public entry point: each named keyword argument, where given, goes
+  through its normaliser (`static_ints`, ...) before the call reaches the jit boundary."""
+  def wrap(jitted):
+    @functools.wraps(jitted)
+    def call(*args, **kwargs):
+      for name, normalise in normalisers.items():
+        if name in kwargs:
+          kwargs[name] = normalise(kwargs[name])
+      return jitted(*args, **kwargs)
+    return call
+  return wrap
+
+
 def check_score_queries(score_queries, num_queries: int, group: int) -> tuple[int, ...]:
   """Validates the static `score_queries` (distinct ints in [0, Tq), len * G <= 64)."""
   try:
     sel = tuple(score_queries)
   except TypeError:
-    raise ValueError(f"score_queries must be a tuple of query indices, got {score_queries!r}")
+    raise ValueError(f"score_queries must be a sequence of query indices, got "
+                     f"{score_queries!r}")
   if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in sel):
     raise ValueError(f"score_queries must hold Python ints, got {score_queries!r}")
   sel = tuple(int(t) for t in sel)

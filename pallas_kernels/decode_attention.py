@@ -85,6 +85,7 @@ import numpy as np
 from pallas_kernels.combine import (check_inflight_mode, check_lengths, check_score_queries,
                                     in_kernel_score,
                                     check_sizes, combine_partials,
+                                    normalised, static_ints,
                                     inflight_choice, inflight_merges, permute_queries,
                                     score_rows, scores_to_probs, selected_first,
                                     wrapper_outputs)
@@ -810,6 +811,7 @@ def _rows_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   return (*parts, None) if not keyed else parts
 
 
+@normalised(score_queries=static_ints)
 @functools.partial(jax.jit, static_argnames=("return_lse", "score_queries", "config",
                                              "interpret"))
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array,
@@ -820,10 +822,11 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
 
   q [B, Tq, Hq, D]; k_cache, v_cache [B, Hkv, S, D]; lengths [B] int32; k_new, v_new
   [B, Tq, Hkv, D]; inflight_mask [Tq, Tq] bool. Returns out [B, Tq, Hq, D] (q's dtype), then
-  with return_lse lse [B, Tq, Hq] fp32, then with score_queries (a tuple of distinct query
-  indices, static) probs [B, len(score_queries), Hq, S] fp32: the final softmax weights of those
-  queries on the cache slots (0 where s >= lengths[b]). `interpret=plgpu.InterpretGPUParams()`
-  runs the kernel in the Mosaic GPU interpreter (CPU).
+  with return_lse lse [B, Tq, Hq] fp32, then with score_queries (distinct query indices, static;
+  any sequence of ints, a tuple before the jit boundary) probs [B, len(score_queries), Hq, S]
+  fp32: the final softmax weights of those queries on the cache slots (0 where
+  s >= lengths[b]). `interpret=plgpu.InterpretGPUParams()` runs the kernel in the Mosaic GPU
+  interpreter (CPU).
   """
   _check_inputs(q, k_cache, v_cache, lengths, k_new, v_new, inflight_mask, config)
   tq, hq = q.shape[1:3]

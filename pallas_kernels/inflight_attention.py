@@ -78,6 +78,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
+from pallas_kernels.combine import normalised
 from pallas_kernels.register_operand import a_staging, swizzled, wgmma_register_a
 
 BLOCK_M = 64                      # q rows per thread block (one warpgroup's wgmma M)
@@ -583,6 +584,16 @@ def _rows_to_queries(x, plan: _MergePlan):
   return jnp.concatenate(pieces, axis=1) if len(pieces) > 1 else pieces[0]
 
 
+def merge_segments(segments):
+  """`inflight_merged`'s static segments as a hashable tuple of MergeSegment (a list of them, or
+  of 6-tuples, raised JAX's 'Non-hashable static arguments'); anything else is passed on."""
+  try:
+    return tuple(MergeSegment(*seg) for seg in segments)
+  except TypeError:
+    return segments
+
+
+@normalised(segments=merge_segments)
 @functools.partial(jax.jit, static_argnames=("segments", "group", "num_stages", "d_chunks",
                                              "interpret"))
 def inflight_merged(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
@@ -611,6 +622,8 @@ def inflight_merged(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
   if m2.shape != (b, hkv, w, BLOCK_M) or l.shape != m2.shape:
     raise ValueError(f"m2 and l must be [B, Hkv, W, 64] = {(b, hkv, w, BLOCK_M)}, got "
                      f"{m2.shape} and {l.shape}")
+  if not segments or not all(isinstance(seg, MergeSegment) for seg in segments):
+    raise ValueError(f"segments must be a non-empty sequence of MergeSegment, got {segments!r}")
   num_queries = sum(seg.num_queries for seg in segments)
   covered = sorted((seg.first_qblock, seg.first_qblock + seg.q_blocks) for seg in segments)
   if (covered[0][0] != 0 or covered[-1][1] != m_total // BLOCK_M

@@ -153,7 +153,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from pallas_kernels.combine import (check_lengths, check_score_queries, check_sizes,
-                                    combine_partials, score_rows,
+                                    combine_partials, normalised, score_rows, static_ints,
                                     scores_to_probs, selected_first, wrapper_outputs)
 
 from pallas_kernels.decode_attention import (BLOCK_M, LOG2E, DecodeConfig, num_q_blocks,
@@ -1144,6 +1144,7 @@ def _check_inputs(q, qkv, bits, lengths_quantized, k_full, v_full, lengths_full,
     raise ValueError(f"inflight_mask must be [Tq, Tq] = {(tq, tq)}, got {inflight_mask.shape}")
 
 
+@normalised(score_queries=static_ints)
 @functools.partial(jax.jit, static_argnames=("bits", "return_lse", "score_queries", "config",
                                              "interpret"))
 def quant_attention(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,
@@ -1160,9 +1161,9 @@ def quant_attention(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,
   s < lengths_quantized[b] are read at `bits`); k_full, v_full [B, Hkv, Rf, D] with
   lengths_full [B]; k_new, v_new [B, Tq, Hkv, D]; inflight_mask [Tq, Tq].
   Returns out [B, Tq, Hq, D] (q's dtype), then with return_lse lse [B, Tq, Hq] fp32, then with
-  score_queries (a tuple of distinct query indices, static) probs [B, len(score_queries), Hq, S]
-  fp32: those queries' final softmax weights on the quantized slots (0 where
-  s >= lengths_quantized[b]).
+  score_queries (distinct query indices, static; any sequence of ints) probs
+  [B, len(score_queries), Hq, S] fp32: those queries' final softmax weights on the quantized
+  slots (0 where s >= lengths_quantized[b]).
   """
   _check_inputs(q, qkv, bits, lengths_quantized, k_full, v_full, lengths_full, k_new, v_new,
                 inflight_mask, config)
@@ -1180,6 +1181,7 @@ def full_and_inflight_keys(k_full, v_full, lengths_full, k_new, v_new, inflight_
           (k_new, v_new, inflight_mask.astype(bool)[None]))
 
 
+@normalised(score_queries=static_ints)
 @functools.partial(jax.jit, static_argnames=("bits", "return_lse", "score_queries", "config",
                                              "interpret"))
 def quant_attention_with_keys(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,

@@ -83,7 +83,7 @@ import numpy as np
 
 from pallas_kernels.combine import (check_inflight_mode, check_score_queries, combine_partials,
                                     in_kernel_score, inflight_choice, inflight_merges,
-                                    permute_queries,
+                                    normalised, permute_queries, static_ints,
                                     score_rows, scores_to_probs, selected_first,
                                     wrapper_outputs)
 from pallas_kernels.inflight_attention import (MergeSegment, inflight_merged, inflight_partials,
@@ -703,6 +703,7 @@ def _read_counts(block_tables, num_blocks, lengths, *, block_size: int, capacity
   return jnp.where(jnp.arange(capacity) < lengths[:, None, None], per_slot, 0)
 
 
+@normalised(score_queries=static_ints)
 @functools.partial(jax.jit, static_argnames=("block_size", "sparse_queries", "return_lse",
                                              "score_queries", "config", "interpret"))
 def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
@@ -717,7 +718,7 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   num_blocks [B, Hkv] int32; lengths [B] int32; k_new, v_new [B, Tq, Hkv, D];
   inflight_mask [Tq, Tq] bool. Queries [0, sparse_queries) read the listed blocks, the rest the
   full cache. Returns out [B, Tq, Hq, D] (q's dtype), then with return_lse lse [B, Tq, Hq] fp32,
-  then with score_queries (a tuple of distinct query indices, static) probs
+  then with score_queries (distinct query indices, static; any sequence of ints) probs
   [B, len(score_queries), Hq, S] fp32: those queries' final softmax weights on the cache slots
   (0 on the slots they do not read). `interpret=plgpu.InterpretGPUParams()` runs the kernel in
   the Mosaic GPU interpreter (CPU).

@@ -174,6 +174,23 @@ def test_score_queries_are_checked():
     decode_attention(*args, score_queries=tuple(range(9)))
 
 
+def test_score_queries_take_any_sequence_of_ints():
+  """score_queries as a list, a numpy or a JAX array equals the tuple (a list raised JAX's
+  'Non-hashable static arguments are not supported' at the jit boundary); MHA (G = 1)."""
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      5, batch=1, num_queries=2, num_q_heads=1, num_kv_heads=1, head_dim=64, capacity=64,
+      dtype=jnp.bfloat16)
+  args = (q, k_cache, v_cache, jnp.array([40]), k_new, v_new, jnp.tril(jnp.ones((2, 2), bool)))
+  call = lambda sel: decode_attention(*args, score_queries=sel, interpret=INTERPRET)
+  out, probs = call((1, 0))
+  for sel in ([1, 0], np.array([1, 0]), jnp.array([1, 0])):
+    got_out, got_probs = call(sel)
+    np.testing.assert_array_equal(np.asarray(got_out), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(got_probs), np.asarray(probs))
+  with pytest.raises(ValueError, match="distinct"):
+    call([1, 1])
+
+
 def test_single_query_decode_ragged_lengths_including_zero():
   """Tq = 1 (plain decode), GQA 8:1, D = 128, one row empty, one partial tile, one full cache."""
   q, k_cache, v_cache, k_new, v_new = _inputs(

@@ -252,6 +252,29 @@ def test_merged_columns_split_over_blocks_give_the_same_output(monkeypatch):
     np.testing.assert_allclose(lse, np.asarray(ref[1]), atol=2e-3)
 
 
+def test_merged_segments_take_any_sequence():
+  """inflight_merged's segments as a list (of MergeSegment or of 6-tuples) equal the tuple (a
+  list raised JAX's 'Non-hashable static arguments are not supported'); none is refused by name
+  (was an IndexError)."""
+  q, k_new, v_new, mask = _case(1, 1, 1, 2, 5, 64, "causal", jnp.bfloat16)
+  q_rows, row_query = _rows(q, 1)
+  bias = mask_bias(jnp.asarray(mask), row_query)
+  keys = jax.random.split(jax.random.key(2), 2)
+  acc = rand.normal(keys[0], (1, 1, 2, 16, 64))
+  m2 = rand.normal(keys[1], (1, 1, 2, 64))
+  l = jnp.ones((1, 1, 2, 64), jnp.float32)
+  call = lambda segments: inflight_merged(q_rows, pack_keys(k_new), pack_keys(v_new), bias, acc,
+                                          m2, l, group=2, segments=segments, interpret=INTERPRET)
+  segment = MergeSegment(0, 1, 0, 2, 0, 5)
+  out, lse = call((segment,))
+  for segments in ([segment], [tuple(segment)]):
+    got_out, got_lse = call(segments)
+    np.testing.assert_array_equal(np.asarray(got_out), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(got_lse), np.asarray(lse))
+  with pytest.raises(ValueError, match="segments must be a non-empty sequence"):
+    call(())
+
+
 def test_merge_chunks_fill_the_gpu_with_at_least_16_columns_a_block():
   assert merge_chunks(8, 128, 4) == 8 and merge_chunks(18, 64, 3) == 4
   assert merge_chunks(64, 128, 4) == 2 and merge_chunks(40, 128, 4) == 2

@@ -373,6 +373,27 @@ def test_score_queries_probs(bits):
          QuantAttentionConfig(block_kv=64, num_splits=2), score_queries=(3, 1))
 
 
+def test_score_queries_take_any_sequence_of_ints():
+  """score_queries as a list or a numpy array equals the tuple, in quant_attention and
+  quant_attention_with_keys (a list raised JAX's 'Non-hashable static arguments are not
+  supported' at the jit boundary)."""
+  q, qkv, k_full, v_full, k_new, v_new = _inputs(
+      14, batch=1, num_queries=2, num_q_heads=1, num_kv_heads=1, head_dim=64, capacity=64,
+      full_capacity=8, group=64, dtype=jnp.bfloat16)
+  mask = jnp.tril(jnp.ones((2, 2), bool))
+  args = (q, qkv, jnp.array([40]), k_full, v_full, jnp.array([3]), k_new, v_new, mask)
+  key_sets = ((k_new, v_new, mask[None]),)
+  calls = (lambda sel: quant_attention(*args, bits=4, score_queries=sel, interpret=INTERPRET),
+           lambda sel: quant_attention_with_keys(q, qkv, jnp.array([40]), key_sets, bits=4,
+                                                 score_queries=sel, interpret=INTERPRET))
+  for call in calls:
+    out, probs = call((1, 0))
+    for sel in ([1, 0], np.array([1, 0])):
+      got_out, got_probs = call(sel)
+      np.testing.assert_array_equal(np.asarray(got_out), np.asarray(out))
+      np.testing.assert_array_equal(np.asarray(got_probs), np.asarray(probs))
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_several_q_blocks_equal_the_reference(bits):
   """3 queries x G = 8 = 24 rows cut into q blocks of block_m = 8 (three per KV head, each

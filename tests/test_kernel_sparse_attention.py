@@ -317,6 +317,23 @@ def test_score_queries_probs_in_both_segments():
          score_queries=(3, 1, 0))
 
 
+def test_score_queries_take_any_sequence_of_ints():
+  """score_queries as a list or a numpy array equals the tuple (a list raised JAX's
+  'Non-hashable static arguments are not supported' at the jit boundary)."""
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      6, batch=1, num_queries=2, num_q_heads=1, num_kv_heads=1, head_dim=64, capacity=128,
+      dtype=jnp.bfloat16)
+  args = (q, k_cache, v_cache, jnp.array([[[1]]], jnp.int32), jnp.array([[1]], jnp.int32),
+          jnp.array([100]), k_new, v_new, jnp.tril(jnp.ones((2, 2), bool)))
+  call = lambda sel: sparse_attention(*args, block_size=64, sparse_queries=1, score_queries=sel,
+                                      interpret=INTERPRET)
+  out, probs = call((1, 0))
+  for sel in ([1, 0], np.array([1, 0])):
+    got_out, got_probs = call(sel)
+    np.testing.assert_array_equal(np.asarray(got_out), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(got_probs), np.asarray(probs))
+
+
 def test_score_queries_probs_count_a_duplicate_block_twice():
   """A block listed twice is read twice, in the kernel and the reference alike: its slots'
   probs are twice the single weight, and the whole still sums to 1 with the in-flight part."""
