@@ -55,6 +55,19 @@ def check_lengths(name: str, lengths: jax.Array, batch: int) -> None:
     raise ValueError(f"{name} must be integer, got {lengths.dtype}")
 
 
+def check_mask(name: str, mask, shape: tuple[int, ...] | None = None) -> None:
+  """A boolean key mask (True: the query sees the key): an array of `shape` (where given), bool
+  or integer. A float mask is refused: cast to bool, an additive 0 / -inf bias mask read as its
+  inverse (0 -> closed, -inf -> open), a silent wrong answer."""
+  if not hasattr(mask, "shape") or not hasattr(mask, "dtype"):
+    raise ValueError(f"{name} must be a bool array, got {type(mask).__name__}")
+  if shape is not None and tuple(mask.shape) != shape:
+    raise ValueError(f"{name} must be {list(shape)}, got shape {tuple(mask.shape)}")
+  if not (jnp.dtype(mask.dtype) == jnp.dtype(bool) or jnp.issubdtype(mask.dtype, jnp.integer)):
+    raise ValueError(f"{name} must be bool (True: the query sees the key), got {mask.dtype} (a "
+                     f"0 / -inf bias mask would read as its inverse)")
+
+
 def static_ints(value):
   """A static sequence of ints (`score_queries`) as a hashable tuple, for the jit boundary (jit
   hashes its static arguments: a list raised JAX's 'Non-hashable static arguments are not

@@ -82,7 +82,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import (check_inflight_mode, check_lengths, check_score_queries,
+from pallas_kernels.combine import (check_inflight_mode, check_lengths, check_mask,
+                                    check_score_queries,
                                     in_kernel_score,
                                     check_sizes, combine_partials,
                                     normalised, static_ints,
@@ -727,8 +728,7 @@ def check_cache_call(q, k_cache, v_cache, lengths, k_new, v_new, inflight_mask):
       raise ValueError(f"{name} must be [B, Tq, Hkv, D] = {(b, tq, hkv, d)}, got {x.shape}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise ValueError(f"{name} must be floating point, got {x.dtype}")
-  if inflight_mask.shape != (tq, tq):
-    raise ValueError(f"inflight_mask must be [Tq, Tq] = {(tq, tq)}, got {inflight_mask.shape}")
+  check_mask("inflight_mask [Tq, Tq]", inflight_mask, (tq, tq))
   for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
     if jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES:
       raise ValueError(f"{name} must be bfloat16 or float16, got {x.dtype}")

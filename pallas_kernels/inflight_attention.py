@@ -78,7 +78,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import normalised
+from pallas_kernels.combine import check_mask, normalised
 from pallas_kernels.register_operand import a_staging, swizzled, wgmma_register_a
 
 BLOCK_M = 64                      # q rows per thread block (one warpgroup's wgmma M)
@@ -121,6 +121,7 @@ def tile_lists(bias: jax.Array) -> tuple[jax.Array, jax.Array]:
 def mask_bias(mask: jax.Array, row_query: np.ndarray) -> InflightMask:
   """mask [T, U] bool (query t sees in-flight key u); row_query [R] static ints, the query each
   kernel row holds (-1: a padding row, which sees every key < U). Returns the `InflightMask`."""
+  check_mask("mask [T, U]", mask)
   row_query = np.asarray(row_query)
   u = mask.shape[1]
   rows = jnp.asarray(mask, bool)[np.maximum(row_query, 0)]                  # [R, U]

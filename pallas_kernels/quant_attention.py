@@ -152,7 +152,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import (check_lengths, check_score_queries, check_sizes,
+from pallas_kernels.combine import (check_lengths, check_mask, check_score_queries, check_sizes,
                                     combine_partials, normalised, score_rows, static_ints,
                                     scores_to_probs, selected_first, wrapper_outputs)
 
@@ -1140,8 +1140,7 @@ def _check_inputs(q, qkv, bits, lengths_quantized, k_full, v_full, lengths_full,
   for name, x in (("k_new", k_new), ("v_new", v_new)):
     if x.shape != (b, tq, hkv, d):
       raise ValueError(f"{name} must be [B, Tq, Hkv, D] = {(b, tq, hkv, d)}, got {x.shape}")
-  if inflight_mask.shape != (tq, tq):
-    raise ValueError(f"inflight_mask must be [Tq, Tq] = {(tq, tq)}, got {inflight_mask.shape}")
+  check_mask("inflight_mask [Tq, Tq]", inflight_mask, (tq, tq))
 
 
 @normalised(score_queries=static_ints)
@@ -1199,6 +1198,7 @@ def quant_attention_with_keys(q: jax.Array, qkv: QuantKV, lengths_quantized: jax
   hkv = _check_quantized(q, qkv, bits, lengths_quantized, config)
   b, tq, _, d = q.shape
   for i, (k, v, mask) in enumerate(key_sets):
+    check_mask(f"key set {i}: mask", mask)
     if k.ndim != 4 or k.shape[0] != b or k.shape[2:] != (hkv, d) or v.shape != k.shape:
       raise ValueError(f"key set {i}: k and v must be [B={b}, U, Hkv={hkv}, D={d}], got "
                        f"{k.shape} / {v.shape}")

@@ -261,6 +261,14 @@ def test_bad_inputs_are_rejected_in_plain_words():
     decode_attention(q, k_cache, v_cache, [1], k_new, v_new, mask)      # was an AttributeError
   with pytest.raises(ValueError, match="lengths must be integer"):   # was silently truncated
     decode_attention(q, k_cache, v_cache, jnp.array([1.7]), k_new, v_new, mask)
+  # An additive 0 / -inf bias mask was cast to bool: read as its inverse, a silent wrong answer.
+  with pytest.raises(ValueError, match="inflight_mask .* must be bool .*, got float32"):
+    decode_attention(q, k_cache, v_cache, jnp.array([1]), k_new, v_new,
+                     jnp.zeros((1, 1), jnp.float32))
+  with pytest.raises(ValueError, match="inflight_mask .* must be a bool array, got list"):
+    decode_attention(q, k_cache, v_cache, jnp.array([1]), k_new, v_new, [[True]])
+  with pytest.raises(ValueError, match=r"inflight_mask \[Tq, Tq\] must be \[1, 1\]"):
+    decode_attention(q, k_cache, v_cache, jnp.array([1]), k_new, v_new, jnp.ones((1,), bool))
   with pytest.raises(ValueError, match="Tq=0"):
     decode_attention(q[:, :0], k_cache, v_cache, jnp.array([1]), k_new[:, :0], v_new[:, :0],
                      jnp.ones((0, 0), bool))

@@ -737,6 +737,12 @@ def test_kernel_rejects_bad_inputs_in_plain_words():
     quant_attention(q, bad, *args[2:], bits=4)
   with pytest.raises(ValueError, match="lengths_quantized must be integer"):
     quant_attention(q, qkv, jnp.array([1.5]), *args[3:], bits=4)
+  # An additive 0 / -inf bias mask was cast to bool: read as its inverse, a silent wrong answer.
+  with pytest.raises(ValueError, match="inflight_mask .* must be bool .*, got float32"):
+    quant_attention(*args[:-1], jnp.zeros((1, 1), jnp.float32), bits=4)
+  with pytest.raises(ValueError, match="key set 0: mask must be bool .*, got float32"):
+    quant_attention_with_keys(q, qkv, jnp.array([1]),
+                              ((k_new, v_new, jnp.zeros((1, 1, 1), jnp.float32)),), bits=4)
   with pytest.raises(ValueError, match="qkv.k_scale must be float16"):
     quant_attention(q, dataclasses.replace(qkv, k_scale=qkv.k_scale.astype(jnp.float32)),
                     *args[2:], bits=4)
