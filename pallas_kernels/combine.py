@@ -55,6 +55,26 @@ def check_lengths(name: str, lengths: jax.Array, batch: int) -> None:
     raise ValueError(f"{name} must be integer, got {lengths.dtype}")
 
 
+def is_int(value) -> bool:
+  """A Python or numpy integer, not a bool (`sparsedec.errors.is_int`, whose package imports
+  these modules)."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def check_config_ints(config, counts: Sequence[str] = (), optional: Sequence[str] = ()) -> None:
+  """A kernel config's integer knobs: `counts` positive ints, `optional` None or positive ints
+  (numpy integers too; not bools or floats: 2.0 stages reached the kernel as a shape error).
+  Its `warp_specialized`, where it has one, None or a bool."""
+  for name in (*counts, *optional):
+    value = getattr(config, name)
+    if (value is not None or name in counts) and (not is_int(value) or value < 1):
+      none = " or None" if name in optional else ""
+      raise ValueError(f"{name} must be >= 1 (an int){none}, got {value!r}")
+  ws = getattr(config, "warp_specialized", None)
+  if ws is not None and not isinstance(ws, (bool, np.bool_)):
+    raise ValueError(f"warp_specialized must be None, True or False, got {ws!r}")
+
+
 def check_mask(name: str, mask, shape: tuple[int, ...] | None = None) -> None:
   """A boolean key mask (True: the query sees the key): an array of `shape` (where given), bool
   or integer. A float mask is refused: cast to bool, an additive 0 / -inf bias mask read as its

@@ -82,7 +82,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import (check_inflight_mode, check_lengths, check_mask,
+from pallas_kernels.combine import (check_config_ints, check_inflight_mode, check_lengths,
+                                    check_mask,
                                     check_score_queries,
                                     in_kernel_score,
                                     check_sizes, combine_partials,
@@ -388,16 +389,10 @@ class DecodeConfig:
 
   def __post_init__(self):
     check_inflight_mode(self.inflight)
-    if self.block_kv is not None and (self.block_kv % 64 or self.block_kv <= 0):
+    check_config_ints(self, ("num_stages", "min_tiles_per_split"),
+                      ("block_kv", "num_splits", "target_blocks"))
+    if self.block_kv is not None and self.block_kv % 64:
       raise ValueError(f"block_kv must be a positive multiple of 64, got {self.block_kv}")
-    if self.num_stages < 1:
-      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
-    if self.num_splits is not None and self.num_splits < 1:
-      raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
-    if self.target_blocks is not None and self.target_blocks < 1:
-      raise ValueError(f"target_blocks must be >= 1, got {self.target_blocks}")
-    if self.min_tiles_per_split < 1:
-      raise ValueError(f"min_tiles_per_split must be >= 1, got {self.min_tiles_per_split}")
 
   def resolve(self, q_blocks: int, capacity: int, head_dim: int = 128,
               interpret: bool = False) -> "DecodeConfig":

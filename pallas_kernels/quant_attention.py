@@ -152,7 +152,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import (check_lengths, check_mask, check_score_queries, check_sizes,
+from pallas_kernels.combine import (check_config_ints, check_lengths, check_mask,
+                                    check_score_queries, check_sizes, is_int,
                                     combine_partials, normalised, score_rows, static_ints,
                                     scores_to_probs, selected_first, wrapper_outputs)
 
@@ -546,19 +547,16 @@ class QuantAttentionConfig:
   def __post_init__(self):
     if self.path not in PATHS:
       raise ValueError(f"path must be one of {PATHS}, got {self.path!r}")
-    if self.block_m is not None and (not isinstance(self.block_m, int) or self.block_m % 8
+    if self.block_m is not None and (not is_int(self.block_m) or self.block_m % 8
                                      or not 8 <= self.block_m <= BLOCK_M):
       raise ValueError(f"block_m must be None or a multiple of 8 in [8, {BLOCK_M}], got "
                        f"{self.block_m!r}")
-    if self.block_kv is not None and self.block_kv not in BLOCK_KV_CHOICES:
+    if self.block_kv is not None and (not is_int(self.block_kv)
+                                      or self.block_kv not in BLOCK_KV_CHOICES):
       raise ValueError(f"block_kv must be one of {BLOCK_KV_CHOICES} (whole 64-key wgmma "
-                       f"tiles) or None, got {self.block_kv}")
-    if self.num_stages < 1:
-      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
-    if self.num_splits is not None and self.num_splits < 1:
-      raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
-    if self.target_blocks is not None and self.target_blocks < 1:
-      raise ValueError(f"target_blocks must be >= 1 or None, got {self.target_blocks}")
+                       f"tiles) or None, got {self.block_kv!r}")
+    check_config_ints(self, ("num_stages", "min_tiles_per_split"),
+                      ("num_splits", "target_blocks"))
 
 
 def _one_wave(bits, block_kv, rows):

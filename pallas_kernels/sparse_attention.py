@@ -81,7 +81,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import (check_inflight_mode, check_score_queries, combine_partials,
+from pallas_kernels.combine import (check_config_ints, check_inflight_mode, check_score_queries,
+                                    combine_partials, is_int,
                                     in_kernel_score, inflight_choice, inflight_merges,
                                     normalised, permute_queries, static_ints,
                                     score_rows, scores_to_probs, selected_first,
@@ -142,18 +143,10 @@ class SparseConfig:
 
   def __post_init__(self):
     check_inflight_mode(self.inflight)
-    if self.block_kv is not None and (self.block_kv % 64 or self.block_kv <= 0):
+    check_config_ints(self, ("num_stages", "min_tiles_per_split"),
+                      ("block_kv", "num_splits", "num_splits_full", "target_blocks"))
+    if self.block_kv is not None and self.block_kv % 64:
       raise ValueError(f"block_kv must be a positive multiple of 64, got {self.block_kv}")
-    if self.num_stages < 1:
-      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
-    for name in ("num_splits", "num_splits_full"):
-      value = getattr(self, name)
-      if value is not None and value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    if self.target_blocks is not None and self.target_blocks < 1:
-      raise ValueError(f"target_blocks must be >= 1, got {self.target_blocks}")
-    if self.min_tiles_per_split < 1:
-      raise ValueError(f"min_tiles_per_split must be >= 1, got {self.min_tiles_per_split}")
 
   def tile_rows(self, block_size: int, head_dim: int = 128) -> int:
     """KV rows per tile: block_kv, or 128 where the block size and a plain block's SMEM allow
@@ -595,8 +588,9 @@ def _check_inputs(q, k_cache, v_cache, block_tables, num_blocks, lengths, k_new,
   if capacity % block_size:
     raise ValueError(f"cache capacity S={capacity} must be a multiple of block_size="
                      f"{block_size}")
-  if sparse_queries is not None and not 0 <= sparse_queries <= tq:
-    raise ValueError(f"sparse_queries must be in [0, Tq={tq}], got {sparse_queries}")
+  if not is_int(sparse_queries) or not 0 <= sparse_queries <= tq:
+    raise ValueError(f"sparse_queries must be an int in [0, Tq={tq}] or None, got "
+                     f"{sparse_queries!r}")
 
 
 def _q_rows(q: jax.Array, segments: tuple[_Segment, ...], num_kv_heads: int,

@@ -254,6 +254,17 @@ def test_bad_inputs_are_rejected_in_plain_words():
     DecodeConfig(target_blocks=0)
   with pytest.raises(ValueError, match="min_tiles_per_split must be >= 1"):  # was a planner error
     DecodeConfig(min_tiles_per_split=0)
+  # Knobs of the wrong type: were Mosaic shape errors ("Shapes must be 1D sequences of concrete
+  # values of integer type"), a string-formatting TypeError, or taken as truthy.
+  with pytest.raises(ValueError, match=r"num_stages must be >= 1 \(an int\), got 2.0"):
+    DecodeConfig(num_stages=2.0)
+  with pytest.raises(ValueError, match="num_splits must be >= 1 .*, got 1.5"):
+    DecodeConfig(num_splits=1.5)
+  with pytest.raises(ValueError, match="block_kv must be >= 1 .*, got '64'"):
+    DecodeConfig(block_kv="64")
+  with pytest.raises(ValueError, match="warp_specialized must be None, True or False"):
+    DecodeConfig(warp_specialized="no")
+  assert DecodeConfig(num_stages=np.int64(3)).num_stages == 3
   mask = jnp.ones((1, 1), bool)
   with pytest.raises(ValueError, match="k_new must be floating point, got int32"):  # was silent
     decode_attention(q, k_cache, v_cache, jnp.array([1]), k_new.astype(jnp.int32), v_new, mask)

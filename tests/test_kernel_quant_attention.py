@@ -729,6 +729,12 @@ def test_kernel_rejects_bad_inputs_in_plain_words():
     quant_attention(*args, bits=3)
   with pytest.raises(ValueError, match="block_kv must be one of"):
     QuantAttentionConfig(block_kv=96)
+  with pytest.raises(ValueError, match="block_kv must be one of .*, got 64.0"):
+    QuantAttentionConfig(block_kv=64.0)
+  with pytest.raises(ValueError, match="min_tiles_per_split must be >= 1"):  # ZeroDivisionError
+    QuantAttentionConfig(min_tiles_per_split=0)
+  with pytest.raises(ValueError, match="num_stages must be >= 1 .*, got 2.0"):
+    QuantAttentionConfig(num_stages=2.0)
   with pytest.raises(ValueError, match="must divide the quantized capacity S=64"):
     quant_attention(*args, bits=4, config=QuantAttentionConfig(block_kv=128))
   bad = QuantKV(qkv.k_codes.astype(jnp.int32), qkv.v_codes, qkv.k_scale, qkv.k_zero,

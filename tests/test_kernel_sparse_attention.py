@@ -416,6 +416,10 @@ def test_bad_inputs_are_rejected_in_plain_words():
     sparse_attention(*args(good), block_size=64, config=SparseConfig(block_kv=128))
   with pytest.raises(ValueError, match="target_blocks must be >= 1"):
     SparseConfig(target_blocks=0)
+  with pytest.raises(ValueError, match="num_splits_full must be >= 1 .*, got 0.5"):
+    SparseConfig(num_splits_full=0.5)
+  with pytest.raises(ValueError, match=r"sparse_queries must be an int .*, got 1.0"):
+    sparse_attention(*args(good), block_size=64, sparse_queries=1.0)   # was range()'s TypeError
   lengths = lambda values: (q, k_cache, v_cache, good, jnp.ones((1, 2), jnp.int32), values,
                             k_new, v_new, jnp.ones((2, 2), bool))
   with pytest.raises(ValueError, match="lengths must be integer"):
