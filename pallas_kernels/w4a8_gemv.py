@@ -49,7 +49,9 @@ The wrapper passes x as it is (chunks of 64: a reshape), so a call is two launch
 and the split sum, which XLA fuses with what follows).
 
 Limits (InputError otherwise, `unsupported_reason`): one row of bf16 / fp16; Out a multiple of
-128; G a multiple of 32 (a block of 32 inputs in one group; G = 16 takes `w4a16_gemv`).
+128; G 32 or a multiple of 64 (a block of 32 inputs in one group, and a step whole groups and
+whole 64-input code chunks: G = 96 made 1.5-chunk steps, a wrong product; G = 16 takes
+`w4a16_gemv`).
 
 Interpret mode (`interpret=plgpu.InterpretGPUParams()`, CPU): the interpreter runs no inline_mgpu,
 so the quantization and a step's arithmetic are the same in jnp on the SMEM buffers
@@ -134,8 +136,9 @@ def unsupported_reason(n_rows: int, n_out: int, group: int, dtype) -> str | None
     return f"x must have one row, got {n_rows}"
   if n_out < 1 or n_out % THREADS:
     return f"Out={n_out} must be a positive multiple of {THREADS}"
-  if not is_int(group) or group < BLOCK or group % BLOCK:
-    return f"quant group {group} must be a multiple of {BLOCK} (one x block in one group)"
+  if not is_int(group) or not (group == BLOCK or (group >= CHUNK and group % CHUNK == 0)):
+    return (f"quant group {group} must be {BLOCK} or a multiple of {CHUNK} (one x block in one "
+            f"group; whole groups in whole {CHUNK}-input code chunks)")
   return None
 
 
@@ -515,7 +518,7 @@ def w4a8_matmul(x: jax.Array, codes_t: jax.Array, scale: jax.Array, zero: jax.Ar
   """x [1, In] (bf16/fp16) @ the 4-bit weight -> [1, Out] in x's dtype, x taken as `planes`
   int8 planes per 32 inputs (2: within max|x| / 64516 of x, finer than x's own bf16 rounding;
   1: llama.cpp's Q8 activations). codes_t, scale, zero: the "int4_t" layout (module docstring);
-  group = G, a multiple of 32."""
+  group = G, 32 or a multiple of 64."""
   w4a16.check_operands(x, codes_t, scale, zero, in_features, group, caller="w4a8_matmul",
                        reason=unsupported_reason)
   if planes not in PLANES:

@@ -13,7 +13,7 @@ import pytest
 import rand
 from kernel_mode import INTERPRET
 from pallas_kernels import w4a8_gemv as w8
-from pallas_kernels.w4a16_gemv import dequantize
+from pallas_kernels.w4a16_gemv import dequantize, to_chunked
 from pallas_kernels.w4a8_gemv import (W4A8Config, plan, quantize_activations, w4a8_matmul,
                                       w4a8_reference)
 from sparsedec.errors import InputError
@@ -184,8 +184,15 @@ def test_refuses_unsupported_calls():
     run(jnp.zeros((2, 128), jnp.bfloat16))
   with pytest.raises(InputError, match="bfloat16 or float16"):
     run(x.astype(jnp.float32))
-  with pytest.raises(InputError, match="multiple of 32"):
+  with pytest.raises(InputError, match="must be 32 or a multiple of 64"):
     run(x, group=16)
+  # G = 96 (a multiple of 32 but not of the 64-input chunk) planned 1.5-chunk steps as one chunk:
+  # a wrong product, silently.
+  codes = to_chunked(jnp.zeros((192, 128), jnp.int32))
+  meta = jnp.ones((2, 128), jnp.float16)
+  with pytest.raises(InputError, match="quant group 96 must be 32 or a multiple of 64"):
+    w4a8_matmul(jnp.zeros((1, 192), jnp.bfloat16), codes, meta, meta, in_features=192, group=96,
+                interpret=INTERPRET)
   # The operand checks are w4a16_gemv.check_operands (tested there); one shows they are called.
   with pytest.raises(InputError, match="scale must be"):
     run(x, group=64)
