@@ -149,6 +149,17 @@ def _check_rows_out(rows_out):
 
 
 def _check_args(q_rows, k_rows, v_rows, mask):
+  if not isinstance(mask, InflightMask):
+    raise ValueError(f"mask must be an InflightMask (`mask_bias(mask [T, U] bool, row_query)`), "
+                     f"got {type(mask).__name__}")
+  if q_rows.ndim != 4 or k_rows.ndim != 4:
+    raise ValueError(f"q_rows [B, Hkv, QB * 64, D] and k_rows [B, Hkv, U_pad, D] must be 4-D, got "
+                     f"{q_rows.shape} and {k_rows.shape}")
+  if jnp.dtype(q_rows.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    raise ValueError(f"q_rows must be bfloat16 or float16, got {q_rows.dtype}")
+  if k_rows.dtype != q_rows.dtype or v_rows.dtype != q_rows.dtype:
+    raise ValueError(f"k_rows and v_rows must be in q_rows' dtype {q_rows.dtype}, got "
+                     f"{k_rows.dtype} and {v_rows.dtype}")
   batch, num_kv_heads, m_total, head_dim = q_rows.shape
   u_pad = k_rows.shape[2]
   bias, tiles, counts = mask
@@ -161,6 +172,9 @@ def _check_args(q_rows, k_rows, v_rows, mask):
                      f"{v_rows.shape}")
   if bias.shape != (m_total, u_pad):
     raise ValueError(f"bias must be [QB * 64, U_pad] = {(m_total, u_pad)}, got {bias.shape}")
+  if bias.dtype != jnp.bfloat16 or tiles.dtype != jnp.int32 or counts.dtype != jnp.int32:
+    raise ValueError(f"mask bias, tiles and counts must be bfloat16, int32 and int32 "
+                     f"(`mask_bias`), got {bias.dtype}, {tiles.dtype}, {counts.dtype}")
   q_blocks, num_tiles = m_total // BLOCK_M, u_pad // BLOCK_U
   if tiles.shape != (q_blocks, num_tiles) or counts.shape != (q_blocks, 2):
     raise ValueError(f"mask tiles / counts must be [QB, NT] = {(q_blocks, num_tiles)} / "

@@ -328,6 +328,22 @@ def test_bad_inputs_are_rejected_in_plain_words():
                       bias._replace(counts=bias.counts[:, :1]), rows_out=16)
   with pytest.raises(ValueError, match="k_rows / v_rows"):
     inflight_partials(q_rows, pack_keys(k_new)[:, :, :, :32], pack_keys(v_new), bias, rows_out=16)
+  # The [T, T] bool mask itself: was 'not enough values to unpack' (or a bias shape error for
+  # T = 3); keys in another dtype than q: Mosaic's 'Expected dtypes to match'; fp32 q rows ran
+  # in the interpreter.
+  with pytest.raises(ValueError, match="mask must be an InflightMask"):
+    inflight_partials(q_rows, pack_keys(k_new), pack_keys(v_new), jnp.asarray(mask),
+                      rows_out=16)
+  with pytest.raises(ValueError, match="k_rows and v_rows must be in q_rows' dtype"):
+    inflight_partials(q_rows, pack_keys(k_new).astype(jnp.float32),
+                      pack_keys(v_new).astype(jnp.float32), bias, rows_out=16)
+  with pytest.raises(ValueError, match="q_rows must be bfloat16 or float16, got float32"):
+    f32 = lambda x: x.astype(jnp.float32)
+    inflight_partials(f32(q_rows), f32(pack_keys(k_new)), f32(pack_keys(v_new)), bias,
+                      rows_out=16)
+  with pytest.raises(ValueError, match="mask bias, tiles and counts must be bfloat16"):
+    inflight_partials(q_rows, pack_keys(k_new), pack_keys(v_new),
+                      bias._replace(bias=bias.bias.astype(jnp.float32)), rows_out=16)
   acc = jnp.zeros((1, 1, 2, 16, 64), jnp.float32)
   ml = jnp.zeros((1, 1, 2, 64), jnp.float32)
   with pytest.raises(ValueError, match="must cover the 1 q blocks"):
