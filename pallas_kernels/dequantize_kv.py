@@ -48,7 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.combine import check_lengths
+from pallas_kernels.combine import check_lengths, check_sizes, is_int
 from pallas_kernels.quant_attention import (KEY_TILE, META_DTYPE, TILE_ROWS, QuantKV,
                                             _SUPPORTED_DTYPES, check_qkv_arrays, dequantize)
 from pallas_kernels.register_operand import SMEM_ROW_WORDS, swizzled, word_offset, word_tile
@@ -63,6 +63,7 @@ def _check(qkv: QuantKV, bits: int, dtype) -> None:
     raise ValueError(f"dequantize_kv writes bfloat16 or float16, got {dtype}")
   if qkv.head_dim % CHUNK:
     raise ValueError(f"head_dim {qkv.head_dim} must be a multiple of {CHUNK}")
+  check_sizes(B=qkv.k_codes.shape[0], Hkv=qkv.k_codes.shape[1], S=qkv.capacity)
   if qkv.capacity % KEY_TILE or qkv.group % KEY_TILE:
     raise ValueError(f"capacity {qkv.capacity} and key group {qkv.group} must be multiples of "
                      f"the {KEY_TILE}-key tile")
@@ -79,8 +80,9 @@ def dequantize_kv(qkv: QuantKV, bits: int, dtype=jnp.bfloat16, lengths: jax.Arra
   Mosaic GPU interpreter (CPU)."""
   _check(qkv, bits, dtype)
   batch, hkv, _, n_chunks, capacity, _ = qkv.k_codes.shape
-  if round_to <= 0 or round_to % KEY_TILE:
-    raise ValueError(f"round_to must be a positive multiple of {KEY_TILE}, got {round_to}")
+  if not is_int(round_to) or round_to <= 0 or round_to % KEY_TILE:
+    raise ValueError(f"round_to must be a positive multiple of {KEY_TILE} (an int), got "
+                     f"{round_to!r}")
   if lengths is None:
     lengths = jnp.full((batch,), capacity, jnp.int32)
   check_lengths("lengths", lengths, batch)

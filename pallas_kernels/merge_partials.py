@@ -44,6 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.combine import check_sizes
 from pallas_kernels.hopper import SMEM_PER_SM
 
 LN2 = math.log(2.0)
@@ -86,6 +87,7 @@ def _check(acc, m2, l):
   if acc.ndim != 6:
     raise ValueError(f"acc must be [B, Hkv, QB, NS, D, N], got shape {acc.shape}")
   b, hkv, qb, ns, d, n = acc.shape
+  check_sizes(B=b, Hkv=hkv, QB=qb)
   if ns < 1 or d % TILE or n % 8 or not 0 < n <= 64:
     raise ValueError(f"acc [B, Hkv, QB, NS, D, N] needs NS >= 1, D a multiple of {TILE} and N a "
                      f"multiple of 8 in (0, 64], got {acc.shape}")

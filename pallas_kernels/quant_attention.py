@@ -1105,14 +1105,22 @@ def _check_quantized(q, qkv, bits, lengths_quantized, cfg) -> int:
 
 
 def check_qkv_arrays(qkv: QuantKV) -> None:
-  """The dtypes and shapes the kernels read a QuantKV with (quant_attention, dequantize_kv):
-  uint32 code words; fp16 (META_DTYPE) scales and zeros, keys' [B, Hkv, S/G, D], values'
-  [B, Hkv, S] (a float32 one reached Mosaic as a raw dtype error)."""
+  """The dtypes and shapes the kernels read a QuantKV with (quant_attention, dequantize_kv; D
+  and S multiples of 64, checked before): uint32 code words, k_codes [B, Hkv, 2, D/64, S, 8] and
+  v_codes [B, Hkv, 2, S/64, D, 8] (dequantize_kv's reshape failed on a mismatched v_codes); fp16
+  (META_DTYPE) scales and zeros, keys' [B, Hkv, S/G, D], values' [B, Hkv, S] (a float32 one
+  reached Mosaic as a raw dtype error)."""
   kc, vc = qkv.k_codes, qkv.v_codes
   if jnp.dtype(kc.dtype) != jnp.dtype(jnp.uint32) or jnp.dtype(vc.dtype) != jnp.dtype(jnp.uint32):
     raise ValueError(f"qkv codes must be uint32 words of 8 4-bit codes, got {kc.dtype} / "
                      f"{vc.dtype}")
+  w = CHANNEL_CHUNK // CODES_PER_WORD
+  if kc.ndim != 6 or kc.shape[2] != 2 or kc.shape[5] != w:
+    raise ValueError(f"qkv.k_codes must be [B, Hkv, 2, D/64, S, {w}], got {kc.shape}")
   b, hkv, capacity, d = kc.shape[0], kc.shape[1], qkv.capacity, qkv.head_dim
+  if vc.shape != (b, hkv, 2, capacity // KEY_TILE, d, w):
+    raise ValueError(f"qkv.v_codes must be [B, Hkv, 2, S/64, D, {w}] = "
+                     f"{(b, hkv, 2, capacity // KEY_TILE, d, w)}, got {vc.shape}")
   for name, x in (("k_scale", qkv.k_scale), ("k_zero", qkv.k_zero), ("v_scale", qkv.v_scale),
                   ("v_zero", qkv.v_zero)):
     if jnp.dtype(x.dtype) != jnp.dtype(META_DTYPE):

@@ -93,6 +93,13 @@ def test_bad_inputs_are_rejected_in_plain_words():
     dequantize_kv(narrow, 4)
   with pytest.raises(ValueError, match="round_to must be a positive multiple of 64"):
     dequantize_kv(qkv, 4, lengths=jnp.array([64]), round_to=96)
+  with pytest.raises(ValueError, match="round_to must be .* got 64.0"):   # was lax.div's error
+    dequantize_kv(qkv, 4, lengths=jnp.array([64]), round_to=64.0)
+  # A v_codes of another capacity: was a reshape TypeError.
+  with pytest.raises(ValueError, match="qkv.v_codes must be"):
+    dequantize_kv(dataclasses.replace(qkv, v_codes=qkv.v_codes[:, :, :1]), 4)
+  with pytest.raises(ValueError, match="Hkv=0"):
+    dequantize_kv(jax.tree_util.tree_map(lambda x: x[:, :0], qkv), 4)
   with pytest.raises(ValueError, match=r"lengths must be \[B=1\]"):
     dequantize_kv(qkv, 4, lengths=jnp.array([64, 64]))
   with pytest.raises(ValueError, match="lengths must be integer"):

@@ -114,6 +114,8 @@ def test_bad_inputs_are_rejected_in_plain_words():
     merge_partials(acc, m2, l[:, :, :, :2], interpret=INTERPRET)
   with pytest.raises(ValueError, match="float32"):
     merge_partials(acc.astype(jnp.bfloat16), m2, l, interpret=INTERPRET)
+  with pytest.raises(ValueError, match="B=0"):                     # was a ZeroDivisionError
+    merge_partials(acc[:0], m2[:0], l[:0], interpret=INTERPRET)
   sds = jax.ShapeDtypeStruct
   stats = sds((1, 1, 1, 257, 64), jnp.float32)
   with pytest.raises(ValueError, match="at most MAX_SPLITS=256 splits .* NS=257"):
