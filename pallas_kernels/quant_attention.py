@@ -1134,6 +1134,14 @@ def check_qkv_arrays(qkv: QuantKV) -> None:
                      f"{qkv.v_scale.shape} / {qkv.v_zero.shape}")
 
 
+def _check_float_keys(**keys) -> None:
+  """Exactly attended keys and values are floating point (any float dtype, read in q's): an
+  integer array was converted silently, as decode_attention once took an integer k_new."""
+  for name, x in keys.items():
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f"{name} must be floating point, got {x.dtype}")
+
+
 def _check_inputs(q, qkv, bits, lengths_quantized, k_full, v_full, lengths_full, k_new, v_new,
                   inflight_mask, cfg):
   hkv = _check_quantized(q, qkv, bits, lengths_quantized, cfg)
@@ -1146,6 +1154,7 @@ def _check_inputs(q, qkv, bits, lengths_quantized, k_full, v_full, lengths_full,
   for name, x in (("k_new", k_new), ("v_new", v_new)):
     if x.shape != (b, tq, hkv, d):
       raise ValueError(f"{name} must be [B, Tq, Hkv, D] = {(b, tq, hkv, d)}, got {x.shape}")
+  _check_float_keys(k_full=k_full, v_full=v_full, k_new=k_new, v_new=v_new)
   check_mask("inflight_mask [Tq, Tq]", inflight_mask, (tq, tq))
 
 
@@ -1208,6 +1217,7 @@ def quant_attention_with_keys(q: jax.Array, qkv: QuantKV, lengths_quantized: jax
     if k.ndim != 4 or k.shape[0] != b or k.shape[2:] != (hkv, d) or v.shape != k.shape:
       raise ValueError(f"key set {i}: k and v must be [B={b}, U, Hkv={hkv}, D={d}], got "
                        f"{k.shape} / {v.shape}")
+    _check_float_keys(**{f"key set {i}: k": k, f"key set {i}: v": v})
     if (mask.ndim != 3 or mask.shape[0] not in (1, b) or mask.shape[1] not in (1, tq)
         or mask.shape[2] != k.shape[1]):
       raise ValueError(f"key set {i}: mask must be [B or 1, Tq={tq} or 1, U={k.shape[1]}], "

@@ -746,6 +746,12 @@ def test_kernel_rejects_bad_inputs_in_plain_words():
   # An additive 0 / -inf bias mask was cast to bool: read as its inverse, a silent wrong answer.
   with pytest.raises(ValueError, match="inflight_mask .* must be bool .*, got float32"):
     quant_attention(*args[:-1], jnp.zeros((1, 1), jnp.float32), bits=4)
+  with pytest.raises(ValueError, match="k_new must be floating point, got int32"):  # was silent
+    quant_attention(*args[:6], k_new.astype(jnp.int32), *args[7:], bits=4)
+  with pytest.raises(ValueError, match="key set 0: v must be floating point, got int32"):
+    quant_attention_with_keys(q, qkv, jnp.array([1]),
+                              ((k_new, v_new.astype(jnp.int32), jnp.ones((1, 1, 1), bool)),),
+                              bits=4)
   with pytest.raises(ValueError, match="key set 0: mask must be bool .*, got float32"):
     quant_attention_with_keys(q, qkv, jnp.array([1]),
                               ((k_new, v_new, jnp.zeros((1, 1, 1), jnp.float32)),), bits=4)
