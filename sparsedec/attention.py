@@ -363,6 +363,8 @@ def _kernel_choice(q: jax.Array, k_cache: jax.Array, plan: AttentionPlan,
     return None, f"sliding window {window} is shorter than the cache capacity plus in-flight tokens"
   if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return None, f"dtype {q.dtype} (the kernels take bfloat16 or float16)"
+  if k_cache.dtype != q.dtype:
+    return None, f"cache dtype {k_cache.dtype} differs from q's {q.dtype} (the kernels take one)"
   if q.shape[-1] % 64:
     return None, f"head_dim {q.shape[-1]} is not a multiple of 64"
   views = [seg.view for seg in plan.segments]

@@ -12,7 +12,7 @@ import pytest
 import rand
 from kernel_mode import cuda_text
 import sparsedec
-from sparsedec.attention import attend, causal_plan
+from sparsedec.attention import attend, causal_plan, kernel_choice
 from sparsedec.errors import UnsupportedConfigError
 from sparsedec.kv.dense import commit, init_cache
 from sparsedec.model.config import ModelConfig
@@ -94,6 +94,20 @@ def test_unaligned_capacity_is_refused_when_forced_and_falls_back_in_auto():
     attend(q, kc, kc, lengths, kn, kn, pos, causal_plan(t), impl="pallas")
   out = attend(q, kc, kc, lengths, kn, kn, pos, causal_plan(t), impl="auto")   # CPU: reference
   np.testing.assert_allclose(np.asarray(out, np.float32), 1.0)
+
+
+def test_a_cache_in_another_dtype_than_q_is_not_a_kernel_call():
+  """q bf16 over an fp32 cache: the kernels take one dtype, so "auto" falls back (it raised
+  decode_attention's ValueError on a GPU) and "pallas" refuses by name."""
+  b, t, hq, hkv, d, s = 1, 1, 4, 2, 64, 128
+  q = jnp.ones((b, t, hq, d), jnp.bfloat16)
+  kc = jnp.ones((b, hkv, s, d), jnp.float32)
+  kn = jnp.ones((b, t, hkv, d), jnp.bfloat16)
+  lengths = jnp.asarray([7], jnp.int32)
+  kind, why = kernel_choice(q, kc, causal_plan(t))
+  assert kind is None and "cache dtype float32 differs" in why
+  with pytest.raises(UnsupportedConfigError, match="cache dtype float32"):
+    attend(q, kc, kc, lengths, kn, kn, lengths[:, None], causal_plan(t), impl="pallas")
 
 
 def test_attention_choice_is_validated_and_not_saved():
