@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 LN2 = math.log(2.0)
@@ -108,6 +109,17 @@ def static_ints(value):
     except TypeError:
       return t
   return tuple(index(t) for t in items)
+
+
+def interpret_mode(interpret):
+  """A kernel wrapper's `interpret` as the wrappers read it (`interpret is not None`: the
+  interpreter's kernel variant and plan): None or False compile the kernel, True or
+  plgpu.InterpretGPUParams() (or other params) run the Mosaic GPU interpreter. (False planned
+  and built the interpreter's variant, compiled on a GPU; True reached the generic Pallas
+  interpreter, 'No state discharge rule implemented for primitive: copy_gmem_to_smem'.)"""
+  if isinstance(interpret, (bool, np.bool_)):
+    return plgpu.InterpretGPUParams() if interpret else None
+  return interpret
 
 
 def normalised(**normalisers: Callable) -> Callable:

@@ -87,7 +87,7 @@ from pallas_kernels.combine import (check_config_ints, check_inflight_mode, chec
                                     check_score_queries,
                                     in_kernel_score,
                                     check_sizes, combine_partials,
-                                    normalised, static_ints,
+                                    interpret_mode, normalised, static_ints,
                                     inflight_choice, inflight_merges, permute_queries,
                                     score_rows, scores_to_probs, selected_first,
                                     wrapper_outputs)
@@ -806,7 +806,7 @@ def _rows_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   return (*parts, None) if not keyed else parts
 
 
-@normalised(score_queries=static_ints)
+@normalised(score_queries=static_ints, interpret=interpret_mode)
 @functools.partial(jax.jit, static_argnames=("return_lse", "score_queries", "config",
                                              "interpret"))
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array,
@@ -820,8 +820,8 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
   with return_lse lse [B, Tq, Hq] fp32, then with score_queries (distinct query indices, static;
   any sequence of ints, a tuple before the jit boundary) probs [B, len(score_queries), Hq, S]
   fp32: the final softmax weights of those queries on the cache slots (0 where
-  s >= lengths[b]). `interpret=plgpu.InterpretGPUParams()` runs the kernel in the Mosaic GPU
-  interpreter (CPU).
+  s >= lengths[b]). `interpret=plgpu.InterpretGPUParams()` (or True) runs the kernel in the
+  Mosaic GPU interpreter (CPU); None or False compile it (`combine.interpret_mode`).
   """
   _check_inputs(q, k_cache, v_cache, lengths, k_new, v_new, inflight_mask, config)
   tq, hq = q.shape[1:3]

@@ -48,7 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.combine import check_lengths, check_sizes, is_int
+from pallas_kernels.combine import check_lengths, check_sizes, interpret_mode, is_int, normalised
 from pallas_kernels.quant_attention import (KEY_TILE, META_DTYPE, TILE_ROWS, QuantKV,
                                             _SUPPORTED_DTYPES, check_qkv_arrays, dequantize)
 from pallas_kernels.register_operand import SMEM_ROW_WORDS, swizzled, word_offset, word_tile
@@ -70,6 +70,7 @@ def _check(qkv: QuantKV, bits: int, dtype) -> None:
   check_qkv_arrays(qkv)
 
 
+@normalised(interpret=interpret_mode)
 @functools.partial(jax.jit, static_argnames=("bits", "dtype", "round_to", "interpret"))
 def dequantize_kv(qkv: QuantKV, bits: int, dtype=jnp.bfloat16, lengths: jax.Array | None = None,
                   *, round_to: int = KEY_TILE, interpret: Any = None

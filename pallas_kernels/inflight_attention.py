@@ -78,7 +78,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import check_mask, normalised
+from pallas_kernels.combine import check_mask, interpret_mode, normalised
 from pallas_kernels.register_operand import a_staging, swizzled, wgmma_register_a
 
 BLOCK_M = 64                      # q rows per thread block (one warpgroup's wgmma M)
@@ -131,6 +131,7 @@ def mask_bias(mask: jax.Array, row_query: np.ndarray) -> InflightMask:
   return InflightMask(bias, *tile_lists(bias))
 
 
+@normalised(interpret=interpret_mode)
 @functools.partial(jax.jit, static_argnames=("rows_out", "num_stages", "interpret"))
 def inflight_partials(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
                       mask: InflightMask, *, rows_out: int, num_stages: int = 2,
@@ -608,7 +609,7 @@ def merge_segments(segments):
     return segments
 
 
-@normalised(segments=merge_segments)
+@normalised(segments=merge_segments, interpret=interpret_mode)
 @functools.partial(jax.jit, static_argnames=("segments", "group", "num_stages", "d_chunks",
                                              "interpret"))
 def inflight_merged(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,

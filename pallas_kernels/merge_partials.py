@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.combine import check_sizes
+from pallas_kernels.combine import check_sizes, interpret_mode, normalised
 from pallas_kernels.hopper import SMEM_PER_SM
 
 LN2 = math.log(2.0)
@@ -100,6 +100,7 @@ def _check(acc, m2, l):
     raise ValueError(f"l shape {l.shape} differs from m2 shape {m2.shape}")
 
 
+@normalised(interpret=interpret_mode)
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def merge_partials(acc: jax.Array, m2: jax.Array, l: jax.Array, *, interpret: Any = None):
   """See the module docstring."""

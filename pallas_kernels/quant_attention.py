@@ -153,7 +153,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from pallas_kernels.combine import (check_config_ints, check_lengths, check_mask,
-                                    check_score_queries, check_sizes, is_int,
+                                    check_score_queries, check_sizes, interpret_mode, is_int,
                                     combine_partials, normalised, score_rows, static_ints,
                                     scores_to_probs, selected_first, wrapper_outputs)
 
@@ -1158,7 +1158,7 @@ def _check_inputs(q, qkv, bits, lengths_quantized, k_full, v_full, lengths_full,
   check_mask("inflight_mask [Tq, Tq]", inflight_mask, (tq, tq))
 
 
-@normalised(score_queries=static_ints)
+@normalised(score_queries=static_ints, interpret=interpret_mode)
 @functools.partial(jax.jit, static_argnames=("bits", "return_lse", "score_queries", "config",
                                              "interpret"))
 def quant_attention(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,
@@ -1195,7 +1195,7 @@ def full_and_inflight_keys(k_full, v_full, lengths_full, k_new, v_new, inflight_
           (k_new, v_new, inflight_mask.astype(bool)[None]))
 
 
-@normalised(score_queries=static_ints)
+@normalised(score_queries=static_ints, interpret=interpret_mode)
 @functools.partial(jax.jit, static_argnames=("bits", "return_lse", "score_queries", "config",
                                              "interpret"))
 def quant_attention_with_keys(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,

@@ -82,7 +82,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from pallas_kernels.combine import (check_config_ints, check_inflight_mode, check_score_queries,
-                                    combine_partials, is_int,
+                                    combine_partials, interpret_mode, is_int,
                                     in_kernel_score, inflight_choice, inflight_merges,
                                     normalised, permute_queries, static_ints,
                                     score_rows, scores_to_probs, selected_first,
@@ -697,7 +697,7 @@ def _read_counts(block_tables, num_blocks, lengths, *, block_size: int, capacity
   return jnp.where(jnp.arange(capacity) < lengths[:, None, None], per_slot, 0)
 
 
-@normalised(score_queries=static_ints)
+@normalised(score_queries=static_ints, interpret=interpret_mode)
 @functools.partial(jax.jit, static_argnames=("block_size", "sparse_queries", "return_lse",
                                              "score_queries", "config", "interpret"))
 def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
@@ -714,8 +714,8 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   full cache. Returns out [B, Tq, Hq, D] (q's dtype), then with return_lse lse [B, Tq, Hq] fp32,
   then with score_queries (distinct query indices, static; any sequence of ints) probs
   [B, len(score_queries), Hq, S] fp32: those queries' final softmax weights on the cache slots
-  (0 on the slots they do not read). `interpret=plgpu.InterpretGPUParams()` runs the kernel in
-  the Mosaic GPU interpreter (CPU).
+  (0 on the slots they do not read). `interpret=plgpu.InterpretGPUParams()` (or True) runs the
+  kernel in the Mosaic GPU interpreter (CPU); None or False compile it.
   """
   tq, hq = q.shape[1:3]
   capacity = k_cache.shape[2]

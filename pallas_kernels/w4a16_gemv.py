@@ -92,6 +92,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.combine import interpret_mode, normalised
 from pallas_kernels.hopper import SM_COUNT, SMEM_PER_SM, SMEM_RESERVED_PER_BLOCK
 from pallas_kernels.register_operand import (CODES_PER_WORD, SMEM_ROW_WORDS, a_staging,
                                              pack_words, swizzled, unpack_words,
@@ -474,6 +475,7 @@ def split_k_kernel(name: str, body, scratch: dict, out_type, p, interpret):
                       grid_names=("out", "split"), interpret=interpret)
 
 
+@normalised(interpret=interpret_mode)
 @functools.partial(jax.jit, static_argnames=("in_features", "group", "config", "interpret"))
 def w4a16_matmul(x: jax.Array, codes_t: jax.Array, scale: jax.Array, zero: jax.Array, *,
                  in_features: int, group: int, config: W4A16Config = W4A16Config(),

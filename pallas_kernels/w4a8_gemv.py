@@ -79,6 +79,7 @@ from jaxlib.mlir.dialects import arith, llvm, memref, scf, vector
 from jaxlib.mlir.dialects import math as mlir_math
 import numpy as np
 
+from pallas_kernels.combine import interpret_mode, normalised
 from pallas_kernels.hopper import SM_COUNT, SMEM_PER_SM, SMEM_RESERVED_PER_BLOCK
 from pallas_kernels.register_operand import SMEM_ROW_WORDS
 from pallas_kernels.sync import warpgroup_barrier
@@ -510,6 +511,7 @@ def _partials(xc, codes_t, scale, zero, *, group: int, planes: int, p: Plan,
 # Wrapper and reference.
 # ----------------------------------------------------------------------------------------------
 
+@normalised(interpret=interpret_mode)
 @functools.partial(jax.jit, static_argnames=("in_features", "group", "planes", "config",
                                              "interpret"))
 def w4a8_matmul(x: jax.Array, codes_t: jax.Array, scale: jax.Array, zero: jax.Array, *,

@@ -191,6 +191,28 @@ def test_score_queries_take_any_sequence_of_ints():
     call([1, 1])
 
 
+def test_interpret_true_and_false(monkeypatch):
+  """interpret=False builds the compiled kernel as None does (it planned and built the
+  interpreter's variant, the wrappers testing `interpret is not None`); interpret=True runs the
+  Mosaic GPU interpreter as plgpu.InterpretGPUParams() does (it reached the generic Pallas
+  interpreter: 'No state discharge rule implemented for primitive: copy_gmem_to_smem')."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  import pallas_kernels.decode_attention as module
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      9, batch=1, num_queries=1, num_q_heads=2, num_kv_heads=1, head_dim=64, capacity=64,
+      dtype=jnp.bfloat16)
+  args = (q, k_cache, v_cache, jnp.array([40]), k_new, v_new, jnp.ones((1, 1), bool))
+  seen, kernel = [], module._cache_partials
+  monkeypatch.setattr(module, "_cache_partials",
+                      lambda *a, **kw: seen.append(kw["interpret"]) or kernel(*a, **kw))
+  decode_attention.__wrapped__.clear_cache()       # trace again, through the spy
+  jax.eval_shape(lambda *a: decode_attention(*a, interpret=False), *args)
+  assert seen == [None]
+  np.testing.assert_array_equal(
+      np.asarray(decode_attention(*args, interpret=True)),
+      np.asarray(decode_attention(*args, interpret=plgpu.InterpretGPUParams())))
+
+
 def test_single_query_decode_ragged_lengths_including_zero():
   """Tq = 1 (plain decode), GQA 8:1, D = 128, one row empty, one partial tile, one full cache."""
   q, k_cache, v_cache, k_new, v_new = _inputs(
