@@ -46,6 +46,14 @@ def check_sizes(**sizes: int) -> None:
     raise ValueError(f"{', '.join(empty)}: every axis of an attention call needs size >= 1")
 
 
+def check_arrays(**arrays) -> None:
+  """Each named argument is an array (has a shape and a dtype): a nested list raised
+  AttributeError ('list' object has no attribute 'ndim')."""
+  for name, x in arrays.items():
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+
+
 def check_lengths(name: str, lengths: jax.Array, batch: int) -> None:
   """A per-row length array: [B] and integer (a float length was silently truncated)."""
   if not hasattr(lengths, "shape") or not hasattr(lengths, "dtype"):

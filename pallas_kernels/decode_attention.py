@@ -82,11 +82,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import (check_config_ints, check_inflight_mode, check_lengths,
-                                    check_mask,
-                                    check_score_queries,
-                                    in_kernel_score,
-                                    check_sizes, combine_partials,
+from pallas_kernels.combine import (check_arrays, check_config_ints, check_inflight_mode,
+                                    check_lengths, check_mask, check_score_queries,
+                                    check_sizes, combine_partials, in_kernel_score,
                                     interpret_mode, normalised, static_ints,
                                     inflight_choice, inflight_merges, permute_queries,
                                     score_rows, scores_to_probs, selected_first,
@@ -706,6 +704,7 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 def check_cache_call(q, k_cache, v_cache, lengths, k_new, v_new, inflight_mask):
   """The checks decode_attention and sparse_attention share (q, the bf16 / fp16 cache, lengths,
   the in-flight K/V and mask, D a multiple of 64); returns (B, Tq, Hq, D, Hkv, S)."""
+  check_arrays(q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
   if q.ndim != 4:
     raise ValueError(f"q must be [B, Tq, Hq, D], got shape {q.shape}")
   b, tq, hq, d = q.shape

@@ -81,12 +81,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import (check_config_ints, check_inflight_mode, check_score_queries,
-                                    combine_partials, interpret_mode, is_int,
-                                    in_kernel_score, inflight_choice, inflight_merges,
-                                    normalised, permute_queries, static_ints,
-                                    score_rows, scores_to_probs, selected_first,
-                                    wrapper_outputs)
+from pallas_kernels.combine import (check_arrays, check_config_ints, check_inflight_mode,
+                                    check_score_queries, combine_partials, in_kernel_score,
+                                    inflight_choice, inflight_merges, interpret_mode, is_int,
+                                    normalised, permute_queries, score_rows, scores_to_probs,
+                                    selected_first, static_ints, wrapper_outputs)
 from pallas_kernels.inflight_attention import (MergeSegment, inflight_merged, inflight_partials,
                                                mask_bias, merge_chunks, pack_keys)
 from pallas_kernels.register_operand import a_staging, wgmma_register_a
@@ -573,6 +572,7 @@ def _check_inputs(q, k_cache, v_cache, block_tables, num_blocks, lengths, k_new,
                   inflight_mask, block_size, sparse_queries, cfg):
   b, tq, _, d, hkv, capacity = check_cache_call(q, k_cache, v_cache, lengths, k_new, v_new,
                                                 inflight_mask)
+  check_arrays(block_tables=block_tables, num_blocks=num_blocks)
   if block_tables.ndim != 3 or block_tables.shape[:2] != (b, hkv):
     raise ValueError(f"block_tables must be [B={b}, Hkv={hkv}, NB], got {block_tables.shape}")
   if num_blocks.shape != (b, hkv):

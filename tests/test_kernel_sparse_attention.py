@@ -410,6 +410,8 @@ def test_bad_inputs_are_rejected_in_plain_words():
     sparse_attention(*args(good), block_size=64.0)
   with pytest.raises(ValueError, match="block_tables must be"):
     sparse_attention(*args(jnp.zeros((1, 1, 1), jnp.int32)), block_size=64)
+  with pytest.raises(ValueError, match="block_tables must be an array, got list"):
+    sparse_attention(*args([[[0], [0]]]), block_size=64)      # was an AttributeError
   with pytest.raises(ValueError, match="sparse_queries"):
     sparse_attention(*args(good), block_size=64, sparse_queries=3)
   with pytest.raises(ValueError, match="must divide block_size"):
