@@ -187,6 +187,14 @@ def test_unsupported_architecture_is_named(hf_copy):
     hf_config_from_metadata({"general.architecture": "gemma2"}, set())
 
 
+def test_gguf_without_attention_heads_is_named():
+  meta = {"general.architecture": "llama", "llama.vocab_size": 32, "llama.embedding_length": 64,
+          "llama.attention.head_count": 0, "llama.feed_forward_length": 128,
+          "llama.block_count": 1}
+  with pytest.raises(CheckpointError, match="llama.attention.head_count' is 0"):
+    hf_config_from_metadata(meta, set())
+
+
 # ---------------------------------------------------------------------------------- HF config
 LLAMA_HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 256,
                    "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -103,6 +103,9 @@ def hf_config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> dic
     raise CheckpointError("GGUF has neither a vocab_size nor a tokenizer.ggml.tokens list")
   hidden = int(key("embedding_length", required=True))
   num_heads = int(key("attention.head_count", required=True))
+  if num_heads < 1:
+    raise CheckpointError(f"GGUF metadata '{arch}.attention.head_count' is {num_heads}: a model "
+                          f"needs at least one attention head")
   head_dim = int(key("attention.key_length", hidden // num_heads))
   hf: dict[str, Any] = {
       "architectures": [ARCHITECTURES[arch]],
