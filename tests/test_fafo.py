@@ -162,6 +162,37 @@ def test_sampling_first_three_tokens_distributed_as_dense(stories):
   assert p > 1e-3, (p, table)
 
 
+@pytest.mark.parametrize("policy", [
+    StreamingLLM(budget_blocks=12, block_size=8),
+    Quest(budget_blocks=12, block_size=8),
+    SnapKV(budget_blocks=12, block_size=8, recent_blocks=1, window=4, pool=3),
+    SnapKV(budget_blocks=6, block_size=8, recent_blocks=1, window=4, pool=3),
+], ids=["streaming", "quest", "snapkv", "snapkv-short-prompt"])
+def test_a_budget_larger_than_the_prompt_is_filled_with_the_newest_blocks(stories, policy):
+  """A 3-block prompt (20 tokens) and 60 new tokens (10 blocks in use): every policy lists
+  min(used, budget_blocks) distinct blocks, the newest among them. SnapKV listed its 2 prompt
+  blocks + 1 recent block (3 of the 10 in use, budget 12 or 6) whatever the room: the blocks
+  between the prompt and the sliding recent window were never read."""
+  cfg, params, tok = stories
+  prompt = tok.encode("Once upon a time, there was a little girl named Lily. She liked to")
+  result = sparsedec.generate(cfg, params, [prompt], max_new_tokens=60, stop_tokens=(),
+                              method=Fafo(subsequences=3, length=3, candidates=2, policy=policy),
+                              return_state=True)
+  state = result.state
+  cache = state.cache
+  view = policy.view(state.extras.policy_state, cache)
+  used = -(-int(cache.lengths[0]) // 8)
+  assert used == 10
+  want = min(used, policy.budget_blocks)
+  for layer in range(cfg.num_layers):
+    lv = view.at_layer(layer)
+    for h in range(cfg.num_kv_heads):
+      listed = np.asarray(lv.tables[0, h, : int(lv.counts[0, h])]).tolist()
+      assert len(listed) == len(set(listed)) == want, (layer, h, listed)
+      assert all(0 <= b < used for b in listed), listed
+      assert used - 1 in listed, listed
+
+
 def test_bad_knobs_and_unsupported_models_are_refused(stories):
   cfg, params, tok = stories
   with pytest.raises(InputError, match="subsequences"):

@@ -5,7 +5,8 @@ Per layer, row and KV head: the last `window` prompt tokens' softmax attention o
 prompt (summed over the window's queries and the KV head's query heads, average-pooled over
 `pool` neighbouring slots) scores each block before the recent region; the best
 `budget_blocks - recent_blocks` of them are kept for the whole generation. The `recent_blocks`
-newest blocks of the row (which slide as text is generated) are always read.
+newest blocks of the row (which slide as text is generated) are always read; a prompt with fewer
+candidate blocks than that leaves the rest of the budget to more of the newest blocks.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from flax import struct
 
 from sparsedec.attention import BlockListView
 from sparsedec.compress.base import check_budget, pack_tables, prompt_window_queries
-from sparsedec.compress.streaming import streaming_tables
 from sparsedec.errors import InputError, is_int
 from sparsedec.kv.dense import KVCache
 
@@ -87,14 +87,17 @@ class SnapKV:
     return SnapKVState(jnp.stack(tables), jnp.stack(counts).astype(jnp.int32))
 
   def view(self, st: SnapKVState, cache: KVCache) -> BlockListView:
-    recent, recent_counts = streaming_tables(
-        cache.lengths, cache.k[0].shape[1], block_size=self.block_size,
-        budget_blocks=self.recent_blocks, sink_blocks=0)                    # [B, Hkv, R]
-    layers = st.tables.shape[0]
-    recent = jnp.broadcast_to(recent, (layers,) + recent.shape)
-    recent_counts = jnp.broadcast_to(recent_counts, (layers,) + recent_counts.shape)
-    tables, counts = pack_tables(st.tables, st.counts, recent, recent_counts)
-    return BlockListView(tables, counts, self.block_size, per_layer=True)
+    """The selected prompt blocks, then the newest blocks in the rest of the budget (at least
+    `recent_blocks`; more where the prompt had fewer candidates than budget_blocks -
+    recent_blocks, which were then all selected: blocks 0 .. counts - 1, so the newest blocks
+    start at or after counts and the two lists never overlap)."""
+    nb = self.budget_blocks
+    used = -(-cache.lengths.astype(jnp.int32) // self.block_size)[None, :, None]   # [1, B, 1]
+    start = jnp.maximum(used - (nb - st.counts), st.counts)                     # [L, B, Hkv]
+    recent = jnp.minimum(start[..., None] + jnp.arange(nb, dtype=jnp.int32),
+                         cache.k[0].shape[2] // self.block_size - 1)            # [L, B, Hkv, NB]
+    tables, counts = pack_tables(st.tables, st.counts, recent, jnp.maximum(used - start, 0))
+    return BlockListView(tables[..., :nb], counts, self.block_size, per_layer=True)
 
   def update(self, st: SnapKVState, cache: KVCache, queries) -> SnapKVState:
     return st
