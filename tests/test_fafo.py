@@ -193,6 +193,33 @@ def test_a_budget_larger_than_the_prompt_is_filled_with_the_newest_blocks(storie
       assert used - 1 in listed, listed
 
 
+def test_observation_window_longer_than_the_prompt_gives_the_prompts_own_queries(stories):
+  """SnapKV's observation-window queries of a row shorter than the window equal those of a
+  window exactly as long as the row. The window was padded in front with copies of the first
+  token at position 0, which every later query attended to as well (the first token weighed
+  9 times in a 6-token row with a 13-token window): every query but the first was wrong from
+  layer 1 on, so SnapKV selected from wrong scores for every prompt shorter than its window."""
+  from sparsedec.compress.base import prompt_window_queries
+  from sparsedec.decode.api import start
+  cfg, params, tok = stories
+  prompt = tok.encode("Once upon a time, there was a little girl")
+  state, _ = start(cfg, params, [prompt[:5], prompt[:9]], max_new_tokens=4)
+  lengths = [int(n) for n in state.num_tokens]                   # 6 and 10: with the first token
+  exact = {}
+  for row, n in enumerate(lengths):                              # each row's own length
+    q, pos, valid = prompt_window_queries(cfg, params, state, n)
+    for layer, ql in enumerate(q):
+      for i in np.flatnonzero(np.asarray(valid[row])):
+        exact[row, layer, int(pos[row, i])] = np.asarray(ql[row, i])
+  q, pos, valid = prompt_window_queries(cfg, params, state, 13)
+  for row, n in enumerate(lengths):
+    assert sorted(int(p) for p in np.asarray(pos[row])[np.asarray(valid[row])]) == list(range(n))
+    for layer, ql in enumerate(q):
+      for i in np.flatnonzero(np.asarray(valid[row])):
+        np.testing.assert_allclose(np.asarray(ql[row, i]), exact[row, layer, int(pos[row, i])],
+                                   atol=1e-5, err_msg=f"row {row} layer {layer} slot {i}")
+
+
 def test_bad_knobs_and_unsupported_models_are_refused(stories):
   cfg, params, tok = stories
   with pytest.raises(InputError, match="subsequences"):

@@ -45,18 +45,21 @@ def check_budget(name: str, block_size: int, budget_blocks: int) -> None:
 
 
 def prompt_window_queries(cfg, params, state, window: int):
-  """Each layer's queries of the last `window` tokens of every row (the current token last):
+  """Each layer's queries of the last `window` tokens of every row (the current token last, in
+  a row at least as long as the window):
   (queries: tuple per layer of [B, w, Hq, D], positions [B, w] int32, valid [B, w] bool).
 
   One extra forward at init for query-aware policies (SnapKV's observation window, Quest's first
-  selection). Rows shorter than the window repeat their first token (marked invalid)."""
+  selection). A row shorter than the window holds its n tokens first (the current token at n - 1),
+  then invalid entries: after the valid ones, so that no valid query attends to them (padding in
+  front, the causal in-flight mask let every query attend to the padding too)."""
   from sparsedec.model.forward import forward   # compress <- forward <- attention: no cycle
   n = state.num_tokens                                                      # [B]
-  idx = n[:, None] - window + jnp.arange(window, dtype=jnp.int32)[None, :]  # [B, w]
-  valid = idx >= 0
-  idx = jnp.maximum(idx, 0)
-  tokens = jnp.take_along_axis(state.tokens, idx, axis=1)
-  cache = state.cache.replace(lengths=jnp.maximum(n - window, 0).astype(jnp.int32))
+  first = jnp.maximum(n - window, 0)                                        # [B]
+  idx = first[:, None] + jnp.arange(window, dtype=jnp.int32)[None, :]       # [B, w]
+  valid = idx < n[:, None]
+  tokens = jnp.take_along_axis(state.tokens, jnp.minimum(idx, state.tokens.shape[1] - 1), axis=1)
+  cache = state.cache.replace(lengths=first.astype(jnp.int32))
   _, kv = forward(cfg, params, tokens, idx, cache, capture_queries=True,
                   logits_at=jnp.zeros((tokens.shape[0], 1), jnp.int32))
   return kv.q, idx, valid
