@@ -230,6 +230,16 @@ def test_bad_knobs_and_unsupported_models_are_refused(stories):
     Fafo(policy=StreamingLLM)                      # the class, not an instance
   with pytest.raises(InputError, match="window, pool and recent_blocks must be integers"):
     SnapKV(pool=2.5)
+  # were TypeErrors from a comparison with None, or accepted (a bool block size, a None
+  # max_commit that failed later in Fafo's check)
+  with pytest.raises(InputError, match="recent_blocks must be integers"):
+    SnapKV(recent_blocks=None)
+  with pytest.raises(InputError, match="sink_blocks"):
+    StreamingLLM(sink_blocks=None)
+  with pytest.raises(InputError, match="block_size"):
+    StreamingLLM(block_size=True)
+  with pytest.raises(InputError, match="max_commit"):
+    Quest(max_commit=None)
   with pytest.raises(InputError, match="sliding"):
     sparsedec.generate(cfg.replace(family="mistral", sliding_window=16), params,
                        [[1, 2, 3]], max_new_tokens=2, method=Fafo())

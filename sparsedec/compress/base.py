@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsedec.attention import BlockListView
-from sparsedec.errors import InputError
+from sparsedec.errors import InputError, is_int
 from sparsedec.kv.dense import KVCache
 
 
@@ -38,9 +38,9 @@ class CompressionPolicy(Protocol):
 
 
 def check_budget(name: str, block_size: int, budget_blocks: int) -> None:
-  if not isinstance(block_size, int) or block_size < 1:
+  if not is_int(block_size) or block_size < 1:
     raise InputError(f"{name}: block_size must be a positive integer, got {block_size!r}")
-  if not isinstance(budget_blocks, int) or budget_blocks < 1:
+  if not is_int(budget_blocks) or budget_blocks < 1:
     raise InputError(f"{name}: budget_blocks must be a positive integer, got {budget_blocks!r}")
 
 

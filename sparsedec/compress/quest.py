@@ -21,6 +21,7 @@ from flax import struct
 
 from sparsedec.attention import BlockListView
 from sparsedec.compress.base import check_budget, prompt_window_queries
+from sparsedec.errors import InputError, is_int
 from sparsedec.kv.dense import KVCache
 
 
@@ -74,6 +75,8 @@ class Quest:
 
   def __post_init__(self):
     check_budget("Quest", self.block_size, self.budget_blocks)
+    if not is_int(self.max_commit) or self.max_commit < 1:
+      raise InputError(f"Quest: max_commit must be an integer >= 1, got {self.max_commit!r}")
 
   def init(self, cfg, params, state) -> QuestState:
     cache = state.cache

@@ -61,12 +61,12 @@ class SnapKV:
 
   def __post_init__(self):
     check_budget("SnapKV", self.block_size, self.budget_blocks)
-    if not 1 <= self.recent_blocks < self.budget_blocks:
-      raise InputError(f"SnapKV: recent_blocks must be in [1, budget_blocks="
-                       f"{self.budget_blocks}), got {self.recent_blocks}")
     if not all(is_int(v) and v >= 1 for v in (self.window, self.pool, self.recent_blocks)):
       raise InputError(f"SnapKV: window, pool and recent_blocks must be integers >= 1, got "
                        f"{self.window!r}, {self.pool!r}, {self.recent_blocks!r}")
+    if not 1 <= self.recent_blocks < self.budget_blocks:
+      raise InputError(f"SnapKV: recent_blocks must be in [1, budget_blocks="
+                       f"{self.budget_blocks}), got {self.recent_blocks}")
 
   def init(self, cfg, params, state) -> SnapKVState:
     cache = state.cache

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from sparsedec.attention import BlockListView
 from sparsedec.compress.base import check_budget
-from sparsedec.errors import InputError
+from sparsedec.errors import InputError, is_int
 from sparsedec.kv.dense import KVCache
 
 
@@ -42,7 +42,7 @@ class StreamingLLM:
 
   def __post_init__(self):
     check_budget("StreamingLLM", self.block_size, self.budget_blocks)
-    if not 0 <= self.sink_blocks < self.budget_blocks:
+    if not is_int(self.sink_blocks) or not 0 <= self.sink_blocks < self.budget_blocks:
       raise InputError(f"StreamingLLM: sink_blocks must be in [0, budget_blocks="
                        f"{self.budget_blocks}), got {self.sink_blocks}")
 
