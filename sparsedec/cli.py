@@ -56,6 +56,11 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                   help="blocks in C(kv) per KV head (default 16)")
   fa.add_argument("--block-size", type=int, default=None,
                   help="cache slots per block (default 64)")
+  fa.add_argument("--sink-blocks", type=int, default=None,
+                  help="--policy streaming: leading blocks always listed (default 1)")
+  fa.add_argument("--recent-blocks", type=int, default=None,
+                  help="--policy snapkv: newest blocks listed beside the prompt's selection "
+                       "(default 2; below --budget-blocks)")
   qs = p.add_argument_group("quantspec (--method quantspec)")
   qs.add_argument("--gamma", type=int, default=None,
                   help="draft tokens per step (default 4)")
@@ -133,13 +138,16 @@ _METHOD_KNOBS = {"lookahead": {"lookahead_window": "window", "ngram": "ngram",
                                "guesses": "guesses"},
                  "fafo": {"subsequences": "subsequences", "fafo_length": "length",
                           "candidates": "candidates", "policy": "policy",
-                          "budget_blocks": "budget_blocks", "block_size": "block_size"},
+                          "budget_blocks": "budget_blocks", "block_size": "block_size",
+                          "sink_blocks": "sink_blocks", "recent_blocks": "recent_blocks"},
                  "quantspec": {"gamma": "gamma", "verify_precision": "verify_precision",
                                "quant_group": "quant_group",
                                "draft_weight_group": "weight_group",
                                "draft_weight_grid": "weight_grid",
                                "draft_sampling": "draft_sampling"}}
 _POLICY_KNOBS = ("budget_blocks", "block_size")
+# Knobs of one policy only: --sink-blocks with another policy is refused by name.
+_OWN_POLICY_KNOBS = {"sink_blocks": "streaming", "recent_blocks": "snapkv"}
 
 
 def _method(args):
@@ -155,8 +163,13 @@ def _method(args):
   knobs = {mine[flag]: value for flag, value in given.items()}
   if args.method == "fafo":
     from sparsedec.compress import POLICIES
-    policy_knobs = {name: knobs.pop(name) for name in _POLICY_KNOBS if name in knobs}
-    knobs["policy"] = POLICIES[knobs.pop("policy", "streaming")](**policy_knobs)
+    policy = knobs.pop("policy", "streaming")
+    for name, owner in _OWN_POLICY_KNOBS.items():
+      if name in knobs and owner != policy:
+        raise InputError(f"--{name.replace('_', '-')} applies to --policy {owner}, not {policy}")
+    policy_knobs = {name: knobs.pop(name) for name in (*_POLICY_KNOBS, *_OWN_POLICY_KNOBS)
+                    if name in knobs}
+    knobs["policy"] = POLICIES[policy](**policy_knobs)
   return get_method(args.method, **knobs)
 
 

@@ -75,6 +75,10 @@ def test_sampled_generation_is_reproducible_by_seed(capsys):
     (["--model", "/nonexistent/model"], "/nonexistent/model"),
     (["--chat", "hi"], "has no chat_template"),
     (["--system", "be brief"], "--system goes with --chat"),
+    (["--method", "fafo", "--policy", "quest", "--recent-blocks", "3"],
+     "--recent-blocks applies to --policy snapkv, not quest"),
+    (["--method", "fafo", "--sink-blocks", "2", "--policy", "snapkv"],
+     "--sink-blocks applies to --policy streaming, not snapkv"),
 ])
 def test_bad_input_is_a_clear_error(capsys, argv, message):
   base = ["generate"] + ([] if "--chat" in argv else ["--prompt", "Once"])
@@ -175,3 +179,14 @@ def test_a_closed_stdout_ends_quietly(tmp_path):
     os.close(write)
   assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
   assert proc.returncode == 1
+
+
+def test_policy_knobs_reach_the_policy():
+  """--sink-blocks (StreamingLLM) and --recent-blocks (SnapKV) set their policy's fields; a SnapKV
+  budget of 2 blocks needs --recent-blocks 1 (the default 2 is refused below the budget)."""
+  def parse(*args):
+    argv = ["generate", "--prompt", "x", "--method", "fafo", *args]
+    return cli._method(cli._parser().parse_args(argv))
+  assert parse("--sink-blocks", "3").policy.sink_blocks == 3
+  policy = parse("--policy", "snapkv", "--budget-blocks", "2", "--recent-blocks", "1").policy
+  assert (policy.name, policy.budget_blocks, policy.recent_blocks) == ("snapkv", 2, 1)
