@@ -14,6 +14,7 @@ Run: PYTHONPATH=$PWD python3 benchmarks/kernels_decode_smoke.py
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import json
@@ -154,8 +155,15 @@ def _timings(results: dict, out_path: str):
       del x, k_bshd, v_bshd
 
 
-def main():
-  out_path = _out_path()
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--out", default=None, help="JSON path (default $OUT/kernels_decode_smoke.json, "
+                                               "else benchmarks/results/)")
+  args = ap.parse_args(argv)
+  if jax.default_backend() != "gpu":
+    sys.exit(f"kernels_decode_smoke.py times the compiled kernel and needs a GPU backend, not "
+             f"{jax.default_backend()!r} (nothing written)")
+  out_path = args.out or _out_path()
   t_start = time.time()
   dev = jax.devices()[0]
   results = dict(device=dev.device_kind, platform=dev.platform, jax=jax.__version__,

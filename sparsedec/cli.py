@@ -277,6 +277,9 @@ def cmd_generate(args) -> int:
   if args.system is not None and args.chat is None:
     raise InputError("--system goes with --chat (a raw --prompt has no chat template to hold a "
                      "system message)")
+  if args.stream and args.json:
+    raise InputError("--stream and --json do not go together: --json prints one object when "
+                     "generation ends")
   sampling = _sampling(args)
   method = _exact_draft_group(args, _method(args))
   calibration = _draft_tokens(args, method)
@@ -286,7 +289,7 @@ def cmd_generate(args) -> int:
   kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                 method=method, cache_size=args.cache_size,
                 stop_tokens=() if args.ignore_eos else None)
-  if args.stream and not args.json:
+  if args.stream:
     decoder = tok.stream_decoder(skip_special_tokens=True)
     slices = api.stream(cfg, params, [ids], **kwargs)
     while True:
@@ -303,7 +306,7 @@ def cmd_generate(args) -> int:
   text = tok.decode(result.tokens[0], skip_special_tokens=True)
   stats = {"method": args.method, "method_config": method_config(method),
            "prompt_tokens": len(ids), **result.stats()}
-  if args.stream and not args.json:
+  if args.stream:
     print(json.dumps(stats), file=sys.stderr)
   elif args.json:
     print(json.dumps({"text": text, "tokens": result.tokens[0], "stats": stats}))

@@ -75,6 +75,7 @@ def test_sampled_generation_is_reproducible_by_seed(capsys):
     (["--model", "/nonexistent/model"], "/nonexistent/model"),
     (["--chat", "hi"], "has no chat_template"),
     (["--system", "be brief"], "--system goes with --chat"),
+    (["--stream", "--json"], "--stream and --json do not go together"),
     (["--method", "fafo", "--policy", "quest", "--recent-blocks", "3"],
      "--recent-blocks applies to --policy snapkv, not quest"),
     (["--method", "fafo", "--sink-blocks", "2", "--policy", "snapkv"],
