@@ -70,15 +70,21 @@ def is_int(value) -> bool:
   return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def check_config_ints(config, counts: Sequence[str] = (), optional: Sequence[str] = ()) -> None:
-  """A kernel config's integer knobs: `counts` positive ints, `optional` None or positive ints
-  (numpy integers too; not bools or floats: 2.0 stages reached the kernel as a shape error).
-  Its `warp_specialized`, where it has one, None or a bool."""
-  for name in (*counts, *optional):
-    value = getattr(config, name)
-    if (value is not None or name in counts) and (not is_int(value) or value < 1):
+def check_counts(optional: Sequence[str] = (), **counts) -> None:
+  """Static counts are ints >= 1 (numpy integers too; not bools or floats: 2.0 stages reached the
+  kernel as a shape error, 0 stages ran as 1); the names in `optional` may also be None."""
+  for name, value in counts.items():
+    if name in optional and value is None:
+      continue
+    if not is_int(value) or value < 1:
       none = " or None" if name in optional else ""
       raise ValueError(f"{name} must be >= 1 (an int){none}, got {value!r}")
+
+
+def check_config_ints(config, counts: Sequence[str] = (), optional: Sequence[str] = ()) -> None:
+  """A kernel config's integer knobs (`check_counts`): `counts` positive ints, `optional` None or
+  positive ints. Its `warp_specialized`, where it has one, None or a bool."""
+  check_counts(optional, **{name: getattr(config, name) for name in (*counts, *optional)})
   ws = getattr(config, "warp_specialized", None)
   if ws is not None and not isinstance(ws, (bool, np.bool_)):
     raise ValueError(f"warp_specialized must be None, True or False, got {ws!r}")

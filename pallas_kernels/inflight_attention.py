@@ -78,7 +78,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from pallas_kernels.combine import check_mask, interpret_mode, is_int, normalised
+from pallas_kernels.combine import check_counts, check_mask, interpret_mode, normalised
 from pallas_kernels.register_operand import a_staging, swizzled, wgmma_register_a
 
 BLOCK_M = 64                      # q rows per thread block (one warpgroup's wgmma M)
@@ -140,7 +140,7 @@ def inflight_partials(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
   [B, Hkv, U_pad, D] (q's dtype); mask from `mask_bias` (bias [QB * 64, U_pad], 0 / -inf)."""
   _check_args(q_rows, k_rows, v_rows, mask)
   _check_rows_out(rows_out)
-  _check_counts(num_stages=num_stages)
+  check_counts(num_stages=num_stages)
   return _inflight_kernel(q_rows, k_rows, v_rows, mask, rows_out=rows_out,
                           num_stages=num_stages, interpret=interpret)
 
@@ -148,14 +148,6 @@ def inflight_partials(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
 def _check_rows_out(rows_out):
   if not 0 < rows_out <= BLOCK_M or rows_out % 8:
     raise ValueError(f"rows_out must be a multiple of 8 in (0, 64], got {rows_out}")
-
-
-def _check_counts(**counts):
-  """Static counts (num_stages, group) are ints >= 1 (0 stages ran as 1; a group of 0 divided
-  by zero)."""
-  for name, value in counts.items():
-    if not is_int(value) or value < 1:
-      raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
 def _check_args(q_rows, k_rows, v_rows, mask):
@@ -636,7 +628,7 @@ def inflight_merged(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
   d_chunks: blocks per q block, each merging and writing D / d_chunks (>= 16) columns (None:
   `merge_chunks`; `chunks_fit` says which are allowed)."""
   _check_args(q_rows, k_rows, v_rows, mask)
-  _check_counts(num_stages=num_stages, group=group)
+  check_counts(num_stages=num_stages, group=group)  # group 0: ZeroDivisionError
   b, hkv, m_total, d = q_rows.shape
   w, rows_out = acc.shape[2], acc.shape[3]
   if acc.shape != (b, hkv, w, rows_out, d):

@@ -273,7 +273,7 @@ def test_merged_segments_take_any_sequence():
     np.testing.assert_array_equal(np.asarray(got_lse), np.asarray(lse))
   with pytest.raises(ValueError, match="segments must be a non-empty sequence"):
     call(())
-  with pytest.raises(ValueError, match="group must be an int >= 1, got 0"):
+  with pytest.raises(ValueError, match=r"group must be >= 1 \(an int\), got 0"):
     inflight_merged(q_rows, pack_keys(k_new), pack_keys(v_new), bias, acc, m2, l, group=0,
                     segments=(segment,), interpret=INTERPRET)
 
@@ -348,7 +348,7 @@ def test_bad_inputs_are_rejected_in_plain_words():
     inflight_partials(q_rows, pack_keys(k_new), pack_keys(v_new),
                       bias._replace(bias=bias.bias.astype(jnp.float32)), rows_out=16)
   # 0 stages ran as 1; a group of 0 divided by zero.
-  with pytest.raises(ValueError, match="num_stages must be an int >= 1, got 0"):
+  with pytest.raises(ValueError, match=r"num_stages must be >= 1 \(an int\), got 0"):
     inflight_partials(q_rows, pack_keys(k_new), pack_keys(v_new), bias, rows_out=16,
                       num_stages=0)
   acc = jnp.zeros((1, 1, 2, 16, 64), jnp.float32)

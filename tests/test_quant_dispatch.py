@@ -178,7 +178,7 @@ def test_precomputed_tail_is_what_the_view_reads(window, impl):
     run(view.with_tail().replace(bits=8))
 
 
-def test_quantspec_greedy_interpret_equals_reference():
+def test_quantspec_greedy_kernel_equals_reference():
   """Prefill (decode_attention), gamma = 2 drafts (4-bit weights, QuantView bits 4 + scratch) and
   the INT8 verification (QuantView bits 8) all in kernels: the same tokens as the reference.
   Row 0 (186-token prompt) flushes its second group during the run, row 1 (124) quantizes its

@@ -109,9 +109,13 @@ def plan_capacity(cfg: ModelConfig, max_prompt: int, max_new_tokens: int,
   return -(-(bucket + max_new_tokens) // CAPACITY_ALIGN) * CAPACITY_ALIGN
 
 
+def _python(x):
+  """A numpy / JAX array (or scalar) as Python lists / ints; anything else as it is."""
+  return x.tolist() if hasattr(x, "tolist") and not isinstance(x, (list, tuple)) else x
+
+
 def _check_prompts(cfg: ModelConfig, prompts) -> list[list[int]]:
-  if hasattr(prompts, "tolist") and not isinstance(prompts, (list, tuple)):  # numpy / jax
-    prompts = prompts.tolist()
+  prompts = _python(prompts)
   if not isinstance(prompts, (list, tuple)) or not prompts:
     raise InputError("prompts must be a non-empty list of token-id lists")
   if all(isinstance(t, (int, np.integer)) for t in prompts):
@@ -136,8 +140,7 @@ def _check_prompts(cfg: ModelConfig, prompts) -> list[list[int]]:
 def _seeds(seed, batch: int) -> np.ndarray:
   """[B] int32 seeds: any Python / numpy integer, taken modulo 2**32 (so 2**31, 2**40 or a
   getrandbits(32) value work; seeds within int32 are unchanged)."""
-  if hasattr(seed, "tolist") and not is_int(seed):   # numpy / jax arrays (0-d: one seed)
-    seed = seed.tolist()
+  seed = _python(seed)                         # numpy / jax arrays (0-d: one seed)
   if is_int(seed):
     seed = [int(seed)] * batch
   if isinstance(seed, (str, bytes)):           # iterable, but not ints
@@ -170,8 +173,7 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
   rows = _check_prompts(cfg, prompts)
   method = get_method(method)
   stops = cfg.eos_token_ids if stop_tokens is None else stop_tokens
-  if hasattr(stops, "tolist") and not isinstance(stops, (list, tuple)):   # numpy / jax arrays
-    stops = stops.tolist()
+  stops = _python(stops)
   if (isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__")
       or not all(is_int(t) for t in stops)):
     raise InputError(f"stop_tokens must be a sequence of token ids (() for none), "
