@@ -204,3 +204,26 @@ def test_plots_take_one_decode_time_per_shape():
   ms = [row("decode", 4096, 12.0), row("quant", 4096, 11.0), row("quant", 16384, 30.0),
         dict(row("quant", 16384, 5.0), Tq=16)]
   assert plot_kernels.fastest_decode(ms, 1, 1) == {4096: 11.0, 16384: 30.0}
+
+
+def test_read_floor_stream_kernel_lowers_and_reads_its_tiles():
+  """benchmarks/read_floor.py's TMA-only stream (the floor under issue 3's decode target):
+  lowers for cuda, and in the Mosaic GPU interpreter each block stores the first 64 rows of
+  the last K tile it streamed, so the reads happened and went to the right split."""
+  import jax
+  from benchmarks.read_floor import HKV, D, stream_kernel
+  s, block_kv, stages, splits = 512, 64, 2, 3                  # 8 tiles: 3 + 3 + 2 a split
+  fn = stream_kernel(1, s, block_kv, stages, splits)
+  kv = jax.ShapeDtypeStruct((1, HKV, s, D), jnp.bfloat16)
+  dep = jax.ShapeDtypeStruct((1, HKV, splits, 64, D), jnp.bfloat16)
+  text = jax.jit(fn).trace(dep, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+  assert "stablehlo.custom_call @mosaic_gpu_v2" in text
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  k = rand.normal(jax.random.key(0), (1, HKV, s, D), jnp.bfloat16)
+  out = stream_kernel(1, s, block_kv, stages, splits, interpret=plgpu.InterpretGPUParams())(
+      jnp.zeros(dep.shape, dep.dtype), k, k)
+  last_tile = [2, 5, 7]                                        # each split's last tile
+  for split, tile in enumerate(last_tile):
+    np.testing.assert_array_equal(np.asarray(out[0, :, split], np.float32),
+                                  np.asarray(k[0, :, tile * block_kv:tile * block_kv + 64],
+                                             np.float32))
