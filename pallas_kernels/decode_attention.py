@@ -64,6 +64,16 @@ Two steps:
      v_new as before, with no XLA reduction launch for the score. H200, device us a call
      (`benchmarks/results/s48/`): B 1 16K 24.17 -> 22.85, B 1 64K 68.49 -> 67.31, B 8 16K
      126.64 -> 125.14; the split kernel +0.0-0.1 us.
+     At 2 <= Tq with one q block (Tq * G <= 64, plain blocks; "auto", `in_kernel_tile`) the
+     cache kernel takes the whole in-flight part: split 0's block first attends its q block to a
+     64-key tile of k_new / v_new read in place (a [64, D] TMA box of head h's columns; rows past
+     Tq zero-filled) under the mask's bias tile, then carries that softmax state into its cache
+     tiles (`inflight_tile_step`). The combine only merges splits; no in-flight kernel, no
+     packing of k_new / v_new. H200, device us a call against the in-flight kernel merging the
+     splits ("merged", the faster of the two former choices in every cell;
+     `benchmarks/results/s51/inflight_tile_ab_s51_h200.json`): B 1
+     64K Tq 16 70.93 -> 69.74, 16K Tq 16 27.15 -> 25.95, 16K Tq 4 25.67 -> 23.94, 64K Tq 2
+     69.15 -> 66.96, B 8 16K Tq 16 129.28 -> 127.43.
 
 The pure-jnp reference `decode_attention_reference` sits at the bottom of this file.
 """
@@ -217,6 +227,84 @@ def inflight_key_rows(k_new: jax.Array) -> jax.Array:
   """k_new [B, 1, Hkv, D] -> [B, Hkv, 1, D], a bitcast (the moved axis has size 1)."""
   b, _, hkv, d = k_new.shape
   return k_new.reshape(b, hkv, 1, d)
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole in-flight part in the cache kernel (decode_attention, 2 <= Tq, Tq * G <= 64): the
+# block of split 0 first attends its q block to the step's own keys, one 64-key tile (k_new and
+# v_new read in place: rows t of head h, the TMA zero-filling the rows past Tq) under the mask's
+# bias tile, and carries that softmax state into its cache tiles. The split partials then hold
+# everything and the combine only merges them: no in-flight kernel, no packing of k_new / v_new.
+# ----------------------------------------------------------------------------------------------
+
+INFLIGHT_TILE = 64               # in-flight keys of the tile (Tq * G <= 64, so Tq <= 64)
+
+
+def inflight_tile_scratch(head_dim: int, dtype, interpret: Any) -> list:
+  """SMEM of the in-flight tile: k_new's and v_new's rows [64, D] (wgmma operands), the mask's
+  bias [64 rows, 64 keys] bf16, one barrier for the three TMAs, and in interpret mode the
+  staging of P [64, 64] (`wgmma_register_a`)."""
+  tile = lambda: plgpu.SMEM((INFLIGHT_TILE, head_dim), dtype, **SWIZZLED)
+  staging = a_staging((BLOCK_M, INFLIGHT_TILE), dtype, interpret, **SWIZZLED)
+  return [tile(), tile(), plgpu.SMEM((BLOCK_M, INFLIGHT_TILE), jnp.bfloat16),
+          plgpu.Barrier(num_arrivals=3), *staging.values()]
+
+
+def fetch_inflight_tile(refs, smem, b, h, zero) -> None:
+  """Starts the TMAs of the in-flight tile: rows [0, 64) of k_new[b, :, h] and v_new[b, :, h]
+  (GMEM [B, Tq, Hkv * D], `heads_merged`; `zero` a traced 0 that Mosaic GPU can prove a
+  multiple of 64 for the SMEM tiling, so the box may run past Tq: zero-filled) and the bias
+  [64, 64]."""
+  kn_ref, vn_ref, bias_ref = refs
+  kn_smem, vn_smem, bias_smem, barrier = smem[:4]
+  d = kn_smem.shape[1]
+  rows, cols = pl.ds(zero, INFLIGHT_TILE), pl.ds(h * d, d)
+  plgpu.copy_gmem_to_smem(kn_ref.at[b, rows, cols], kn_smem, barrier)
+  plgpu.copy_gmem_to_smem(vn_ref.at[b, rows, cols], vn_smem, barrier)
+  plgpu.copy_gmem_to_smem(bias_ref, bias_smem, barrier)
+
+
+def inflight_tile_step(q_smem, smem, carry, *, scale, dtype):
+  """(acc, m, l) after the q block's rows attend to the in-flight tile (the first keys a split
+  0 block visits). A row that sees no in-flight key keeps m = -inf, l = 0, acc = 0 (a finite
+  stand-in for its max keeps p and alpha at 0, not NaN)."""
+  kn_smem, vn_smem, bias_smem, barrier = smem[:4]
+  a_smem = smem[4] if len(smem) > 4 else None
+  acc, m_i, l_i = carry
+  plgpu.barrier_wait(barrier)
+
+  def qk_scope(s_ref):                             # [64, 64] fp32 accumulator
+    plgpu.wgmma(s_ref, q_smem, kn_smem.transpose((1, 0)))
+    return s_ref[...]
+  s = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_M, INFLIGHT_TILE), jnp.float32)) * scale
+  bias = plgpu.load(bias_smem, layout=plgpu.Layout.WGMMA, optimized=False)
+  s = s + bias.astype(jnp.float32)
+  m_new = jnp.maximum(m_i, s.max(axis=1))
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp2(m_i - m_use)
+  p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+  l_i = l_i * alpha + p.sum(axis=1)
+
+  def pv_scope(pv_ref):                            # [64, D] fp32 accumulator
+    wgmma_register_a(pv_ref, p.astype(dtype), vn_smem, a_smem=a_smem)
+    return pv_ref[...]
+  pv = pl.run_scoped(pv_scope, plgpu.ACC((BLOCK_M, acc.shape[1]), jnp.float32))
+  return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l_i
+
+
+def heads_merged(x: jax.Array) -> jax.Array:
+  """k_new or v_new [B, Tq, Hkv, D] -> [B, Tq, Hkv * D], a bitcast: head h's rows are the
+  column range [h * D, (h + 1) * D), one 2-D TMA box."""
+  b, tq, hkv, d = x.shape
+  return x.reshape(b, tq, hkv * d)
+
+
+def inflight_tile_bias(mask: jax.Array, group: int) -> jax.Array:
+  """The in-flight tile's bias [64, 64] bf16 (rows r = t * G + g, 0 / -inf; `mask_bias`)."""
+  tq = mask.shape[0]
+  row_query = np.full(BLOCK_M, -1)
+  row_query[:tq * group] = np.arange(tq * group) // group
+  return mask_bias(mask, row_query).bias
 
 
 # ----------------------------------------------------------------------------------------------
@@ -375,7 +463,8 @@ class DecodeConfig:
   target_blocks: int | None = None
   min_tiles_per_split: int = 2
   # The in-flight part: "merged", "kernel", "jnp", "auto" (combine.inflight_choice; at Tq = 1
-  # "auto" has the cache kernel compute q . k_new, combine.in_kernel_score, "jnp" the combine).
+  # "auto" has the cache kernel compute q . k_new, combine.in_kernel_score, "jnp" the combine;
+  # at 2 <= Tq with one q block "auto" has the cache kernel attend to the keys, in_kernel_tile).
   inflight: str = "auto"
   # Warp-specialized blocks (FlashAttention-3's structure): a producer warpgroup issues the
   # K/V TMAs, one or two compute warpgroups (`compute_warpgroups`) take a q block each and
@@ -441,6 +530,7 @@ def _pick_num_splits(cfg: DecodeConfig, batch: int, num_kv_heads: int, q_blocks:
 def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                     lengths: jax.Array, *, rows_out: int, num_splits: int, cfg: DecodeConfig,
                     score_rows: int = 0, inflight_key: jax.Array | None = None,
+                    inflight_tile: tuple[jax.Array, jax.Array, jax.Array] | None = None,
                     interpret: Any = None):
   """Split partials of the cache part.
 
@@ -456,6 +546,9 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   inflight_key: at Tq = 1 (one q block, plain blocks) k_new [B, Hkv, 1, D] in q's dtype
   (`inflight_key_rows`): split 0 also returns, last, the in-flight scores [B, Hkv, 64] fp32,
   q_r . k_new unscaled (`store_inflight_score`).
+  inflight_tile: at 2 <= Tq (one q block, plain blocks) (k_new, v_new [B, Tq, Hkv, D] in q's
+  dtype, bias [64, 64] bf16 from `inflight_tile_bias`): split 0's partials also cover the
+  in-flight keys (`inflight_tile_step`), so they are the whole attention once merged.
   """
   batch, num_kv_heads, m_total, head_dim = q_rows.shape
   capacity = k_cache.shape[2]
@@ -467,9 +560,9 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   dtype = q_rows.dtype
   if not ws:
     check_plain_smem(block_kv, num_stages, head_dim, dtype=dtype, score_rows=score_rows)
-  if inflight_key is not None and (ws or q_blocks != 1):
-    raise ValueError("the in-flight score needs one q block of plain (not warp-specialized) "
-                     "blocks")
+  if (inflight_key is not None or inflight_tile is not None) and (ws or q_blocks != 1):
+    raise ValueError("the in-flight score or tile needs one q block of plain (not "
+                     "warp-specialized) blocks")
   score_scale = head_dim ** -0.5 * LOG2E       # scores kept in log2 units (exp2 in the loop)
 
   def row_tiles(lengths_ref, b, split):
@@ -505,7 +598,9 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
            ws=None,         # warp-specialized: (k_consumed, v_consumed, schedule, done)
            kn_ref=None,     # [B, Hkv, 1, D] (inflight_key)             GMEM
            sn_out_ref=None,  # [B, Hkv, 64] fp32 (inflight_key)          GMEM
-           kn_smem=None):   # `inflight_score_scratch` (inflight_key)   SMEM
+           kn_smem=None,    # `inflight_score_scratch` (inflight_key)   SMEM
+           tile_refs=None,  # (k_new, v_new [B, Tq, Hkv, D], bias [64, 64]) GMEM (inflight_tile)
+           tile_smem=None):  # `inflight_tile_scratch` (inflight_tile)   SMEM
     split = lax.axis_index("split")
     head_qblock = lax.axis_index("head_qblock")
     b = lax.axis_index("batch")
@@ -537,6 +632,9 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     if kn_ref is not None:
       pl.when(split == 0)(lambda: fetch_inflight_key(
           kn_ref.at[b, h, pl.ds(q_first, KN_ROWS)], kn_smem))     # q_first is 0 here
+    if tile_refs is not None:       # split is 0 there: a traced zero start, a multiple of 64
+      pl.when(split == 0)(lambda: fetch_inflight_tile(tile_refs, tile_smem, b, h,
+                                                      split * INFLIGHT_TILE))
     if ws is None:
       for step in range(num_stages):               # prologue: fill the ring
         pl.when(step < my_tiles)(functools.partial(fetch, step, step))
@@ -548,6 +646,11 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     m_i = plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32),
                             plgpu.Layout.WGMMA.reduce(1))
     l_i = plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    if tile_refs is not None:                      # split 0: the in-flight keys first
+      acc, m_i, l_i = lax.fori_loop(
+          0, (split == 0).astype(jnp.int32),
+          lambda _, carry: inflight_tile_step(q_smem, tile_smem, carry, scale=score_scale,
+                                              dtype=dtype), (acc, m_i, l_i))
 
     def kv_step(step, carry):
       acc, m_i, l_i = carry
@@ -566,7 +669,8 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       if score_rows:
         pl.when(qb == 0)(lambda: store_scores(s, (first_tile + step) * block_kv))
 
-      # Every tile holds at least one valid slot, so m_new is finite.
+      # Every tile holds at least one valid slot, so m_new is finite (m_i may be -inf: a row
+      # that saw no in-flight key).
       m_new = jnp.maximum(m_i, s.max(axis=1))
       alpha = jnp.exp2(m_i - m_new)
       p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -653,18 +757,25 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   if keyed:                    # only then: the plain kernel has no in-flight score
     scratch.append(inflight_score_scratch(head_dim, dtype))
     out_type.append(jax.ShapeDtypeStruct((batch, num_kv_heads, BLOCK_M), jnp.float32))
+  tiled = inflight_tile is not None
+  if tiled:                    # only then: the plain kernel has no in-flight tile
+    scratch.append(inflight_tile_scratch(head_dim, dtype, interpret))
+  extra_inputs = (inflight_key,) if keyed else tuple(inflight_tile) if tiled else ()
 
   def decode_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, *refs):
-    kn_ref, (acc_ref, m_ref, l_ref, *outs) = (refs[0], refs[1:]) if keyed else (None, refs)
+    n_in = len(extra_inputs)
+    in_refs, (acc_ref, m_ref, l_ref, *outs) = refs[:n_in], refs[n_in:]
+    kn_ref = in_refs[0] if keyed else None
     scores_ref, sn_ref = outs[:len(outs) - keyed], (outs[-1] if keyed else None)
 
-    def scoped(q_smem, union, m_smem, l_smem, q_bar, k_bars, v_bars, *kn_smem, a_smem=None):
+    def scoped(q_smem, union, m_smem, l_smem, q_bar, k_bars, v_bars, *more_smem, a_smem=None):
       (k_smem, v_smem, *s_smem), o_smem = union    # the union's two views
       extra = (scores_ref[0], s_smem[0]) if score_rows else ()
       body(lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
            q_smem, k_smem, v_smem, o_smem, m_smem, l_smem, q_bar, k_bars, v_bars, *extra,
            a_smem=a_smem, kn_ref=kn_ref, sn_out_ref=sn_ref,
-           kn_smem=kn_smem[0] if keyed else None)
+           kn_smem=more_smem[0] if keyed else None,
+           tile_refs=in_refs if tiled else None, tile_smem=more_smem[0] if tiled else None)
     pl.run_scoped(scoped, *scratch,
                   **a_staging((BLOCK_M, block_kv), dtype, interpret, **SWIZZLED))
 
@@ -694,7 +805,7 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       **(dict(num_threads=wgs + 1, thread_name="wg") if ws else {}),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
-  )(lengths, q_rows, k_cache, v_cache, *(() if inflight_key is None else (inflight_key,)))
+  )(lengths, q_rows, k_cache, v_cache, *extra_inputs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -781,11 +892,13 @@ def split_partials(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths
 
 def _rows_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                    lengths: jax.Array, *, num_queries: int, group: int, config: DecodeConfig,
-                   num_score_queries: int, interpret: Any, k_new: jax.Array | None = None):
+                   num_score_queries: int, interpret: Any, k_new: jax.Array | None = None,
+                   inflight_tile: tuple[jax.Array, jax.Array, jax.Array] | None = None):
   """`split_partials` from q rows already packed by `_q_rows` (Tq = num_queries queries).
   k_new: the step's keys [B, 1, Hkv, D] where the kernel may compute the Tq = 1 in-flight
   score (`in_kernel_score`); the partials then end with those scores [B, Hkv, 64], else
-  with None."""
+  with None. inflight_tile: (k_new, v_new, bias) for `_cache_partials` (the caller checked
+  `tile_fits`)."""
   b, hkv, m_total, _ = q_rows.shape
   capacity = k_cache.shape[2]
   q_blocks = -(-m_total // BLOCK_M)
@@ -799,10 +912,45 @@ def _rows_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                           num_splits=num_splits, cfg=config,
                           score_rows=score_rows(num_score_queries, group),
                           inflight_key=inflight_key_rows(k_new) if keyed else None,
-                          interpret=interpret)
+                          inflight_tile=inflight_tile, interpret=interpret)
   if k_new is None:
     return parts
   return (*parts, None) if not keyed else parts
+
+
+def in_kernel_tile(config: DecodeConfig, q: jax.Array, k_cache: jax.Array, k_new: jax.Array,
+                   v_new: jax.Array, interpret: Any, num_score_queries: int = 0) -> bool:
+  """Whether the cache kernel takes the whole in-flight part (`inflight_tile_step`): "auto"
+  at 2 <= Tq with one q block (Tq * G <= 64) of plain blocks and k_new, v_new in q's dtype,
+  where the tile's SMEM fits beside the block's without costing a resident block per SM
+  (`tile_fits`). Elsewhere (and with "kernel", "merged" or "jnp") the in-flight kernel or the
+  combine does. Measured in the module docstring (step 2)."""
+  b, tq, hq, d = q.shape
+  hkv, capacity = k_cache.shape[1], k_cache.shape[2]
+  group = hq // hkv
+  q_blocks = num_q_blocks(tq, group)
+  if config.inflight != "auto" or tq < 2 or q_blocks != 1:
+    return False
+  if not (k_new.dtype == v_new.dtype == q.dtype):
+    return False
+  resolved = config.resolve(q_blocks, capacity, d, interpret is not None)
+  if resolved.specialized(q_blocks, d, interpret is not None):
+    return False
+  return tile_fits(resolved.block_kv, resolved.num_stages, d, q.dtype.itemsize,
+                   score_rows(num_score_queries, group))
+
+
+def tile_fits(block_kv: int, num_stages: int, head_dim: int, itemsize: int,
+              num_score_rows: int) -> bool:
+  """Whether a plain block with the in-flight tile's SMEM (`inflight_tile_scratch`) fits an SM
+  as many times as one without it (`resident_blocks`): D = 128, bf16, 2 stages: 128-key tiles
+  188.5 of 227 KiB (one block an SM either way); 64-key tiles 124.5 KiB (two blocks an SM
+  without the tile, one with it: no)."""
+  tile = 2 * INFLIGHT_TILE * head_dim * itemsize + BLOCK_M * INFLIGHT_TILE * 2
+  block = smem_bytes(block_kv, num_stages, head_dim, itemsize)
+  if num_score_rows:
+    block += BLOCK_M * block_kv * 4
+  return resident_blocks(block_kv, num_stages, head_dim) * (block + tile) <= SMEM_PER_SM
 
 
 @normalised(score_queries=static_ints, interpret=interpret_mode)
@@ -831,12 +979,15 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
   # follows the same order: q and the in-flight mask's rows here, out and lse back below.
   order = selected_first(sel, range(tq))
   q, mask = permute_queries(order, q, mask)
-  use_kernel = inflight_choice(config.inflight, tq)
+  tiled = in_kernel_tile(config, q, k_cache, k_new, v_new, interpret, len(sel))
+  use_kernel = inflight_choice(config.inflight, tq) and not tiled
   q_rows = _q_rows(q, k_cache.shape[1], whole_blocks=use_kernel)
   scored = in_kernel_score(config.inflight, q, k_new)
   parts = _rows_partials(q_rows, k_cache, v_cache, lengths, num_queries=tq, group=group,
                          config=config, num_score_queries=len(sel), interpret=interpret,
-                         k_new=k_new if scored else None)
+                         k_new=k_new if scored else None,
+                         inflight_tile=((heads_merged(k_new), heads_merged(v_new),
+                                         inflight_tile_bias(mask, group)) if tiled else None))
   given = parts[-1] if scored else None
   acc, m2, l = parts[:3]
   b, hkv, q_blocks, num_splits = acc.shape[:4]
@@ -856,6 +1007,8 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
   elif use_kernel:
     extra = inflight_partials(*inflight, rows_out=acc.shape[4], interpret=interpret)
     out, lse = combine_partials(acc, m2, l, q, [], group=group, extra=extra)
+  elif tiled:                                      # the partials cover the in-flight keys
+    out, lse = combine_partials(acc, m2, l, q, [], group=group)
   else:
     out, lse = combine_partials(acc, m2, l, q, [(k_new, v_new, mask[None])], group=group,
                                 given_scores=given)

@@ -425,3 +425,67 @@ def test_single_query_in_flight_score_from_the_cache_kernel(on):
                  capacity=128, dtype=jnp.bfloat16)
   wide_args = (*wide[:3], lengths[:1], *wide[3:], mask)
   assert "stablehlo.dot_general" in cuda_text(call("auto"), *wide_args)
+
+
+def test_few_queries_in_flight_keys_in_the_cache_kernel():
+  """2 <= Tq, Tq * G <= 64 ("auto"): split 0's block attends to the in-flight keys first (one
+  64-key tile read from k_new / v_new in place, the mask as a bias tile), so the call launches
+  no in-flight kernel and the combine only merges splits. Checked against the reference and the
+  in-flight kernel's mode ("kernel"): Tq * G = 64 exactly, B x Hkv = 6, a row with no cache
+  slot (split 0 has no tile: only the in-flight keys), a query that sees no in-flight key (out
+  from the cache alone), one that sees nothing at all (out 0, lse -inf), selected queries."""
+  tq, hq, hkv = 16, 12, 3                                          # G = 4: 64 rows
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      31, batch=2, num_queries=tq, num_q_heads=hq, num_kv_heads=hkv, head_dim=64, capacity=192,
+      dtype=jnp.bfloat16)
+  mask = np.tril(np.ones((tq, tq), bool))
+  mask[5] = False
+  mask = jnp.asarray(mask)
+  lengths = jnp.array([150, 0], jnp.int32)
+  config = DecodeConfig(num_splits=3)
+  out, lse = _check(q, k_cache, v_cache, lengths, k_new, v_new, mask, config,
+                    score_queries=(5, 0))
+  assert np.all(np.asarray(out[1, 5], np.float32) == 0.0)        # row 1 sees no cache slot
+  assert np.all(np.isneginf(np.asarray(lse[1, 5])))
+  assert np.all(np.isfinite(np.asarray(lse[0, 5])))
+  out_kernel, lse_kernel = _check(q, k_cache, v_cache, lengths, k_new, v_new, mask,
+                                  DecodeConfig(num_splits=3, inflight="kernel"))
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(out_kernel, np.float32),
+                             atol=2e-2)
+  finite = np.isfinite(np.asarray(lse_kernel))
+  np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_kernel)[finite], atol=1e-4)
+  # Lowered for cuda: one Mosaic GPU kernel (the cache kernel) and no in-flight kernel.
+  args = (q, k_cache, v_cache, lengths, k_new, v_new, mask)
+  call = lambda cfg: lambda *a: decode_attention(*a, config=cfg)
+  text = cuda_text(call(config), *args)
+  assert text.count("stablehlo.custom_call @mosaic_gpu_v2") == 1
+  assert "inflight_attention" not in text
+  assert "inflight_attention" in cuda_text(call(DecodeConfig(inflight="kernel")), *args)
+
+
+def test_in_kernel_tile_choice():
+  """Where the cache kernel takes the in-flight keys: "auto", 2 <= Tq, one q block of plain
+  blocks, k_new and v_new in q's dtype; not at Tq = 1 (the score path), past 64 rows, with
+  another mode, another dtype or warp-specialized blocks (the GPU's choice)."""
+  from pallas_kernels.decode_attention import in_kernel_tile
+  def args(tq, hq, dtype=jnp.bfloat16, head_dim=64, capacity=64):
+    q, k_cache, _, k_new, v_new = _inputs(0, batch=1, num_queries=tq, num_q_heads=hq,
+                                          num_kv_heads=1, head_dim=head_dim, capacity=capacity,
+                                          dtype=jnp.bfloat16)
+    return q, k_cache, k_new.astype(dtype), v_new
+  auto = DecodeConfig()
+  assert in_kernel_tile(auto, *args(2, 4), INTERPRET)
+  assert in_kernel_tile(auto, *args(16, 4), INTERPRET)          # 64 rows
+  assert not in_kernel_tile(auto, *args(1, 4), INTERPRET)
+  assert not in_kernel_tile(auto, *args(17, 4), INTERPRET)      # 68 rows: two q blocks
+  assert not in_kernel_tile(auto, *args(4, 4, jnp.float32), INTERPRET)
+  for mode in ("kernel", "merged", "jnp"):
+    assert not in_kernel_tile(DecodeConfig(inflight=mode), *args(4, 4), INTERPRET)
+  # D = 128: with 128-key tiles (one block an SM) the tile fits; with 64-key tiles (a capacity
+  # not a multiple of 128) it would cost the SM its second resident block.
+  assert in_kernel_tile(auto, *args(4, 4, head_dim=128, capacity=256), INTERPRET)
+  assert not in_kernel_tile(auto, *args(4, 4, head_dim=128, capacity=192), INTERPRET)
+  # Warp-specialized blocks take no in-flight tile; the interpreter never runs them.
+  assert not in_kernel_tile(DecodeConfig(warp_specialized=True), *args(4, 4), None)
+  assert in_kernel_tile(DecodeConfig(warp_specialized=True), *args(4, 4), INTERPRET) == (
+      INTERPRET is not None)
