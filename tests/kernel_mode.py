@@ -6,6 +6,9 @@ import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 INTERPRET = None if jax.default_backend() == "gpu" else plgpu.InterpretGPUParams()
+# The same choice as an `attention=` / `impl=` name of sparsedec's dispatch ("interpret" on a GPU
+# backend would run the interpreter there, not the kernel: session 50).
+KERNEL = "pallas" if jax.default_backend() == "gpu" else "interpret"
 
 
 def cuda_text(fn, *args) -> str:

@@ -1,5 +1,6 @@
 """`sparsedec.attention.attend` dispatch: the Pallas decode kernel inside the model forward equals
-the jnp reference (kernel in the Mosaic GPU interpreter on the CPU), and the cases the kernel does
+the jnp reference (the kernel in the Mosaic GPU interpreter on the CPU, compiled on a GPU: at 3
+tokens a step the in-flight keys go through the cache kernel's tile), and the cases the kernel does
 not cover are refused by name when the kernel is forced, and fall back in "auto"."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 import rand
-from kernel_mode import cuda_text
+from kernel_mode import KERNEL, cuda_text
 import sparsedec
 from sparsedec.attention import attend, causal_plan, kernel_choice
 from sparsedec.errors import UnsupportedConfigError
@@ -38,7 +39,7 @@ def _prefilled(cfg, params, prompt_lengths, capacity=128):
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3])
-def test_forward_with_interpreted_kernel_equals_reference(num_tokens):
+def test_forward_with_kernel_equals_reference(num_tokens):
   cfg = KERNEL_SHAPED
   params = cast_params(init_random(cfg, jax.random.key(0), scale=0.5), cfg.dtype)
   cache = _prefilled(cfg, params, [5, 0, 17])
@@ -46,7 +47,7 @@ def test_forward_with_interpreted_kernel_equals_reference(num_tokens):
   positions = cache.lengths[:, None] + jnp.arange(num_tokens)[None]
   run = jax.jit(forward, static_argnums=0)
   ref_logits, ref_kv = run(cfg.replace(attention="reference"), params, tokens, positions, cache)
-  got_logits, got_kv = run(cfg.replace(attention="interpret"), params, tokens, positions, cache)
+  got_logits, got_kv = run(cfg.replace(attention=KERNEL), params, tokens, positions, cache)
   np.testing.assert_array_equal(np.asarray(got_kv.k[0], np.float32),
                                 np.asarray(ref_kv.k[0], np.float32))
   # bf16 activations: the two attentions round differently (one bf16 ulp of a hidden value moves
@@ -56,13 +57,13 @@ def test_forward_with_interpreted_kernel_equals_reference(num_tokens):
   assert np.abs(np.asarray(ref_logits)).max() > 0.5   # the comparison is not between zeros
 
 
-def test_decode_loop_with_interpreted_kernel_matches_reference_greedy():
+def test_decode_loop_with_kernel_matches_reference_greedy():
   cfg = KERNEL_SHAPED
   params = cast_params(init_random(cfg, jax.random.key(1), scale=0.5), cfg.dtype)
   prompts = [[1, 2, 3, 4, 5], [7, 8]]
   ref = sparsedec.generate(cfg.replace(attention="reference"), params, prompts,
                            max_new_tokens=6, stop_tokens=())
-  got = sparsedec.generate(cfg.replace(attention="interpret"), params, prompts,
+  got = sparsedec.generate(cfg.replace(attention=KERNEL), params, prompts,
                            max_new_tokens=6, stop_tokens=())
   ref_logits = [np.asarray(x) for x in ref.tokens]
   assert [list(x) for x in got.tokens] == [list(x) for x in ref_logits]

@@ -15,6 +15,7 @@ import pytest
 
 import rand
 import sparsedec
+from kernel_mode import KERNEL  # the compiled kernel on a GPU, the interpreter on the CPU
 from sparsedec.attention import (AttentionPlan, FullView, QuantView, Segment, attend, causal_plan,
                                  kernel_choice)
 from sparsedec.decode.quantspec import QuantSpec
@@ -39,10 +40,6 @@ KERNEL_SHAPED = ModelConfig(family="llama", vocab_size=61, hidden_size=128, inte
                             num_layers=1, num_heads=HQ, num_kv_heads=HKV, head_dim=D,
                             max_position_embeddings=1024, dtype="bfloat16")
 
-
-# The kernel as the dispatch runs it: in the Mosaic GPU interpreter on the CPU (CI), compiled on a
-# GPU backend (the interpreter there runs its dots at XLA's default TF32 precision).
-KERNEL = "pallas" if jax.default_backend() == "gpu" else "interpret"
 
 
 def _bf16_normal(key, shape, scale=1.0):
