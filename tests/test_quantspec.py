@@ -304,15 +304,18 @@ def test_int8_verification_run_shows_no_donation_warning(stories):
   """The int8 method replaces the donated dense cache with codes (XLA frees the buffers it cannot
   reuse); a user's run must not show jax's "donated buffers were not usable" warning. The jitted
   init's cache is cleared first: jax warns while lowering, which an earlier test of the same
-  shapes would otherwise have done already."""
+  shapes would otherwise have done already. The run has the shapes of the int8 greedy test above
+  (its prompts, 256 tokens), so the decode loop compiled there is reused and only the init is
+  lowered again (the loop returns the state it is given, so its donation cannot fail; run alone,
+  this test lowers it too)."""
   from sparsedec.decode import loop
   cfg, params, tok = stories
   loop._init_method.clear_cache()
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    got = sparsedec.generate(cfg, params, [tok.encode("A dog ran to the big red")],
-                             max_new_tokens=23, stop_tokens=(), method=METHOD)
-  assert len(got.tokens[0]) == 23
+    got = sparsedec.generate(cfg, params, _prompts(tok), max_new_tokens=256, stop_tokens=(),
+                             method=METHOD)
+  assert [len(t) for t in got.tokens] == [256, 256]
   donated = [str(w.message) for w in caught if "donated buffers" in str(w.message)]
   assert not donated, donated
 
