@@ -299,12 +299,16 @@ def heads_merged(x: jax.Array) -> jax.Array:
   return x.reshape(b, tq, hkv * d)
 
 
+def row_queries(num_queries: int, group: int, num_rows: int) -> np.ndarray:
+  """[num_rows] int: the query each q row r = t * G + g holds, -1 for the padding rows."""
+  rows = np.full(num_rows, -1)
+  rows[:num_queries * group] = np.arange(num_queries * group) // group
+  return rows
+
+
 def inflight_tile_bias(mask: jax.Array, group: int) -> jax.Array:
   """The in-flight tile's bias [64, 64] bf16 (rows r = t * G + g, 0 / -inf; `mask_bias`)."""
-  tq = mask.shape[0]
-  row_query = np.full(BLOCK_M, -1)
-  row_query[:tq * group] = np.arange(tq * group) // group
-  return mask_bias(mask, row_query).bias
+  return mask_bias(mask, row_queries(mask.shape[0], group, BLOCK_M)).bias
 
 
 # ----------------------------------------------------------------------------------------------
@@ -925,7 +929,7 @@ def in_kernel_tile(config: DecodeConfig, q: jax.Array, k_cache: jax.Array, k_new
   where the tile's SMEM fits beside the block's without costing a resident block per SM
   (`tile_fits`). Elsewhere (and with "kernel", "merged" or "jnp") the in-flight kernel or the
   combine does. Measured in the module docstring (step 2)."""
-  b, tq, hq, d = q.shape
+  _, tq, hq, d = q.shape
   hkv, capacity = k_cache.shape[1], k_cache.shape[2]
   group = hq // hkv
   q_blocks = num_q_blocks(tq, group)
@@ -992,10 +996,8 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
   acc, m2, l = parts[:3]
   b, hkv, q_blocks, num_splits = acc.shape[:4]
   if use_kernel:
-    row_query = np.full(q_rows.shape[2], -1)
-    row_query[:tq * group] = np.arange(tq * group) // group
     inflight = (q_rows, pack_keys(k_new).astype(q.dtype), pack_keys(v_new).astype(q.dtype),
-                mask_bias(mask, row_query))
+                mask_bias(mask, row_queries(tq, group, q_rows.shape[2])))
   launch_blocks = b * hkv * q_blocks
   d_chunks = merge_chunks(launch_blocks, q.shape[3], group, q.dtype.itemsize)
   if use_kernel and inflight_merges(config.inflight, tq, num_splits, launch_blocks, group,

@@ -41,7 +41,6 @@ KERNEL_SHAPED = ModelConfig(family="llama", vocab_size=61, hidden_size=128, inte
                             max_position_embeddings=1024, dtype="bfloat16")
 
 
-
 def _bf16_normal(key, shape, scale=1.0):
   return (scale * rand.normal(key, shape)).astype(jnp.bfloat16)
 
