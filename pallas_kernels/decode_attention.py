@@ -230,10 +230,11 @@ def inflight_key_rows(k_new: jax.Array) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------------------------
-# The whole in-flight part in the cache kernel (decode_attention, 2 <= Tq, Tq * G <= 64): the
-# block of split 0 first attends its q block to the step's own keys, one 64-key tile (k_new and
-# v_new read in place: rows t of head h, the TMA zero-filling the rows past Tq) under the mask's
-# bias tile, and carries that softmax state into its cache tiles. The split partials then hold
+# The whole in-flight part in the cache kernel (decode_attention and sparse_attention with one
+# segment, 2 <= Tq, Tq * G <= 64; `inflight_tile_choice`): the block of split 0 (sparse: work
+# item 0) first attends its q block to the step's own keys, one 64-key tile (k_new and v_new
+# read in place: rows t of head h, the TMA zero-filling the rows past Tq) under the mask's bias
+# tile, and carries that softmax state into its cache tiles. The split partials then hold
 # everything and the combine only merges them: no in-flight kernel, no packing of k_new / v_new.
 # ----------------------------------------------------------------------------------------------
 
@@ -924,24 +925,36 @@ def _rows_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 
 def in_kernel_tile(config: DecodeConfig, q: jax.Array, k_cache: jax.Array, k_new: jax.Array,
                    v_new: jax.Array, interpret: Any, num_score_queries: int = 0) -> bool:
-  """Whether the cache kernel takes the whole in-flight part (`inflight_tile_step`): "auto"
-  at 2 <= Tq with one q block (Tq * G <= 64) of plain blocks and k_new, v_new in q's dtype,
-  where the tile's SMEM fits beside the block's without costing a resident block per SM
-  (`tile_fits`). Elsewhere (and with "kernel", "merged" or "jnp") the in-flight kernel or the
-  combine does. Measured in the module docstring (step 2)."""
+  """Whether decode_attention's cache kernel takes the whole in-flight part
+  (`inflight_tile_step`): `inflight_tile_choice` for this call's q blocks and resolved tiling.
+  Elsewhere (and with "kernel", "merged" or "jnp") the in-flight kernel or the combine does.
+  Measured in the module docstring (step 2)."""
   _, tq, hq, d = q.shape
   hkv, capacity = k_cache.shape[1], k_cache.shape[2]
   group = hq // hkv
   q_blocks = num_q_blocks(tq, group)
-  if config.inflight != "auto" or tq < 2 or q_blocks != 1:
+  resolved = config.resolve(q_blocks, capacity, d, interpret is not None)
+  return inflight_tile_choice(
+      config.inflight, q, k_new, v_new, q_blocks=q_blocks,
+      specialized=resolved.specialized(q_blocks, d, interpret is not None),
+      block_kv=resolved.block_kv, num_stages=resolved.num_stages,
+      num_score_rows=score_rows(num_score_queries, group))
+
+
+def inflight_tile_choice(mode: str, q: jax.Array, k_new: jax.Array, v_new: jax.Array, *,
+                         q_blocks: int, specialized: bool, block_kv: int, num_stages: int,
+                         num_score_rows: int) -> bool:
+  """Whether a cache kernel (decode_attention's, or sparse_attention's with one segment) takes
+  the whole in-flight part: "auto" at 2 <= Tq with one q block (Tq * G <= 64; `q_blocks`: the
+  kernel's q blocks per KV head) of plain (not `specialized`) blocks and k_new, v_new in q's
+  dtype, where the tile's SMEM fits beside the block's (`block_kv`-key tiles, `num_stages`,
+  `num_score_rows`) without costing a resident block per SM (`tile_fits`)."""
+  tq, d = q.shape[1], q.shape[3]
+  if mode != "auto" or tq < 2 or q_blocks != 1 or specialized:
     return False
   if not (k_new.dtype == v_new.dtype == q.dtype):
     return False
-  resolved = config.resolve(q_blocks, capacity, d, interpret is not None)
-  if resolved.specialized(q_blocks, d, interpret is not None):
-    return False
-  return tile_fits(resolved.block_kv, resolved.num_stages, d, q.dtype.itemsize,
-                   score_rows(num_score_queries, group))
+  return tile_fits(block_kv, num_stages, d, q.dtype.itemsize, num_score_rows)
 
 
 def tile_fits(block_kv: int, num_stages: int, head_dim: int, itemsize: int,

@@ -63,6 +63,15 @@ Two steps, as `pallas_kernels.decode_attention`:
      (decode_attention's `store_inflight_score`; no XLA reduction launch): 4 listed blocks of
      16K, device us a call on an H200 (`benchmarks/results/s48/`), B 8 7.34 -> 6.26, B 1
      5.57 -> 4.34.
+     At 2 <= Tq with one segment (every query on the list, or every query on the full cache) of
+     one q block (Tq * G <= 64, plain blocks; "auto", `in_kernel_tile`) the cache kernel takes
+     the whole in-flight part, as decode_attention's does: work item 0 first attends its q
+     block to a 64-key tile of k_new / v_new read in place under the mask's bias tile
+     (`inflight_tile_step`), then carries that softmax state into its cache tiles (also with
+     none: an empty list, a row of length 0). The combine only merges splits; no in-flight
+     kernel, no packing of k_new / v_new. Only where the tile's SMEM costs no resident block
+     (`tile_fits`: at D = 64 yes; at D = 128 with 128-key tiles, block_size a multiple of 128,
+     yes, with 64-key tiles, two blocks an SM without it, no). Not yet measured on a GPU.
 
 The pure-jnp reference `sparse_attention_reference` (gather the listed blocks, mask, two-part
 softmax) sits at the bottom of this file.
@@ -92,13 +101,17 @@ from pallas_kernels.register_operand import a_staging, wgmma_register_a
 from pallas_kernels.split_plan import split_counts
 
 from pallas_kernels.decode_attention import _q_rows as decode_q_rows
-from pallas_kernels.decode_attention import (BLOCK_M, KN_ROWS, LOG2E, SWIZZLED, WS_MIN_Q_BLOCKS,
-                                             check_cache_call, check_plain_smem,
-                                             fetch_inflight_key, inflight_key_rows,
-                                             inflight_score_scratch, loop_scratch,
-                                             resident_blocks, smem_bytes, store_inflight_score,
-                                             run_ws_block, ws_loop, ws_produce, ws_scores,
-                                             ws_smem_bytes, ws_softmax_pv)
+from pallas_kernels.decode_attention import (BLOCK_M, INFLIGHT_TILE, KN_ROWS, LOG2E, SWIZZLED,
+                                             WS_MIN_Q_BLOCKS, check_cache_call,
+                                             check_plain_smem, fetch_inflight_key,
+                                             fetch_inflight_tile, heads_merged,
+                                             inflight_key_rows, inflight_score_scratch,
+                                             inflight_tile_bias, inflight_tile_choice,
+                                             inflight_tile_scratch, inflight_tile_step,
+                                             loop_scratch, resident_blocks, smem_bytes,
+                                             store_inflight_score, run_ws_block, ws_loop,
+                                             ws_produce, ws_scores, ws_smem_bytes,
+                                             ws_softmax_pv)
 from pallas_kernels.hopper import SM_COUNT, SMEM_PER_SM
 
 
@@ -136,7 +149,9 @@ class SparseConfig:
   target_blocks: int | None = None
   min_tiles_per_split: int = 1    # a 2-block list on 16 thread blocks beats one on 8: latency
   # The in-flight part: "merged", "kernel", "jnp", "auto" (combine.inflight_choice; at Tq = 1
-  # "auto" has the cache kernel compute q . k_new, combine.in_kernel_score, "jnp" the combine).
+  # "auto" has the cache kernel compute q . k_new, combine.in_kernel_score, "jnp" the combine;
+  # at 2 <= Tq with one segment of one q block "auto" has the cache kernel attend to the keys,
+  # in_kernel_tile).
   inflight: str = "auto"
   warp_specialized: bool | None = None
 
@@ -232,7 +247,9 @@ def _plan_segments(cfg: SparseConfig, *, batch, num_kv_heads, group, num_queries
 def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths, *,
                     segments: tuple[_Segment, ...], rows_out: int, block_size: int,
                     cfg: SparseConfig, score_rows: int = 0, ws: bool = False,
-                    inflight_key: jax.Array | None = None, interpret: Any = None):
+                    inflight_key: jax.Array | None = None,
+                    inflight_tile: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+                    interpret: Any = None):
   """Split partials of the cache part, all segments in one launch.
 
   q_rows [B, Hkv, QB * 64, D] (at Tq = 1 [B, Hkv, G, D]: rows past G read as zeros);
@@ -251,6 +268,10 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
   inflight_key: at Tq = 1 (one segment of one q block, plain blocks) k_new [B, Hkv, 1, D] in
   q's dtype: work item 0 (split 0) also returns, last, the in-flight scores [B, Hkv, 64] fp32,
   q_r . k_new unscaled (decode_attention's `store_inflight_score`).
+  inflight_tile: at 2 <= Tq (one segment of one q block, plain blocks) (k_new, v_new
+  [B, Tq, Hkv * D] in q's dtype, `heads_merged`; bias [64, 64] bf16, `inflight_tile_bias`):
+  work item 0 (split 0) first attends to the in-flight keys (decode_attention's
+  `inflight_tile_step`), so the partials are the whole attention once merged.
   """
   batch, num_kv_heads, _, head_dim = q_rows.shape
   capacity = k_cache.shape[2]
@@ -265,9 +286,10 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
   num_work = sum(seg.num_work for seg in segments)
   score_slots = sum(seg.score_slot >= 0 for seg in segments)
   keyed = inflight_key is not None
-  if keyed and (ws or len(segments) != 1 or segments[0].q_blocks != 1):
-    raise ValueError("the in-flight score needs one segment of one q block on plain (not "
-                     "warp-specialized) blocks")
+  tiled = inflight_tile is not None
+  if (keyed or tiled) and (ws or len(segments) != 1 or segments[0].q_blocks != 1):
+    raise ValueError("the in-flight score or tile needs one segment of one q block on plain "
+                     "(not warp-specialized) blocks")
   i32 = lambda x: jnp.int32(x)
 
   def locate(work):
@@ -367,7 +389,9 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
            ws_barriers=None,  # warp-specialized: (k_consumed, v_consumed, schedule, done)
            kn_ref=None,     # [B, Hkv, 1, D] (inflight_key)             GMEM
            sn_out_ref=None,  # [B, Hkv, 64] fp32 (inflight_key)          GMEM
-           kn_smem=None):   # `inflight_score_scratch` (inflight_key)   SMEM
+           kn_smem=None,    # `inflight_score_scratch` (inflight_key)   SMEM
+           tile_refs=None,  # (k_new, v_new [B, Tq, Hkv * D], bias [64, 64]) GMEM (inflight_tile)
+           tile_smem=None):  # `inflight_tile_scratch` (inflight_tile)   SMEM
     h = lax.axis_index("head")
     b = lax.axis_index("batch")
     if ws_barriers is None:
@@ -401,6 +425,9 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
     if kn_ref is not None:
       pl.when(work == 0)(lambda: fetch_inflight_key(
           kn_ref.at[b, h, pl.ds(qb * BLOCK_M, KN_ROWS)], kn_smem))   # qb is 0 here
+    if tile_refs is not None:       # work is 0 there: a traced zero start, a multiple of 64
+      pl.when(work == 0)(lambda: fetch_inflight_tile(tile_refs, tile_smem, b, h,
+                                                     work * INFLIGHT_TILE))
     if ws_barriers is None:
       for step in range(num_stages):               # prologue: fill the ring
         pl.when(step < my_tiles)(functools.partial(fetch, step, step))
@@ -412,6 +439,11 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
     m_i = plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32),
                             plgpu.Layout.WGMMA.reduce(1))
     l_i = plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    if tile_refs is not None:      # work item 0: the in-flight keys first (also with no tiles)
+      acc, m_i, l_i = lax.fori_loop(
+          0, (work == 0).astype(jnp.int32),
+          lambda _, carry: inflight_tile_step(q_smem, tile_smem, carry, scale=score_scale,
+                                              dtype=dtype), (acc, m_i, l_i))
 
     def kv_step(step, carry):
       acc, m_i, l_i = carry
@@ -432,7 +464,9 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
         pl.when(score_slot >= 0)(lambda: store_scores(s, start, score_slot))
 
       # A listed block may lie wholly past lengths[b]: then the tile is all -inf, and so may be
-      # m_new; exponents use a finite stand-in so that alpha and p are 0, not NaN.
+      # m_new (m_i is -inf until a row sees a key: also a row of the in-flight tile that saw no
+      # in-flight key); exponents use a finite stand-in so that alpha and p are 0, not NaN. A
+      # finite m_i (carried from earlier tiles or the in-flight tile) stays: alpha 1, p 0.
       m_new = jnp.maximum(m_i, s.max(axis=1))
       m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m_i - m_use)
@@ -517,18 +551,24 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
   if keyed:                    # only then: the plain kernel has no in-flight score
     scratch.append(inflight_score_scratch(head_dim, dtype))
     out_type.append(jax.ShapeDtypeStruct((batch, num_kv_heads, BLOCK_M), jnp.float32))
+  if tiled:                    # only then: the plain kernel has no in-flight tile
+    scratch.append(inflight_tile_scratch(head_dim, dtype, interpret))
+  extra_inputs = (inflight_key,) if keyed else tuple(inflight_tile) if tiled else ()
 
   def sparse_attention_kernel(tables_ref, counts_ref, lengths_ref, q_ref, k_ref, v_ref, *refs):
-    kn_ref, (acc_ref, m_ref, l_ref, *outs) = (refs[0], refs[1:]) if keyed else (None, refs)
+    n_in = len(extra_inputs)
+    in_refs, (acc_ref, m_ref, l_ref, *outs) = refs[:n_in], refs[n_in:]
+    kn_ref = in_refs[0] if keyed else None
     scores_ref, sn_ref = outs[:len(outs) - keyed], (outs[-1] if keyed else None)
 
     def scoped(q_smem, union, *rest, a_smem=None):
       (k_smem, v_smem, *s_smem), o_smem = union    # the union's two views
-      rest, kn_smem = (rest[:-1], rest[-1]) if keyed else (rest, None)
+      rest, more_smem = (rest[:-1], rest[-1]) if keyed or tiled else (rest, None)
       extra = (scores_ref[0], s_smem[0]) if score_rows else ()
       body(tables_ref, counts_ref, lengths_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
            q_smem, k_smem, v_smem, o_smem, *rest, *extra, a_smem=a_smem, kn_ref=kn_ref,
-           sn_out_ref=sn_ref, kn_smem=kn_smem)
+           sn_out_ref=sn_ref, kn_smem=more_smem if keyed else None,
+           tile_refs=in_refs if tiled else None, tile_smem=more_smem if tiled else None)
     pl.run_scoped(scoped, *scratch,
                   **a_staging((BLOCK_M, block_kv), dtype, interpret, **SWIZZLED))
 
@@ -560,8 +600,7 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
       **(dict(num_threads=3, thread_name="wg") if ws else {}),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
-  )(block_tables, num_blocks, lengths, q_rows, k_cache, v_cache,
-    *(() if inflight_key is None else (inflight_key,)))
+  )(block_tables, num_blocks, lengths, q_rows, k_cache, v_cache, *extra_inputs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -665,11 +704,27 @@ def _layout(q_shape, cache_shape, table_len: int, *, block_size: int, sparse_que
   return segments, rows_out, score_rows(max(num_score_queries), group), ws
 
 
+def in_kernel_tile(config: SparseConfig, q: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                   layout, block_size: int) -> bool:
+  """Whether the cache kernel takes the whole in-flight part (work item 0 attends to the
+  in-flight keys first, decode_attention's `inflight_tile_step`): one segment (every query
+  reads the list, or every query the full cache) of one q block, and decode_attention's
+  `inflight_tile_choice` for it ("auto", 2 <= Tq, plain blocks, k_new and v_new in q's dtype,
+  the tile's SMEM beside this tiling's without a lost resident block). layout: `_layout`'s."""
+  segments, _, rows_score, ws = layout
+  return len(segments) == 1 and inflight_tile_choice(
+      config.inflight, q, k_new, v_new, q_blocks=segments[0].q_blocks, specialized=ws,
+      block_kv=config.tile_rows(block_size, q.shape[3]), num_stages=config.num_stages,
+      num_score_rows=rows_score)
+
+
 def _rows_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths, layout, *,
                    block_size: int, config: SparseConfig, interpret: Any,
-                   inflight_key: jax.Array | None = None) -> tuple:
+                   inflight_key: jax.Array | None = None,
+                   inflight_tile: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> tuple:
   """The kernel's outputs (acc, m, l, *scores, + the in-flight scores with inflight_key) from q
-  rows packed by `_q_rows` for `layout`."""
+  rows packed by `_q_rows` for `layout`; inflight_tile: (k_new, v_new, bias) for
+  `_cache_partials` (the caller checked `in_kernel_tile`)."""
   segments, rows_out, rows_score, ws = layout
   b, hkv = k_cache.shape[0], k_cache.shape[1]
   if block_tables.shape[2] == 0:              # one (never used) entry for the loads, no blocks
@@ -680,7 +735,7 @@ def _rows_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths, 
       q_rows, k_cache, v_cache, block_tables.astype(jnp.int32), num_blocks.astype(jnp.int32),
       lengths.astype(jnp.int32), segments=segments,
       rows_out=rows_out, block_size=block_size, cfg=config, score_rows=rows_score, ws=ws,
-      inflight_key=inflight_key, interpret=interpret))
+      inflight_key=inflight_key, inflight_tile=inflight_tile, interpret=interpret))
 
 
 def _read_counts(block_tables, num_blocks, lengths, *, block_size: int, capacity: int):
@@ -737,7 +792,9 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                    num_score_queries=(len(sel_list), len(sel_full)),
                    interpret=interpret is not None)
   segments = layout[0]
-  use_kernel = inflight_choice(config.inflight, tq)
+  # At 2 <= Tq with one segment of one q block the cache kernel attends to the in-flight keys.
+  tiled = in_kernel_tile(config, q, k_new, v_new, layout, block_size)
+  use_kernel = inflight_choice(config.inflight, tq) and not tiled
   # At Tq = 1 the cache kernel computes q . k_new itself (plain blocks; see combine_partials).
   keyed = (in_kernel_score(config.inflight, q, k_new) and not layout[3]
            and all(seg.q_blocks == 1 for seg in segments))
@@ -745,7 +802,9 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   acc, m2, l, *scores = _rows_partials(
       q_rows, k_cache, v_cache, block_tables, num_blocks, lengths, layout,
       block_size=block_size, config=config, interpret=interpret,
-      inflight_key=inflight_key_rows(k_new) if keyed else None)
+      inflight_key=inflight_key_rows(k_new) if keyed else None,
+      inflight_tile=((heads_merged(k_new), heads_merged(v_new),
+                      inflight_tile_bias(mask, group)) if tiled else None))
   given = scores.pop() if keyed else None
   launch_blocks = q_rows.shape[0] * q_rows.shape[1] * q_rows.shape[2] // BLOCK_M
   d_chunks = merge_chunks(launch_blocks, q.shape[3], group, q.dtype.itemsize)
@@ -777,6 +836,8 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         blocks = slice(seg.first_qblock, seg.first_qblock + seg.q_blocks)
         out_s, lse_s = combine_partials(acc_s, m2_s, l_s, q[:, queries], [], group=group,
                                         extra=tuple(x[:, :, blocks] for x in extra))
+      elif tiled:                  # the partials cover the in-flight keys
+        out_s, lse_s = combine_partials(acc_s, m2_s, l_s, q[:, queries], [], group=group)
       else:
         out_s, lse_s = combine_partials(acc_s, m2_s, l_s, q[:, queries],
                                         [(k_new, v_new, mask[queries][None])], group=group,

@@ -452,13 +452,15 @@ def test_split_plan_fills_two_blocks_per_sm_with_64_key_tiles():
 @pytest.mark.parametrize("num_queries,sparse_queries,block_size,table_len,score_queries",
                          [(1, None, 128, 2, ()), (16, 8, 64, 4, ()), (16, 16, 256, 4, ()),
                           (1, None, 128, 2, (0,)), (16, 8, 64, 4, (12, 3)),
+                          (16, 16, 256, 4, (12, 3)), (16, 0, 128, 4, ()), (16, 16, 64, 4, ()),
                           (283, 240, 64, 16, ()), (283, 240, 64, 16, (0, 250))])
 def test_lowers_to_mosaic_gpu_custom_call_for_cuda(num_queries, sparse_queries, block_size,
                                                    table_len, score_queries):
   """The H100 benchmark shapes (S = 16K, 1.6% of the blocks listed) and FAFO's 8B step (240
   fumble queries on 16 blocks, 43 on the full cache) lower to the Mosaic GPU custom call on a
-  CPU-only machine, also with the score output (both segments; its SMEM must fit); PTX
-  generation happens later, in XLA:GPU."""
+  CPU-only machine, also with the score output (both segments; its SMEM must fit), and with
+  the in-flight tile (one segment of 16 x 4 = 64 rows, 128-key tiles; with the score output
+  too); PTX generation happens later, in XLA:GPU."""
   b, hq, hkv, d, s, tq = 1, 32, 8, 128, 16384, num_queries
   sds = jax.ShapeDtypeStruct
   args = (sds((b, tq, hq, d), jnp.bfloat16), sds((b, hkv, s, d), jnp.bfloat16),
@@ -475,6 +477,11 @@ def test_lowers_to_mosaic_gpu_custom_call_for_cuda(num_queries, sparse_queries, 
   wide = max(sparse_queries or tq, tq - (sparse_queries or tq)) * hq // hkv > 128
   long = max(table_len, s // block_size if (sparse_queries or tq) < tq else 0) >= 8
   assert ("sparse_attention_kernel_ws" in text) == (wide and long)
+  # The in-flight tile (one segment of one q block; at D = 128 only with 128-key tiles, which
+  # keep one block an SM) replaces the in-flight kernel of 2 <= Tq.
+  tiled = (2 <= tq and tq * hq // hkv <= 64 and sparse_queries in (None, 0, tq)
+           and block_size % 128 == 0)
+  assert ("inflight_attention_kernel" in text) == (tq >= 2 and not tiled)
 
 
 @pytest.mark.parametrize("on", [True, False])
@@ -500,3 +507,106 @@ def test_single_query_in_flight_score_from_the_cache_kernel(on):
       *a, block_size=64, config=SparseConfig(inflight=mode)), *args)
   assert "stablehlo.dot_general" not in text("auto")
   assert "stablehlo.dot_general" in text("jnp")
+
+
+# The in-flight tile (2 <= Tq, one segment of one q block): work item 0 attends to the in-flight
+# keys first (decode_attention's `inflight_tile_step`), so no in-flight kernel runs.
+def _tile_case():
+  """Tq 16 x G 4 = 64 rows (one q block), B x Hkv = 4, 256 slots in 64-slot blocks. Row 0
+  (length 150): head 0 lists blocks 1 and 3 (3 wholly past the length), head 1 an empty list
+  (num_blocks 0); row 1 (length 0): head 0 lists block 0, head 1 blocks 2 and 0 (all wholly past
+  the length). Query 5 sees no in-flight key."""
+  tq, hq, hkv = 16, 8, 2
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      41, batch=2, num_queries=tq, num_q_heads=hq, num_kv_heads=hkv, head_dim=64, capacity=256,
+      dtype=jnp.bfloat16)
+  mask = np.tril(np.ones((tq, tq), bool))
+  mask[5] = False
+  tables = jnp.array([[[1, 3], [2, 0]], [[0, 1], [2, 0]]], jnp.int32)
+  counts = jnp.array([[2, 0], [1, 2]], jnp.int32)
+  lengths = jnp.array([150, 0], jnp.int32)
+  return q, k_cache, v_cache, tables, counts, lengths, k_new, v_new, jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("sparse_queries", [None, 0])
+def test_few_queries_in_flight_keys_in_the_cache_kernel(sparse_queries):
+  """One segment (every query on the list, or every query on the full cache) of one q block:
+  against the reference with selected queries and lse, through splits with no tile at all (an
+  empty list, a row of length 0: work item 0 holds only the in-flight keys) and tiles wholly
+  past the length (all -inf after the in-flight tile's finite or -inf row max). Query 5 sees no
+  in-flight key: where it sees no cache slot either, out 0 and lse -inf."""
+  args = _tile_case()
+  out, lse = _check(*args, block_size=64, sparse_queries=sparse_queries,
+                    config=SparseConfig(num_splits=2), score_queries=(5, 0))
+  lse = np.asarray(lse)
+  assert np.all(np.isneginf(lse[1, 5]))                          # length 0: nothing at all
+  assert np.all(np.asarray(out[1, 5], np.float32) == 0.0)
+  assert np.all(np.isfinite(lse[1, :5])) and np.all(np.isfinite(lse[1, 6:]))
+  assert np.all(np.isfinite(lse[0, 5, :4]))                      # head 0 reads slots < 150
+  # Head 1 of row 0: an empty list (nothing for query 5), or the full cache.
+  assert np.all(np.isneginf(lse[0, 5, 4:]) == (sparse_queries is None))
+
+
+def test_in_flight_tile_with_an_empty_table():
+  """NB = 0 (no list at all; one unused entry inside the wrapper): no work item has a cache
+  tile and the output is the in-flight part alone, as the reference's. Tq 3 x G 2 = 6 rows
+  (rows_out 8, the tile's rows past Tq zero-filled), fp16, query 1 sees no key at all."""
+  tq = 3
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      42, batch=2, num_queries=tq, num_q_heads=4, num_kv_heads=2, head_dim=64, capacity=128,
+      dtype=jnp.float16)
+  mask = np.tril(np.ones((tq, tq), bool))
+  mask[1] = False
+  out, lse = _check(q, k_cache, v_cache, jnp.zeros((2, 2, 0), jnp.int32),
+                    jnp.zeros((2, 2), jnp.int32), jnp.array([100, 128], jnp.int32), k_new,
+                    v_new, jnp.asarray(mask), block_size=64, config=SparseConfig(num_splits=2),
+                    score_queries=(1,))
+  assert np.all(np.isneginf(np.asarray(lse[:, 1])))
+  assert np.all(np.asarray(out[:, 1], np.float32) == 0.0)
+
+
+def test_in_kernel_tile_choice():
+  """Where the cache kernel takes the in-flight keys: "auto", 2 <= Tq, one segment of one q
+  block of plain blocks, k_new and v_new in q's dtype, and the tile's SMEM without a lost
+  resident block (decode_attention's `tile_fits`); not with two segments, at Tq = 1, past 64
+  rows, with another mode or dtype, with 64-key tiles at D = 128 or warp-specialized blocks.
+  Lowered for cuda, the tiled call is one kernel (no in-flight kernel); the others keep it."""
+  from pallas_kernels.sparse_attention import _layout, in_kernel_tile
+
+  def tiled(tq=4, hq=4, sparse_queries=None, dtype=jnp.bfloat16, head_dim=64, block_size=64,
+            config=SparseConfig(), interpret=INTERPRET, score_queries=0):
+    q, k_cache, _, k_new, v_new = _inputs(0, batch=1, num_queries=tq, num_q_heads=hq,
+                                          num_kv_heads=1, head_dim=head_dim,
+                                          capacity=2 * block_size, dtype=jnp.bfloat16)
+    sparse_queries = tq if sparse_queries is None else sparse_queries
+    layout = _layout(q.shape, k_cache.shape, 2, block_size=block_size,
+                     sparse_queries=sparse_queries, config=config,
+                     num_score_queries=((score_queries, 0) if sparse_queries else
+                                        (0, score_queries)),
+                     interpret=interpret is not None)
+    return in_kernel_tile(config, q, k_new.astype(dtype), v_new, layout, block_size)
+
+  assert tiled() and tiled(sparse_queries=0) and tiled(tq=2) and tiled(tq=16)  # 16 x 4 = 64 rows
+  assert tiled(score_queries=2)
+  assert not tiled(sparse_queries=2)                             # two segments
+  assert not tiled(tq=1)                                         # the Tq = 1 score path
+  assert not tiled(tq=17)                                        # 68 rows: two q blocks
+  assert not tiled(dtype=jnp.float32)
+  for mode in ("kernel", "merged", "jnp"):
+    assert not tiled(config=SparseConfig(inflight=mode))
+  # D = 128: 128-key tiles (one block an SM) fit the tile, 64-key tiles (two an SM) not.
+  assert tiled(head_dim=128, block_size=128)
+  assert not tiled(head_dim=128, block_size=64)
+  assert not tiled(head_dim=128, block_size=128, config=SparseConfig(block_kv=64))
+  # Warp-specialized blocks take no tile (the GPU's choice; the interpreter runs plain blocks).
+  assert not tiled(config=SparseConfig(warp_specialized=True), interpret=None)
+
+  # The dispatch: one Mosaic GPU kernel where tiled, the in-flight kernel beside it elsewhere.
+  args = _tile_case()
+  text = lambda **kw: cuda_text(lambda *a: sparse_attention(*a, block_size=64, **kw), *args)
+  for kw in ({}, dict(sparse_queries=0)):
+    lowered = text(**kw)
+    assert lowered.count("stablehlo.custom_call @mosaic_gpu_v2") == 1
+    assert "inflight_attention" not in lowered and "stablehlo.dot_general" not in lowered
+  for kw in (dict(sparse_queries=8), dict(config=SparseConfig(inflight="kernel"))):
+    assert "inflight_attention" in text(**kw)
