@@ -934,27 +934,36 @@ def in_kernel_tile(config: DecodeConfig, q: jax.Array, k_cache: jax.Array, k_new
   group = hq // hkv
   q_blocks = num_q_blocks(tq, group)
   resolved = config.resolve(q_blocks, capacity, d, interpret is not None)
+  splits = _pick_num_splits(resolved, q.shape[0], hkv, q_blocks, capacity, d,
+                            interpret is not None)
   return inflight_tile_choice(
       config.inflight, q, k_new, v_new, q_blocks=q_blocks,
       specialized=resolved.specialized(q_blocks, d, interpret is not None),
       block_kv=resolved.block_kv, num_stages=resolved.num_stages,
-      num_score_rows=score_rows(num_score_queries, group))
+      num_score_rows=score_rows(num_score_queries, group),
+      launch_blocks=q.shape[0] * hkv * q_blocks * splits)
 
 
 def inflight_tile_choice(mode: str, q: jax.Array, k_new: jax.Array, v_new: jax.Array, *,
                          q_blocks: int, specialized: bool, block_kv: int, num_stages: int,
-                         num_score_rows: int) -> bool:
+                         num_score_rows: int, launch_blocks: int) -> bool:
   """Whether a cache kernel (decode_attention's, or sparse_attention's with one segment) takes
   the whole in-flight part: "auto" at 2 <= Tq with one q block (Tq * G <= 64; `q_blocks`: the
   kernel's q blocks per KV head) of plain (not `specialized`) blocks and k_new, v_new in q's
-  dtype, where the tile's SMEM fits beside the block's (`block_kv`-key tiles, `num_stages`,
-  `num_score_rows`) without costing a resident block per SM (`tile_fits`)."""
+  dtype, where the tile costs no resident block: its SMEM fits beside the block's
+  (`block_kv`-key tiles, `num_stages`, `num_score_rows`; `tile_fits`), or the launch has at
+  most one thread block an SM anyway (`launch_blocks` <= SM_COUNT). H200, sparse_attention with
+  64-key tiles at D 128 (two blocks an SM without the tile), device us a call, in-flight
+  kernel -> tile (`benchmarks/results/s52/sparse_tile_ab_s52_h200.json`): B 1 16K Tq 16, 4
+  listed blocks (32 thread blocks) 8.52 -> 7.50, 16 listed (128) 10.54 -> 10.03, B 8 4 listed
+  (128) 11.25 -> 9.62; B 1 64K, 256 listed (256 thread blocks) 31.05 -> 32.90."""
   tq, d = q.shape[1], q.shape[3]
   if mode != "auto" or tq < 2 or q_blocks != 1 or specialized:
     return False
   if not (k_new.dtype == v_new.dtype == q.dtype):
     return False
-  return tile_fits(block_kv, num_stages, d, q.dtype.itemsize, num_score_rows)
+  return (launch_blocks <= SM_COUNT
+          or tile_fits(block_kv, num_stages, d, q.dtype.itemsize, num_score_rows))
 
 
 def tile_fits(block_kv: int, num_stages: int, head_dim: int, itemsize: int,

@@ -69,9 +69,14 @@ Two steps, as `pallas_kernels.decode_attention`:
      block to a 64-key tile of k_new / v_new read in place under the mask's bias tile
      (`inflight_tile_step`), then carries that softmax state into its cache tiles (also with
      none: an empty list, a row of length 0). The combine only merges splits; no in-flight
-     kernel, no packing of k_new / v_new. Only where the tile's SMEM costs no resident block
-     (`tile_fits`: at D = 64 yes; at D = 128 with 128-key tiles, block_size a multiple of 128,
-     yes, with 64-key tiles, two blocks an SM without it, no). Not yet measured on a GPU.
+     kernel, no packing of k_new / v_new. Only where the tile costs no resident block: its
+     SMEM fits beside the block's (`tile_fits`: at D = 64 yes; at D = 128 with 128-key tiles,
+     block_size a multiple of 128, yes, with 64-key tiles, two blocks an SM without it, no),
+     or the launch has at most one thread block an SM anyway. H200, device us a call, in-flight
+     kernel -> tile (`benchmarks/results/s52/`): B 1 16K, 4 listed 64-slot blocks, Tq 16 8.52
+     -> 7.50, Tq 4 7.67 -> 6.82; B 8 Tq 16 11.25 -> 9.62; 2 listed 128-slot blocks 8.96 ->
+     8.09; at B 1 64K with 256 listed blocks (256 thread blocks) the tile would cost 31.05 ->
+     32.90, so it is not taken there.
 
 The pure-jnp reference `sparse_attention_reference` (gather the listed blocks, mask, two-part
 softmax) sits at the bottom of this file.
@@ -715,7 +720,8 @@ def in_kernel_tile(config: SparseConfig, q: jax.Array, k_new: jax.Array, v_new: 
   return len(segments) == 1 and inflight_tile_choice(
       config.inflight, q, k_new, v_new, q_blocks=segments[0].q_blocks, specialized=ws,
       block_kv=config.tile_rows(block_size, q.shape[3]), num_stages=config.num_stages,
-      num_score_rows=rows_score)
+      num_score_rows=rows_score,
+      launch_blocks=q.shape[0] * k_new.shape[2] * segments[0].num_work)
 
 
 def _rows_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths, layout, *,

@@ -482,9 +482,16 @@ def test_in_kernel_tile_choice():
   for mode in ("kernel", "merged", "jnp"):
     assert not in_kernel_tile(DecodeConfig(inflight=mode), *args(4, 4), INTERPRET)
   # D = 128: with 128-key tiles (one block an SM) the tile fits; with 64-key tiles (a capacity
-  # not a multiple of 128) it would cost the SM its second resident block.
+  # not a multiple of 128) it would cost the SM its second resident block, so it is taken only
+  # where the launch has at most one thread block an SM anyway (the GPU's split plan).
   assert in_kernel_tile(auto, *args(4, 4, head_dim=128, capacity=256), INTERPRET)
-  assert not in_kernel_tile(auto, *args(4, 4, head_dim=128, capacity=192), INTERPRET)
+  assert in_kernel_tile(auto, *args(4, 4, head_dim=128, capacity=192), None)
+  def shapes(batch, capacity):                     # Tq 4, 32 query heads on 8 KV heads
+    q = jax.ShapeDtypeStruct((batch, 4, 32, 128), jnp.bfloat16)
+    kn = jax.ShapeDtypeStruct((batch, 4, 8, 128), jnp.bfloat16)
+    return q, jax.ShapeDtypeStruct((batch, 8, capacity, 128), jnp.bfloat16), kn, kn
+  assert not in_kernel_tile(auto, *shapes(8, 16384 + 64), None)   # 64-key tiles, many blocks
+  assert in_kernel_tile(auto, *shapes(8, 16384), None)            # 128-key tiles
   # Warp-specialized blocks take no in-flight tile; the interpreter never runs them.
   assert not in_kernel_tile(DecodeConfig(warp_specialized=True), *args(4, 4), None)
   assert in_kernel_tile(DecodeConfig(warp_specialized=True), *args(4, 4), INTERPRET) == (

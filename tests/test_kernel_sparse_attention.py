@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import rand
 from kernel_mode import INTERPRET, cuda_text
+from pallas_kernels.hopper import SM_COUNT
 from pallas_kernels.decode_attention import (
   DecodeConfig,
   decode_attention,
@@ -459,8 +460,7 @@ def test_lowers_to_mosaic_gpu_custom_call_for_cuda(num_queries, sparse_queries, 
   """The H100 benchmark shapes (S = 16K, 1.6% of the blocks listed) and FAFO's 8B step (240
   fumble queries on 16 blocks, 43 on the full cache) lower to the Mosaic GPU custom call on a
   CPU-only machine, also with the score output (both segments; its SMEM must fit), and with
-  the in-flight tile (one segment of 16 x 4 = 64 rows, 128-key tiles; with the score output
-  too); PTX generation happens later, in XLA:GPU."""
+  the in-flight tile (one segment of 16 x 4 = 64 rows; with the score output too); PTX generation happens later, in XLA:GPU."""
   b, hq, hkv, d, s, tq = 1, 32, 8, 128, 16384, num_queries
   sds = jax.ShapeDtypeStruct
   args = (sds((b, tq, hq, d), jnp.bfloat16), sds((b, hkv, s, d), jnp.bfloat16),
@@ -477,10 +477,15 @@ def test_lowers_to_mosaic_gpu_custom_call_for_cuda(num_queries, sparse_queries, 
   wide = max(sparse_queries or tq, tq - (sparse_queries or tq)) * hq // hkv > 128
   long = max(table_len, s // block_size if (sparse_queries or tq) < tq else 0) >= 8
   assert ("sparse_attention_kernel_ws" in text) == (wide and long)
-  # The in-flight tile (one segment of one q block; at D = 128 only with 128-key tiles, which
-  # keep one block an SM) replaces the in-flight kernel of 2 <= Tq.
-  tiled = (2 <= tq and tq * hq // hkv <= 64 and sparse_queries in (None, 0, tq)
-           and block_size % 128 == 0)
+  # The in-flight tile (one segment of one q block; at D = 128 with 128-key tiles, which keep
+  # one block an SM, or in a launch of at most one block an SM) replaces the in-flight kernel
+  # of 2 <= Tq.
+  from pallas_kernels.sparse_attention import _layout
+  segments = _layout(args[0].shape, args[1].shape, table_len, block_size=block_size,
+                     sparse_queries=tq if sparse_queries is None else sparse_queries,
+                     config=SparseConfig(), num_score_queries=(0, 0), interpret=False)[0]
+  tiled = (2 <= tq and tq * hq // hkv <= 64 and len(segments) == 1
+           and (block_size % 128 == 0 or b * hkv * segments[0].num_work <= SM_COUNT))
   assert ("inflight_attention_kernel" in text) == (tq >= 2 and not tiled)
 
 
@@ -594,10 +599,24 @@ def test_in_kernel_tile_choice():
   assert not tiled(dtype=jnp.float32)
   for mode in ("kernel", "merged", "jnp"):
     assert not tiled(config=SparseConfig(inflight=mode))
-  # D = 128: 128-key tiles (one block an SM) fit the tile, 64-key tiles (two an SM) not.
+  # D = 128: 128-key tiles (one block an SM) fit the tile; 64-key tiles (two an SM) take it
+  # only in a launch of at most one thread block an SM (here 1 x 1 x 2 splits).
   assert tiled(head_dim=128, block_size=128)
-  assert not tiled(head_dim=128, block_size=64)
-  assert not tiled(head_dim=128, block_size=128, config=SparseConfig(block_kv=64))
+  assert tiled(head_dim=128, block_size=64)
+  assert tiled(head_dim=128, block_size=128, config=SparseConfig(block_kv=64))
+  def launch(batch, listed, block_size=64, head_dim=128, hkv=8, capacity=16384):
+    """(thread blocks, tiled?) of a Tq 16 call with G 4 (shapes only)."""
+    q = jax.ShapeDtypeStruct((batch, 16, 4 * hkv, head_dim), jnp.bfloat16)
+    kn = jax.ShapeDtypeStruct((batch, 16, hkv, head_dim), jnp.bfloat16)
+    layout = _layout(q.shape, (batch, hkv, capacity, head_dim), listed, block_size=block_size,
+                     sparse_queries=16, config=SparseConfig(), num_score_queries=(0, 0),
+                     interpret=False)
+    blocks = batch * hkv * layout[0][0].num_work
+    return blocks, in_kernel_tile(SparseConfig(), q, kn, kn, layout, block_size)
+  few, many = launch(1, 4), launch(8, 16)
+  assert few[0] <= SM_COUNT < many[0]
+  assert few[1] and not many[1]
+  assert launch(8, 16, block_size=128)[1]                         # 128-key tiles: fits
   # Warp-specialized blocks take no tile (the GPU's choice; the interpreter runs plain blocks).
   assert not tiled(config=SparseConfig(warp_specialized=True), interpret=None)
 
