@@ -951,8 +951,9 @@ def inflight_tile_choice(mode: str, q: jax.Array, k_new: jax.Array, v_new: jax.A
   the whole in-flight part: "auto" at 2 <= Tq with one q block (Tq * G <= 64; `q_blocks`: the
   kernel's q blocks per KV head) of plain (not `specialized`) blocks and k_new, v_new in q's
   dtype, where the tile costs no resident block: its SMEM fits beside the block's
-  (`block_kv`-key tiles, `num_stages`, `num_score_rows`; `tile_fits`), or the launch has at
-  most one thread block an SM anyway (`launch_blocks` <= SM_COUNT). H200, sparse_attention with
+  (`block_kv`-key tiles, `num_stages`, `num_score_rows`; `tile_fits`) as many times an SM as
+  the block alone, or once where the launch has at most one thread block an SM anyway
+  (`launch_blocks` <= SM_COUNT). H200, sparse_attention with
   64-key tiles at D 128 (two blocks an SM without the tile), device us a call, in-flight
   kernel -> tile (`benchmarks/results/s52/sparse_tile_ab_s52_h200.json`): B 1 16K Tq 16, 4
   listed blocks (32 thread blocks) 8.52 -> 7.50, 16 listed (128) 10.54 -> 10.03, B 8 4 listed
@@ -962,21 +963,23 @@ def inflight_tile_choice(mode: str, q: jax.Array, k_new: jax.Array, v_new: jax.A
     return False
   if not (k_new.dtype == v_new.dtype == q.dtype):
     return False
-  return (launch_blocks <= SM_COUNT
-          or tile_fits(block_kv, num_stages, d, q.dtype.itemsize, num_score_rows))
+  return tile_fits(block_kv, num_stages, d, q.dtype.itemsize, num_score_rows,
+                   blocks_per_sm=1 if launch_blocks <= SM_COUNT else None)
 
 
 def tile_fits(block_kv: int, num_stages: int, head_dim: int, itemsize: int,
-              num_score_rows: int) -> bool:
+              num_score_rows: int, blocks_per_sm: int | None = None) -> bool:
   """Whether a plain block with the in-flight tile's SMEM (`inflight_tile_scratch`) fits an SM
-  as many times as one without it (`resident_blocks`): D = 128, bf16, 2 stages: 128-key tiles
-  188.5 of 227 KiB (one block an SM either way); 64-key tiles 124.5 KiB (two blocks an SM
-  without the tile, one with it: no)."""
+  `blocks_per_sm` times (None: as many times as one without it, `resident_blocks`): D = 128,
+  bf16, 2 stages: 128-key tiles 188.5 of 227 KiB (one block an SM either way); 64-key tiles
+  124.5 KiB (two blocks an SM without the tile, one with it: no; with blocks_per_sm = 1 yes)."""
+  if blocks_per_sm is None:
+    blocks_per_sm = resident_blocks(block_kv, num_stages, head_dim)
   tile = 2 * INFLIGHT_TILE * head_dim * itemsize + BLOCK_M * INFLIGHT_TILE * 2
   block = smem_bytes(block_kv, num_stages, head_dim, itemsize)
   if num_score_rows:
     block += BLOCK_M * block_kv * 4
-  return resident_blocks(block_kv, num_stages, head_dim) * (block + tile) <= SMEM_PER_SM
+  return blocks_per_sm * (block + tile) <= SMEM_PER_SM
 
 
 @normalised(score_queries=static_ints, interpret=interpret_mode)

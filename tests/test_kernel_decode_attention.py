@@ -492,6 +492,11 @@ def test_in_kernel_tile_choice():
     return q, jax.ShapeDtypeStruct((batch, 8, capacity, 128), jnp.bfloat16), kn, kn
   assert not in_kernel_tile(auto, *shapes(8, 16384 + 64), None)   # 64-key tiles, many blocks
   assert in_kernel_tile(auto, *shapes(8, 16384), None)            # 128-key tiles
+  # D = 256 (64-key tiles): block 160 KiB + tile 72 KiB exceed one SM's 227 KiB, even alone.
+  q256 = jax.ShapeDtypeStruct((1, 4, 4, 256), jnp.bfloat16)
+  kn256 = jax.ShapeDtypeStruct((1, 4, 1, 256), jnp.bfloat16)
+  cache256 = jax.ShapeDtypeStruct((1, 1, 1024, 256), jnp.bfloat16)
+  assert not in_kernel_tile(auto, q256, cache256, kn256, kn256, None)
   # Warp-specialized blocks take no in-flight tile; the interpreter never runs them.
   assert not in_kernel_tile(DecodeConfig(warp_specialized=True), *args(4, 4), None)
   assert in_kernel_tile(DecodeConfig(warp_specialized=True), *args(4, 4), INTERPRET) == (
