@@ -715,7 +715,8 @@ def in_kernel_tile(config: SparseConfig, q: jax.Array, k_new: jax.Array, v_new: 
   in-flight keys first, decode_attention's `inflight_tile_step`): one segment (every query
   reads the list, or every query the full cache) of one q block, and decode_attention's
   `inflight_tile_choice` for it ("auto", 2 <= Tq, plain blocks, k_new and v_new in q's dtype,
-  the tile's SMEM beside this tiling's without a lost resident block). layout: `_layout`'s."""
+  the tile's SMEM beside this tiling's without a lost resident block, or once an SM in a launch
+  of at most one thread block an SM). layout: `_layout`'s."""
   segments, _, rows_score, ws = layout
   return len(segments) == 1 and inflight_tile_choice(
       config.inflight, q, k_new, v_new, q_blocks=segments[0].q_blocks, specialized=ws,
