@@ -102,7 +102,7 @@ from pallas_kernels.combine import (check_arrays, check_config_ints, check_infli
 from pallas_kernels.inflight_attention import (MergeSegment, inflight_merged, inflight_partials,
                                                mask_bias, merge_chunks, pack_keys)
 from pallas_kernels.hopper import SM_COUNT, SMEM_PER_SM
-from pallas_kernels.register_operand import a_staging, swizzled, wgmma_register_a
+from pallas_kernels.register_operand import a_staging, softmax_pv_step, swizzled
 from pallas_kernels.split_plan import split_counts
 
 LOG2E = math.log2(math.e)
@@ -244,7 +244,7 @@ INFLIGHT_TILE = 64               # in-flight keys of the tile (Tq * G <= 64, so 
 def inflight_tile_scratch(head_dim: int, dtype, interpret: Any) -> list:
   """SMEM of the in-flight tile: k_new's and v_new's rows [64, D] (wgmma operands), the mask's
   bias [64 rows, 64 keys] bf16, one barrier for the three TMAs, and in interpret mode the
-  staging of P [64, 64] (`wgmma_register_a`)."""
+  staging of P [64, 64] (`register_operand.wgmma_register_a`)."""
   tile = lambda: plgpu.SMEM((INFLIGHT_TILE, head_dim), dtype, **SWIZZLED)
   staging = a_staging((BLOCK_M, INFLIGHT_TILE), dtype, interpret, **SWIZZLED)
   return [tile(), tile(), plgpu.SMEM((BLOCK_M, INFLIGHT_TILE), jnp.bfloat16),
@@ -271,7 +271,6 @@ def inflight_tile_step(q_smem, smem, carry, *, scale, dtype):
   stand-in for its max keeps p and alpha at 0, not NaN)."""
   kn_smem, vn_smem, bias_smem, barrier = smem[:4]
   a_smem = smem[4] if len(smem) > 4 else None
-  acc, m_i, l_i = carry
   plgpu.barrier_wait(barrier)
 
   def qk_scope(s_ref):                             # [64, 64] fp32 accumulator
@@ -280,17 +279,7 @@ def inflight_tile_step(q_smem, smem, carry, *, scale, dtype):
   s = pl.run_scoped(qk_scope, plgpu.ACC((BLOCK_M, INFLIGHT_TILE), jnp.float32)) * scale
   bias = plgpu.load(bias_smem, layout=plgpu.Layout.WGMMA, optimized=False)
   s = s + bias.astype(jnp.float32)
-  m_new = jnp.maximum(m_i, s.max(axis=1))
-  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-  alpha = jnp.exp2(m_i - m_use)
-  p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-  l_i = l_i * alpha + p.sum(axis=1)
-
-  def pv_scope(pv_ref):                            # [64, D] fp32 accumulator
-    wgmma_register_a(pv_ref, p.astype(dtype), vn_smem, a_smem=a_smem)
-    return pv_ref[...]
-  pv = pl.run_scoped(pv_scope, plgpu.ACC((BLOCK_M, acc.shape[1]), jnp.float32))
-  return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l_i
+  return softmax_pv_step(s, carry, vn_smem, dtype=dtype, a_smem=a_smem, empty_rows=True)
 
 
 def heads_merged(x: jax.Array) -> jax.Array:
@@ -675,23 +664,10 @@ def _cache_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         pl.when(qb == 0)(lambda: store_scores(s, (first_tile + step) * block_kv))
 
       # Every tile holds at least one valid slot, so m_new is finite (m_i may be -inf: a row
-      # that saw no in-flight key).
-      m_new = jnp.maximum(m_i, s.max(axis=1))
-      alpha = jnp.exp2(m_i - m_new)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-      l_i = l_i * alpha + p.sum(axis=1)
-
-      plgpu.barrier_wait(v_barriers.at[slot])
-      # PV with P as the wgmma's registers operand (the score accumulator's layout is the A
-      # fragment's), into a fresh (zeroed) accumulator that is added to the rescaled running
-      # one (`pl.run_state(...)(ACC.init(acc))` would skip that, but the Mosaic GPU interpreter
-      # of jax 0.11.2 does not run it). The interpreter's wgmma takes no registers operand: there
-      # P goes through a_smem (`wgmma_register_a`).
-      def pv_scope(pv_ref):                        # [64, D] fp32 accumulator
-        wgmma_register_a(pv_ref, p.astype(dtype), v_smem.at[slot], a_smem=a_smem)
-        return pv_ref[...]                         # waits for the wgmma
-      pv = pl.run_scoped(pv_scope, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+      # that saw no in-flight key). PV with P as the wgmma's registers operand (the score
+      # accumulator's layout is the A fragment's).
+      acc, m_new, l_i = softmax_pv_step(s, (acc, m_i, l_i), v_smem.at[slot], dtype=dtype,
+                                        a_smem=a_smem, v_barrier=v_barriers.at[slot])
 
       # Both wgmmas that read this slot are done: refill it with the tile num_stages ahead.
       nxt = step + num_stages

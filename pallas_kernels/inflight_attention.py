@@ -79,7 +79,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from pallas_kernels.combine import check_counts, check_mask, interpret_mode, normalised
-from pallas_kernels.register_operand import a_staging, swizzled, wgmma_register_a
+from pallas_kernels.register_operand import a_staging, softmax_pv_step, swizzled
 
 BLOCK_M = 64                      # q rows per thread block (one warpgroup's wgmma M)
 BLOCK_U = 64                      # in-flight keys per tile
@@ -267,21 +267,10 @@ def _inflight_kernel(q_rows, k_rows, v_rows, mask, *, rows_out, num_stages, inte
         bias = plgpu.load(b_smem.at[slot], layout=plgpu.Layout.WGMMA, optimized=False)
         s = s + bias.astype(jnp.float32)
 
-      # A row may see no key of this tile (or none at all): a finite stand-in for its max keeps
-      # alpha and p at 0 instead of NaN.
-      m_new = jnp.maximum(m_i, s.max(axis=1))
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if partly_seen else m_new
-      alpha = jnp.exp2(m_i - m_use)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-      l_i = l_i * alpha + p.sum(axis=1)
-
-      plgpu.barrier_wait(v_barriers.at[slot])
-      def pv_scope(pv_ref):                        # [64, D / chunks] fp32 accumulator
-        # P as the registers operand (as decode_attention; through a_smem in interpret mode)
-        wgmma_register_a(pv_ref, p.astype(dtype), v_smem.at[slot], a_smem=a_smem)
-        return pv_ref[...]
-      pv = pl.run_scoped(pv_scope, plgpu.ACC((BLOCK_M, d_out), jnp.float32))
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+      # A row may see no key of this tile (or none at all): `empty_rows`. acc [64, D / chunks].
+      acc, m_new, l_i = softmax_pv_step(s, (acc, m_i, l_i), v_smem.at[slot], dtype=dtype,
+                                        a_smem=a_smem, v_barrier=v_barriers.at[slot],
+                                        empty_rows=partly_seen)
 
       nxt = step + stages
       pl.when(nxt < num_seen)(lambda: fetch(nxt, slot))

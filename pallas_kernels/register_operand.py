@@ -61,6 +61,33 @@ def wgmma_register_a(acc_ref, a: jax.Array, b_ref, a_smem=None) -> None:
   plgpu.wgmma_wait(0)
 
 
+def softmax_pv_step(s: jax.Array, carry: tuple, v_tile, *, dtype, a_smem=None, v_barrier=None,
+                    empty_rows: bool = False) -> tuple:
+  """One online-softmax step of a plain (single-warpgroup) attention block: carry = (acc
+  [64, D] fp32, m [64], l [64]; m in log2 units) after the rows also see the keys of a tile
+  with scores s [64, N] fp32 (scaled, log2 units; -inf where masked) and values v_tile
+  [N, D] (SMEM). P (rounded to `dtype`) is the wgmma's registers operand (`wgmma_register_a`;
+  through a_smem in interpret mode), into a fresh (zeroed) accumulator that is added to the
+  rescaled running one (`pl.run_state(...)(ACC.init(acc))` would skip that, but the Mosaic GPU
+  interpreter of jax 0.11.2 does not run it). v_barrier: waited for after the softmax, before
+  PV. empty_rows: a row may have seen only -inf so far, also after this tile (a finite
+  stand-in for its max keeps alpha and p at 0, not NaN; a finite max stays: alpha 1, p 0)."""
+  acc, m_i, l_i = carry
+  m_new = jnp.maximum(m_i, s.max(axis=1))
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if empty_rows else m_new
+  alpha = jnp.exp2(m_i - m_use)
+  p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_use, s.shape, [0]))
+  l_i = l_i * alpha + p.sum(axis=1)
+  if v_barrier is not None:
+    plgpu.barrier_wait(v_barrier)
+
+  def pv_scope(pv_ref):                            # [64, D] fp32 accumulator
+    wgmma_register_a(pv_ref, p.astype(dtype), v_tile, a_smem=a_smem)
+    return pv_ref[...]                             # waits for the wgmma
+  pv = pl.run_scoped(pv_scope, plgpu.ACC((s.shape[0], acc.shape[1]), jnp.float32))
+  return acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l_i
+
+
 # ----------------------------------------------------------------------------------------------
 # Codes as words in fragment order.
 # ----------------------------------------------------------------------------------------------

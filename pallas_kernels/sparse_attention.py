@@ -102,7 +102,7 @@ from pallas_kernels.combine import (check_arrays, check_config_ints, check_infli
                                     selected_first, static_ints, wrapper_outputs)
 from pallas_kernels.inflight_attention import (MergeSegment, inflight_merged, inflight_partials,
                                                mask_bias, merge_chunks, pack_keys)
-from pallas_kernels.register_operand import a_staging, wgmma_register_a
+from pallas_kernels.register_operand import a_staging, softmax_pv_step
 from pallas_kernels.split_plan import split_counts
 
 from pallas_kernels.decode_attention import _q_rows as decode_q_rows
@@ -470,22 +470,10 @@ def _cache_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths,
 
       # A listed block may lie wholly past lengths[b]: then the tile is all -inf, and so may be
       # m_new (m_i is -inf until a row sees a key: also a row of the in-flight tile that saw no
-      # in-flight key); exponents use a finite stand-in so that alpha and p are 0, not NaN. A
-      # finite m_i (carried from earlier tiles or the in-flight tile) stays: alpha 1, p 0.
-      m_new = jnp.maximum(m_i, s.max(axis=1))
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp2(m_i - m_use)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-      l_i = l_i * alpha + p.sum(axis=1)
-
-      plgpu.barrier_wait(v_barriers.at[slot])
-      # P as the registers operand of PV, into a fresh accumulator (see decode_attention; in
-      # interpret mode P goes through a_smem).
-      def pv_scope(pv_ref):                        # [64, D] fp32 accumulator
-        wgmma_register_a(pv_ref, p.astype(dtype), v_smem.at[slot], a_smem=a_smem)
-        return pv_ref[...]
-      pv = pl.run_scoped(pv_scope, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+      # in-flight key): `empty_rows`.
+      acc, m_new, l_i = softmax_pv_step(s, (acc, m_i, l_i), v_smem.at[slot], dtype=dtype,
+                                        a_smem=a_smem, v_barrier=v_barriers.at[slot],
+                                        empty_rows=True)
 
       nxt = step + num_stages
       pl.when(nxt < my_tiles)(lambda: fetch(nxt, slot))
