@@ -125,6 +125,9 @@ def quantized_pass(cfg, params, ids: np.ndarray, chunk: int, group: int,
   n = len(ids) - 1
   cap = -(-n // group) * group + 2 * group
   qcache = qkv.from_dense(init_cache(cfg, 1, group), group, quant_capacity=cap)
+  # Committed to the device, as every later chunk's cache (step's output) is: jit keys its cache
+  # on committedness, so an uncommitted first cache would compile every chunk shape twice.
+  qcache = jax.device_put(qcache, jax.devices()[0])
   step = _quantized_step(cfg, bits)
   total, top = 0.0, []
   for start in range(0, n, chunk):
