@@ -63,15 +63,21 @@ def draft_matmul(planes: int = 0, weights: str = "layout"):
     return jnp.dot(x.astype(jnp.float32), wx, precision="highest").astype(x.dtype)
 
   patched = bool(planes) or weights != "layout"
-  if patched:
-    linear.quant_matmul = emulated
-    jax.clear_caches()                 # no forward traced with the plain product is reused
-  try:
+  if not patched:
     yield
+    return
+  linear.quant_matmul = emulated
+  try:
+    # The emulation is part of every jit cache key within: no forward traced with the plain
+    # product is reused (nor one traced here after the exit), without clearing the process's
+    # caches (its eager ops' compiles included).
+    with _EMULATED((planes, weights)):
+      yield
   finally:
-    if patched:
-      linear.quant_matmul = plain
-      jax.clear_caches()
+    linear.quant_matmul = plain
+
+
+_EMULATED = jax.make_user_context(None)     # (planes, weights) within draft_matmul, else None
 
 
 # What each GPU one-row kernel multiplies, for `draft_matmul` on any backend: (x planes,
