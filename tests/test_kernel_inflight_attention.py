@@ -203,6 +203,11 @@ def test_merged_inflight_matches_the_combine_and_the_reference(seed, batch, grou
     np.testing.assert_allclose(g, r, atol=3e-2 if name == "out" else 2e-3, err_msg=name)
 
 
+# The merge constants (MERGE_FILL_BLOCKS, MERGE_MAX_SLOTS, MERGE_STATS_ONCE) a test patches, as a
+# jit cache key: a trace under other values is not reused (no process-wide jax.clear_caches()).
+_MERGE_CONSTANTS = jax.make_user_context(None)
+
+
 def test_merged_columns_split_over_blocks_give_the_same_output(monkeypatch):
   """A merged launch with few blocks splits each q block's D columns over 2, 4 or 8 blocks
   (`merge_chunks`) and folds the partials through a ring of `merge_slots` slots: D = 128, the
@@ -233,12 +238,14 @@ def test_merged_columns_split_over_blocks_give_the_same_output(monkeypatch):
     monkeypatch.setattr(inflight_module, "MERGE_FILL_BLOCKS", fill)
     monkeypatch.setattr(inflight_module, "MERGE_MAX_SLOTS", max_slots)
     monkeypatch.setattr(inflight_module, "MERGE_STATS_ONCE", once)
-    jax.clear_caches()                             # the chunk count is read at trace time
     chunks = merge_chunks(blocks, d, group)
     slots = merge_slots(d // chunks)
-    results[chunks, slots, full_splits, once] = [np.asarray(x, np.float32) for x in sparse_attention(
-        *args, **kw, config=SparseConfig(inflight="merged", num_splits=2,
-                                         num_splits_full=full_splits), interpret=INTERPRET)]
+    # The constants are read at trace time: keyed into every jit cache, each run traces anew.
+    with _MERGE_CONSTANTS((fill, max_slots, once)):
+      results[chunks, slots, full_splits, once] = [
+          np.asarray(x, np.float32) for x in sparse_attention(
+              *args, **kw, config=SparseConfig(inflight="merged", num_splits=2,
+                                               num_splits_full=full_splits), interpret=INTERPRET)]
   assert sorted(results) == [(1, 2, 6, 1), (2, 4, 6, 1), (4, 8, 6, 1), (8, 3, 6, 1),
                              (8, 8, 1, 1), (8, 8, 6, 0), (8, 8, 6, 1)]
   ref = _sparse_reference(*(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x
