@@ -73,6 +73,19 @@ def variant(spec: str, name: str = "inflight_attention_variant"):
   return module
 
 
+_SWAPPED = ("inflight_partials", "mask_bias", "inflight_merged", "merge_chunks")
+
+
+def _routed():
+  return tuple(getattr(w, attr, None) for w in (decode_module, sparse_module) for attr in _SWAPPED)
+
+
+# The functions the wrappers are routed to (None: the imported ones), a jit cache key: traces made
+# with one version are not reused with another (without clearing the process's caches).
+_ROUTED = jax.make_user_context(None)
+_IMPORTED = _routed()
+
+
 def use(module) -> None:
   """Route the cache kernels' wrappers to `module`'s in-flight kernel (retraced afterwards)."""
   for wrapper in (decode_module, sparse_module):
@@ -82,7 +95,8 @@ def use(module) -> None:
       wrapper.inflight_merged = module.inflight_merged
     if hasattr(module, "merge_chunks"):           # versions from session 31 on
       wrapper.merge_chunks = module.merge_chunks
-  jax.clear_caches()
+  routed = _routed()
+  _ROUTED.set_global(None if routed == _IMPORTED else routed)
 
 
 def normal(key, shape):

@@ -38,6 +38,11 @@ D, GROUP, RECENT, RECENT_CAPACITY = 128, 128, 192, 256
 CELLS = "8:65536:4:1,8:65536:8:1,8:131072:8:5,2:32768:4:1,2:131072:4:1,1:131072:4:1"
 
 
+# The merge swapped into quant_attention (None: its own), a jit cache key: traces made with one
+# merge are not reused with another (without clearing the process's caches).
+_SWAPPED_MERGE = jax.make_user_context(None)
+
+
 def _plan(hkv: int, s: int, bits: int, tq: int, cfg: qa.QuantAttentionConfig):
   """(splits, merge ranges, exact blocks, N) the call plans: exact blocks for the recent
   segment and Tq."""
@@ -107,13 +112,14 @@ def main(argv=None):
       try:
         if merge is not None:
           qa.merge_partials_in_ranges = merge
-          # quant_attention is jitted with the config static: a cached trace of an equal
-          # config (the "current" row's) would keep the merge it was traced with.
-          jax.clear_caches()
-        cfg = qa.QuantAttentionConfig(num_splits=forced)
-        f = jax.jit(functools.partial(qa.quant_attention, bits=bits, config=cfg, interpret=ip))
-        err = float(jnp.max(jnp.abs(f(q, *args).astype(jnp.float32) - ref)))
-        t = time_loop(f, q, *args, num_calls=a.calls, repeats=a.repeats, profile=True)
+        # quant_attention is jitted with the config static: a cached trace of an equal config
+        # (the "current" row's) would keep the merge it was traced with, so the swapped-in merge
+        # is part of every jit cache key while it is in place (None: the module's own).
+        with _SWAPPED_MERGE(merge):
+          cfg = qa.QuantAttentionConfig(num_splits=forced)
+          f = jax.jit(functools.partial(qa.quant_attention, bits=bits, config=cfg, interpret=ip))
+          err = float(jnp.max(jnp.abs(f(q, *args).astype(jnp.float32) - ref)))
+          t = time_loop(f, q, *args, num_calls=a.calls, repeats=a.repeats, profile=True)
         record(dict(cell=cell, impl=impl, part="call", num_splits=forced or splits,
                     merge_ranges=1 if forced else ranges, exact_blocks=exact, max_abs_err=err),
                t, nbytes)
@@ -121,9 +127,7 @@ def main(argv=None):
         res["rows"].append(dict(cell=cell, impl=impl, part="call", error=repr(e)[:500]))
         write_json(a.out, res)
       finally:
-        if merge is not None:
-          qa.merge_partials_in_ranges = saved
-          jax.clear_caches()
+        qa.merge_partials_in_ranges = saved
     if a.skip_merge:
       continue
     ns, n_pad = splits + exact, max(n, 32)
