@@ -17,6 +17,7 @@ from sparsedec.decode.sampling import SamplingConfig
 from sparsedec.decode.state import DecodeState
 from sparsedec.errors import InputError, is_int
 from sparsedec.model.config import ModelConfig
+from sparsedec.model.gptq import DRAFT_KEY
 from sparsedec.model.params import Params
 
 MIN_BUCKET = 16
@@ -191,12 +192,22 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
     padded[i, : len(p)] = p
   b = len(rows)
   ctx = StepContext(sampling=sampling, stop_ids=stop_ids)
-  state = prefill(cfg, params, empty_cache(cfg, b, capacity), padded, lengths,
+  state = prefill(cfg, loop_params(params), empty_cache(cfg, b, capacity), padded, lengths,
                   np.full((b,), max_new_tokens, np.int32), _seeds(seed, b),
                   chunk=min(prefill_chunk, bucket),
                   sampling=sampling, stop_ids=stop_ids)
   state = init_method(cfg, params, state, method=method, ctx=ctx)
   return state, Run(cfg, method, ctx, method.max_steps(int(max_new_tokens)))
+
+
+def loop_params(params: Params) -> Params:
+  """params without a draft they carry (`gptq.with_draft`): only the method's init reads it
+  (QuantSpec moves it into the state), so prefill and the loop, which jit would compile anew for
+  every params structure though the draft's leaves go unused, get the same arguments with or
+  without one."""
+  if isinstance(params, dict) and DRAFT_KEY in params:
+    return {k: v for k, v in params.items() if k != DRAFT_KEY}
+  return params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +226,8 @@ class Run:
       raise InputError(f"steps must be None or an integer >= 1, got {steps!r}")
     budget = self.max_steps if steps is None else min(steps, self.max_steps)
     limit = int(jax.device_get(state.step)) + budget
-    return decode(self.cfg, params, state, np.int32(limit), method=self.method, ctx=self.ctx)
+    return decode(self.cfg, loop_params(params), state, np.int32(limit), method=self.method,
+                  ctx=self.ctx)
 
 
 def collect(state: DecodeState, stop_ids: tuple[int, ...]) -> tuple[list[list[int]], list[bool]]:
