@@ -16,6 +16,8 @@ import pytest
 import sparsedec
 from sparsedec import prompts as prompt_sets
 from sparsedec import testing
+from sparsedec.decode import loop
+from sparsedec.decode.prefill import prefill
 from sparsedec.decode.quantspec import QuantSpec
 from sparsedec.errors import InputError
 from sparsedec.model import gptq
@@ -294,9 +296,14 @@ def test_quantspec_decodes_with_the_gptq_draft_the_params_carry(stories):
   prompts = [tok.encode("Once upon a time"), tok.encode("Tom and Lily")]
   rtn = sparsedec.generate(cfg, params, prompts, method=METHOD, max_new_tokens=96,
                            stop_tokens=())
+  compiled = (prefill._cache_size(), loop.decode._cache_size())
   got = sparsedec.generate(cfg, gptq.with_draft(params, draft), prompts, method=METHOD,
                            max_new_tokens=96, stop_tokens=(), return_state=True)
   assert got.tokens == rtn.tokens
+  # Prefill and the loop never read the draft the params carry (only QuantSpec's init does):
+  # they get the params without it (`gptq.without_draft`), so the RTN run's compiles serve.
+  assert (prefill._cache_size(), loop.decode._cache_size()) == compiled
+  assert gptq.without_draft(gptq.with_draft(params, draft)).keys() == params.keys()
   used = got.state.extras.draft_params["layers"]
   assert gptq.DRAFT_KEY not in got.state.extras.draft_params
   for i, lp in enumerate(draft):

@@ -17,7 +17,7 @@ from sparsedec.decode.sampling import SamplingConfig
 from sparsedec.decode.state import DecodeState
 from sparsedec.errors import InputError, is_int
 from sparsedec.model.config import ModelConfig
-from sparsedec.model.gptq import DRAFT_KEY
+from sparsedec.model.gptq import without_draft
 from sparsedec.model.params import Params
 
 MIN_BUCKET = 16
@@ -192,22 +192,15 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
     padded[i, : len(p)] = p
   b = len(rows)
   ctx = StepContext(sampling=sampling, stop_ids=stop_ids)
-  state = prefill(cfg, loop_params(params), empty_cache(cfg, b, capacity), padded, lengths,
+  # A draft the params carry (`gptq.with_draft`) is read only by the method's init (QuantSpec
+  # moves it into the state); prefill and the loop get the params without it, so jit does not
+  # compile them again for that params structure.
+  state = prefill(cfg, without_draft(params), empty_cache(cfg, b, capacity), padded, lengths,
                   np.full((b,), max_new_tokens, np.int32), _seeds(seed, b),
                   chunk=min(prefill_chunk, bucket),
                   sampling=sampling, stop_ids=stop_ids)
   state = init_method(cfg, params, state, method=method, ctx=ctx)
   return state, Run(cfg, method, ctx, method.max_steps(int(max_new_tokens)))
-
-
-def loop_params(params: Params) -> Params:
-  """params without a draft they carry (`gptq.with_draft`): only the method's init reads it
-  (QuantSpec moves it into the state), so prefill and the loop, which jit would compile anew for
-  every params structure though the draft's leaves go unused, get the same arguments with or
-  without one."""
-  if isinstance(params, dict) and DRAFT_KEY in params:
-    return {k: v for k, v in params.items() if k != DRAFT_KEY}
-  return params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +219,7 @@ class Run:
       raise InputError(f"steps must be None or an integer >= 1, got {steps!r}")
     budget = self.max_steps if steps is None else min(steps, self.max_steps)
     limit = int(jax.device_get(state.step)) + budget
-    return decode(self.cfg, loop_params(params), state, np.int32(limit), method=self.method,
+    return decode(self.cfg, without_draft(params), state, np.int32(limit), method=self.method,
                   ctx=self.ctx)
 
 

@@ -69,7 +69,7 @@ from sparsedec.kv.dense import KVCache, commit
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.forward import forward
 from sparsedec.model.params import Params
-from sparsedec.model.gptq import DRAFT_KEY
+from sparsedec.model.gptq import DRAFT_KEY, without_draft
 from sparsedec.model.quant_weights import (GRIDS, LAYOUTS, QUANTIZED_LINEARS, params_to_layout,
                                            quantize_params, weights_bytes)
 
@@ -206,8 +206,8 @@ class QuantSpec:
     if groups != [self.weight_group]:
       raise InputError(f"the params' draft ({DRAFT_KEY!r}) has weight groups {groups}, quantspec "
                        f"weight_group is {self.weight_group}")
-    base = {k: v for k, v in params.items() if k != DRAFT_KEY}
-    return params_to_layout({**base, "layers": layers}, self.resolved_weight_layout())
+    return params_to_layout({**without_draft(params), "layers": layers},
+                            self.resolved_weight_layout())
 
   def samples_drafts(self, sampling: SamplingConfig) -> bool:
     """Whether the drafts are drawn from the draft's distribution (Leviathan) this run."""

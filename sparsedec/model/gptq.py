@@ -431,3 +431,10 @@ def with_draft(params: Params, draft_layers: list[dict]) -> Params:
       if not isinstance(lp.get(name), QuantWeight):
         raise InputError(f"draft layer {i} has no 4-bit {name} (a QuantWeight)")
   return {**params, DRAFT_KEY: draft_layers}
+
+
+def without_draft(params: Params) -> Params:
+  """params without the draft layers they may carry (`with_draft`); the same params otherwise."""
+  if isinstance(params, dict) and DRAFT_KEY in params:
+    return {k: v for k, v in params.items() if k != DRAFT_KEY}
+  return params
