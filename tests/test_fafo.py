@@ -240,6 +240,12 @@ def test_bad_knobs_and_unsupported_models_are_refused(stories):
     StreamingLLM(block_size=True)
   with pytest.raises(InputError, match="max_commit"):
     Quest(max_commit=None)
+  # were accepted: "no" (truthy) turned the output n-grams on, None turned them off (Lookahead
+  # refused both)
+  with pytest.raises(InputError, match="output_ngrams must be True or False"):
+    Fafo(output_ngrams="no")
+  with pytest.raises(InputError, match="prompt_ngrams must be True or False"):
+    Fafo(prompt_ngrams=None)
   with pytest.raises(InputError, match="sliding"):
     sparsedec.generate(cfg.replace(family="mistral", sliding_window=16), params,
                        [[1, 2, 3]], max_new_tokens=2, method=Fafo())

@@ -123,6 +123,9 @@ class Fafo:
     if self.pool_keys % POOL_BUCKET_WAYS:
       raise InputError(f"fafo pool_keys must be a multiple of {POOL_BUCKET_WAYS}, "
                        f"got {self.pool_keys}")
+    for field in ("prompt_ngrams", "output_ngrams"):
+      if not isinstance(getattr(self, field), bool):
+        raise InputError(f"fafo {field} must be True or False, got {getattr(self, field)!r}")
     if isinstance(self.policy, type):
       raise InputError(f"fafo policy must be a policy object, e.g. {self.policy.__name__}(), "
                        f"got the class {self.policy.__name__}")
