@@ -48,11 +48,12 @@ class BlockListView:
     return BlockListView(self.tables[i], self.counts[i], self.block_size)
 
   def slot_mask(self, lengths: jax.Array, capacity: int) -> jax.Array:
-    """[B, Hkv, S] bool: the slots this view reads."""
-    n_blocks = capacity // self.block_size
+    """[B, Hkv, S] bool: the slots this view reads (a capacity that is not a multiple of
+    block_size ends in a partial block; the kernels refuse it, so "auto" comes here)."""
+    n_blocks = -(-capacity // self.block_size)
     listed = jnp.arange(self.tables.shape[-1]) < self.counts[..., None]        # [B, Hkv, NB]
     hit = (self.tables[..., None] == jnp.arange(n_blocks)) & listed[..., None]  # [B,Hkv,NB,S/bs]
-    per_slot = jnp.repeat(hit.any(-2), self.block_size, axis=-1)               # [B, Hkv, S]
+    per_slot = jnp.repeat(hit.any(-2), self.block_size, axis=-1)[..., :capacity]  # [B, Hkv, S]
     return per_slot & (jnp.arange(capacity) < lengths[:, None, None])
 
 

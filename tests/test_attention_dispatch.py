@@ -97,6 +97,28 @@ def test_unaligned_capacity_is_refused_when_forced_and_falls_back_in_auto():
   np.testing.assert_allclose(np.asarray(out, np.float32), 1.0)
 
 
+def test_a_block_list_over_a_capacity_not_a_multiple_of_its_block_size():
+  """The sparse kernel refuses it by name; "auto" falls back to the reference, which reads the
+  listed blocks, the last one partial (it failed on a [.., 16] vs [.., 20] broadcast)."""
+  from sparsedec.attention import AttentionPlan, BlockListView, Segment, reference_attention
+  b, t, hq, hkv, d, s = 1, 1, 2, 1, 64, 20
+  q, kc, vc, kn, vn = (rand.normal(jax.random.key(i), shape, jnp.bfloat16) for i, shape in
+                       enumerate([(b, t, hq, d), (b, hkv, s, d), (b, hkv, s, d), (b, t, hkv, d),
+                                  (b, t, hkv, d)]))
+  lengths = jnp.asarray([19], jnp.int32)
+  view = BlockListView(jnp.asarray([[[2, 0]]], jnp.int32), jnp.asarray([[2]], jnp.int32), 8)
+  plan = AttentionPlan(jnp.ones((t, t), bool), (Segment(view, 0, t),))
+  wide = AttentionPlan(plan.inflight_mask, (Segment(view.replace(block_size=64), 0, t),))
+  with pytest.raises(UnsupportedConfigError, match="capacity 20 is not a multiple of block_size"):
+    attend(q, kc, vc, lengths, kn, vn, lengths[:, None], wide, impl="pallas")
+  assert np.asarray(view.slot_mask(lengths, s)).nonzero()[-1].tolist() == [*range(8), 16, 17, 18]
+  out = attend(q, kc, vc, lengths, kn, vn, lengths[:, None], plan, impl="auto")   # CPU: reference
+  mask = np.zeros((b, t, s), bool)
+  mask[..., [*range(8), 16, 17, 18]] = True                  # blocks 0 and 2 (slots 16..19), < 19
+  want = reference_attention(q, kc, vc, jnp.asarray(mask), kn, vn, jnp.ones((b, t, t), bool))
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+
+
 def test_a_cache_in_another_dtype_than_q_is_not_a_kernel_call():
   """q bf16 over an fp32 cache: the kernels take one dtype, so "auto" falls back (it raised
   decode_attention's ValueError on a GPU) and "pallas" refuses by name."""
