@@ -270,6 +270,23 @@ def test_insert_under_suffixes_and_sequence_ngrams():
   assert device_lookup(pool, (2,), (2,))[1] == []          # 2 3 then nothing: no full span
 
 
+def test_inserting_no_items_leaves_the_pool_unchanged():
+  """M = 0 items (and an empty suffix under insert_under_suffixes): a ValueError from a max
+  over zero ranks before."""
+  pool = device_insert(ngram_pool.init_pool(SMALL, ROWS), [((1,), (2, 2))])
+  empty = ngram_pool.insert(pool, jnp.zeros((ROWS, 0, 2), jnp.int32),
+                            jnp.zeros((ROWS, 0), jnp.int32),
+                            jnp.zeros((ROWS, 0, SMALL.value_len), jnp.int32),
+                            jnp.zeros((ROWS, 0), bool))
+  assert device_lookup(empty, (1,), (1,)) == [[(2, 2)], []]
+  assert int(empty.clock[0]) == 1
+  empty = ngram_pool.insert_under_suffixes(pool, jnp.zeros((ROWS, 0), jnp.int32),
+                                           jnp.zeros((ROWS,), jnp.int32),
+                                           jnp.zeros((ROWS, SMALL.value_len), jnp.int32),
+                                           jnp.ones((ROWS,), bool))
+  assert device_lookup(empty, (1,), (1,)) == [[(2, 2)], []]
+
+
 def test_bad_config_and_shapes_are_errors():
   with pytest.raises(InputError, match="entries_per_key"):
     PoolConfig(key_len=1, value_len=2, entries_per_key=0)

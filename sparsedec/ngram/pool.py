@@ -203,6 +203,8 @@ def insert(pool: NgramPool, keys: jax.Array, key_lens: jax.Array, values: jax.Ar
     raise InputError(f"keys of {kw} tokens do not fit a pool with key_len {c.key_len}")
   if values.shape != (b, m, c.value_len):
     raise InputError(f"values must have shape {(b, m, c.value_len)}, got {values.shape}")
+  if m == 0:                     # nothing to insert (jnp.max(rank) below has no identity)
+    return pool
   if kw < c.key_len:
     keys = jnp.pad(keys, ((0, 0), (0, 0), (0, c.key_len - kw)), constant_values=EMPTY)
   key_lens = key_lens.astype(jnp.int32)
