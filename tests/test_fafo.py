@@ -240,8 +240,8 @@ def test_bad_knobs_and_unsupported_models_are_refused(stories):
     StreamingLLM(block_size=True)
   with pytest.raises(InputError, match="max_commit"):
     Quest(max_commit=None)
-  with pytest.raises(InputError, match="needs_queries must be True"):
-    Quest(needs_queries=False)                     # was a TypeError inside the first step
+  with pytest.raises(TypeError, match="needs_queries"):
+    Quest(needs_queries=False)        # not a knob (it was, and failed inside the first step)
   # were accepted: "no" (truthy) turned the output n-grams on, None turned them off (Lookahead
   # refused both)
   with pytest.raises(InputError, match="output_ngrams must be True or False"):

@@ -71,15 +71,12 @@ class Quest:
   block_size: int = 64
   max_commit: int = 64        # most cache entries one step commits (bounds the pages refreshed)
   name: str = "quest"
-  needs_queries: bool = True
+  needs_queries: ClassVar[bool] = True   # FAFO captures each step's queries for update()
 
   def __post_init__(self):
     check_budget("Quest", self.block_size, self.budget_blocks)
     if not is_int(self.max_commit) or self.max_commit < 1:
       raise InputError(f"Quest: max_commit must be an integer >= 1, got {self.max_commit!r}")
-    if self.needs_queries is not True:   # update() reselects from the step's queries
-      raise InputError(f"Quest: needs_queries must be True (Quest re-selects pages from every "
-                       f"step's queries), got {self.needs_queries!r}")
 
   def init(self, cfg, params, state) -> QuestState:
     cache = state.cache
