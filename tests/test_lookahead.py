@@ -16,7 +16,7 @@ from sparsedec.decode import api
 from sparsedec.decode.lookahead import Lookahead, lookahead_layout
 from sparsedec.decode.methods import get_method
 from sparsedec.decode.sampling import SamplingConfig, probabilities
-from sparsedec.decode.verify import verify, verify_greedy, verify_sampled
+from sparsedec.decode.verify import draw_from, verify, verify_greedy, verify_sampled
 from sparsedec.weights.checkpoint import load_model
 
 # One method, batch and cache capacity for every stories test, so they share compiled functions.
@@ -279,6 +279,26 @@ def test_verify_sampled_with_one_hot_target_is_greedy():
     after = root[i].argmax() if acc[i] == 0 else cand_logits[i, c, acc[i] - 1].argmax()
     assert np.asarray(greedy.tokens)[i, : acc[i] + 1].tolist() == (
         cands[i, c, : acc[i]].tolist() + [int(after)])
+
+
+def test_draw_from_never_draws_a_token_of_probability_zero():
+  """The inverse-CDF draw (the last token of verify_sampled / verify_drafted, QuantSpec's sampled
+  drafts) with uniforms at and next to every value the CDF takes. XLA's cumsum re-associates its
+  sums, so the CDF is not monotone to the last bit: it wiggles by an ulp inside the flat runs of
+  top-k-removed tokens, and counting `cdf <= u * total` landed in them (tokens outside the top-k,
+  or a rejected guess drawn again from the residual; ~1e-6 of the draws at top-p supports of
+  ~1000 tokens)."""
+  rng = np.random.default_rng(0)
+  b, v = 16, 4096
+  logits = jnp.asarray(rng.normal(0, 3, (b, v)).astype(np.float32))
+  probs = jax.jit(lambda x: probabilities(x, SamplingConfig(temperature=1.0, top_k=200)))(logits)
+  cdf = np.asarray(jax.jit(lambda x: jnp.cumsum(x, axis=-1))(probs))
+  at = (cdf / cdf[:, -1:]).astype(np.float32)                                   # [b, v]
+  u = np.concatenate([at, np.nextafter(at, np.float32(0)), np.nextafter(at, np.float32(1))], 1)
+  u = np.minimum(u, np.float32(1) - np.float32(2 ** -24))                       # in [0, 1)
+  drawn = jax.jit(jax.vmap(draw_from, in_axes=(None, 1), out_axes=1))(probs, jnp.asarray(u))
+  chosen = np.take_along_axis(np.asarray(probs), np.asarray(drawn), axis=1)     # [b, 3v]
+  assert (chosen > 0).all(), f"{int((chosen == 0).sum())} of {chosen.size} draws had probability 0"
 
 
 # ---------------------------------------------------------------- command line

@@ -133,11 +133,17 @@ def verify_sampled(root_logits: jax.Array, cand_tokens: jax.Array, cand_valid: j
 
 def draw_from(probs: jax.Array, u: jax.Array) -> jax.Array:
   """Inverse-CDF draw: tokens [B] from probs [B, V] (unnormalised, >= 0) with uniforms u [B] in
-  [0, 1). A token of probability 0 is never drawn (the first index whose CDF exceeds u*total)."""
+  [0, 1): the first token of positive probability whose CDF exceeds u*total (the last such token
+  if rounding leaves none). A token of probability 0 is never drawn: XLA's cumsum re-associates
+  its sums, so the CDF is not monotone to the last bit and wiggles inside the flat runs of
+  removed tokens, where a plain count of `cdf <= u*total` could land."""
   cdf = jnp.cumsum(probs, axis=-1)                                                # [B, V]
   target = u * cdf[:, -1]
-  idx = jnp.sum(cdf <= target[:, None], axis=-1)
-  return jnp.minimum(idx, probs.shape[-1] - 1).astype(jnp.int32)
+  positive = probs > 0                                                            # [B, V]
+  above = positive & (cdf > target[:, None])
+  last = jnp.max(jnp.where(positive, jnp.arange(probs.shape[-1]), 0), axis=-1)    # [B]
+  idx = jnp.where(jnp.any(above, axis=-1), jnp.argmax(above, axis=-1), last)
+  return idx.astype(jnp.int32)
 
 
 def verify(root_logits: jax.Array, cand_tokens: jax.Array, cand_valid: jax.Array,
