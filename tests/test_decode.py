@@ -263,6 +263,25 @@ def test_methods_run_with_jax_enable_x64(method):
     assert sparsedec.generate(cfg, params, prompts, **kw).tokens == expected
 
 
+@pytest.mark.parametrize("method", ["lookahead", "quantspec"])
+def test_sampled_methods_give_the_same_tokens_under_jax_enable_x64(method):
+  """A seed gives the same sampled tokens with jax_enable_x64 as without, as dense sampling
+  does: the verification uniforms (verify_sampled's, QuantSpec's draft and acceptance draws)
+  were drawn in float64 there, from other bits of the row's key, so every seed gave other text."""
+  from sparsedec.decode.methods import get_method
+  cfg = CONFIGS["llama3"]
+  params = init_random(cfg, jax.random.key(1), scale=0.3)
+  m = (get_method("lookahead", window=3, ngram=3, guesses=2) if method == "lookahead" else
+       get_method("quantspec", gamma=2, quant_group=16, weight_group=16,
+                  verify_precision="full"))
+  prompts = [[5, 6, 7, 8, 5, 6, 7], [12, 13]]
+  kw = dict(max_new_tokens=8, stop_tokens=(), method=m, seed=[1, 2],
+            sampling=sparsedec.SamplingConfig(temperature=0.9, top_k=20))
+  expected = sparsedec.generate(cfg, params, prompts, **kw).tokens
+  with jax.enable_x64(True):
+    assert sparsedec.generate(cfg, params, prompts, **kw).tokens == expected
+
+
 def test_jax_arrays_are_taken_as_prompts_and_stop_tokens():
   """A [B, P] jax array of prompts was refused ("must be a non-empty list") though numpy arrays
   and per-row jax arrays were taken; a jax array of stop tokens, or a jax scalar seed, was

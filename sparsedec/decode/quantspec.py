@@ -273,7 +273,8 @@ class QuantSpec:
     keys, step_keys = split_keys(state.keys)
     draft_u = verify_u = None
     if self.samples_drafts(ctx.sampling):   # one draw: gamma drafts, gamma tests, the last token
-      uniforms = jax.vmap(lambda k: jax.random.uniform(k, (2 * g + 1,)))(step_keys)
+      uniforms = jax.vmap(lambda k: jax.random.uniform(k, (2 * g + 1,), jnp.float32))(
+          step_keys)                                    # fp32 under jax_enable_x64 too
       draft_u, verify_u = uniforms[:, :g], uniforms[:, g:]                  # [B, g], [B, g + 1]
     drafts, q = self._draft(cfg, params, state, ctx.sampling, draft_u)      # [B, gamma]
     tokens = jnp.concatenate([state.last_tokens(), drafts], axis=1)         # [B, gamma + 1]

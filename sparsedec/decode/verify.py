@@ -95,8 +95,9 @@ def verify_sampled(root_logits: jax.Array, cand_tokens: jax.Array, cand_valid: j
   b, g, length = cand_tokens.shape
   rows = jnp.arange(b)
   # All uniforms of the step in one draw per row (one PRNG call compiles and runs faster than
-  # several): [B, L, G] for the tries, [B] for the last token (inverse-CDF sampling).
-  draws = jax.vmap(lambda k: jax.random.uniform(k, (length * g + 1,)))(keys)
+  # several): [B, L, G] for the tries, [B] for the last token (inverse-CDF sampling). fp32 also
+  # under jax_enable_x64 (float64 draws take other bits of the key: a seed would give other text).
+  draws = jax.vmap(lambda k: jax.random.uniform(k, (length * g + 1,), jnp.float32))(keys)
   tries = draws[:, : length * g].reshape(b, length, g)
   earlier = jnp.asarray(np.tri(g, k=-1, dtype=bool))                              # [g, g'] g' < g
 
