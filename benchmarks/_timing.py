@@ -41,8 +41,9 @@ def time_loop(fn: Callable, x: jax.Array, *rest: Any, num_calls: int, repeats: i
     its predicate to the host, which drains the GPU's queue; unrolling spreads that stall (the
     loop's own per-call cost is measured and reported by the callers) over more calls.
   num_calls is rounded up to a multiple of unroll * (1 + len(rotate)).
-  with_index: call fn(x, it, *rest) with `it` the loop iteration (int32 scalar; the same for all
-    argument tuples of one iteration), e.g. to pick one of several block tables.
+  with_index: call fn(x, it, *rest) with `it` the call's repetition number, iteration * unroll +
+    repetition (int32 scalar; the same for the argument tuples of one repetition, different
+    between the `unroll` repetitions of an iteration), e.g. to pick one of several block tables.
   profile: also run the loop once under the profiler and report `device_s`, the GPU's busy time per
     call (the summed durations of the kernels on the device's streams; no launch gaps), with
     `kernels_per_call` and the `profile_top` costliest kernels (`device_time_by_kernel`). GPU
@@ -86,9 +87,9 @@ def time_loop(fn: Callable, x: jax.Array, *rest: Any, num_calls: int, repeats: i
   @jax.jit
   def loop(x, arg_sets):
     def body(it, x):
-      for _ in range(unroll):
+      for u in range(unroll):
         for args in arg_sets:
-          x = call(x, it, args)
+          x = call(x, it * unroll + u, args)
       return x
     return lax.fori_loop(0, iterations, body, x)
 

@@ -290,7 +290,7 @@ class Bench:
     """Checks fn(*args) against `expect` (when given), then times it.
 
     args[0] is the loop carry (q); alts: copies of large arguments ({position: array}) cycled
-    through by the timed loop; with_index: fn takes the loop iteration after args[0].
+    through by the timed loop; with_index: fn takes the call's index (`time_loop`) after args[0].
     base must hold "bytes" (what must be read per call)."""
     entry = dict(base, impl=impl, role=role, **(extra or {}))
     if skip is None and self.out_of_time():

@@ -126,6 +126,26 @@ def test_time_loop_counts_rotations_and_index():
     time_loop(fn, x, a, num_calls=1, unroll=0)
 
 
+def test_time_loop_index_differs_between_unrolled_calls():
+  # kernels.py's sparse cases pick block list `index % N` per call, so that consecutive calls
+  # read different blocks (a short list is not served from L2): an unrolled loop must not hand
+  # its `unroll` repetitions the same index.
+  import jax
+  seen = []
+
+  def fn(x, it, a):
+    jax.debug.callback(lambda i: seen.append(int(i)), it)
+    return x * 0 + a
+
+  x, a, a2 = jnp.zeros(4), jnp.ones(4), 2 * jnp.ones(4)
+  t = time_loop(fn, x, a, num_calls=12, repeats=1, rotate=[(a2,)], with_index=True, unroll=3)
+  assert t["num_calls"] == 12                        # 2 iterations of 3 repetitions x 2 copies
+  jax.effects_barrier()
+  # per run: indices 0..5, each once per copy (the copies of one repetition share it)
+  assert sorted(set(seen)) == list(range(6))
+  assert len(seen) == 2 * 12 and all(seen.count(i) == 4 for i in range(6))
+
+
 def test_time_loop_chains_through_the_output_where_it_matches_the_carry():
   x, a = jnp.zeros(4), jnp.ones(4)
   same = lambda x, a: x * 0.5 + a                      # out [4] float32, as x
