@@ -121,3 +121,26 @@ def test_insert_with_per_layer_policy_states(stories, policy):
   state = run.advance(params, state, 100)
   tokens, _ = api.collect(state, ())
   assert tokens[1] == sparsedec.generate(cfg, params, [prompt], **kw).tokens[0]
+
+
+def test_advance_runs_an_inserted_longer_request_to_its_end(stories):
+  """A request with a larger max_new_tokens than the running batch's (its row limit is its own)
+  finishes: advance(steps=N) runs N steps (it capped N at the run's max_steps without a word,
+  leaving the row unfinished), and advance() without steps runs until every row is done."""
+  cfg, params, tok = stories
+  kw = dict(stop_tokens=(), cache_size=128)
+  prompt = tok.encode("Lily and Tom went to the park")
+  alone = sparsedec.generate(cfg, params, [prompt], max_new_tokens=40, **kw).tokens[0]
+  for steps in (100, None):
+    state, run = api.start(cfg, params, [tok.encode("Once upon a time"), tok.encode("The dog")],
+                           max_new_tokens=8, **kw)
+    state = run.advance(params, state)
+    assert run.max_steps == 8 and bool(state.done.all())
+    request, _ = api.start(cfg, params, [prompt], max_new_tokens=40, **kw)
+    state = insert_row(state, request, 1)
+    state = run.advance(params, state, steps)
+    tokens, _ = api.collect(state, ())
+    assert bool(state.done[1]), f"advance(steps={steps}) left the inserted row unfinished"
+    assert tokens[1] == alone
+  state = run.advance(params, state, 2 ** 40)           # past int32: the bound is clamped
+  assert bool(state.done.all())

@@ -212,13 +212,20 @@ class Run:
   max_steps: int
 
   def advance(self, params: Params, state: DecodeState, steps: int | None = None) -> DecodeState:
-    """Run the loop until every row is done, or for at most `steps` (default: max_steps) more
-    iterations. The bound counts from the state's current step, so rows inserted into a running
-    state (`serving.insert_row`) get a full budget."""
+    """Run the loop until every row is done, or for at most `steps` more iterations (taken as
+    given, not capped). The default bound is enough for every row to finish: max_steps, or the
+    method's worst case for the row with the most tokens still to make, if more (a request
+    inserted with a larger max_new_tokens than this run's, `serving.insert_row`). Bounds count
+    from the state's current step, so inserted rows get a full budget."""
     if steps is not None and (not is_int(steps) or steps < 1):
       raise InputError(f"steps must be None or an integer >= 1, got {steps!r}")
-    budget = self.max_steps if steps is None else min(steps, self.max_steps)
-    limit = int(jax.device_get(state.step)) + budget
+    if steps is None:
+      limits, num, done = jax.device_get((state.limits, state.num_tokens, state.done))
+      left = int(np.max(np.where(done, 0, limits - num), initial=0))             # [B] -> []
+      budget = max(self.max_steps, self.method.max_steps(max(left, 1)))
+    else:
+      budget = int(steps)
+    limit = min(int(jax.device_get(state.step)) + budget, np.iinfo(np.int32).max)
     return decode(self.cfg, without_draft(params), state, np.int32(limit), method=self.method,
                   ctx=self.ctx)
 
