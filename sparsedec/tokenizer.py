@@ -122,16 +122,17 @@ class Tokenizer:
   # ------------------------------------------------------------------------------- files
   @classmethod
   def from_dir(cls, path: str | os.PathLike) -> "Tokenizer":
-    """Read tokenizer.json, tokenizer_config.json (optional), chat_template.jinja (optional)
-    and generation_config.json's eos ids (optional) from an HF-style directory."""
+    """Read tokenizer.json, tokenizer_config.json (optional), chat_template.jinja (optional;
+    where present it replaces the config's chat_template, as in transformers) and
+    generation_config.json's eos ids (optional) from an HF-style directory."""
     tok_file = os.path.join(path, TOKENIZER_FILE)
     if not os.path.isfile(tok_file):
       raise CheckpointError(f"{TOKENIZER_FILE} not found in {path}")
     backend = BackendTokenizer.from_file(tok_file)
     config = _read_json(os.path.join(path, TOKENIZER_CONFIG_FILE))
     template_file = os.path.join(path, CHAT_TEMPLATE_FILE)
-    if "chat_template" not in config and os.path.isfile(template_file):
-      with open(template_file) as f:
+    if os.path.isfile(template_file):   # as transformers: the file wins over the config's entry
+      with open(template_file, encoding="utf-8") as f:
         config["chat_template"] = f.read()
     eos = _read_json(os.path.join(path, GENERATION_CONFIG_FILE)).get("eos_token_id")
     extra = [] if eos is None else (list(eos) if isinstance(eos, list) else [eos])

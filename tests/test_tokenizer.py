@@ -209,3 +209,20 @@ def test_bos_from_the_post_processor_when_the_config_has_no_add_bos_token():
   backend.post_processor = processors.TemplateProcessing(
       single="$A <|end_of_text|>", special_tokens=[("<|end_of_text|>", eos)])
   assert Tokenizer(backend, config).encode("Once upon") == plain + [eos]
+
+
+def test_chat_template_file_wins_over_the_config_entry(stories_hf_dir, tmp_path):
+  """A directory with both a tokenizer_config.json chat_template and a chat_template.jinja (a
+  repo that updated the file): transformers renders the file's ("If independent chat template
+  file(s) exist, they take priority over template entries in the tokenizer config"); the
+  config's entry was used."""
+  import shutil
+  shutil.copy(stories_hf_dir / "tokenizer.json", tmp_path)
+  config = json.loads((stories_hf_dir / "tokenizer_config.json").read_text())
+  config["chat_template"] = "OLD{% for m in messages %}{{ m['content'] }}{% endfor %}"
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  (tmp_path / "chat_template.jinja").write_text(
+      "NEW{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+      "{% if add_generation_prompt %}<gen>{% endif %}", encoding="utf-8")
+  tok = Tokenizer.from_dir(tmp_path)
+  assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "NEW[user]hi<gen>"
