@@ -104,6 +104,29 @@ def test_second_prompt_in_same_bucket_does_not_recompile(stories):
   assert compiles == [], f"recompiled: {compiles}"
 
 
+def test_stream_takes_generate_arguments(stories):
+  """stream is "like generate": return_state=True gives the final state with the result (it
+  raised a TypeError from start), and the streamed tokens are generate's."""
+  from sparsedec.decode import api
+  cfg, params, tok = stories
+  prompts = [tok.encode("Once upon a time"), tok.encode("Lily")]
+  kw = dict(max_new_tokens=12, stop_tokens=(), return_state=True)
+  want = sparsedec.generate(cfg, params, prompts, **kw)
+  slices = api.stream(cfg, params, prompts, interval=5, **kw)
+  got = [[], []]
+  while True:
+    try:
+      new = next(slices)
+    except StopIteration as end:
+      result = end.value
+      break
+    for row, tokens in zip(got, new):
+      row.extend(tokens)
+  assert got == result.tokens == want.tokens
+  assert result.state is not None
+  np.testing.assert_array_equal(result.state.tokens, want.state.tokens)
+
+
 def test_sampling_first_token_distribution_matches_processed_probs(stories):
   """Draws of the first token over many seeds follow softmax(top-k/top-p(logits / T))."""
   from scipy import stats

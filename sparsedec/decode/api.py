@@ -284,12 +284,13 @@ def _result(state: DecodeState, run: Run, *, prefill_seconds: float, decode_seco
 
 
 def stream(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
-           interval: int = 8, **kwargs) -> Generator[list[list[int]], None, GenerationResult]:
-  """Like `generate`, yielding each row's newly generated tokens every `interval` loop steps
-  (the loop runs on device in slices; no host round trip inside a slice). The generator's
-  return value (`StopIteration.value`, or `result = yield from stream(...)`) is the run's
-  GenerationResult; its decode_seconds time the slices only, not what the caller does between
-  them."""
+           interval: int = 8, return_state: bool = False,
+           **kwargs) -> Generator[list[list[int]], None, GenerationResult]:
+  """Like `generate` (the same arguments), yielding each row's newly generated tokens every
+  `interval` loop steps (the loop runs on device in slices; no host round trip inside a slice).
+  The generator's return value (`StopIteration.value`, or `result = yield from stream(...)`) is
+  the run's GenerationResult; its decode_seconds time the slices only, not what the caller does
+  between them."""
   if not is_int(interval) or interval < 1:
     raise InputError(f"interval must be an integer >= 1, got {interval!r}")
   with compile_timer() as prefill_compile:
@@ -305,7 +306,8 @@ def stream(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *
     seen = [len(g) for g in generated]
     if bool(jax.device_get(state.done).all()) or int(jax.device_get(state.step)) >= run.max_steps:
       return _result(state, run, prefill_seconds=prefill_seconds,
-                     decode_seconds=decode_seconds, compile_seconds=compile_seconds)
+                     decode_seconds=decode_seconds, compile_seconds=compile_seconds,
+                     return_state=return_state)
     with compile_timer() as slice_compile:
       t0 = time.perf_counter()
       state = run.advance(params, state, interval)
