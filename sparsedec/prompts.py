@@ -26,6 +26,8 @@ def _require(path: Path) -> Path:
 
 def mt_bench(turn: int = 1) -> list[str]:
   """MT-Bench questions (80), the given turn (1 or 2)."""
+  if turn not in (1, 2) or isinstance(turn, bool):   # 0 read turn 2 (turns[-1]), 3 IndexError
+    raise InputError(f"MT-Bench turn must be 1 or 2, got {turn!r}")
   path = _require(shared_dir() / "prompts" / "mt_bench" / "question.jsonl")
   with open(path) as f:
     return [json.loads(line)["turns"][turn - 1] for line in f if line.strip()]

@@ -191,3 +191,13 @@ def test_policy_knobs_reach_the_policy():
   assert parse("--sink-blocks", "3").policy.sink_blocks == 3
   policy = parse("--policy", "snapkv", "--budget-blocks", "2", "--recent-blocks", "1").policy
   assert (policy.name, policy.budget_blocks, policy.recent_blocks) == ("snapkv", 2, 1)
+
+
+def test_mt_bench_turn_is_1_or_2():
+  """mt_bench(turn=0) returned the second turns (turns[-1]) and turn 3 an IndexError."""
+  from sparsedec import prompts
+  first, second = prompts.mt_bench(1), prompts.mt_bench(2)
+  assert len(first) == len(second) == 80 and first[0] != second[0]
+  for turn in (0, 3, -1, True):
+    with pytest.raises(sparsedec.InputError, match="MT-Bench turn must be 1 or 2"):
+      prompts.mt_bench(turn)
