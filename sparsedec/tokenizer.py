@@ -170,7 +170,9 @@ class StreamDecoder:
     return self.tokenizer.decode(ids, self.skip_special_tokens)
 
   def feed(self, ids: int | Iterable[int]) -> str:
-    self.ids.extend([int(ids)] if isinstance(ids, int) else [int(i) for i in ids])
+    # One id: a Python int, a numpy integer or a 0-d array (an element of an id array).
+    one = isinstance(ids, int) or getattr(ids, "ndim", None) == 0
+    self.ids.extend([int(ids)] if one else [int(i) for i in ids])
     prefix_text = self._decode(self.ids[self._prefix:self._read])
     text = self._decode(self.ids[self._prefix:])
     if len(text) <= len(prefix_text) or text.endswith("\ufffd") or self._in_byte_run():

@@ -183,6 +183,20 @@ def test_stream_decoder_never_emits_partial_characters(stories_tok, smol_tok, da
     assert all("\ufffd" not in piece for piece in pieces)
 
 
+def test_stream_decoder_takes_ids_from_arrays(stories_tok):
+  """Elements of a numpy or JAX id array are fed as single ids (a numpy integer raised "not
+  iterable", a 0-d array "iteration over a 0-d array"), and a whole array as ids."""
+  import jax.numpy as jnp
+  import numpy as np
+  ids = np.asarray(stories_tok.encode("Once upon a time, 😀 é"))
+  for array in (ids, jnp.asarray(ids)):
+    dec = stories_tok.stream_decoder()
+    pieces = [dec.feed(i) for i in array] + [dec.finish()]
+    assert "".join(pieces) == stories_tok.decode(ids.tolist())
+    dec = stories_tok.stream_decoder()
+    assert dec.feed(array) + dec.finish() == stories_tok.decode(ids.tolist())
+
+
 def test_bos_from_the_post_processor_when_the_config_has_no_add_bos_token():
   """A Llama-3-style tokenizer: tokenizer_config.json without add_bos_token, <|begin_of_text|>
   put first by tokenizer.json's TemplateProcessing post-processor (transformers' encode runs it).
