@@ -147,6 +147,10 @@ class Tokenizer:
       config["chat_template"] = self.chat_template
     with open(os.path.join(path, TOKENIZER_CONFIG_FILE), "w") as f:
       json.dump(config, f, indent=2, ensure_ascii=False)
+    template_file = os.path.join(path, CHAT_TEMPLATE_FILE)
+    if self.chat_template is not None and os.path.isfile(template_file):   # it would win on load
+      with open(template_file, "w", encoding="utf-8") as f:
+        f.write(self.chat_template)
 
 
 class StreamDecoder:

@@ -240,3 +240,7 @@ def test_chat_template_file_wins_over_the_config_entry(stories_hf_dir, tmp_path)
       "{% if add_generation_prompt %}<gen>{% endif %}", encoding="utf-8")
   tok = Tokenizer.from_dir(tmp_path)
   assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "NEW[user]hi<gen>"
+  # Saved over a directory holding another chat_template.jinja, the saved template still loads.
+  again = Tokenizer(tok.backend, {**tok.config, "chat_template": "SAVED"})
+  again.save(tmp_path)
+  assert Tokenizer.from_dir(tmp_path).apply_chat_template([]) == "SAVED"
