@@ -370,6 +370,19 @@ def test_bad_knobs_are_refused_by_name(stories):
                        max_new_tokens=2, method=METHOD)
 
 
+def test_numpy_integer_knobs_build_the_same_draft(stories):
+  """QuantSpec accepts numpy integers for its integer knobs (`errors.is_int`, e.g. from a sweep
+  over np.arange): its draft is then built as with Python ints (the weight quantizer refused
+  np.int64(32) inside QuantSpec.init with "must be an even integer >= 2, got np.int64(32)")."""
+  _, params, _ = stories
+  method = QuantSpec(gamma=np.int64(3), quant_group=np.int64(8), weight_group=np.int64(32))
+  want = METHOD._draft_params(params)
+  jax.tree.map(np.testing.assert_array_equal, method._draft_params(params), want)
+  w = params["layers"][0]["w_down"]
+  jax.tree.map(np.testing.assert_array_equal, quantize_weight(w, np.int64(32), "int4_t"),
+               quantize_weight(w, 32, "int4_t"))
+
+
 def test_cli_knobs(capsys):
   from sparsedec import cli
   assert cli.main(["generate", "--prompt", "Once", "--gamma", "2"]) == 2

@@ -56,7 +56,7 @@ from flax import struct
 import pallas_kernels.w4a16_gemv as w4a16
 import pallas_kernels.w4a8_gemv as w4a8
 from pallas_kernels.register_operand import unpack_words
-from sparsedec.errors import InputError
+from sparsedec.errors import InputError, is_int
 
 QUANTIZED_LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
 META_DTYPE = jnp.float16
@@ -164,7 +164,7 @@ def _to_meta(x: jax.Array, direction: int) -> jax.Array:
 
 def check_group_layout(group, layout: str) -> None:
   """InputError unless group is an even integer >= 2 that `layout` can store."""
-  if not isinstance(group, int) or group < 2 or group % 2:
+  if not is_int(group) or group < 2 or group % 2:
     raise InputError(f"weight quant group must be an even integer >= 2, got {group!r}")
   _check_layout(layout, group)
 
