@@ -234,6 +234,22 @@ def test_greedy_full_precision_verify_equals_dense(stories):
   assert stats["dense_cache_bytes"] > 0
 
 
+def test_the_state_holds_only_the_drafts_4bit_linears(stories):
+  """QuantSpec's state keeps the draft's 4-bit linears and nothing else of it: the draft's
+  embeddings, norms and lm_head are the target's params, which the step already has (a full
+  params pytree in the state held a second full-precision copy of them on the device: embed +
+  lm_head, ~2 GiB at Llama-3.1-8B shapes), and draft_weight_bytes counts the 4-bit codes and
+  grids only. The output is unchanged (the int8 tests)."""
+  from sparsedec.decode.api import start
+  from sparsedec.model.quant_weights import QUANTIZED_LINEARS, QuantWeight
+  cfg, params, tok = stories
+  state, _ = start(cfg, params, _prompts(tok), max_new_tokens=8, stop_tokens=(), method=METHOD)
+  leaves = jax.tree.leaves(state.extras.draft_params, is_leaf=lambda x: isinstance(x, QuantWeight))
+  assert all(isinstance(x, QuantWeight) for x in leaves), [type(x).__name__ for x in leaves]
+  assert len(leaves) == cfg.num_layers * len(QUANTIZED_LINEARS)
+  assert METHOD.stats(state)["draft_weight_bytes"] == sum(x.num_bytes() for x in leaves)
+
+
 def test_an_exact_draft_is_always_accepted_even_when_the_budget_cuts_the_last_step(stories):
   """Full draft weights and nothing quantized yet (G = 256: the first flush needs 513 tokens), so
   the draft is the target: every draft is accepted, including the last step's, which the budget

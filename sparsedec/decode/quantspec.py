@@ -42,7 +42,8 @@ SmolLM2-135M, sampling on stories260K (chi-square, both draft modes) and on toy 
 Choices where the paper leaves one:
   * One PRNG draw per row and step gives the gamma draft uniforms, the gamma acceptance tests
     and the last token's uniform ("sample" mode); all are independent.
-  * The lm_head, embeddings and norms of the draft stay full precision (see quant_weights).
+  * The lm_head, embeddings and norms of the draft stay full precision (see quant_weights): they
+    are the target's params, which the step has; the state holds only the draft's 4-bit linears.
   * Prefill fills a dense cache in chunks, then quantizes it (`from_dense`); in "int8" mode the
     dense cache is then dropped (replaced by a zero-capacity one that only carries lengths).
 """
@@ -69,7 +70,7 @@ from sparsedec.kv.dense import KVCache, commit
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.forward import forward
 from sparsedec.model.params import Params
-from sparsedec.model.gptq import DRAFT_KEY, without_draft
+from sparsedec.model.gptq import DRAFT_KEY
 from sparsedec.model.quant_weights import (GRIDS, LAYOUTS, QUANTIZED_LINEARS, params_to_layout,
                                            quantize_params, weights_bytes)
 
@@ -89,6 +90,18 @@ def verify_view(qcache: qkv.QuantizedCache) -> QuantView:
   return QuantView(qcache, bits=8).with_tail(qcache.buf_k[0].dtype)
 
 
+def draft_model(params: Params, draft: dict) -> Params:
+  """The draft's params: params with every layer's entries that `draft["layers"]` holds (its
+  4-bit linears) replaced by them; the embeddings, norms, biases and lm_head are params' own."""
+  layers = [{**lp, **dl} for lp, dl in zip(params["layers"], draft["layers"], strict=True)]
+  return {**params, "layers": layers}
+
+
+def _linears(layers: list[dict]) -> dict:
+  """{"layers": each layer's QUANTIZED_LINEARS only} (what the state keeps of a draft)."""
+  return {"layers": [{name: lp[name] for name in QUANTIZED_LINEARS} for lp in layers]}
+
+
 def draft_scratch(cfg: ModelConfig, batch: int, width: int, dtype) -> jax.Array:
   """The draft's in-flight K (or V) scratch, every layer in one array [L, B, width, Hkv, D]
   (a QuantView's `extra`, indexed by layer): one update per draft forward, not one per layer."""
@@ -106,7 +119,9 @@ class QuantSpecExtras:
   # The draft weights are the same for every row: serving's insert_row leaves them as they are.
   SHARED_FIELDS: ClassVar[tuple[str, ...]] = ("draft_params",)
   qcache: qkv.QuantizedCache   # the hierarchical codes + full-precision double buffer
-  draft_params: Any            # the 4-bit params pytree, or None (the draft uses params)
+  draft_params: Any            # {"layers": L x {name: QuantWeight}}: the draft's 4-bit linears
+                               # (`draft_model` adds the target's other params), or None (the
+                               # draft uses params)
   drafted: jax.Array           # [B] int32: draft tokens proposed, summed over steps (a step cut
                                # short by the budget or a stop token: its appended drafts only)
   accepted_drafts: jax.Array   # [B] int32: draft tokens accepted (and appended)
@@ -191,13 +206,14 @@ class QuantSpec:
         accepted_drafts=jnp.zeros((b,), jnp.int32)))
 
   def _draft_params(self, params: Params):
-    """The draft's params: None (weight_bits=None: the draft uses params), the draft layers the
-    params carry (params[DRAFT_KEY], e.g. GPTQ's: `sparsedec.model.gptq.with_draft`), else every
-    linear RTN-quantized now; in the resolved weight layout."""
+    """The draft's 4-bit linears (`QuantSpecExtras.draft_params`): None (weight_bits=None: the
+    draft uses params), those of the draft layers the params carry (params[DRAFT_KEY], e.g.
+    GPTQ's: `sparsedec.model.gptq.with_draft`), else every linear RTN-quantized now; in the
+    resolved weight layout."""
     layers = params.get(DRAFT_KEY)
     if layers is None:
-      return (quantize_params(params, self.weight_group, self.resolved_weight_layout(),
-                              self.weight_grid)
+      return (_linears(quantize_params(params, self.weight_group, self.resolved_weight_layout(),
+                                       self.weight_grid)["layers"])
               if self.weight_bits == 4 else None)
     if self.weight_bits is None:
       raise InputError(f"the params carry a 4-bit draft ({DRAFT_KEY!r}) but quantspec "
@@ -206,8 +222,7 @@ class QuantSpec:
     if groups != [self.weight_group]:
       raise InputError(f"the params' draft ({DRAFT_KEY!r}) has weight groups {groups}, quantspec "
                        f"weight_group is {self.weight_group}")
-    return params_to_layout({**without_draft(params), "layers": layers},
-                            self.resolved_weight_layout())
+    return params_to_layout(_linears(layers), self.resolved_weight_layout())
 
   def samples_drafts(self, sampling: SamplingConfig) -> bool:
     """Whether the drafts are drawn from the draft's distribution (Leviathan) this run."""
@@ -220,7 +235,7 @@ class QuantSpec:
     ([B, gamma, V] fp32; None for argmax drafts)."""
     x: QuantSpecExtras = state.extras
     b, g = state.batch_size, self.gamma
-    draft_params = params if x.draft_params is None else x.draft_params
+    draft_params = params if x.draft_params is None else draft_model(params, x.draft_params)
     n0 = x.qcache.lengths                                                   # [B]
     scratch = draft_scratch(cfg, b, g, x.qcache.buf_k[0].dtype)          # [L, B, gamma, Hkv, D]
     plan_mask = jnp.ones((1, 1), bool)
