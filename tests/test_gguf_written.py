@@ -639,6 +639,20 @@ def test_missing_tensor_and_metadata_are_named(stories_hf_dir, stories_hf_tensor
     load_gguf(tmp_path / "absent.gguf")
 
 
+
+def test_wrongly_sized_llama_q_k_rows_are_named(stories_hf_dir, stories_hf_tensors, tmp_path):
+  """A llama q/k weight whose row count is not heads * head_dim gets the shape error naming it,
+  not a bare ValueError from the RoPE un-permutation's reshape."""
+  pieces = read_sentencepiece_model(stories_hf_dir / "tokenizer.model")
+  plan = stories_tensor_plan(stories_hf_tensors, 8, 4)
+  for short, rows, hf_short in (("attn_q", 63, "q_proj"), ("attn_k", 30, "k_proj")):
+    tensors = [(g, w[:rows] if g == f"blk.0.{short}.weight" else w,
+                Q.F32 if g == f"blk.0.{short}.weight" else q) for g, _, w, q in plan]
+    path = write_gguf(tmp_path / f"{short}.gguf", "llama", stories_kv(pieces), tensors)
+    with pytest.raises(CheckpointError, match=rf"model\.layers\.0\.self_attn\.{hf_short}\.weight"
+                       rf"' has shape \({rows}, 64\)"):
+      load_gguf(path)
+
 # ----------------------------------------------------- transformers' GGUF loader (optional)
 HF_GGUF_SCRIPT = r"""
 import json, sys

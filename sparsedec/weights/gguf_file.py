@@ -210,10 +210,13 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = None,
     tensor = tensors[hf_names[hf_name]]
     w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)       # numpy order: [Out, In]
     w = np.asarray(w, np.float32).reshape(tuple(int(n) for n in reversed(tensor.shape)))
-    # llama.cpp's converter permutes the q/k biases' rows along with the weights' rows.
-    if arch in PERMUTED_QK and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+    # llama.cpp's converter permutes the q/k biases' rows along with the weights' rows. Rows of
+    # the wrong count are left as they are, for the shape check to name the tensor.
+    if (arch in PERMUTED_QK and hf_name.endswith(("q_proj.weight", "q_proj.bias"))
+        and w.shape[0] == cfg.num_heads * cfg.head_dim):
       w = unpermute_rope_rows(w, cfg.num_heads)
-    elif arch in PERMUTED_QK and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+    elif (arch in PERMUTED_QK and hf_name.endswith(("k_proj.weight", "k_proj.bias"))
+          and w.shape[0] == cfg.num_kv_heads * cfg.head_dim):
       w = unpermute_rope_rows(w, cfg.num_kv_heads)
     return w
 
