@@ -177,11 +177,21 @@ def _reader(path: str) -> "gguf.GGUFReader":
     raise CheckpointError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from e
 
 
+def _dequantize(tensor, path: str) -> np.ndarray:
+  """The tensor's values as float32 (flat GGUF order); a type `gguf.quants.dequantize` has no
+  code for (F64, I8..I64, Q8_1, Q8_K) raises an UnsupportedConfigError naming the tensor."""
+  try:
+    return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+  except NotImplementedError:
+    raise UnsupportedConfigError(f"{path}: GGUF tensor {tensor.name!r} has type "
+                                 f"{tensor.tensor_type.name}, which cannot be dequantized "
+                                 f"(not a float or block-quantized type)") from None
+
+
 def _with_rope_freqs(cfg: ModelConfig, tensor, path: str) -> ModelConfig:
   """cfg with the `rope_freqs.weight` tensor as its "freq_factors" RopeScaling; factors that are
   not D/2 finite positive numbers are refused, naming the file and the tensor."""
-  factors = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type),
-                       np.float32).reshape(-1)
+  factors = _dequantize(tensor, path).reshape(-1)
   try:
     return cfg.replace(rope_scaling=RopeScaling("freq_factors",
                                                 freq_factors=tuple(factors.tolist())))
@@ -208,8 +218,8 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = None,
 
   def read(hf_name: str) -> np.ndarray:
     tensor = tensors[hf_names[hf_name]]
-    w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)       # numpy order: [Out, In]
-    w = np.asarray(w, np.float32).reshape(tuple(int(n) for n in reversed(tensor.shape)))
+    w = _dequantize(tensor, path)                                     # numpy order: [Out, In]
+    w = w.reshape(tuple(int(n) for n in reversed(tensor.shape)))
     # llama.cpp's converter permutes the q/k biases' rows along with the weights' rows. Rows of
     # the wrong count are left as they are, for the shape check to name the tensor.
     if (arch in PERMUTED_QK and hf_name.endswith(("q_proj.weight", "q_proj.bias"))
