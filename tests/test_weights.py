@@ -136,6 +136,17 @@ def test_wrong_shape_names_tensor_and_shapes(hf_copy):
     load_hf(hf_copy)
 
 
+
+def test_non_float_tensor_is_named(hf_copy):
+  """An integer (or bool) tensor where a float weight belongs is refused, naming the tensor and
+  its dtype, not silently converted to float."""
+  tensors = read_tensors(hf_copy / "model.safetensors")
+  name = "model.layers.2.self_attn.k_proj.weight"
+  tensors[name] = np.round(tensors[name] * 100).astype(np.int32)
+  save_file(tensors, hf_copy / "model.safetensors")
+  with pytest.raises(CheckpointError, match=r"model\.layers\.2\.self_attn\.k_proj\.weight.*int32"):
+    load_hf(hf_copy)
+
 def test_unknown_and_missing_tensors(hf_copy):
   tensors = read_tensors(hf_copy / "model.safetensors")
   tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)  # ignored

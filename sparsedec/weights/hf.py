@@ -109,6 +109,9 @@ def params_from_hf_tensors(cfg: ModelConfig, names: list[str],
     if tuple(arr.shape) != expected[name]:
       raise CheckpointError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected "
                             f"{expected[name]} for this config")
+    if arr.dtype.kind != "f" and arr.dtype != np.dtype(ml_dtypes.bfloat16):
+      raise CheckpointError(f"tensor {name!r} has dtype {arr.dtype}, expected a floating-point "
+                            "dtype (float32, float16, bfloat16)")
     if progress is not None:
       progress(name, len(expected))
     return np.asarray(arr).astype(dtype)
