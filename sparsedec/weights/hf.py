@@ -10,7 +10,7 @@ import os
 import re
 from typing import Callable, Mapping
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors can read it)
+import ml_dtypes  # registers bfloat16 with numpy (safetensors reads it); its dtype is checked below
 import numpy as np
 from safetensors import safe_open
 
