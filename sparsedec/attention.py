@@ -167,10 +167,14 @@ def _cache_mask(view, lengths: jax.Array, q_pos: jax.Array, capacity: int,
 
 def _f32_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
   """einsum with fp32 accumulation. XLA:CPU cannot run bf16 x bf16 -> f32 dots, so there the
-  operands are upcast (the same result; GPUs accumulate bf16 products in fp32 natively)."""
+  operands are upcast (the same result; GPUs accumulate bf16 products in fp32 natively). fp32
+  operands are multiplied at full fp32 precision, as `linear` does (jax's default precision
+  computes fp32 dots in TF32 on recent GPUs)."""
   if jax.default_backend() == "cpu" and (a.dtype != jnp.float32 or b.dtype != jnp.float32):
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+  precision = (jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 and b.dtype == jnp.float32
+               else None)
+  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, precision=precision)
 
 
 def reference_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,

@@ -268,6 +268,23 @@ def test_stories_bf16_logits_track_fp32(stories):
   assert len(r16.tokens[0]) >= 1
 
 
+@pytest.mark.parametrize("name", ["mistral_window", "qwen3"])
+def test_fp32_forward_multiplies_at_full_fp32_precision(name):
+  """Every matmul of an fp32 forward asks for HIGHEST precision: the linears did, the reference
+  attention's four einsums (the path every fp32 model takes on a GPU: the kernels take bf16/fp16)
+  used jax's default, which computes fp32 dots in TF32 on recent GPUs (q . k and p . v with a
+  10-bit mantissa, unlike transformers' fp32 and this forward's own linears)."""
+  cfg = CONFIGS[name]
+  params = init_random(cfg, jax.random.key(0))
+  text = jax.jit(forward, static_argnums=0).lower(
+      cfg, params, jnp.zeros((2, 3), jnp.int32), jnp.arange(3)[None].repeat(2, 0),
+      init_cache(cfg, 2, 8)).as_text()
+  dots = [line for line in text.splitlines() if "dot_general" in line]
+  assert len(dots) >= cfg.num_layers * 8                  # 4 linears + 4 attention einsums
+  assert all("precision = [HIGHEST, HIGHEST]" in line for line in dots), [
+      line.strip()[:160] for line in dots if "HIGHEST" not in line]
+
+
 @pytest.mark.parametrize("method", ["lookahead", "fafo"])
 def test_methods_run_with_jax_enable_x64(method):
   """Under jax_enable_x64 the n-gram methods' guess counter was promoted to int64 in the loop
