@@ -66,6 +66,8 @@ def stored(w: np.ndarray, qtype: Q) -> np.ndarray:
     return np.ascontiguousarray(w, np.float32)
   if qtype == Q.F16:
     return np.ascontiguousarray(w, np.float16)
+  if qtype in (Q.F64, Q.I32):          # written from the numpy dtype (gguf cannot dequantize them)
+    return np.ascontiguousarray(w, np.float64 if qtype == Q.F64 else np.int32)
   return gguf.quants.quantize(np.ascontiguousarray(w, np.float32), qtype)
 
 
@@ -654,31 +656,19 @@ def test_wrongly_sized_llama_q_k_rows_are_named(stories_hf_dir, stories_hf_tenso
       load_gguf(path)
 
 
-@pytest.mark.parametrize("dtype,type_name", [(np.float64, "F64"), (np.int32, "I32")])
+@pytest.mark.parametrize("qtype", [Q.F64, Q.I32], ids=lambda q: q.name)
 def test_tensor_type_gguf_cannot_dequantize_is_named(stories_hf_dir, stories_hf_tensors, tmp_path,
-                                                     dtype, type_name):
+                                                     qtype):
   """A tensor stored in a type `gguf.quants.dequantize` has no code for raises the
   UnsupportedConfigError naming the tensor, its type and the file (was a bare
   NotImplementedError naming only the type)."""
   pieces = read_sentencepiece_model(stories_hf_dir / "tokenizer.model")
   plan = stories_tensor_plan(stories_hf_tensors, 8, 4)
-  path = tmp_path / f"{type_name}.gguf"
-  writer = gguf.GGUFWriter(str(path), "llama")
-  for method, value in stories_kv(pieces).items():
-    getattr(writer, method)(value)
-  for name, _, w, qtype in plan:
-    if name == "output_norm.weight":
-      writer.add_tensor(name, np.asarray(w, dtype))
-    else:
-      data = stored(w, qtype)
-      writer.add_tensor(name, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
-  writer.write_header_to_file()
-  writer.write_kv_data_to_file()
-  writer.write_tensors_to_file()
-  writer.close()
+  tensors = [(g, w, qtype if g == "output_norm.weight" else q) for g, _, w, q in plan]
+  path = write_gguf(tmp_path / f"{qtype.name}.gguf", "llama", stories_kv(pieces), tensors)
   with pytest.raises(UnsupportedConfigError,
-                     match=rf"{type_name}\.gguf: GGUF tensor 'output_norm\.weight' has type "
-                           rf"{type_name}"):
+                     match=rf"{qtype.name}\.gguf: GGUF tensor 'output_norm\.weight' has type "
+                           rf"{qtype.name}"):
     load_gguf(path)
 
 # ----------------------------------------------------- transformers' GGUF loader (optional)
