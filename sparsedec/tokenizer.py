@@ -3,7 +3,8 @@
 - encode/decode with the BOS/EOS policy of tokenizer_config.json (`add_bos_token`, ...) or,
   where it has none, of tokenizer.json's post-processor (as transformers encodes);
 - `apply_chat_template` renders the config's Jinja chat template the way transformers does
-  (sandboxed, trim_blocks, lstrip_blocks, `raise_exception`, `tojson`, `strftime_now`);
+  (sandboxed, trim_blocks, lstrip_blocks, `raise_exception`, `tojson`, `strftime_now`, the
+  `{% generation %}` assistant-mask blocks);
 - `StreamDecoder` turns a growing list of ids into text pieces for streaming.
 """
 
@@ -16,6 +17,7 @@ import re
 from typing import Any, Iterable, Mapping, Sequence
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
@@ -214,13 +216,29 @@ def _strftime_now(fmt: str) -> str:
   return datetime.datetime.now().strftime(fmt)
 
 
+class _GenerationBlocks(jinja2.ext.Extension):
+  """`{% generation %}...{% endgeneration %}`: transformers' tag marking the assistant's text
+  (for training masks; TRL's assistant_only_loss templates carry it). Rendered as its body, in a
+  call block as transformers does (so a `set` inside stays inside)."""
+
+  tags = {"generation"}
+
+  def parse(self, parser):
+    lineno = next(parser.stream).lineno
+    body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+    return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+  def _body(self, caller) -> str:
+    return caller()
+
+
 _TEMPLATES: dict[str, jinja2.Template] = {}
 
 
 def _compile_template(source: str) -> jinja2.Template:
   if source not in _TEMPLATES:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+                                        extensions=[_GenerationBlocks, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

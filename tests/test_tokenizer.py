@@ -244,3 +244,16 @@ def test_chat_template_file_wins_over_the_config_entry(stories_hf_dir, tmp_path)
   again = Tokenizer(tok.backend, {**tok.config, "chat_template": "SAVED"})
   again.save(tmp_path)
   assert Tokenizer.from_dir(tmp_path).apply_chat_template([]) == "SAVED"
+
+
+def test_chat_template_generation_blocks_render_their_body(stories_tok):
+  """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask tag, kept in the
+  templates of models fine-tuned with TRL's assistant_only_loss) renders as its body, a `set`
+  inside staying inside, as in transformers (it was "chat_template does not parse")."""
+  tok = Tokenizer(stories_tok.backend, {**stories_tok.config, "chat_template": (
+      "{% for m in messages %}{% set mark = '|' %}<{{ m['role'] }}>"
+      "{% if m['role'] == 'assistant' %}{% generation %}{% set mark = '!' %}{{ m['content'] }}"
+      "{{ eos_token }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{{ mark }}"
+      "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")})
+  assert tok.apply_chat_template(CHATS[1]) == (
+      "<user>Hi|<assistant>Hello!</s>|<user>Write a haiku about JAX.|<assistant>")
