@@ -52,8 +52,7 @@ def peak_memory_bytes() -> dict:
 def encode_prompts(tok: Tokenizer, texts: list[str], chat_template: bool) -> list[list[int]]:
   if not chat_template:
     return [tok.encode(t) for t in texts]
-  return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_bos=False)
-          for t in texts]
+  return [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
 
 
 REPEAT_NGRAM = 8            # a generated token "repeats" when the 8-gram it ends occurred before

@@ -248,8 +248,7 @@ def _with_draft(args, cfg, params, tok, method, n: int | None):
   if args.draft_calibration_prompts is not None:
     lines = [x for x in Path(args.draft_calibration_prompts).read_text().splitlines() if x.strip()]
     if tok.chat_template:
-      prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": x}]),
-                            add_bos=False) for x in lines]
+      prompts = [tok.encode_chat([{"role": "user", "content": x}]) for x in lines]
     else:
       prompts = [tok.encode(x) for x in lines]
     seqs += self_generated_calibration(cfg, params, prompts, max_tokens=n)
@@ -265,8 +264,7 @@ def _prompt_ids(args, tok) -> list[int]:
   if args.chat is not None:
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.chat})
-    text = tok.apply_chat_template(messages, add_generation_prompt=True)
-    return tok.encode(text, add_bos=False)
+    return tok.encode_chat(messages, add_generation_prompt=True)
   return tok.encode(args.prompt)
 
 

@@ -121,6 +121,14 @@ class Tokenizer:
     return template.render(messages=_plain(list(messages)),
                            add_generation_prompt=add_generation_prompt, **variables)
 
+  def encode_chat(self, messages: Sequence[Mapping[str, Any]],
+                  add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+    """Token ids of the rendered chat, as transformers' apply_chat_template(tokenize=True): the
+    template writes every special token it wants (BOS included), so encode adds neither BOS nor
+    EOS (a tokenizer whose encode appends EOS must not end the prompt with it)."""
+    return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
+                       add_bos=False, add_eos=False)
+
   # ------------------------------------------------------------------------------- files
   @classmethod
   def from_dir(cls, path: str | os.PathLike) -> "Tokenizer":

@@ -257,3 +257,25 @@ def test_chat_template_generation_blocks_render_their_body(stories_tok):
       "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")})
   assert tok.apply_chat_template(CHATS[1]) == (
       "<user>Hi|<assistant>Hello!</s>|<user>Write a haiku about JAX.|<assistant>")
+
+
+def test_chat_prompts_never_end_in_eos(stories_tok):
+  """A tokenizer whose encode appends EOS (add_eos_token true, as SFT recipes set it, or an EOS
+  in tokenizer.json's post-processor): transformers' apply_chat_template(tokenize=True) adds no
+  special tokens to the rendered chat, but `generate --chat`, the bench's --chat-template
+  prompts and the GPTQ calibration prompts ended the prompt with EOS, right after the assistant
+  header."""
+  import argparse
+
+  from sparsedec import bench, cli
+  tok = Tokenizer(stories_tok.backend, {**stories_tok.config, "add_eos_token": True,
+                                        "chat_template": "{{ bos_token }}{% for m in messages %}"
+                                        "[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                                        "{% if add_generation_prompt %}[assistant]{% endif %}"})
+  assert tok.encode("Once upon")[-1] == 2                  # the plain-text policy is unchanged
+  rendered = tok.apply_chat_template([{"role": "user", "content": "Once upon"}])
+  expected = tok.encode(rendered, add_bos=False, add_eos=False)
+  assert expected[0] == 1 and expected[-1] != 2
+  assert cli._prompt_ids(argparse.Namespace(chat="Once upon", system=None), tok) == expected
+  assert bench.encode_prompts(tok, ["Once upon"], chat_template=True) == [expected]
+  assert tok.encode_chat([{"role": "user", "content": "Once upon"}]) == expected
