@@ -138,7 +138,10 @@ class Tokenizer:
     tok_file = os.path.join(path, TOKENIZER_FILE)
     if not os.path.isfile(tok_file):
       raise CheckpointError(f"{TOKENIZER_FILE} not found in {path}")
-    backend = BackendTokenizer.from_file(tok_file)
+    try:
+      backend = BackendTokenizer.from_file(tok_file)
+    except Exception as e:       # tokenizers raises a bare Exception ("EOF while parsing ...")
+      raise CheckpointError(f"cannot read {tok_file}: {e}") from e
     config = _read_json(os.path.join(path, TOKENIZER_CONFIG_FILE))
     template_file = os.path.join(path, CHAT_TEMPLATE_FILE)
     if os.path.isfile(template_file):   # as transformers: the file wins over the config's entry

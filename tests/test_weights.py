@@ -473,3 +473,23 @@ def test_gguf_smollm2_config(smollm2):
   assert cfg.dtype == "float32" and params["embed"].dtype == np.float32
   assert tok.eos_ids == (2,) and cfg.eos_token_ids == (2,)
   assert np.isfinite(params["layers"][29]["w_down"]).all()
+
+
+def test_truncated_tokenizer_json_is_named_before_the_weights(hf_copy, tmp_path, monkeypatch):
+  """A truncated tokenizer.json (a broken download) raised tokenizers' bare Exception ("EOF
+  while parsing a list at line 54 column 7", no file named: a traceback from the CLI), and
+  `convert` only after loading every weight; now a CheckpointError naming the file, before the
+  weights are read, and nothing written."""
+  import sparsedec.weights.checkpoint as checkpoint
+  tok_file = hf_copy / "tokenizer.json"
+  tok_file.write_bytes(tok_file.read_bytes()[:1000])
+
+  def no_weights(*args, **kwargs):
+    raise AssertionError("the weights were loaded before the tokenizer was read")
+
+  monkeypatch.setattr(checkpoint, "load_hf", no_weights)
+  for load in (lambda: load_model(hf_copy),
+               lambda: convert(hf_copy, tmp_path / "out" / "ckpt", show_progress=False)):
+    with pytest.raises(CheckpointError, match=r"cannot read .*tokenizer\.json"):
+      load()
+  assert leftovers(tmp_path / "out") == []

@@ -200,9 +200,11 @@ def _load_source(src: str, kind: str, dtype: str | None, progress=None
                  ) -> tuple[ModelConfig, Params, Tokenizer | None]:
   if kind == "gguf":
     return load_gguf(src, dtype, progress)
-  cfg, params = load_hf(src, dtype, progress)
+  # The tokenizer first: a broken tokenizer.json is named before the (long) weight load.
   has_tokenizer = os.path.isfile(os.path.join(src, "tokenizer.json"))
-  return cfg, params, Tokenizer.from_dir(src) if has_tokenizer else None
+  tokenizer = Tokenizer.from_dir(src) if has_tokenizer else None
+  cfg, params = load_hf(src, dtype, progress)
+  return cfg, params, tokenizer
 
 
 def convert(src: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None,
