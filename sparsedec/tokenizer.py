@@ -71,9 +71,12 @@ class Tokenizer:
     ) if byte_fallback else frozenset()
     self.special_ids = frozenset(
         i for i, t in backend.get_added_tokens_decoder().items() if t.special)
-    if isinstance(self.chat_template, list):   # [{"name": "default", "template": ...}, ...]
-      named = {t.get("name"): t.get("template") for t in self.chat_template}
-      self.chat_template = named.get("default")
+    # Named templates ([{"name": "default", "template": ...}, {"name": "tool_use", ...}]):
+    # chat_template is the default one; apply_chat_template picks "tool_use" when given tools.
+    self.chat_templates: dict[str, str] = {}
+    if isinstance(self.chat_template, list):
+      self.chat_templates = {t.get("name"): t.get("template") for t in self.chat_template}
+      self.chat_template = self.chat_templates.get("default")
 
   def _id_of(self, token: str | None) -> int | None:
     if token is None:
@@ -112,10 +115,17 @@ class Tokenizer:
   def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                           add_generation_prompt: bool = True, **kwargs: Any) -> str:
     """Render `messages` ([{"role": ..., "content": ...}, ...]) with the chat template.
-    Extra keyword arguments (tools=..., enable_thinking=...) are passed to the template."""
-    if not self.chat_template:
+    Extra keyword arguments (tools=..., enable_thinking=...) are passed to the template. Given
+    tools, a tokenizer with named templates renders its "tool_use" one, as transformers does."""
+    source = self.chat_template
+    if kwargs.get("tools") is not None and self.chat_templates.get("tool_use"):
+      source = self.chat_templates["tool_use"]
+    if not source:
+      if self.chat_templates:
+        raise InputError(f"this tokenizer's chat templates {sorted(map(str, self.chat_templates))} "
+                         "include no 'default' one")
       raise InputError("this tokenizer has no chat_template")
-    template = _compile_template(self.chat_template)
+    template = _compile_template(source)
     variables = {k: v for k, v in self.special_tokens.items() if v is not None}
     variables.update(_plain(kwargs))
     return template.render(messages=_plain(list(messages)),
@@ -156,7 +166,11 @@ class Tokenizer:
     os.makedirs(path, exist_ok=True)
     self.backend.save(os.path.join(path, TOKENIZER_FILE))
     config = dict(self.config)
-    if self.chat_template is not None:
+    if self.chat_templates:               # the named templates, the default as it is now
+      config["chat_template"] = [{"name": name, "template": template} for name, template in
+                                 {**self.chat_templates, "default": self.chat_template}.items()
+                                 if template is not None]
+    elif self.chat_template is not None:
       config["chat_template"] = self.chat_template
     with open(os.path.join(path, TOKENIZER_CONFIG_FILE), "w") as f:
       json.dump(config, f, indent=2, ensure_ascii=False)

@@ -279,3 +279,24 @@ def test_chat_prompts_never_end_in_eos(stories_tok):
   assert cli._prompt_ids(argparse.Namespace(chat="Once upon", system=None), tok) == expected
   assert bench.encode_prompts(tok, ["Once upon"], chat_template=True) == [expected]
   assert tok.encode_chat([{"role": "user", "content": "Once upon"}]) == expected
+
+
+def test_named_chat_templates_pick_tool_use_given_tools(stories_tok, tmp_path):
+  """tokenizer_config.json's chat_template as named templates (Hermes-2-Pro, Command-R: "default"
+  and "tool_use"): given tools, transformers renders "tool_use"; the default one was rendered,
+  dropping the tools silently, and `save` kept only the default."""
+  tools = [{"name": "add", "description": "adds", "parameters": {"type": "object"}}]
+  named = [{"name": "default", "template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"},
+           {"name": "tool_use", "template": "TOOLS {{ tools | map(attribute='name') | join(',') }}"
+                                            ": {% for m in messages %}{{ m['content'] }}{% endfor %}"}]
+  tok = Tokenizer(stories_tok.backend, {**stories_tok.config, "chat_template": named})
+  chat = [{"role": "user", "content": "hi"}]
+  assert tok.apply_chat_template(chat) == "hi"
+  assert tok.apply_chat_template(chat, tools=tools) == "TOOLS add: hi"       # as transformers
+  tok.save(tmp_path)
+  again = Tokenizer.from_dir(tmp_path)
+  assert again.apply_chat_template(chat, tools=tools) == "TOOLS add: hi"
+  assert again.apply_chat_template(chat) == "hi"
+  no_default = Tokenizer(stories_tok.backend, {**stories_tok.config, "chat_template": named[1:]})
+  with pytest.raises(InputError, match=r"\['tool_use'\] include no 'default'"):
+    no_default.apply_chat_template(chat)
