@@ -198,3 +198,55 @@ def test_random_model_feature_is_exercised(random_refs, kind):
   seq = np.concatenate([ref.prompts[0], ref.tokens[0][:-1]])             # [T+N-1]
   err = hf.relative_logit_error(hf.forward_logits(ablated, params, seq), ref.logits[0])
   assert err > 100 * LOGIT_RTOL, f"{kind} without {ABLATIONS[kind]} still matches HF ({err:.2e})"
+
+
+# ------------------------------------------------------------- configurations off the beaten path
+# Each: (kind, tied, extra "random" spec for reference.py, what the loaded config must show).
+# Features no case above exercises: linear RoPE scaling; Llama's attention_bias (q/k/v and o
+# biases) with an explicit head_dim != hidden / heads; Mistral with explicit head_dim and a
+# window of 8 (shorter than every prompt + continuation); Qwen2 saved tied, fp16 and sharded by
+# save_pretrained (the index transformers writes, no lm_head tensor).
+OFF_PATH_CASES = {
+    "llama_linear_rope": ("llama3", False, {"config": {"rope_parameters": {
+        "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}},
+        lambda c: c.rope_scaling is not None and c.rope_scaling.kind == "linear"
+        and c.rope_scaling.factor == 4.0),
+    "llama_bias_head_dim": ("llama3", False, {"config": {
+        "attention_bias": True, "head_dim": 24,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}},
+        lambda c: c.qkv_bias and c.o_bias and c.head_dim == 24 and c.rope_scaling is None),
+    "mistral_head_dim_window8": ("mistral", False, {"config": {
+        "head_dim": 32, "sliding_window": 8}},
+        lambda c: c.head_dim == 32 and c.sliding_window == 8),
+    "qwen2_fp16_sharded_tied": ("qwen2", True, {"save_dtype": "float16",
+                                                "max_shard_size": "40KB"},
+                                lambda c: c.tie_word_embeddings and c.qkv_bias),
+}
+
+
+@pytest.fixture(scope="module")
+def off_path_refs(hf_reference, tmp_path_factory):
+  models = tmp_path_factory.mktemp("off_path_models")
+  tasks = []
+  for seed, (name, (kind, tied, extra, _)) in enumerate(OFF_PATH_CASES.items()):
+    tasks.append({"name": name,
+                  "model": {"random": {"kind": kind, "tied": tied, "seed": 100 + seed, **extra},
+                            "save_to": str(models / name)},
+                  "prompts": hf.random_prompts(100 + seed, RANDOM_PROMPT_LENGTHS, RANDOM_VOCAB),
+                  "max_new_tokens": NEW_TOKENS, "ignore_eos": True})
+  return hf_reference.run("off_path", tasks)
+
+
+@pytest.mark.parametrize("name", sorted(OFF_PATH_CASES))
+def test_off_path_model_matches_hf(off_path_refs, name):
+  import os
+
+  from sparsedec.weights.hf import load_hf
+  ref = off_path_refs[name]
+  if name == "qwen2_fp16_sharded_tied":
+    files = os.listdir(ref.model_dir)
+    assert "model.safetensors.index.json" in files and "model.safetensors" not in files
+    assert load_hf(ref.model_dir)[0].dtype == "bfloat16"       # fp16 runs as bf16 by default
+  cfg, params = load_hf(ref.model_dir, dtype="float32")
+  assert OFF_PATH_CASES[name][3](cfg), f"{name}: the loaded config lacks the feature: {cfg}"
+  assert_matches_hf(cfg, jax_params(params), ref, name)

@@ -9,6 +9,10 @@ attn_implementation="eager".
         name            output stem: OUT_DIR/NAME.npz and OUT_DIR/NAME.json
         model           {"path": DIR} | {"path": DIR, "gguf_file": NAME}
                         | {"random": {"kind": K, "tied": bool, "seed": int}, "save_to": DIR}
+                        random may also hold "config": {attribute: value} replacing the
+                        kind's (head_dim, attention_bias, sliding_window, rope_parameters, ...),
+                        "save_dtype" ("float16" | "bfloat16": the saved weights' dtype) and
+                        "max_shard_size" (e.g. "40KB": sharded safetensors with an index)
         prompts         [[token ids], ...]                      (token ids as given), and/or
         chat_prompts    [user message, ...]   tokenised by HF with the chat template and the
                                               generation prompt
@@ -53,27 +57,31 @@ _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden
 RANDOM_KINDS = ("llama3", "mistral", "qwen2", "qwen3")
 
 
-def random_config(kind: str, tied: bool) -> transformers.PretrainedConfig:
+def random_config(kind: str, tied: bool, overrides: dict | None = None
+                  ) -> transformers.PretrainedConfig:
   c = dict(_COMMON, tie_word_embeddings=tied)
   if kind == "llama3":
-    return transformers.LlamaConfig(
-        **c, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                              "original_max_position_embeddings": 32})
-  if kind == "mistral":
-    return transformers.MistralConfig(
-        **c, sliding_window=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-  if kind == "qwen2":
-    return transformers.Qwen2Config(
-        **c, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
-  if kind == "qwen3":
-    return transformers.Qwen3Config(
-        **c, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
-  raise SystemExit(f"unknown random kind {kind!r} (known: {RANDOM_KINDS})")
+    cls, own = transformers.LlamaConfig, dict(
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 32})
+  elif kind == "mistral":
+    cls, own = transformers.MistralConfig, dict(
+        sliding_window=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+  elif kind == "qwen2":
+    cls, own = transformers.Qwen2Config, dict(
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+  elif kind == "qwen3":
+    cls, own = transformers.Qwen3Config, dict(
+        head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+  else:
+    raise SystemExit(f"unknown random kind {kind!r} (known: {RANDOM_KINDS})")
+  return cls(**{**c, **own, **(overrides or {})})
 
 
-def make_random(kind: str, tied: bool, seed: int, out_dir: str) -> str:
-  cfg = random_config(kind, tied)
+def make_random(kind: str, tied: bool, seed: int, out_dir: str, overrides: dict | None = None,
+                save_dtype: str | None = None, max_shard_size: str | None = None) -> str:
+  cfg = random_config(kind, tied, overrides)
   cfg.architectures = [type(cfg).__name__.replace("Config", "ForCausalLM")]
   torch.manual_seed(seed)
   model = transformers.AutoModelForCausalLM.from_config(
@@ -85,7 +93,10 @@ def make_random(kind: str, tied: bool, seed: int, out_dir: str) -> str:
         p.copy_(1.0 + 0.2 * torch.randn_like(p))
       elif name.endswith(".bias"):
         p.copy_(0.5 * torch.randn_like(p))
-  model.save_pretrained(out_dir, safe_serialization=True)
+  if save_dtype:
+    model = model.to(getattr(torch, save_dtype))
+  model.save_pretrained(out_dir, safe_serialization=True,
+                        **({"max_shard_size": max_shard_size} if max_shard_size else {}))
   return out_dir
 
 
@@ -95,7 +106,8 @@ def load_model(spec: dict):
   if "random" in spec:
     r = spec["random"]
     path = make_random(r["kind"], bool(r.get("tied", False)), int(r.get("seed", 0)),
-                       spec["save_to"])
+                       spec["save_to"], r.get("config"), r.get("save_dtype"),
+                       r.get("max_shard_size"))
     kwargs = {}
   else:
     path = spec["path"]
