@@ -250,6 +250,26 @@ def test_the_state_holds_only_the_drafts_4bit_linears(stories):
   assert METHOD.stats(state)["draft_weight_bytes"] == sum(x.num_bytes() for x in leaves)
 
 
+def test_dense_equivalent_bytes_are_the_runs_dense_cache(stories):
+  """dense_equivalent_cache_bytes is what dense decoding's cache holds for the run: with "full"
+  verification exactly the dense cache QuantSpec keeps (dense_cache_bytes), and the same figure
+  with "int8". It was computed at the codes' capacity, which rounds the run's capacity up to whole
+  quant groups: cache_size 100 at G = 8 counted 104 slots, G = 192 at the default capacity of 128
+  counted 384 (1.5x the dense cache)."""
+  from sparsedec.decode.api import start
+  cfg, params, tok = stories
+  for group, cache_size in ((8, 100), (192, None)):
+    full = dataclasses.replace(METHOD, quant_group=group, verify_precision="full")
+    figures = []
+    for method in (full, dataclasses.replace(full, verify_precision="int8")):
+      state, _ = start(cfg, params, [tok.encode("A dog")], max_new_tokens=8, stop_tokens=(),
+                       method=method, cache_size=cache_size)
+      assert state.extras.qcache.quant_capacity > state.tokens.shape[1] - 1   # rounded up
+      figures.append(method.stats(state))
+    assert figures[0]["dense_equivalent_cache_bytes"] == figures[0]["dense_cache_bytes"] > 0
+    assert figures[1]["dense_equivalent_cache_bytes"] == figures[0]["dense_cache_bytes"]
+
+
 def test_an_exact_draft_is_always_accepted_even_when_the_budget_cuts_the_last_step(stories):
   """Full draft weights and nothing quantized yet (G = 256: the first flush needs 513 tokens), so
   the draft is the target: every draft is accepted, including the last step's, which the budget

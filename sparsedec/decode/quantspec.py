@@ -316,8 +316,12 @@ class QuantSpec:
     active, drafted, accepted = jax.device_get((state.active_steps, x.drafted, x.accepted_drafts))
     steps, proposed = int(np.sum(active)), int(np.sum(drafted))
     qc = x.qcache
-    dense_equiv = sum(2 * k.shape[0] * k.shape[1] * qc.quant_capacity * k.shape[3]
-                      * k.dtype.itemsize for k in qc.buf_k)
+    # What dense decoding's cache holds for this run: the run's capacity (state.tokens holds
+    # capacity + 1 tokens), not the codes' capacity, which rounds it up to whole quant groups
+    # (G = 192 at the default capacity of 128: 384 slots, a dense figure 1.5x too large).
+    capacity = state.tokens.shape[1] - 1
+    dense_equiv = sum(2 * k.shape[0] * k.shape[1] * capacity * k.shape[3] * k.dtype.itemsize
+                      for k in qc.buf_k)
     return {
         "acceptance_rate": round(int(np.sum(accepted)) / proposed, 4) if proposed else 0.0,
         "accepted_drafts_per_step": round(int(np.sum(accepted)) / steps, 4) if steps else 0.0,
