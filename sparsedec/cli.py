@@ -73,14 +73,15 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
   qs.add_argument("--draft-weight-group", type=int, default=None,
                   help="input rows per group of the draft's 4-bit weights (default 128, or 32 "
                        "for a GGUF whose linears are all Q4_1 or Q4_0: its own weights, "
-                       "exactly); 64 "
+                       "exactly, unless --draft-calibration asks for GPTQ's); 64 "
                        "is accepted more often (SmolLM2 MT-Bench, GPTQ: 0.89 against 0.85 at "
                        "gamma 1) for ~3%% more draft time (8B shapes, 8K, H200); 16, 32 or a "
                        "multiple of 64 keeps the W4A16 kernel on a GPU")
   qs.add_argument("--draft-weight-grid", default=None, choices=("minmax", "absmax"),
                   help="the round-to-nearest draft's grid per weight group: minmax (default; "
                        "GGUF Q4_1's) or absmax (symmetric, GGUF Q4_0's); a GGUF whose linears "
-                       "are all Q4_1 or all Q4_0 gets its own (with group 32)")
+                       "are all Q4_1 or all Q4_0 gets its own (with group 32) unless the draft "
+                       "is GPTQ's (--draft-calibration: minmax only)")
   qs.add_argument("--draft-sampling", default=None, choices=("sample", "argmax"),
                   help="when sampling (--temperature > 0): draw the drafts from the draft's "
                        "distribution and accept with min(1, p/q) (sample, Leviathan et al.), or "
@@ -176,12 +177,15 @@ def _method(args):
 def _exact_draft_group(args, method):
   """QuantSpec with neither --draft-weight-group nor --draft-weight-grid on a GGUF whose linears
   are all Q4_1 (or all Q4_0): the method with weight_group 32 and that type's grid, which
-  reproduce the checkpoint's weights exactly (noted on stderr)."""
+  reproduce the checkpoint's weights exactly (noted on stderr). That is round to nearest's
+  draft: a GPTQ draft (--draft-calibration, --draft-calibration-prompts) chooses its own codes,
+  on the minmax grid only, so the method is left as it is."""
   from sparsedec.decode.quantspec import QuantSpec
   from sparsedec.weights.checkpoint import source_kind
   from sparsedec.weights.gguf_file import exact_4bit_grid
   if not isinstance(method, QuantSpec) or method.weight_bits is None \
-      or args.draft_weight_group is not None or args.draft_weight_grid is not None:
+      or args.draft_weight_group is not None or args.draft_weight_grid is not None \
+      or args.draft_calibration is not None or args.draft_calibration_prompts is not None:
     return method
   model = args.model or default_model()
   if source_kind(model) != "gguf":
@@ -218,6 +222,9 @@ def _draft_tokens(args, method) -> int | None:
     raise InputError(f"{flag} does not apply to --method {args.method}")
   if method.weight_bits is None:
     raise InputError(f"{flag} needs a 4-bit draft (quantspec weight_bits=4)")
+  if args.draft_weight_grid not in (None, "minmax"):
+    raise InputError(f"--draft-weight-grid {args.draft_weight_grid} applies to the "
+                     f"round-to-nearest draft; the GPTQ draft of {flag} is on the minmax grid")
   n = DEFAULT_CALIBRATION_TOKENS if args.draft_calibration_tokens is None else \
       args.draft_calibration_tokens
   if n < 1:

@@ -464,6 +464,39 @@ def test_cli_drafts_a_q4_1_gguf_with_its_own_weights(capsys, smollm2_gguf):
   assert "weight_group" not in capsys.readouterr()[1]
 
 
+def test_cli_gptq_draft_takes_no_grid_it_cannot_hold(capsys, tmp_path, monkeypatch,
+                                                    smollm2_gguf):
+  """A GPTQ draft (--draft-calibration) has its own codes on the minmax grid: the CLI's exact-draft
+  choice for a 4-bit GGUF (round to nearest at group 32 on the file's grid) does not apply to it,
+  and an explicit --draft-weight-grid absmax is refused by name. On an all-Q4_0 file the CLI set
+  weight_grid=absmax, said the draft used "the checkpoint's own weights, exactly", then built a
+  minmax GPTQ draft: neither the message nor the run's method_config was true."""
+  from sparsedec import cli
+  from sparsedec.errors import InputError
+  from sparsedec.weights import gguf_file
+  text = tmp_path / "calibration.txt"
+  text.write_text("Once upon a time there was a dog.")
+  gguf = ["generate", "--prompt", "Once", "--model", str(smollm2_gguf), "--method", "quantspec"]
+
+  def method(*extra):
+    args = cli._parser().parse_args([*gguf, *extra])
+    return args, cli._exact_draft_group(args, cli._method(args))
+
+  monkeypatch.setattr(gguf_file, "exact_4bit_grid", lambda path: (32, "absmax"))   # all Q4_0
+  assert method()[1] == QuantSpec(weight_group=32, weight_grid="absmax")          # RTN: exact
+  assert "weight_grid=absmax" in capsys.readouterr()[1]
+  for flag in ("--draft-calibration", "--draft-calibration-prompts"):
+    args, got = method(flag, str(text))
+    assert got == QuantSpec(), flag
+    assert "exactly" not in capsys.readouterr()[1]
+    assert cli._draft_tokens(args, got) == cli.DEFAULT_CALIBRATION_TOKENS
+  args, got = method("--draft-calibration", str(text), "--draft-weight-grid", "absmax")
+  with pytest.raises(InputError, match="--draft-weight-grid absmax .* round-to-nearest"):
+    cli._draft_tokens(args, got)
+  args, got = method("--draft-calibration", str(text), "--draft-weight-grid", "minmax")
+  assert cli._draft_tokens(args, got) == cli.DEFAULT_CALIBRATION_TOKENS
+
+
 def test_int8_view_logits_equal_the_dequantized_reference_across_a_flush(stories):
   """Teacher-forced logits: a verify window read through QuantView(bits=8) equals, query by
   query, a forward over a dense cache whose slots < quantized_length(position) hold the INT8
