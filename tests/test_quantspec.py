@@ -819,3 +819,7 @@ def test_flushing_whole_value_tiles_equals_quantizing_directly():
     np.testing.assert_array_equal(np.asarray(got)[..., :ql, :], np.asarray(want)[..., :ql, :])
   with pytest.raises(InputError, match="must divide or be a multiple of the 64-token value tile"):
     qkv.from_dense(dense(100), 48, quant_capacity=192)
+  # An explicit capacity below the dense cache's would drop the codes of its own tokens.
+  with pytest.raises(InputError, match=f"quantized capacity 128 is smaller than the dense cache's "
+                                       f"capacity {n_tok}"):
+    qkv.from_dense(dense(100), g, quant_capacity=128)

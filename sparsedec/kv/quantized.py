@@ -109,7 +109,9 @@ def from_dense(cache: KVCache, group: int, quant_capacity: int | None = None) ->
   """The quantized cache of a dense cache's committed entries (prefill): whole groups below
   `quantized_length(lengths)` quantized, the rest (G + 1 .. 2G tokens, or all when <= G) kept in
   full precision. quant_capacity: default the dense capacity rounded up to a multiple of
-  lcm(G, 8) (whole groups of whole 8-code words)."""
+  lcm(G, 8) (whole groups of whole 8-code words); an explicit one may be larger (room for tokens
+  committed later), not smaller than the dense capacity (the codes of the cache's own tokens
+  would be dropped)."""
   s, d = cache.k[0].shape[2:]
   check_group(group, d)
   unit = math.lcm(group, 8)            # whole groups, whole 8-code words
@@ -122,6 +124,9 @@ def from_dense(cache: KVCache, group: int, quant_capacity: int | None = None) ->
     raise InputError(f"quant group {group} must divide or be a multiple of the {tile}-token "
                      f"value tile of capacity {cap} (a group is written as whole tiles or inside "
                      f"one)")
+  if cap < s:
+    raise InputError(f"quantized capacity {cap} is smaller than the dense cache's capacity {s}: "
+                     f"the codes of its tokens past {cap} would be dropped")
   quant_len = quantized_length(cache.lengths, group)                         # [B]
   buf_len = cache.lengths - quant_len
   j = jnp.arange(2 * group, dtype=jnp.int32)
