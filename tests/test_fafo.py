@@ -3,6 +3,8 @@ sampling distribution equal to dense sampling, and the fumble tokens read only C
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -251,6 +253,17 @@ def test_bad_knobs_and_unsupported_models_are_refused(stories):
   with pytest.raises(InputError, match="sliding"):
     sparsedec.generate(cfg.replace(family="mistral", sliding_window=16), params,
                        [[1, 2, 3]], max_new_tokens=2, method=Fafo())
+  # a user's policy written as a plain (non-frozen, so unhashable) dataclass was accepted and
+  # failed after prefill, with jax's "Non-hashable static arguments are not supported"
+  @dataclasses.dataclass
+  class MyPolicy:
+    budget_blocks: int = 2
+    block_size: int = 8
+    init = StreamingLLM.init
+    view = StreamingLLM.view
+    update = StreamingLLM.update
+  with pytest.raises(InputError, match="policy MyPolicy is not hashable"):
+    Fafo(policy=MyPolicy())
 
 
 def test_cli_generate_fafo_equals_dense_and_reports_stats(capsys, stories):
