@@ -3,6 +3,7 @@ steps, the attention layout, distribution-preserving verification, and the CLI."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -153,6 +154,16 @@ def test_bad_knobs_are_errors():
     get_method("lookahead", windows=3)
   with pytest.raises(sparsedec.InputError, match="no knob 'ngram'"):
     get_method("dense", ngram=3)
+  # a method object jit cannot hash (a non-frozen dataclass) failed after prefill, with jax's
+  # "Non-hashable static arguments are not supported"
+  @dataclasses.dataclass
+  class MyMethod:
+    name: str = "mine"
+    init = Lookahead.init
+    step = Lookahead.step
+    max_steps = Lookahead.max_steps
+  with pytest.raises(sparsedec.InputError, match="method MyMethod is not hashable"):
+    get_method(MyMethod())
 
 
 # ---------------------------------------------------------------- verification (verify.py)

@@ -34,6 +34,12 @@ def get_method(name_or_method: str | DecodeMethod, **knobs) -> DecodeMethod:
                        f"(init, step, max_steps), got {name_or_method!r:.80}")
     if knobs:
       raise InputError(f"knobs {sorted(knobs)} given with a method object: set them on it")
+    try:
+      hash(name_or_method)
+    except TypeError as err:
+      raise InputError(f"method {type(name_or_method).__name__} is not hashable ({err}): the "
+                       f"jitted loop takes the method as a static argument (make it a frozen "
+                       f"dataclass, as the built-in methods are)") from None
     return name_or_method
   if name_or_method not in _METHODS:
     raise InputError(f"unknown method {name_or_method!r} (available: {method_names()})")
