@@ -714,6 +714,15 @@ def smollm2_prompts(smollm2):
   return [tok.encode(chat, add_bos=False), tok.encode(prompt_sets.humaneval()[1])]
 
 
+@pytest.fixture(scope="module")
+def smollm2_dense(smollm2, smollm2_prompts):
+  """Dense greedy's 256 tokens on smollm2_prompts (one batch): the reference of the two
+  full-precision tests below (the second compares its first 64 tokens), computed once."""
+  cfg, params, _ = smollm2
+  return sparsedec.generate(cfg, params, smollm2_prompts, max_new_tokens=256,
+                            stop_tokens=()).tokens
+
+
 def _assert_flushed_while_generating(result, prompts, new_tokens: int):
   """Each row holds as codes all but the last < 3G tokens: groups were flushed during decoding
   (prefill quantized fewer than its prompt's length)."""
@@ -723,7 +732,8 @@ def _assert_flushed_while_generating(result, prompts, new_tokens: int):
     assert ql >= n + new_tokens - 3 * g > n, (ql, n)
 
 
-def test_greedy_full_precision_verify_equals_dense_on_smollm2(smollm2, smollm2_prompts):
+def test_greedy_full_precision_verify_equals_dense_on_smollm2(smollm2, smollm2_prompts,
+                                                             smollm2_dense):
   """256 tokens, both prompts in one batch, a GPTQ draft proposing (4-bit cache and 4-bit weights;
   act-order, sequential, calibrated on the model's own answer to another MT-Bench prompt) and the
   full-precision cache verifying: token-identical to dense greedy, with drafts both accepted and
@@ -738,25 +748,25 @@ def test_greedy_full_precision_verify_equals_dense_on_smollm2(smollm2, smollm2_p
   method = dataclasses.replace(SMOL, verify_precision="full")
   result = testing.assert_matches_dense(cfg, gptq.with_draft(params, draft), smollm2_prompts,
                                         method=method, max_new_tokens=256, stop_tokens=(),
-                                        return_state=True)
+                                        expected=smollm2_dense, return_state=True)
   assert result.tau > 1.5, result.tau
   assert result.method_stats["acceptance_rate"] < 1.0        # some drafts were rejected
   _assert_flushed_while_generating(result, smollm2_prompts, 256)
 
 
-def test_group_32_draft_of_the_q4_1_smollm2_is_always_accepted(smollm2):
-  """The group-32 RTN draft of the Q4_1 SmolLM2 has the target's weights exactly; on a chat short
+def test_group_32_draft_of_the_q4_1_smollm2_is_always_accepted(smollm2, smollm2_prompts,
+                                                              smollm2_dense):
+  """The group-32 RTN draft of the Q4_1 SmolLM2 has the target's weights exactly; on chats short
   enough to stay in the full-precision buffer (2G = 256 slots) it is the target itself: every draft
   accepted, and the output token-identical to dense greedy (a draft off by any weight would be
-  rejected somewhere in 64 tokens, as the GPTQ group-128 draft is in the test above)."""
-  cfg, params, tok = smollm2
-  chat = tok.apply_chat_template([{"role": "user", "content": prompt_sets.mt_bench()[3]}],
-                                 add_generation_prompt=True)
-  prompt = tok.encode(chat, add_bos=False)
+  rejected somewhere in 64 tokens, as the GPTQ group-128 draft is in the test above). The prompts
+  and the dense reference (its first 64 tokens) are the test above's."""
+  cfg, params, _ = smollm2
   method = QuantSpec(gamma=4, weight_group=32, verify_precision="full")   # G = 128
-  assert len(prompt) + 64 < 2 * method.quant_group
-  result = testing.assert_matches_dense(cfg, params, [prompt], method=method, max_new_tokens=64,
-                                        stop_tokens=())
+  assert all(len(p) + 64 < 2 * method.quant_group for p in smollm2_prompts)
+  result = testing.assert_matches_dense(cfg, params, smollm2_prompts, method=method,
+                                        max_new_tokens=64, stop_tokens=(),
+                                        expected=[t[:64] for t in smollm2_dense])
   assert result.method_stats["acceptance_rate"] == 1.0, result.method_stats
 
 
