@@ -144,3 +144,32 @@ def test_advance_runs_an_inserted_longer_request_to_its_end(stories):
     assert tokens[1] == alone
   state = run.advance(params, state, 2 ** 40)           # past int32: the bound is clamped
   assert bool(state.done.all())
+
+
+def test_a_state_of_another_method_or_settings_is_refused_by_name(stories):
+  """Run.advance with a state started for another method failed inside the trace ('NoneType'
+  object has no attribute 'pool', a reshape error for another Lookahead window) or decoded it
+  silently under the run's method; insert_row took a request started with other sampling or
+  stop tokens and decoded all but its first token under the running batch's. Both now name
+  the two builds."""
+  from sparsedec.decode.lookahead import Lookahead
+  cfg, params, tok = stories
+  kw = dict(max_new_tokens=4, cache_size=128)
+  dense, dense_run = api.start(cfg, params, [[1, 2]], **kw)
+  ahead, ahead_run = api.start(cfg, params, [[1, 2]], method=Lookahead(), **kw)
+  narrow, _ = api.start(cfg, params, [[1, 2]], method=Lookahead(window=3), **kw)
+  for run, state in ((ahead_run, dense), (dense_run, ahead), (ahead_run, narrow)):
+    with pytest.raises(sparsedec.InputError,
+                       match=r"state was built for method .*this run is for method"):
+      run.advance(params, state)
+  state = dense_run.advance(params, dense)
+  assert bool(state.done.all())
+  sampled, _ = api.start(cfg, params, [[3]], sampling=sparsedec.SamplingConfig(temperature=0.8),
+                         **kw)
+  no_stops, _ = api.start(cfg, params, [[3]], stop_tokens=(), **kw)
+  for request, what in ((sampled, "temperature=0.8"), (no_stops, r"stop_tokens \(\)")):
+    with pytest.raises(sparsedec.InputError, match=f"request state was built for .*{what}.*"
+                       f"running state for .*same method, sampling and stop_tokens"):
+      insert_row(state, request, 0)
+  same, _ = api.start(cfg, params, [[3]], **kw)
+  assert insert_row(state, same, 0).prompt_lengths.tolist() == [1]

@@ -10,7 +10,8 @@ from typing import Generator, Sequence
 import jax
 import numpy as np
 
-from sparsedec.decode.loop import DecodeMethod, StepContext, decode, init_method
+from sparsedec.decode.loop import (DecodeMethod, StepContext, decode, describe_build,
+                                   init_method)
 from sparsedec.decode.methods import get_method
 from sparsedec.decode.prefill import empty_cache, prefill
 from sparsedec.decode.sampling import SamplingConfig
@@ -219,6 +220,10 @@ class Run:
     from the state's current step, so inserted rows get a full budget."""
     if steps is not None and (not is_int(steps) or steps < 1):
       raise InputError(f"steps must be None or an integer >= 1, got {steps!r}")
+    if state.built_for is not None and state.built_for != (self.method, self.ctx):
+      raise InputError(f"the state was built for {describe_build(state.built_for)}, this run is "
+                       f"for {describe_build((self.method, self.ctx))}: advance a state with the "
+                       f"Run that api.start returned with it")
     if steps is None:
       limits, num, done = jax.device_get((state.limits, state.num_tokens, state.done))
       left = int(np.max(np.where(done, 0, limits - num), initial=0))             # [B] -> []

@@ -49,6 +49,12 @@ class DecodeMethod(Protocol):
   def stats(self, state: DecodeState) -> dict: ...
 
 
+def describe_build(built_for: tuple["DecodeMethod", StepContext]) -> str:
+  """A state's `built_for` (method, ctx) in words, for errors."""
+  method, ctx = built_for
+  return f"method {method!r} with {ctx.sampling} and stop_tokens {ctx.stop_ids}"
+
+
 def finish_step(state: DecodeState) -> DecodeState:
   """Counters every step updates after acceptance."""
   return state.replace(step=state.step + 1, active_steps=state.active_steps + (~state.done))
@@ -62,13 +68,18 @@ def init_method(cfg: ModelConfig, params: Params, state: DecodeState, *, method:
   cache into codes and keeps no dense K/V. Those donated buffers cannot be reused for an output
   of another shape, so XLA frees them after the call and jax warns that "some donated buffers
   were not usable". Only for such a method (`drops_donated_buffers`) is that warning expected
-  and not shown; for the others it still surfaces, as a sign of a real donation failure."""
+  and not shown; for the others it still surfaces, as a sign of a real donation failure.
+
+  The result records (method, ctx) in its static `built_for`, which `Run.advance` and
+  `serving.insert_row` check."""
   if not drops_donated_buffers(cfg, params, state, method=method, ctx=ctx):
-    return _init_method(cfg, params, state, method=method, ctx=ctx)
-  with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message="Some donated buffers were not usable",
-                            category=UserWarning)
-    return _init_method(cfg, params, state, method=method, ctx=ctx)
+    state = _init_method(cfg, params, state, method=method, ctx=ctx)
+  else:
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", message="Some donated buffers were not usable",
+                              category=UserWarning)
+      state = _init_method(cfg, params, state, method=method, ctx=ctx)
+  return state.replace(built_for=(method, ctx))
 
 
 def drops_donated_buffers(cfg: ModelConfig, params: Params, state: DecodeState, *,

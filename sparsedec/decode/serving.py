@@ -20,6 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from sparsedec.decode.loop import describe_build
 from sparsedec.decode.state import DecodeState
 from sparsedec.errors import InputError
 
@@ -68,6 +69,11 @@ def insert_row(state: DecodeState, request: DecodeState, row: int, *,
   replace_running=True drops it on purpose (preemption)."""
   if request.batch_size != 1:
     raise InputError(f"the request state must have batch size 1, got {request.batch_size}")
+  if request.built_for != state.built_for:
+    name = lambda s: "no method (a hand-built state)" if s.built_for is None else describe_build(
+        s.built_for)
+    raise InputError(f"the request state was built for {name(request)}, the running state for "
+                     f"{name(state)}: start both with the same method, sampling and stop_tokens")
   if request.cache.capacity != state.cache.capacity:
     raise InputError(f"cache capacities differ: request {request.cache.capacity}, running state "
                      f"{state.cache.capacity} (pass the same cache_size to both)")

@@ -29,6 +29,11 @@ class DecodeState:
   step: jax.Array            # [] int32: loop iterations so far
   active_steps: jax.Array    # [B] int32: iterations in which the row was not done
   extras: Any = None         # method-specific arrays (n-gram pool, draft caches, ...)
+  # (method, StepContext) that `init_method` attached this state for (None: a state built by
+  # hand). Static, so part of the tree structure: `Run.advance` and `serving.insert_row` refuse
+  # a state of another method, sampling or stop tokens by name instead of failing inside the
+  # trace or decoding it under other settings.
+  built_for: Any = struct.field(pytree_node=False, default=None)
 
   @property
   def batch_size(self) -> int:
