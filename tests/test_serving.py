@@ -173,3 +173,16 @@ def test_a_state_of_another_method_or_settings_is_refused_by_name(stories):
       insert_row(state, request, 0)
   same, _ = api.start(cfg, params, [[3]], **kw)
   assert insert_row(state, same, 0).prompt_lengths.tolist() == [1]
+
+
+def test_the_same_stop_tokens_in_another_order_are_the_same_build(stories):
+  """stop_tokens are a set: a request started with them in another order (or repeated) is
+  inserted, not refused as another build, and shares the running batch's compiled loop."""
+  cfg, params, tok = stories
+  kw = dict(max_new_tokens=4, cache_size=128)
+  state, run = api.start(cfg, params, [[1, 2], [3]], stop_tokens=[7, 2], **kw)
+  request, request_run = api.start(cfg, params, [[5, 6]], stop_tokens=(2, 7, 7), **kw)
+  assert request_run.ctx == run.ctx and run.ctx.stop_ids == (2, 7)
+  state = insert_row(state, request, 1, replace_running=True)
+  state = run.advance(params, state)
+  assert bool(state.done.all())

@@ -180,7 +180,9 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
       or not all(is_int(t) for t in stops)):
     raise InputError(f"stop_tokens must be a sequence of token ids (() for none), "
                      f"got {stop_tokens!r}")
-  stop_ids = tuple(int(t) for t in stops)
+  # Sorted, without repeats: the same stop set is the same static ctx (one compile; a state and
+  # request with the stops in another order are the same build for Run.advance and insert_row).
+  stop_ids = tuple(sorted({int(t) for t in stops}))
   if stop_tokens is not None:
     bad = [t for t in stop_ids if not 0 <= t < cfg.vocab_size]
     if bad:
