@@ -186,3 +186,20 @@ def test_the_same_stop_tokens_in_another_order_are_the_same_build(stories):
   state = insert_row(state, request, 1, replace_running=True)
   state = run.advance(params, state)
   assert bool(state.done.all())
+
+
+def test_insert_row_takes_only_an_integer_row(stories):
+  """A float row was truncated to an int and the request written there (row=0.9 into row 0),
+  with replace_running=True without a word; numpy and 0-d jax integers are rows."""
+  import jax.numpy as jnp
+  import numpy as np
+  cfg, params, _ = stories
+  kw = dict(max_new_tokens=4, cache_size=128)
+  state, _ = api.start(cfg, params, [[1, 2], [3, 4]], **kw)
+  request, _ = api.start(cfg, params, [[5, 6, 7]], **kw)
+  for row in (0.9, 1.5, True, "1"):
+    with pytest.raises(sparsedec.InputError, match=f"row must be an integer .*got {row!r}"):
+      insert_row(state, request, row, replace_running=True)
+  for row, lengths in ((np.int64(1), [2, 3]), (jnp.int32(0), [3, 3])):
+    state = insert_row(state, request, row, replace_running=True)
+    assert state.prompt_lengths.tolist() == lengths

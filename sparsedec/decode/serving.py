@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from sparsedec.decode.loop import describe_build
 from sparsedec.decode.state import DecodeState
-from sparsedec.errors import InputError
+from sparsedec.errors import InputError, is_int
 
 
 def _batch_axes(state: DecodeState) -> list[int | None]:
@@ -77,6 +77,11 @@ def insert_row(state: DecodeState, request: DecodeState, row: int, *,
   if request.cache.capacity != state.cache.capacity:
     raise InputError(f"cache capacities differ: request {request.cache.capacity}, running state "
                      f"{state.cache.capacity} (pass the same cache_size to both)")
+  if getattr(row, "shape", None) == () and jnp.issubdtype(getattr(row, "dtype", float), jnp.integer):
+    row = int(row)                                      # a 0-d numpy / jax integer array
+  if not is_int(row):
+    raise InputError(f"row must be an integer (a row index of the batch of {state.batch_size}), "
+                     f"got {row!r}")
   if not 0 <= row < state.batch_size:
     raise InputError(f"row {row} is outside the batch of {state.batch_size}")
   if jax.tree.structure(state) != jax.tree.structure(request):
