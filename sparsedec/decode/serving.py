@@ -8,7 +8,8 @@ of its row along that axis. The row index is traced: inserting into any row reus
 function.
 
   state, run = api.start(cfg, params, prompts, cache_size=C, ...)   # the running batch
-  new, _ = api.start(cfg, params, [request], cache_size=C, ...)     # B = 1, same capacity
+  new, _ = api.start(cfg, params, [request], cache_size=C, ...)     # B = 1, same capacity,
+  #   method, sampling and stop_tokens (else an InputError); its own max_new_tokens and seed
   state = insert_row(state, new, row)     # a row where state.done[row] (else an InputError)
   state = run.advance(params, state, steps)
 """
