@@ -255,8 +255,9 @@ def test_bad_knobs_and_unsupported_models_are_refused(stories):
   with pytest.raises(InputError, match="sliding"):
     sparsedec.generate(cfg.replace(family="mistral", sliding_window=16), params,
                        [[1, 2, 3]], max_new_tokens=2, method=Fafo())
-  # a user's policy written as a plain (non-frozen, so unhashable) dataclass was accepted and
-  # failed after prefill, with jax's "Non-hashable static arguments are not supported"
+  # a user's policy written as a plain (non-frozen, so unhashable) dataclass makes the method
+  # unhashable: refused before prefill (get_method), not after it with jax's "Non-hashable
+  # static arguments are not supported"
   @dataclasses.dataclass
   class MyPolicy:
     budget_blocks: int = 2
@@ -264,8 +265,9 @@ def test_bad_knobs_and_unsupported_models_are_refused(stories):
     init = StreamingLLM.init
     view = StreamingLLM.view
     update = StreamingLLM.update
-  with pytest.raises(InputError, match="policy MyPolicy is not hashable"):
-    Fafo(policy=MyPolicy())
+  with pytest.raises(InputError, match=r"method Fafo is not hashable \(unhashable type: "
+                                       r"'MyPolicy'\)"):
+    sparsedec.generate(cfg, params, [[1, 2, 3]], max_new_tokens=2, method=Fafo(policy=MyPolicy()))
 
 
 def test_cli_generate_fafo_equals_dense_and_reports_stats(capsys, stories):

@@ -132,12 +132,6 @@ class Fafo:
     for attr in ("init", "view", "update", "block_size", "budget_blocks"):
       if not hasattr(self.policy, attr):
         raise InputError(f"fafo policy {self.policy!r} is not a CompressionPolicy (no {attr})")
-    try:
-      hash(self.policy)
-    except TypeError:
-      raise InputError(f"fafo policy {type(self.policy).__name__} is not hashable: the method, "
-                       f"policy included, is a static argument of the jitted loop (make it a "
-                       f"frozen dataclass, as StreamingLLM, Quest and SnapKV are)") from None
     if getattr(self.policy, "max_commit", self.length + 1) < self.length + 1:
       raise InputError(f"fafo commits up to length + 1 = {self.length + 1} entries per step; "
                        f"the policy's max_commit is {self.policy.max_commit}")
