@@ -30,6 +30,37 @@ def _pin_xdist_worker() -> None:
 
 _pin_xdist_worker()
 
+
+def _memory_mappings() -> tuple[int, int] | None:
+  """(memory mappings this process holds, the kernel's per-process limit vm.max_map_count), or
+  None where /proc does not tell."""
+  try:
+    with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
+      return sum(1 for _ in maps), int(limit.read())
+  except OSError:
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+  """Drop jax's compiled programs after each test file. XLA:CPU maps every compiled kernel's code
+  and data into memory mappings of their own (~70 per stories260K decode loop); an xdist worker
+  that kept all of its files' programs alive reached vm.max_map_count (65530 by default) about
+  90% through the suite, and the next compile segfaulted (CI, session 54 and 55). With the caches
+  dropped a file's programs are all a worker holds; a file that alone holds more than half the
+  limit fails here, by name, instead of crashing a later file's compile."""
+  yield
+  import gc
+
+  import jax
+  jax.clear_caches()
+  gc.collect()
+  held = _memory_mappings()
+  if held is not None and held[0] > held[1] // 2:
+    pytest.fail(f"{held[0]} memory mappings are still held after this file's compiled programs "
+                f"were dropped (vm.max_map_count is {held[1]}); a later compile would segfault "
+                f"at the limit")
+
 ROOT = hf_harness.REPO
 SHARED = hf_harness.SHARED
 STORIES_HF = hf_harness.STORIES260K
