@@ -254,6 +254,19 @@ def test_mistral_sliding_window_defaults_like_transformers():
   assert ModelConfig.from_hf(dict(mistral, sliding_window=16)).sliding_window == 16
 
 
+def test_llama_sliding_window_is_refused_with_the_reason():
+  """A Llama config.json with a window: transformers attends to the whole prompt in its forward
+  but its generation cache keeps only the last window - 1 tokens (checked against transformers
+  5.24 in session 55: prompt logits equal full attention, the continuation diverges at its second
+  token), so no one attention matches it; refused by name. A null window is full attention."""
+  from sparsedec.errors import UnsupportedConfigError
+  from sparsedec.model.config import ModelConfig
+  assert ModelConfig.from_hf(dict(LLAMA_HF_CONFIG, sliding_window=None)).sliding_window is None
+  with pytest.raises(UnsupportedConfigError, match=r"sliding_window=8 is not supported for "
+                     r"llama: .* keeps only the last 8 - 1 tokens"):
+    ModelConfig.from_hf(dict(LLAMA_HF_CONFIG, sliding_window=8))
+
+
 def test_qwen3_head_dim_defaults_like_transformers():
   """Qwen3Config's head_dim defaults to 128 (transformers 4.x and 5.x), not hidden/heads; Llama
   and Qwen2 configs without it still derive hidden/heads."""
