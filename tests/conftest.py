@@ -31,25 +31,6 @@ def _pin_xdist_worker() -> None:
 _pin_xdist_worker()
 
 
-def _share_compiled_programs() -> None:
-  """Keep compiled programs on disk, in jax's persistent compilation cache (<repo>/.cache/
-  jax-compilation; a JAX_COMPILATION_CACHE_DIR of the user's own is used instead), so a
-  checkout's later runs reuse them (test_decode's four x64 tests: 40 s cold, 14 s warm). A clean
-  clone gains little: few programs repeat across test files (session 55: 29:24 against 27:13
-  without it, within the noise of that run). A size limit turns on the cache's file lock, so one
-  worker never reads an entry the other is still writing."""
-  import jax
-  if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-    jax.config.update("jax_compilation_cache_dir",
-                      str(pathlib.Path(__file__).resolve().parents[1] / ".cache" /
-                          "jax-compilation"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-  jax.config.update("jax_compilation_cache_max_size", 2 << 30)
-
-
-_share_compiled_programs()
-
-
 def _memory_mappings() -> tuple[int, int] | None:
   """(memory mappings this process holds, the kernel's per-process limit vm.max_map_count), or
   None where /proc does not tell."""
