@@ -44,12 +44,12 @@ def _memory_mappings() -> tuple[int, int] | None:
 @pytest.fixture(scope="module", autouse=True)
 def _release_compiled_programs():
   """Drop jax's compiled programs after each test file. XLA:CPU maps every compiled kernel's code
-  and data into memory mappings of their own (~70 per stories260K decode loop); an xdist worker
-  that kept all of its files' programs alive reached vm.max_map_count (65530 by default) about
-  90% through the suite, and the next compile segfaulted (the CI of session 54's submission; a
-  local run in session 55 crashed at 64K mappings). With the caches
-  dropped a file's programs are all a worker holds; a file that alone holds more than half the
-  limit fails here, by name, instead of crashing a later file's compile."""
+  and data into memory mappings of their own (~70 per stories260K `generate` call); an xdist
+  worker that kept all of its files' programs alive reached vm.max_map_count (65530 by default)
+  about 90% through the suite, and the next compile segfaulted (the CI of session 54's
+  submission; a local run in session 55 crashed at 64K mappings). With the caches dropped a
+  file's programs are all a worker holds; a file that alone holds more than half the limit fails
+  here, by name, instead of crashing a later file's compile."""
   yield
   import gc
 

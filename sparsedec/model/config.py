@@ -259,8 +259,6 @@ def _sliding_window(family: str, hf: Mapping[str, Any]) -> int | None:
     window = hf.get("sliding_window", 4096)     # transformers' MistralConfig default
     return _number("sliding_window", window) if window else None
   if window:
-    # transformers' Llama attends to the whole prompt, then its generation cache keeps only the
-    # last window - 1 tokens: neither full attention nor a window reproduces both.
     raise UnsupportedConfigError(
         f"sliding_window={window} is not supported for {family}: transformers' {family} "
         f"attends to the full prompt but keeps only the last {window} - 1 tokens when "
