@@ -14,6 +14,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from sparsedec.errors import CheckpointError, UnsupportedConfigError
+from sparsedec.model.config import ModelConfig
 from sparsedec.weights.checkpoint import (convert, load_checkpoint, load_model,
                                           save_checkpoint)
 from sparsedec.weights.gguf_file import (hf_config_from_metadata, load_gguf,
@@ -206,10 +207,32 @@ def test_gguf_without_attention_heads_is_named():
     hf_config_from_metadata(meta, set())
 
 
+def test_gguf_per_layer_head_counts_are_read_or_refused_by_name():
+  """A converter may write a head count per layer (a list). Equal in every layer, it is the
+  model's count; different (a model of varying layers), a named refusal (int() of the list
+  raised a bare TypeError)."""
+  meta = {"general.architecture": "llama", "llama.vocab_size": 32, "llama.embedding_length": 64,
+          "llama.attention.head_count": [4, 4], "llama.attention.head_count_kv": [2, 2],
+          "llama.feed_forward_length": 128, "llama.block_count": 2}
+  hf = hf_config_from_metadata(meta, set())
+  assert (hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]) == (4, 2, 16)
+  meta["llama.attention.head_count_kv"] = [2, 1]
+  with pytest.raises(UnsupportedConfigError, match=r"head_count_kv' differs between layers"):
+    hf_config_from_metadata(meta, set())
+
+
 # ---------------------------------------------------------------------------------- HF config
 LLAMA_HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 256,
                    "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
                    "num_key_value_heads": 2, "vocab_size": 100, "rope_theta": 500000.0}
+
+
+def test_hidden_act_swish_is_silu_and_others_are_refused():
+  """transformers maps hidden_act "swish" to SiLU (it was refused); gelu is not ours."""
+  assert ModelConfig.from_hf({**LLAMA_HF_CONFIG, "hidden_act": "swish"}) == \
+      ModelConfig.from_hf({**LLAMA_HF_CONFIG, "hidden_act": "silu"})
+  with pytest.raises(UnsupportedConfigError, match="hidden_act 'gelu' is not supported"):
+    ModelConfig.from_hf({**LLAMA_HF_CONFIG, "hidden_act": "gelu"})
 
 
 def hf_llama3_inv_freq(theta, dim, factor, low, high, old_context_len):

@@ -269,8 +269,8 @@ def _sliding_window(family: str, hf: Mapping[str, Any]) -> int | None:
 
 def _check_unsupported(hf: Mapping[str, Any]) -> None:
   act = hf.get("hidden_act", "silu")
-  if act != "silu":
-    raise UnsupportedConfigError(f"hidden_act {act!r} is not supported (only silu)")
+  if act not in ("silu", "swish"):     # transformers' ACT2FN: "swish" is SiLU too
+    raise UnsupportedConfigError(f"hidden_act {act!r} is not supported (only silu / swish)")
   if hf.get("mlp_bias", False):
     raise UnsupportedConfigError("mlp_bias=true is not supported")
   for key in ("attn_logit_softcapping", "final_logit_softcapping", "num_experts",

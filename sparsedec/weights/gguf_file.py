@@ -97,29 +97,41 @@ def hf_config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> dic
       return default
     return meta[full]
 
+  def int_key(name: str, default: Any = None, required: bool = False) -> Any:
+    """An integer field; a per-layer list (some converters write head counts so) is taken only
+    when every layer has the same value."""
+    value = key(name, default, required)
+    if isinstance(value, (list, tuple)):
+      if not value or len(set(value)) != 1:
+        raise UnsupportedConfigError(
+            f"GGUF metadata '{arch}.{name}' differs between layers ({list(value)}): only "
+            f"models whose layers all have the same shape are supported")
+      value = value[0]
+    return None if value is None else int(value)
+
   tokens = meta.get("tokenizer.ggml.tokens")
   vocab_size = key("vocab_size", len(tokens) if tokens else None)
   if vocab_size is None:
     raise CheckpointError("GGUF has neither a vocab_size nor a tokenizer.ggml.tokens list")
-  hidden = int(key("embedding_length", required=True))
-  num_heads = int(key("attention.head_count", required=True))
+  hidden = int_key("embedding_length", required=True)
+  num_heads = int_key("attention.head_count", required=True)
   if num_heads < 1:
     raise CheckpointError(f"GGUF metadata '{arch}.attention.head_count' is {num_heads}: a model "
                           f"needs at least one attention head")
-  head_dim = int(key("attention.key_length", hidden // num_heads))
+  head_dim = int_key("attention.key_length", hidden // num_heads)
   hf: dict[str, Any] = {
       "architectures": [ARCHITECTURES[arch]],
       "model_type": arch,
       "vocab_size": int(vocab_size),
       "hidden_size": hidden,
-      "intermediate_size": int(key("feed_forward_length", required=True)),
-      "num_hidden_layers": int(key("block_count", required=True)),
+      "intermediate_size": int_key("feed_forward_length", required=True),
+      "num_hidden_layers": int_key("block_count", required=True),
       "num_attention_heads": num_heads,
-      "num_key_value_heads": int(key("attention.head_count_kv", num_heads)),
+      "num_key_value_heads": int_key("attention.head_count_kv", num_heads),
       "head_dim": head_dim,
       "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
       "rope_theta": float(key("rope.freq_base", 10000.0)),
-      "max_position_embeddings": int(key("context_length", 2048)),
+      "max_position_embeddings": int_key("context_length", 2048),
       "tie_word_embeddings": "output.weight" not in tensor_names,
       "attention_bias": "blk.0.attn_output.bias" in tensor_names,
       "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
