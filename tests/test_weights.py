@@ -390,6 +390,25 @@ def test_overwrite_replaces_only_a_checkpoint(hf_copy, tmp_path):
   assert not (tmp_path / "untokenized").exists()
 
 
+def test_load_model_names_a_missing_tokenizer_before_reading_weights(hf_copy, tmp_path,
+                                                                     monkeypatch):
+  """load_model read every weight and then failed on the missing tokenizer.json; now the
+  tokenizer comes first, for an HF directory and for a converted checkpoint."""
+  from sparsedec.weights import checkpoint
+  ckpt = convert(hf_copy, tmp_path / "ckpt", show_progress=False)
+  for src in (hf_copy, pathlib.Path(ckpt)):
+    (src / "tokenizer.json").unlink()
+
+  def weights_read(*args, **kwargs):
+    raise AssertionError("the weights were read before the tokenizer was found missing")
+  monkeypatch.setattr(checkpoint, "load_hf", weights_read)
+  monkeypatch.setattr(checkpoint, "load_checkpoint", weights_read)
+  with pytest.raises(CheckpointError, match="no tokenizer.json"):
+    load_model(hf_copy)
+  with pytest.raises(CheckpointError, match="tokenizer.json not found"):
+    load_model(ckpt)
+
+
 def test_corrupt_files_raise_errors_that_name_them(hf_copy, tmp_path):
   """What a broken download looks like: each raises a CheckpointError / UnsupportedConfigError
   naming the file or key (they were SafetensorError, JSONDecodeError, KeyError, IndexError and

@@ -252,10 +252,12 @@ def load_model(path: str | os.PathLike, dtype: str | None = None
   """(cfg, params as jax arrays, Tokenizer) from a checkpoint dir, an HF dir or a .gguf file."""
   path = os.fspath(path)
   kind = source_kind(path)
+  # The tokenizer is read (or found missing) before the weights, whose load is the long part.
   if kind == "checkpoint":
+    tokenizer = Tokenizer.from_dir(path)
     cfg, params = load_checkpoint(path, dtype)
-    return cfg, params, Tokenizer.from_dir(path)
-  cfg, params, tokenizer = _load_source(path, kind, dtype)
-  if tokenizer is None:
+    return cfg, params, tokenizer
+  if kind == "hf" and not os.path.isfile(os.path.join(path, "tokenizer.json")):
     raise CheckpointError(f"no tokenizer.json in {path}")
+  cfg, params, tokenizer = _load_source(path, kind, dtype)
   return cfg, jax.tree.map(jnp.asarray, params), tokenizer
