@@ -363,6 +363,24 @@ def test_existing_checkpoint_needs_overwrite(stories_hf_dir, tmp_path):
   load_checkpoint(out)
 
 
+def test_a_failed_swap_puts_the_old_checkpoint_back(stories_hf_dir, tmp_path, monkeypatch):
+  """overwrite moves the old checkpoint aside, then the new one in: when the second move fails,
+  the old one goes back (it was left under a hidden name and the checkpoint was gone)."""
+  out = convert(stories_hf_dir, tmp_path / "ckpt", show_progress=False)
+  before = (pathlib.Path(out) / "sparsedec_config.json").read_text()
+  rename = os.rename
+
+  def failing_rename(src, dst):
+    if os.path.basename(src).startswith(".ckpt.tmp-"):
+      raise OSError("disk full")
+    rename(src, dst)
+  monkeypatch.setattr(os, "rename", failing_rename)
+  with pytest.raises(OSError, match="disk full"):
+    convert(stories_hf_dir, out, dtype="bfloat16", overwrite=True, show_progress=False)
+  assert leftovers(tmp_path) == ["ckpt"]
+  assert (pathlib.Path(out) / "sparsedec_config.json").read_text() == before   # float32, not bf16
+
+
 def test_overwrite_replaces_only_a_checkpoint(hf_copy, tmp_path):
   """overwrite deletes what it replaces: never a directory that is not a checkpoint (say, the one
   holding the source, or the working directory), nor a plain file; and an HF directory without

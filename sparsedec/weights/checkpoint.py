@@ -121,7 +121,11 @@ def save_checkpoint(out_dir: str | os.PathLike, cfg: ModelConfig, params: Params
     if os.path.exists(out_dir):
       old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
       os.rename(out_dir, old)
-      os.rename(tmp, out_dir)
+      try:
+        os.rename(tmp, out_dir)
+      except BaseException:
+        os.rename(old, out_dir)            # the old checkpoint back where it was
+        raise
       shutil.rmtree(old, ignore_errors=True)
     else:
       os.rename(tmp, out_dir)
