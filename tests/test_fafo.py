@@ -242,6 +242,11 @@ def test_bad_knobs_and_unsupported_models_are_refused(stories):
     StreamingLLM(sink_blocks=None)
   with pytest.raises(InputError, match="block_size"):
     StreamingLLM(block_size=True)
+  # a budget too small for the policy's fixed part (these named the empty range "[1, 1)")
+  with pytest.raises(InputError, match="budget_blocks=1 with sink_blocks=1 leaves no recent"):
+    StreamingLLM(budget_blocks=1)
+  with pytest.raises(InputError, match="budget_blocks=2 with recent_blocks=2 leaves no block"):
+    SnapKV(budget_blocks=2, recent_blocks=2)
   with pytest.raises(InputError, match="max_commit"):
     Quest(max_commit=None)
   with pytest.raises(TypeError, match="needs_queries"):

@@ -65,8 +65,9 @@ class SnapKV:
       raise InputError(f"SnapKV: window, pool and recent_blocks must be integers >= 1, got "
                        f"{self.window!r}, {self.pool!r}, {self.recent_blocks!r}")
     if not 1 <= self.recent_blocks < self.budget_blocks:
-      raise InputError(f"SnapKV: recent_blocks must be in [1, budget_blocks="
-                       f"{self.budget_blocks}), got {self.recent_blocks}")
+      raise InputError(f"SnapKV: budget_blocks={self.budget_blocks} with recent_blocks="
+                       f"{self.recent_blocks} leaves no block to select (needs 1 <= "
+                       f"recent_blocks < budget_blocks: a larger budget or fewer recent blocks)")
 
   def init(self, cfg, params, state) -> SnapKVState:
     cache = state.cache

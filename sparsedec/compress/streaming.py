@@ -43,8 +43,9 @@ class StreamingLLM:
   def __post_init__(self):
     check_budget("StreamingLLM", self.block_size, self.budget_blocks)
     if not is_int(self.sink_blocks) or not 0 <= self.sink_blocks < self.budget_blocks:
-      raise InputError(f"StreamingLLM: sink_blocks must be in [0, budget_blocks="
-                       f"{self.budget_blocks}), got {self.sink_blocks}")
+      raise InputError(f"StreamingLLM: budget_blocks={self.budget_blocks} with sink_blocks="
+                       f"{self.sink_blocks!r} leaves no recent block (needs an integer 0 <= "
+                       f"sink_blocks < budget_blocks: a larger budget or fewer sink blocks)")
 
   def init(self, cfg, params, state):
     return None
