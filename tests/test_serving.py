@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import pytest
 
@@ -197,10 +199,11 @@ def test_insert_row_takes_only_an_integer_row(stories):
   kw = dict(max_new_tokens=4, cache_size=128)
   state, _ = api.start(cfg, params, [[1, 2], [3, 4]], **kw)
   request, _ = api.start(cfg, params, [[5, 6, 7]], **kw)
-  for row in (0.9, 1.5, True, "1"):
-    with pytest.raises(sparsedec.InputError, match=f"row must be an integer .*got {row!r}"):
+  for row in (0.9, 1.5, True, np.bool_(False), "1", np.array([1]), jnp.array(1.0)):
+    pattern = "row must be an integer .*got " + re.escape(repr(row))
+    with pytest.raises(sparsedec.InputError, match=pattern):
       insert_row(state, request, row, replace_running=True)
-  for row, lengths in ((np.int64(1), [2, 3]), (jnp.int32(0), [3, 3])):
+  for row, lengths in ((np.int64(1), [2, 3]), (jnp.int32(0), [3, 3]), (np.array(1), [3, 3])):
     state = insert_row(state, request, row, replace_running=True)
     assert state.prompt_lengths.tolist() == lengths
 

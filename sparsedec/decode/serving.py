@@ -17,13 +17,15 @@ function.
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sparsedec.decode.loop import describe_build
 from sparsedec.decode.state import DecodeState
-from sparsedec.errors import InputError, is_int
+from sparsedec.errors import InputError
 
 
 def _batch_axes(state: DecodeState) -> list[int | None]:
@@ -78,11 +80,16 @@ def insert_row(state: DecodeState, request: DecodeState, row: int, *,
   if request.cache.capacity != state.cache.capacity:
     raise InputError(f"cache capacities differ: request {request.cache.capacity}, running state "
                      f"{state.cache.capacity} (pass the same cache_size to both)")
-  if getattr(row, "shape", None) == () and jnp.issubdtype(getattr(row, "dtype", float), jnp.integer):
-    row = int(row)                                      # a 0-d numpy / jax integer array
-  if not is_int(row):
+  index = None
+  if not isinstance(row, (bool, np.bool_)):
+    try:
+      index = operator.index(row)        # ints, numpy / jax integer scalars and 0-d arrays
+    except TypeError:
+      pass
+  if index is None:
     raise InputError(f"row must be an integer (a row index of the batch of {state.batch_size}), "
                      f"got {row!r}")
+  row = index
   if not 0 <= row < state.batch_size:
     raise InputError(f"row {row} is outside the batch of {state.batch_size}")
   if jax.tree.structure(state) != jax.tree.structure(request):
