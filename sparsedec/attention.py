@@ -431,6 +431,63 @@ def _kernel_attention(kind, q, k_cache, v_cache, lengths, k_new, v_new, q_pos, p
                           config=SparseConfig(inflight=inflight), interpret=interpret)
 
 
+def _check_attend_inputs(q, k_cache, v_cache, lengths, k_new, v_new, plan) -> None:
+  """attend's shapes and dtypes (static: works under jit), checked before either path. The
+  reference path broadcast what the kernels refuse: a cache, k_new / v_new or block list of
+  batch 1 (or Hkv 1) against B rows, lengths [1], an inflight mask [T] or [1, T] read as every
+  query's row, and a float 0 / -inf bias mask read as its inverse (nonzero -> True; on the
+  kernel path attend's cast to bool hid it from the kernel's own check): silent wrong numbers."""
+  arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, lengths=lengths, k_new=k_new,
+                v_new=v_new, inflight_mask=plan.inflight_mask)
+  for name, x in arrays.items():
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise ValueError(f"attend: {name} must be an array, got {type(x).__name__}")
+  if q.ndim != 4:
+    raise ValueError(f"attend: q must be [B, T, Hq, D], got shape {q.shape}")
+  b, t, hq, d = q.shape
+  if k_cache.ndim != 4 or k_cache.shape[0] != b or k_cache.shape[3] != d:
+    raise ValueError(f"attend: k_cache must be [B={b}, Hkv, S, D={d}], got shape {k_cache.shape}")
+  hkv = k_cache.shape[1]
+  if v_cache.shape != k_cache.shape:
+    raise ValueError(f"attend: v_cache shape {v_cache.shape} differs from k_cache shape "
+                     f"{k_cache.shape}")
+  if hkv < 1 or hq % hkv:
+    raise ValueError(f"attend: Hq={hq} query heads is not a multiple of Hkv={hkv} KV heads")
+  for name, x in (("k_new", k_new), ("v_new", v_new)):
+    if x.shape != (b, t, hkv, d):
+      raise ValueError(f"attend: {name} must be [B, T, Hkv, D] = {(b, t, hkv, d)}, got "
+                       f"{x.shape}")
+  for name in ("q", "k_cache", "v_cache", "k_new", "v_new"):
+    if not jnp.issubdtype(arrays[name].dtype, jnp.floating):
+      raise ValueError(f"attend: {name} must be floating point, got {arrays[name].dtype}")
+  if lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise ValueError(f"attend: lengths must be [B={b}] integer, got shape {lengths.shape} "
+                     f"{lengths.dtype}")
+  mask = plan.inflight_mask
+  if tuple(mask.shape) != (t, t):
+    raise ValueError(f"attend: plan.inflight_mask must be [T, T] = {[t, t]}, got shape "
+                     f"{tuple(mask.shape)}")
+  if not (jnp.dtype(mask.dtype) == jnp.dtype(bool) or jnp.issubdtype(mask.dtype, jnp.integer)):
+    raise ValueError(f"attend: plan.inflight_mask must be bool (True: the query sees the key), "
+                     f"got {mask.dtype} (a 0 / -inf bias mask would read as its inverse)")
+  for seg in plan.segments:
+    view = seg.view
+    if not isinstance(view, BlockListView):
+      continue
+    if view.per_layer:
+      raise ValueError("a per-layer BlockListView must be sliced with at_layer first")
+    tables, counts = view.tables, view.counts
+    if tables.ndim != 3 or tables.shape[:2] != (b, hkv):
+      raise ValueError(f"attend: BlockListView tables must be [B={b}, Hkv={hkv}, NB], got "
+                       f"shape {tables.shape}")
+    if counts.shape != (b, hkv):
+      raise ValueError(f"attend: BlockListView counts must be [B, Hkv] = {(b, hkv)}, got shape "
+                       f"{counts.shape}")
+    for name, x in (("tables", tables), ("counts", counts)):
+      if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"attend: BlockListView {name} must be integer, got {x.dtype}")
+
+
 def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array,
            k_new: jax.Array, v_new: jax.Array, q_pos: jax.Array, plan: AttentionPlan,
            window: int | None = None, impl: str = "auto") -> jax.Array:
@@ -451,6 +508,7 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Ar
   """
   if impl not in ATTENTION_IMPLS:
     raise UnsupportedConfigError(f"attention impl {impl!r} is not one of {ATTENTION_IMPLS}")
+  _check_attend_inputs(q, k_cache, v_cache, lengths, k_new, v_new, plan)
   check_segments(plan, q.shape[1])
   if impl != "reference":
     kind, blocker = _kernel_choice(q, k_cache, plan, window)

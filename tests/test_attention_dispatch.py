@@ -176,3 +176,48 @@ def test_model_single_query_calls_keep_the_combine_score():
                                                                 jnp.ones((1, 1), bool)),
                     q, kc, lengths, kn)
   assert "stablehlo.dot_general" not in alone
+
+
+def test_attend_checks_shapes_and_dtypes_before_either_path():
+  """The reference path broadcast what the kernels refuse, silently wrong: a cache, k_new /
+  v_new or block list of batch 1 against B rows, lengths [1], an inflight mask [T] (every
+  query's row), a float 0 / -inf bias mask (nonzero read as True: its inverse; the kernel path
+  cast it to bool before the kernel's own check could see it). Refused by name, on both paths."""
+  from sparsedec.attention import AttentionPlan, BlockListView, FullView, Segment
+  b, t, hq, hkv, d, s = 2, 3, 4, 2, 64, 64
+  q = jnp.zeros((b, t, hq, d), jnp.float32)
+  kv = jnp.zeros((b, hkv, s, d), jnp.float32)
+  new = jnp.zeros((b, t, hkv, d), jnp.float32)
+  lengths = jnp.array([10, 20], jnp.int32)
+  pos = lengths[:, None] + jnp.arange(t)
+  plan = causal_plan(t)
+  full = lambda mask: AttentionPlan(mask, (Segment(FullView(), 0, t),))  # noqa: E731
+  bias = jnp.where(plan.inflight_mask, 0.0, -jnp.inf)
+  cases = [
+      ((q, kv[:1], kv[:1], lengths, new, new, pos, plan), r"k_cache must be \[B=2, Hkv, S, D=64\]"),
+      ((q, kv, kv[:1], lengths, new, new, pos, plan), "v_cache shape .* differs"),
+      ((q, kv, kv, lengths, new[:1], new, pos, plan), r"k_new must be \[B, T, Hkv, D\]"),
+      ((q, kv, kv, lengths, new, new[:, :, :1], pos, plan), r"v_new must be \[B, T, Hkv, D\]"),
+      ((q, kv, kv, lengths[:1], new, new, pos, plan), r"lengths must be \[B=2\] integer"),
+      ((q, kv, kv, lengths + 0.5, new, new, pos, plan), r"lengths must be \[B=2\] integer"),
+      ((q, kv, kv, lengths, new, new, pos, full(jnp.ones((t,), bool))),
+       r"inflight_mask must be \[T, T\] = \[3, 3\], got shape \(3,\)"),
+      ((q, kv, kv, lengths, new, new, pos, full(bias)), "inflight_mask must be bool"),
+      ((q[:, :, :3], kv, kv, lengths, new, new, pos, plan), "Hq=3 .* not a multiple of Hkv=2"),
+  ]
+  for args, needle in cases:
+    for impl in ("reference", "auto", KERNEL):
+      with pytest.raises(ValueError, match=needle):
+        attend(*args, impl=impl)
+  view = BlockListView(jnp.zeros((1, hkv, 1), jnp.int32), jnp.ones((1, hkv), jnp.int32), 64)
+  with pytest.raises(ValueError, match=r"tables must be \[B=2, Hkv=2, NB\]"):
+    attend(q, kv, kv, lengths, new, new, pos, AttentionPlan(plan.inflight_mask,
+                                                          (Segment(view, 0, t),)))
+  view = BlockListView(jnp.zeros((b, hkv, 1), jnp.int32), jnp.ones((b,), jnp.int32), 64)
+  with pytest.raises(ValueError, match=r"counts must be \[B, Hkv\] = \(2, 2\)"):
+    attend(q, kv, kv, lengths, new, new, pos, AttentionPlan(plan.inflight_mask,
+                                                          (Segment(view, 0, t),)))
+  # An integer 0 / 1 mask is a mask, as the kernels take it.
+  got = attend(q, kv, kv, lengths, new, new, pos, full(plan.inflight_mask.astype(jnp.int32)),
+               impl="reference")
+  assert got.shape == q.shape
