@@ -107,6 +107,7 @@ from pallas_kernels.split_plan import split_counts
 
 LOG2E = math.log2(math.e)
 BLOCK_M = 64                      # wgmma M of one warpgroup
+MAX_HEAD_DIM = 256                # a wgmma's largest N (P V: N = D)
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -823,6 +824,11 @@ def check_cache_call(q, k_cache, v_cache, lengths, k_new, v_new, inflight_mask):
                      f"{v_cache.dtype}")
   if d % 64:
     raise ValueError(f"head dim D={d} must be a multiple of 64 (128-byte swizzle)")
+  if d > MAX_HEAD_DIM:
+    # D = 320 lowered for the GPU failed in Mosaic ("N must be a multiple of 8 and <= 256": the
+    # P V wgmma's N is D) and at 2 <= Tq in the interpreter on a bare AssertionError; from 384
+    # on the SMEM check below named it.
+    raise ValueError(f"head dim D={d} must be at most {MAX_HEAD_DIM} (the P V wgmma's N)")
   return b, tq, hq, d, hkv, capacity
 
 

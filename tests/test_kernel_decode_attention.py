@@ -314,6 +314,14 @@ def test_bad_inputs_are_rejected_in_plain_words():
   with pytest.raises(ValueError, match="block_kv=128 x num_stages=4 .* shared memory"):
     decode_attention(q, k_cache, v_cache, jnp.array([1]), k_new, v_new, mask,
                      config=DecodeConfig(block_kv=128, num_stages=4))
+  # D = 320 (a multiple of 64 past the wgmma's N <= 256): a Mosaic error on the GPU, a bare
+  # AssertionError in the interpreter at 2 <= Tq.
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      0, batch=1, num_queries=2, num_q_heads=2, num_kv_heads=1, head_dim=320, capacity=64,
+      dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="head dim D=320 must be at most 256"):
+    decode_attention(q, k_cache, v_cache, jnp.array([1]), k_new, v_new, jnp.ones((2, 2), bool),
+                     interpret=INTERPRET)
   # At head dim 256 the default tiles are 64 keys (128 x 2 stages would not fit).
   assert DecodeConfig().resolve(1, 4096, 256).block_kv == 64
   assert DecodeConfig().resolve(1, 4096, 128).block_kv == 128

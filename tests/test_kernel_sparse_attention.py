@@ -431,6 +431,12 @@ def test_bad_inputs_are_rejected_in_plain_words():
     sparse_attention(q[:0], k_cache[:0], v_cache[:0], good[:0], jnp.ones((0, 2), jnp.int32),
                      jnp.zeros((0,), jnp.int32), k_new[:0], v_new[:0], jnp.ones((2, 2), bool),
                      block_size=64)
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      0, batch=1, num_queries=2, num_q_heads=2, num_kv_heads=2, head_dim=320, capacity=64,
+      dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="head dim D=320 must be at most 256"):  # a Mosaic error
+    sparse_attention(q, k_cache, v_cache, good, jnp.ones((1, 2), jnp.int32), jnp.array([1]),
+                     k_new, v_new, jnp.ones((2, 2), bool), block_size=64)
   assert SparseConfig().tile_rows(128, 256) == 64 and SparseConfig().tile_rows(128, 128) == 128
 
 
