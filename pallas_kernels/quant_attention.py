@@ -1118,6 +1118,11 @@ def check_qkv_arrays(qkv: QuantKV) -> None:
   if kc.ndim != 6 or kc.shape[2] != 2 or kc.shape[5] != w:
     raise ValueError(f"qkv.k_codes must be [B, Hkv, 2, D/64, S, {w}], got {kc.shape}")
   b, hkv, capacity, d = kc.shape[0], kc.shape[1], qkv.capacity, qkv.head_dim
+  if not is_int(qkv.group) or qkv.group < 1 or capacity % qkv.group:
+    # S = 192 at G = 128 passed (k_scale [.., S // G = 1, D] matched): slots past the last whole
+    # group read scales and zeros past the array, silent wrong keys.
+    raise ValueError(f"qkv.group must be a positive int dividing the capacity S={capacity}, got "
+                     f"{qkv.group!r}")
   if vc.shape != (b, hkv, 2, capacity // KEY_TILE, d, w):
     raise ValueError(f"qkv.v_codes must be [B, Hkv, 2, S/64, D, {w}] = "
                      f"{(b, hkv, 2, capacity // KEY_TILE, d, w)}, got {vc.shape}")

@@ -108,3 +108,14 @@ def test_bad_inputs_are_rejected_in_plain_words():
   wide = dataclasses.replace(qkv, v_scale=qkv.v_scale.astype(jnp.float32))
   with pytest.raises(ValueError, match="qkv.v_scale must be float16"):
     dequantize_kv(wide, 4)
+  # A capacity that is not whole key groups (S = 192, G = 128: k_scale [.., S // G = 1, D]
+  # matched): slots 128..191 read scales past the array, silent wrong keys. Likewise G > S.
+  odd = quantize_kv(jnp.ones((1, 1, 192, 64)), jnp.ones((1, 1, 192, 64)), group=64)
+  odd = dataclasses.replace(odd, k_scale=odd.k_scale[:, :, :1], k_zero=odd.k_zero[:, :, :1],
+                            group=128)
+  with pytest.raises(ValueError, match="qkv.group must be a positive int dividing .* S=192"):
+    dequantize_kv(odd, 8, interpret=INTERPRET)
+  big = dataclasses.replace(qkv, k_scale=qkv.k_scale[:, :, :0], k_zero=qkv.k_zero[:, :, :0],
+                            group=128)
+  with pytest.raises(ValueError, match="qkv.group must be a positive int dividing .* S=64"):
+    dequantize_kv(big, 8, interpret=INTERPRET)

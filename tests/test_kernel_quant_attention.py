@@ -758,6 +758,12 @@ def test_kernel_rejects_bad_inputs_in_plain_words():
   with pytest.raises(ValueError, match="qkv.k_scale must be float16"):
     quant_attention(q, dataclasses.replace(qkv, k_scale=qkv.k_scale.astype(jnp.float32)),
                     *args[2:], bits=4)
+  # A key group larger than (or not dividing) the capacity: k_scale [.., S // G = 0, D] matched
+  # and the kernel read scales past the array, silent wrong keys.
+  big = dataclasses.replace(qkv, k_scale=qkv.k_scale[:, :, :0], k_zero=qkv.k_zero[:, :, :0],
+                            group=128)
+  with pytest.raises(ValueError, match="qkv.group must be a positive int dividing .* S=64"):
+    quant_attention(q, big, *args[2:], bits=4, interpret=INTERPRET)
 
 
 @pytest.mark.parametrize("bits,num_queries,score_queries,block_kv,path",
