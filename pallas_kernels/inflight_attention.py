@@ -163,6 +163,9 @@ def _check_args(q_rows, k_rows, v_rows, mask):
     raise ValueError(f"k_rows and v_rows must be in q_rows' dtype {q_rows.dtype}, got "
                      f"{k_rows.dtype} and {v_rows.dtype}")
   batch, num_kv_heads, m_total, head_dim = q_rows.shape
+  if head_dim % 64 or not 0 < head_dim <= 256:
+    # D = 96 was a bare AssertionError (SMEM tiling); D = 320 passed, past the wgmma's N <= 256.
+    raise ValueError(f"head dim D={head_dim} must be a multiple of 64 in [64, 256]")
   u_pad = k_rows.shape[2]
   bias, tiles, counts = mask
   if m_total % BLOCK_M or u_pad % BLOCK_U or u_pad == 0:

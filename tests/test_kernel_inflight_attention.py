@@ -338,6 +338,13 @@ def test_bad_inputs_are_rejected_in_plain_words():
                       bias._replace(counts=bias.counts[:, :1]), rows_out=16)
   with pytest.raises(ValueError, match="k_rows / v_rows"):
     inflight_partials(q_rows, pack_keys(k_new)[:, :, :, :32], pack_keys(v_new), bias, rows_out=16)
+  # Head dims the kernel cannot tile: D = 96 was a bare AssertionError, D = 320 passed (past the
+  # wgmma's N <= 256).
+  for d in (96, 320):
+    wide = lambda x: jnp.zeros(x.shape[:3] + (d,), x.dtype)  # noqa: E731
+    with pytest.raises(ValueError, match=f"head dim D={d} must be a multiple of 64 in"):
+      inflight_partials(wide(q_rows), wide(pack_keys(k_new)), wide(pack_keys(v_new)), bias,
+                        rows_out=16, interpret=INTERPRET)
   # The [T, T] bool mask itself: was 'not enough values to unpack' (or a bias shape error for
   # T = 3); keys in another dtype than q: Mosaic's 'Expected dtypes to match'; fp32 q rows ran
   # in the interpreter.
