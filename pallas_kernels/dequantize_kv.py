@@ -57,8 +57,8 @@ CHUNK = 64                        # channels per K chunk / V channel tile
 
 
 def _check(qkv: QuantKV, bits: int, dtype) -> None:
-  if bits not in (4, 8):
-    raise ValueError(f"bits must be 4 or 8, got {bits}")
+  if not is_int(bits) or bits not in (4, 8):
+    raise ValueError(f"bits must be 4 or 8, got {bits!r}")
   if jnp.dtype(dtype) not in _SUPPORTED_DTYPES:
     raise ValueError(f"dequantize_kv writes bfloat16 or float16, got {dtype}")
   if qkv.head_dim % CHUNK:

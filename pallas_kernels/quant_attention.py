@@ -403,8 +403,8 @@ def codes8(qkv: QuantKV):
 
 def dequantize_planes(x: QuantPlanes, group: int, bits: int, dtype=jnp.float32):
   """(k, v) [B, Hkv, S, D] from code planes (token-major) at 4 bits (upper nibbles) or 8 (both)."""
-  if bits not in (4, 8):
-    raise ValueError(f"bits must be 4 or 8, got {bits}")
+  if not is_int(bits) or bits not in (4, 8):
+    raise ValueError(f"bits must be 4 or 8, got {bits!r}")
   ku, kl = _upper_lower(x.k_planes)
   vu, vl = _upper_lower(x.v_planes)
   ks = jnp.repeat(x.k_scale.astype(jnp.float32), group, axis=2)         # [B, Hkv, S, D]
@@ -423,8 +423,8 @@ def dequantize_planes(x: QuantPlanes, group: int, bits: int, dtype=jnp.float32):
 @functools.partial(jax.jit, static_argnames=("bits", "dtype"))
 def dequantize(qkv: QuantKV, bits: int = 8, dtype=jnp.float32):
   """(k, v) [B, Hkv, S, D] from the 4-bit (upper nibbles) or 8-bit (both) view."""
-  if bits not in (4, 8):
-    raise ValueError(f"bits must be 4 or 8, got {bits}")
+  if not is_int(bits) or bits not in (4, 8):
+    raise ValueError(f"bits must be 4 or 8, got {bits!r}")
   k_planes, v_planes = code_planes(qkv)
   planes = QuantPlanes(k_planes, v_planes, qkv.k_scale, qkv.k_zero, qkv.v_scale, qkv.v_zero)
   return dequantize_planes(planes, qkv.group, bits, dtype)
@@ -1068,8 +1068,8 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, *, bits, num_splits, dtype,
 
 def _check_quantized(q, qkv, bits, lengths_quantized, cfg) -> int:
   """Checks q, the quantized region and its lengths; returns Hkv."""
-  if bits not in (4, 8):
-    raise ValueError(f"bits must be 4 or 8, got {bits}")
+  if not is_int(bits) or bits not in (4, 8):
+    raise ValueError(f"bits must be 4 or 8, got {bits!r}")
   if q.ndim != 4:
     raise ValueError(f"q must be [B, Tq, Hq, D], got shape {q.shape}")
   b, tq, hq, d = q.shape

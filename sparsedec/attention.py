@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from sparsedec.errors import UnsupportedConfigError
+from sparsedec.errors import UnsupportedConfigError, is_int
 from sparsedec.model.config import ATTENTION_IMPLS
 
 
@@ -92,7 +92,7 @@ class QuantView:
   tail_bits: int | None = struct.field(pytree_node=False, default=None)
 
   def __post_init__(self):
-    if self.bits not in (4, 8):
+    if not is_int(self.bits) or self.bits not in (4, 8):
       raise UnsupportedConfigError(f"QuantView bits must be 4 or 8, got {self.bits!r}")
 
   def at_layer(self, i: int) -> QuantView:

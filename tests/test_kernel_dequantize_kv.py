@@ -86,6 +86,8 @@ def test_bad_inputs_are_rejected_in_plain_words():
   qkv = quantize_kv(jnp.ones((1, 1, 64, 64)), jnp.ones((1, 1, 64, 64)), group=64)
   with pytest.raises(ValueError, match="bits must be 4 or 8"):
     dequantize_kv(qkv, 6)
+  with pytest.raises(ValueError, match="bits must be 4 or 8, got 4.0"):   # 4.0 in (4, 8): was taken
+    dequantize_kv(qkv, 4.0)
   with pytest.raises(ValueError, match="bfloat16 or float16"):
     dequantize_kv(qkv, 4, jnp.float32)
   narrow = quantize_kv(jnp.ones((1, 1, 64, 32)), jnp.ones((1, 1, 64, 32)), group=64)

@@ -725,8 +725,9 @@ def test_kernel_rejects_bad_inputs_in_plain_words():
       full_capacity=8, group=64, dtype=jnp.bfloat16)
   args = (q, qkv, jnp.array([1]), k_full, v_full, jnp.array([1]), k_new, v_new,
           jnp.ones((1, 1), bool))
-  with pytest.raises(ValueError, match="bits must be 4 or 8"):
-    quant_attention(*args, bits=3)
+  for bits in (3, 8.0):                                   # 8.0 in (4, 8): it was taken
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+      quant_attention(*args, bits=bits)
   with pytest.raises(ValueError, match="block_kv must be one of"):
     QuantAttentionConfig(block_kv=96)
   with pytest.raises(ValueError, match="block_kv must be one of .*, got 64.0"):
