@@ -19,8 +19,9 @@ def shared_dir() -> Path:
 
 def _require(path: Path) -> Path:
   if not path.is_file():
-    raise InputError(f"prompt file not found: {path} (prompt sets are read from ../shared beside "
-                     f"the project; set SPARSEDEC_SHARED to another copy of shared/)")
+    where = (f"SPARSEDEC_SHARED={os.environ['SPARSEDEC_SHARED']}" if "SPARSEDEC_SHARED" in os.environ
+             else "../shared beside the project; set SPARSEDEC_SHARED to another copy of shared/")
+    raise InputError(f"prompt file not found: {path} (prompt sets are read from {where})")
   return path
 
 
@@ -52,6 +53,11 @@ def load_prompt_set(name: str) -> list[str]:
   if name == "humaneval":
     return humaneval()
   path = Path(name)
+  if path.is_dir():
+    raise InputError(f"prompt set {name!r} is a directory, not a text file with one prompt per line")
   if not path.is_file():
+    if os.sep in name or "/" in name or path.suffix:   # meant as a file: name the missing file
+      raise InputError(f"prompt file not found: {name} (--prompts takes mt_bench, humaneval, or "
+                       f"an existing text file with one prompt per line)")
     raise InputError(f"unknown prompt set {name!r} (mt_bench, humaneval, or a file path)")
   return [line for line in path.read_text().splitlines() if line.strip()]

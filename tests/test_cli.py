@@ -201,3 +201,21 @@ def test_mt_bench_turn_is_1_or_2():
   for turn in (0, 3, -1, True):
     with pytest.raises(sparsedec.InputError, match="MT-Bench turn must be 1 or 2"):
       prompts.mt_bench(turn)
+
+
+def test_bench_names_a_missing_prompt_file_and_the_shared_dir_it_read(capsys, tmp_path,
+                                                                      monkeypatch):
+  """A --prompts path that does not exist was called an 'unknown prompt set' that offered 'a file
+  path' as the remedy; a directory read the same; with SPARSEDEC_SHARED set, a missing set
+  pointed at ../shared and told the user to set the variable they had set."""
+  missing = tmp_path / "my_prompts.txt"
+  code, _, err = run_cli(capsys, "bench", "--prompts", str(missing), "--max-new-tokens", "2")
+  assert code == 2 and f"prompt file not found: {missing}" in err, err
+  code, _, err = run_cli(capsys, "bench", "--prompts", str(tmp_path), "--max-new-tokens", "2")
+  assert code == 2 and "is a directory" in err, err
+  code, _, err = run_cli(capsys, "bench", "--prompts", "mt_bnech", "--max-new-tokens", "2")
+  assert code == 2 and "unknown prompt set 'mt_bnech'" in err, err
+  monkeypatch.setenv("SPARSEDEC_SHARED", str(tmp_path / "nowhere"))
+  code, _, err = run_cli(capsys, "bench", "--prompts", "mt_bench", "--max-new-tokens", "2")
+  assert code == 2 and f"SPARSEDEC_SHARED={tmp_path / 'nowhere'}" in err, err
+  assert "set SPARSEDEC_SHARED to" not in err, err
