@@ -169,6 +169,39 @@ def test_tiny_temperatures_give_the_argmax_under_jit(stories, temperature):
   np.testing.assert_array_equal(probs, np.eye(logits.shape[-1])[np.argmax(logits, -1)])
 
 
+@pytest.mark.parametrize("knobs", [dict(temperature=1e39, top_k=1),
+                                   dict(temperature=1e300, top_k=1),
+                                   dict(temperature=1e39, top_p=1e-6),
+                                   dict(temperature=1.0, top_p=1e-300),
+                                   dict(temperature=1e-5, top_p=1e-300)])
+def test_top_k_1_and_tiny_top_p_give_the_argmax_at_any_temperature(stories, knobs):
+  """top_k=1 and a top_p below the top token's mass keep only the argmax whatever T is. Top-k /
+  top-p compared the scaled logits, and a T past float32's largest is inf there: every scaled
+  logit 0, all tied, the whole vocabulary kept (top_k=1 at T = 1e39 drew uniformly). A top_p
+  below float32's smallest positive number is 0 in fp32: no token kept, NaN probabilities
+  (every draw token 0)."""
+  from sparsedec.decode.sampling import probabilities
+  cfg, params, tok = stories
+  logits = jnp.asarray(testing.dense_logits(cfg, params, tok.encode("Once upon a time")))  # [T, V]
+  sampling = sparsedec.SamplingConfig(**knobs)
+  probs = np.asarray(jax.jit(lambda x: probabilities(x, sampling))(logits))
+  np.testing.assert_array_equal(probs, np.eye(logits.shape[-1])[np.argmax(logits, -1)])
+
+
+def test_a_huge_temperature_is_uniform_over_the_top_k(stories):
+  """T past float32's largest (inf in fp32): the limit, uniform over the top-k tokens, not NaN
+  (-inf / inf) nor the whole vocabulary."""
+  from sparsedec.decode.sampling import probabilities
+  cfg, params, tok = stories
+  logits = jnp.asarray(testing.dense_logits(cfg, params, tok.encode("Once upon a time")))
+  sampling = sparsedec.SamplingConfig(temperature=1e39, top_k=5)
+  probs = np.asarray(jax.jit(lambda x: probabilities(x, sampling))(logits))
+  top5 = np.argsort(-np.asarray(logits), axis=-1)[:, :5]
+  want = np.zeros_like(probs)
+  np.put_along_axis(want, top5, 0.2, axis=-1)
+  np.testing.assert_allclose(probs, want, rtol=1e-6)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(sampling_kw=dict(top_p=0.0)), "top_p"),
     (dict(sampling_kw=dict(top_p=1.5)), "top_p"),
@@ -177,6 +210,7 @@ def test_tiny_temperatures_give_the_argmax_under_jit(stories, temperature):
     (dict(sampling_kw=dict(temperature=float("inf"))), "temperature"),   # top-k then kept all
     (dict(sampling_kw=dict(temperature=1e-40)), "temperature"),          # logits / T overflowed
     (dict(sampling_kw=dict(top_k=True)), "top_k"),
+    (dict(sampling_kw=dict(temperature=10 ** 400)), "temperature"),     # was an OverflowError
 ])
 def test_bad_sampling_parameters(kwargs, message):
   with pytest.raises(sparsedec.InputError, match=message):

@@ -12,11 +12,21 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sparsedec.errors import InputError, is_int
 
 
 MIN_TEMPERATURE = 1e-30   # (logits - max) / T: the top one 0, the others finite or -inf
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _as_float(value: numbers.Real) -> float:
+  """float(value), inf for a number too large for a float (an int or Fraction past 1e308)."""
+  try:
+    return float(value)
+  except OverflowError:
+    return math.inf if value > 0 else -math.inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +41,7 @@ class SamplingConfig:
   def __post_init__(self):
     real = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)
     if not (real(self.temperature) and (self.temperature == 0 or (
-        MIN_TEMPERATURE <= self.temperature < math.inf))):
+        MIN_TEMPERATURE <= _as_float(self.temperature) < math.inf))):
       raise InputError(f"temperature must be >= 0: 0 (greedy), or finite and >= "
                        f"{MIN_TEMPERATURE} (smaller ones overflow the scaled logits), got "
                        f"{self.temperature!r}")
@@ -58,18 +68,26 @@ def processed_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
   # multiply against a division), and at T ~ 1e-10 that difference alone overflows exp (the
   # softmax NaN, draws of token 0).
   top = jnp.max(x, axis=-1, keepdims=True)                              # [..., 1]
-  x = (x - jnp.where(jnp.isfinite(top), top, 0.0)) / cfg.temperature
+  x = x - jnp.where(jnp.isfinite(top), top, 0.0)                        # the top one 0
+  # Top-k and top-p choose their tokens by the unscaled logits: dividing by T keeps their order
+  # but can round distinct ones to one value (a huge T: all of them 0, past float32's largest
+  # T itself is inf), and a value test then kept every tied token (top_k=1 at T = 1e39 drew
+  # from the whole vocabulary). T is clamped to float32's largest, so removed tokens stay -inf
+  # (-inf / inf is NaN).
+  temperature = min(cfg.temperature, _FLOAT32_MAX)
   if 0 < cfg.top_k < x.shape[-1]:
     kth = jax.lax.top_k(x, cfg.top_k)[0][..., -1:]                      # [..., 1]
     x = jnp.where(x < kth, -jnp.inf, x)
   if cfg.top_p < 1.0:
     sorted_desc = -jnp.sort(-x, axis=-1)                                # [..., V]
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    probs = jax.nn.softmax(sorted_desc / temperature, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs                         # mass strictly above
-    keep = before < cfg.top_p                                           # always keeps the top one
+    # The top one always (HF's min_tokens_to_keep=1): a top_p below float32's smallest positive
+    # number is 0 in fp32, and `before < top_p` then kept none (NaN probabilities, token 0).
+    keep = (before < cfg.top_p) | (jnp.arange(x.shape[-1]) == 0)
     cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     x = jnp.where(x < cutoff, -jnp.inf, x)
-  return x
+  return x / temperature
 
 
 def probabilities(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
