@@ -833,3 +833,16 @@ def test_flushing_whole_value_tiles_equals_quantizing_directly():
   with pytest.raises(InputError, match=f"quantized capacity 128 is smaller than the dense cache's "
                                        f"capacity {n_tok}"):
     qkv.from_dense(dense(100), g, quant_capacity=128)
+
+
+def test_top_k_1_at_a_huge_temperature_gives_the_greedy_tokens(stories):
+  """top_k=1 keeps only the argmax at any T. Clamped to float32's largest, T's reciprocal (XLA
+  multiplies the draft's logits by it inside the draft loop) flushed to 0: -inf * 0 = NaN
+  probabilities, draws of token 0, while dense and Lookahead still matched greedy."""
+  cfg, params, tok = stories
+  prompts = _prompts(tok)[:2]
+  kwargs = dict(max_new_tokens=12, stop_tokens=(), method=METHOD)
+  greedy = sparsedec.generate(cfg, params, prompts, **kwargs).tokens
+  sampled = sparsedec.generate(cfg, params, prompts, seed=3,
+                               sampling=SamplingConfig(temperature=1e39, top_k=1), **kwargs)
+  assert sampled.tokens == greedy

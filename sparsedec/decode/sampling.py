@@ -12,13 +12,13 @@ import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from sparsedec.errors import InputError, is_int
 
 
 MIN_TEMPERATURE = 1e-30   # (logits - max) / T: the top one 0, the others finite or -inf
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
+MAX_TEMPERATURE = 1e30   # larger ones are clamped to it (the scaled logits differences are ~1e-28
+                         # either way); its reciprocal, which XLA may multiply by, is a normal fp32
 
 
 def _as_float(value: numbers.Real) -> float:
@@ -72,9 +72,9 @@ def processed_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
   # Top-k and top-p choose their tokens by the unscaled logits: dividing by T keeps their order
   # but can round distinct ones to one value (a huge T: all of them 0, past float32's largest
   # T itself is inf), and a value test then kept every tied token (top_k=1 at T = 1e39 drew
-  # from the whole vocabulary). T is clamped to float32's largest, so removed tokens stay -inf
-  # (-inf / inf is NaN).
-  temperature = min(cfg.temperature, _FLOAT32_MAX)
+  # from the whole vocabulary). T is clamped to MAX_TEMPERATURE, so removed tokens stay -inf
+  # (-inf / inf is NaN, and so is -inf * 0 where XLA multiplies by a reciprocal flushed to 0).
+  temperature = min(cfg.temperature, MAX_TEMPERATURE)
   if 0 < cfg.top_k < x.shape[-1]:
     kth = jax.lax.top_k(x, cfg.top_k)[0][..., -1:]                      # [..., 1]
     x = jnp.where(x < kth, -jnp.inf, x)
