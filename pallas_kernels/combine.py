@@ -38,6 +38,15 @@ INFLIGHT_KERNEL_MIN_QUERIES = 2
 MAX_SCORE_ROWS = 64               # the selected rows live in q block 0 (one wgmma M tile)
 
 
+def f32_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+  """jnp.einsum accumulating in fp32, at full fp32 precision when both operands are fp32 (jax's
+  default precision multiplies fp32 in TF32 on recent GPUs: the references' fp32 results then
+  moved by ~1e-4 against an fp32 model's; bf16 / fp16 operands are exact either way)."""
+  full = a.dtype == jnp.float32 and b.dtype == jnp.float32
+  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32,
+                    precision=jax.lax.Precision.HIGHEST if full else None)
+
+
 def check_sizes(**sizes: int) -> None:
   """Refuses an empty axis by name (a kernel grid or split plan has no empty form): B=0, Tq=0,
   S=0, ..."""
@@ -334,8 +343,7 @@ def combine_partials(acc: jax.Array, m2: jax.Array, l: jax.Array, q: jax.Array,
         raise ValueError(f"given_scores need one query and one key, got T={tq}, U={k.shape[1]}")
       s = given_scores[:, :, :group].reshape(b, hkv, 1, group, 1) * d ** -0.5
     else:
-      s = jnp.einsum("bthgd,buhd->bhtgu", qg, k,
-                     preferred_element_type=jnp.float32) * d ** -0.5      # [B, Hkv, T, G, U]
+      s = f32_einsum("bthgd,buhd->bhtgu", qg, k) * d ** -0.5                # [B, Hkv, T, G, U]
     s = jnp.where(mask[:, None, :, None, :], s, -jnp.inf).reshape(b, hkv, n_rows, -1)
     s = jnp.pad(s, [(0, 0), (0, 0), (0, rows - n_rows), (0, 0)], constant_values=-jnp.inf)
     scores.append(s.reshape(b, hkv, nqb, rows_out, -1))                    # [B, Hkv, NQB, R, U]
@@ -367,8 +375,7 @@ def _combine_reduced(parts, scores, values):
   for v, s in zip(values, scores):
     p = jnp.exp(s - m_tot[..., None])                                      # [B, Hkv, NQB, R, U]
     denom = denom + p.sum(-1)
-    o = o + jnp.einsum("bhjru,buhd->bhjrd", p.astype(v.dtype), v,
-                       preferred_element_type=jnp.float32)
+    o = o + f32_einsum("bhjru,buhd->bhjrd", p.astype(v.dtype), v)
   o = o * jnp.where(denom > 0, 1.0 / denom, 0.0)[..., None]
   return o, m_tot + jnp.log(denom)
 

@@ -93,11 +93,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from pallas_kernels.combine import (check_arrays, check_config_ints, check_inflight_mode,
-                                    check_lengths, check_mask, check_score_queries,
-                                    check_sizes, combine_partials, in_kernel_score,
-                                    interpret_mode, normalised, static_ints,
-                                    inflight_choice, inflight_merges, permute_queries,
-                                    score_rows, scores_to_probs, selected_first,
+                                    check_lengths, check_mask, check_score_queries, check_sizes,
+                                    combine_partials, f32_einsum, in_kernel_score, inflight_choice,
+                                    inflight_merges, interpret_mode, normalised, permute_queries,
+                                    score_rows, scores_to_probs, selected_first, static_ints,
                                     wrapper_outputs)
 from pallas_kernels.inflight_attention import (MergeSegment, inflight_merged, inflight_partials,
                                                mask_bias, merge_chunks, pack_keys)
@@ -1044,10 +1043,8 @@ def decode_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
   qg = q.reshape(b, tq, hkv, hq // hkv, d)                                 # [B, Tq, Hkv, G, D]
   scale = d ** -0.5
   cache_mask = jnp.arange(capacity)[None, :] < lengths[:, None]            # [B, S]
-  s_c = jnp.einsum("bthgd,bhsd->bhgts", qg, k_cache,
-                   preferred_element_type=jnp.float32) * scale             # [B, Hkv, G, Tq, S]
-  s_n = jnp.einsum("bthgd,buhd->bhgtu", qg, k_new,
-                   preferred_element_type=jnp.float32) * scale             # [B, Hkv, G, Tq, U]
+  s_c = f32_einsum("bthgd,bhsd->bhgts", qg, k_cache) * scale              # [B, Hkv, G, Tq, S]
+  s_n = f32_einsum("bthgd,buhd->bhgtu", qg, k_new) * scale                # [B, Hkv, G, Tq, U]
   s_c = jnp.where(cache_mask[:, None, None, None, :], s_c, -jnp.inf)
   s_n = jnp.where(inflight_mask[None, None, None], s_n, -jnp.inf)
   m = jnp.maximum(s_c.max(-1), s_n.max(-1))                                # [B, Hkv, G, Tq]
@@ -1055,10 +1052,8 @@ def decode_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
   p_c = jnp.exp(s_c - m[..., None])
   p_n = jnp.exp(s_n - m[..., None])
   denom = p_c.sum(-1) + p_n.sum(-1)                                        # [B, Hkv, G, Tq]
-  o = (jnp.einsum("bhgts,bhsd->bthgd", p_c.astype(v_cache.dtype), v_cache,
-                  preferred_element_type=jnp.float32)
-       + jnp.einsum("bhgtu,buhd->bthgd", p_n.astype(v_new.dtype), v_new,
-                    preferred_element_type=jnp.float32))                   # [B, Tq, Hkv, G, D]
+  o = (f32_einsum("bhgts,bhsd->bthgd", p_c.astype(v_cache.dtype), v_cache)
+       + f32_einsum("bhgtu,buhd->bthgd", p_n.astype(v_new.dtype), v_new))   # [B, Tq, Hkv, G, D]
   inv = jnp.where(denom > 0, 1.0 / denom, 0.0)                             # [B, Hkv, G, Tq]
   out = (o * inv.transpose(0, 3, 1, 2)[..., None]).reshape(b, tq, hq, d).astype(q.dtype)
   results = [out]

@@ -153,9 +153,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from pallas_kernels.combine import (check_config_ints, check_lengths, check_mask,
-                                    check_score_queries, check_sizes, interpret_mode, is_int,
-                                    combine_partials, normalised, score_rows, static_ints,
-                                    scores_to_probs, selected_first, wrapper_outputs)
+                                    check_score_queries, check_sizes, combine_partials, f32_einsum,
+                                    interpret_mode, is_int, normalised, score_rows, scores_to_probs,
+                                    selected_first, static_ints, wrapper_outputs)
 
 from pallas_kernels.decode_attention import (BLOCK_M, LOG2E, DecodeConfig, num_q_blocks,
                                              split_partials)
@@ -1374,8 +1374,8 @@ def quant_attention_reference(q, qkv: QuantKV, bits, lengths_quantized, k_full, 
        jnp.arange(k_full.shape[2])[None, :] < lengths_full[:, None]], axis=1)   # [B, S+Rf]
   qg = q.reshape(b, tq, hkv, hq // hkv, d)
   scale = d ** -0.5
-  s_c = jnp.einsum("bthgd,bhsd->bhgts", qg, k_c, preferred_element_type=jnp.float32) * scale
-  s_n = jnp.einsum("bthgd,buhd->bhgtu", qg, k_new, preferred_element_type=jnp.float32) * scale
+  s_c = f32_einsum("bthgd,bhsd->bhgts", qg, k_c) * scale
+  s_n = f32_einsum("bthgd,buhd->bhgtu", qg, k_new) * scale
   s_c = jnp.where(cache_mask[:, None, None, None, :], s_c, -jnp.inf)
   s_n = jnp.where(inflight_mask[None, None, None], s_n, -jnp.inf)
   m = jnp.maximum(s_c.max(-1), s_n.max(-1))
@@ -1383,10 +1383,8 @@ def quant_attention_reference(q, qkv: QuantKV, bits, lengths_quantized, k_full, 
   p_c = jnp.exp(s_c - m[..., None])
   p_n = jnp.exp(s_n - m[..., None])
   denom = p_c.sum(-1) + p_n.sum(-1)
-  o = (jnp.einsum("bhgts,bhsd->bthgd", p_c.astype(v_c.dtype), v_c,
-                  preferred_element_type=jnp.float32)
-       + jnp.einsum("bhgtu,buhd->bthgd", p_n.astype(v_new.dtype), v_new,
-                    preferred_element_type=jnp.float32))
+  o = (f32_einsum("bhgts,bhsd->bthgd", p_c.astype(v_c.dtype), v_c)
+       + f32_einsum("bhgtu,buhd->bthgd", p_n.astype(v_new.dtype), v_new))
   inv = jnp.where(denom > 0, 1.0 / denom, 0.0)                             # [B, Hkv, G, Tq]
   out = (o * inv.transpose(0, 3, 1, 2)[..., None]).reshape(b, tq, hq, d).astype(q.dtype)
   results = [out]

@@ -96,10 +96,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from pallas_kernels.combine import (check_arrays, check_config_ints, check_inflight_mode,
-                                    check_score_queries, combine_partials, in_kernel_score,
-                                    inflight_choice, inflight_merges, interpret_mode, is_int,
-                                    normalised, permute_queries, score_rows, scores_to_probs,
-                                    selected_first, static_ints, wrapper_outputs)
+                                    check_score_queries, combine_partials, f32_einsum,
+                                    in_kernel_score, inflight_choice, inflight_merges,
+                                    interpret_mode, is_int, normalised, permute_queries, score_rows,
+                                    scores_to_probs, selected_first, static_ints, wrapper_outputs)
 from pallas_kernels.inflight_attention import (MergeSegment, inflight_merged, inflight_partials,
                                                mask_bias, merge_chunks, pack_keys)
 from pallas_kernels.register_operand import a_staging, softmax_pv_step
@@ -881,10 +881,8 @@ def _gathered_attention(q, k_cache, v_cache, tables, counts, lengths, k_new, v_n
 
   qg = q.reshape(b, t, hkv, hq // hkv, d)                                  # [B, T, Hkv, G, D]
   scale = d ** -0.5
-  s_c = jnp.einsum("bthgd,bhld->bhgtl", qg, k_sel,
-                   preferred_element_type=jnp.float32) * scale             # [B, Hkv, G, T, L]
-  s_n = jnp.einsum("bthgd,buhd->bhgtu", qg, k_new,
-                   preferred_element_type=jnp.float32) * scale             # [B, Hkv, G, T, U]
+  s_c = f32_einsum("bthgd,bhld->bhgtl", qg, k_sel) * scale                # [B, Hkv, G, T, L]
+  s_n = f32_einsum("bthgd,buhd->bhgtu", qg, k_new) * scale                # [B, Hkv, G, T, U]
   s_c = jnp.where(cache_mask[:, :, None, None], s_c, -jnp.inf)
   s_n = jnp.where(inflight_mask[None, None, None], s_n, -jnp.inf)
   m = jnp.maximum(s_c.max(-1, initial=-jnp.inf), s_n.max(-1))              # [B, Hkv, G, T]
@@ -892,10 +890,8 @@ def _gathered_attention(q, k_cache, v_cache, tables, counts, lengths, k_new, v_n
   p_c = jnp.exp(s_c - m[..., None])
   p_n = jnp.exp(s_n - m[..., None])
   denom = p_c.sum(-1) + p_n.sum(-1)                                        # [B, Hkv, G, T]
-  o = (jnp.einsum("bhgtl,bhld->bthgd", p_c.astype(v_sel.dtype), v_sel,
-                  preferred_element_type=jnp.float32)
-       + jnp.einsum("bhgtu,buhd->bthgd", p_n.astype(v_new.dtype), v_new,
-                    preferred_element_type=jnp.float32))                   # [B, T, Hkv, G, D]
+  o = (f32_einsum("bhgtl,bhld->bthgd", p_c.astype(v_sel.dtype), v_sel)
+       + f32_einsum("bhgtu,buhd->bthgd", p_n.astype(v_new.dtype), v_new))   # [B, T, Hkv, G, D]
   inv = jnp.where(denom > 0, 1.0 / denom, 0.0)                             # [B, Hkv, G, T]
   out = (o * inv.transpose(0, 3, 1, 2)[..., None]).reshape(b, t, hq, d)
   lse = (m + jnp.log(denom)).transpose(0, 3, 1, 2).reshape(b, t, hq)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from pallas_kernels.combine import f32_einsum
 from sparsedec.errors import UnsupportedConfigError, is_int
 from sparsedec.model.config import ATTENTION_IMPLS
 
@@ -172,9 +173,7 @@ def _f32_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
   computes fp32 dots in TF32 on recent GPUs)."""
   if jax.default_backend() == "cpu" and (a.dtype != jnp.float32 or b.dtype != jnp.float32):
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-  precision = (jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 and b.dtype == jnp.float32
-               else None)
-  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, precision=precision)
+  return f32_einsum(spec, a, b)
 
 
 def reference_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,

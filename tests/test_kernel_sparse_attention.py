@@ -363,6 +363,28 @@ def test_score_queries_probs_count_a_duplicate_block_twice():
   np.testing.assert_allclose(total, 1.0, atol=2e-3)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_references_multiply_fp32_at_full_precision(dtype):
+  """The sparse and decode references' einsums ask for HIGHEST precision on fp32 operands (as
+  sparsedec's reference_attention does since session 53) and leave bf16 at the default: on an
+  H200 their fp32 outputs were TF32 products, 2e-4 off the test below's fp32 reference, which
+  failed there (session 56)."""
+  b, tq, hq, hkv, d, s, bs = 1, 2, 2, 1, 64, 128, 64
+  q, k_cache, v_cache, k_new, v_new = _inputs(0, batch=b, num_queries=tq, num_q_heads=hq,
+                                              num_kv_heads=hkv, head_dim=d, capacity=s,
+                                              dtype=dtype)
+  lengths, mask = jnp.array([100], jnp.int32), jnp.tril(jnp.ones((tq, tq), bool))
+  tables, counts = jnp.zeros((b, hkv, 1), jnp.int32), jnp.ones((b, hkv), jnp.int32)
+  texts = [sparse_reference.lower(q, k_cache, v_cache, tables, counts, lengths, k_new, v_new, mask,
+                                  block_size=bs, sparse_queries=1).as_text(),
+           dense_reference.lower(q, k_cache, v_cache, lengths, k_new, v_new, mask).as_text()]
+  for text in texts:
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert len(dots) >= 4
+    highest = ["precision = [HIGHEST, HIGHEST]" in line for line in dots]
+    assert all(highest) if dtype == jnp.float32 else not any(highest), dots
+
+
 @pytest.mark.parametrize("num_kv_heads", [1, 2])
 def test_reference_matches_sparsedec_reference_attention(num_kv_heads):
   """The gather reference = reference_attention with the block list written as a [B, T, S]

@@ -249,6 +249,9 @@ def test_stories260k_is_refused_by_name_in_interpret_mode():
 
 @pytest.mark.parametrize("layout", ["int4", "int4_grouped", "int4_reduce"])
 def test_weight_layouts_hold_the_same_quantized_weight(layout):
+  """The int4 layouts hold the packed weight's codes and multiply to its product. (Compiled on an
+  H200, the "int4" case failed in one of two runs: XLA's jitted product at outputs narrower than
+  64 columns is wrong at random; benchmarks/NOTES.md, session 56.)"""
   w = rand.normal(jax.random.key(0), (172, 24), jnp.float32)
   packed = quantize_weight(w, group=64)
   qw = quantize_weight(w, group=64, layout=layout)
