@@ -237,7 +237,7 @@ class Run:
     # is read back, so a caller can queue several slices without waiting for the first.
     top = np.iinfo(np.int32).max
     limit = state.step + jnp.minimum(np.int32(min(budget, top)), top - state.step)
-    return decode(self.cfg, without_draft(params), state, np.int32(limit), method=self.method,
+    return decode(self.cfg, without_draft(params), state, limit, method=self.method,
                   ctx=self.ctx)
 
 
