@@ -100,13 +100,12 @@ from pallas_kernels.combine import (check_arrays, check_config_ints, check_infli
                                     wrapper_outputs)
 from pallas_kernels.inflight_attention import (MergeSegment, inflight_merged, inflight_partials,
                                                mask_bias, merge_chunks, pack_keys)
-from pallas_kernels.hopper import SM_COUNT, SMEM_PER_SM
+from pallas_kernels.hopper import MAX_HEAD_DIM, SM_COUNT, SMEM_PER_SM
 from pallas_kernels.register_operand import a_staging, softmax_pv_step, swizzled
 from pallas_kernels.split_plan import split_counts
 
 LOG2E = math.log2(math.e)
 BLOCK_M = 64                      # wgmma M of one warpgroup
-MAX_HEAD_DIM = 256                # a wgmma's largest N (P V: N = D)
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 

@@ -50,15 +50,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.combine import check_lengths, check_sizes, interpret_mode, is_int, normalised
 from pallas_kernels.quant_attention import (KEY_TILE, META_DTYPE, TILE_ROWS, QuantKV,
-                                            _SUPPORTED_DTYPES, check_qkv_arrays, dequantize)
+                                            _SUPPORTED_DTYPES, check_bits, check_qkv_arrays,
+                                            dequantize)
 from pallas_kernels.register_operand import SMEM_ROW_WORDS, swizzled, word_offset, word_tile
 
 CHUNK = 64                        # channels per K chunk / V channel tile
 
 
 def _check(qkv: QuantKV, bits: int, dtype) -> None:
-  if not is_int(bits) or bits not in (4, 8):
-    raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+  check_bits(bits)
   if jnp.dtype(dtype) not in _SUPPORTED_DTYPES:
     raise ValueError(f"dequantize_kv writes bfloat16 or float16, got {dtype}")
   if qkv.head_dim % CHUNK:

@@ -5,3 +5,4 @@ SM_COUNT = 132                     # streaming multiprocessors
 SMEM_PER_SM = 227 * 1024           # shared memory an SM gives its resident blocks; also the most
                                    # one block may take
 SMEM_RESERVED_PER_BLOCK = 1024     # what the hardware keeps of an SM's shared memory per block
+MAX_HEAD_DIM = 256                 # a wgmma's largest N: the P V product's N is the head dim D

@@ -79,6 +79,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from pallas_kernels.combine import check_counts, check_mask, interpret_mode, normalised
+from pallas_kernels.hopper import MAX_HEAD_DIM
 from pallas_kernels.register_operand import a_staging, softmax_pv_step, swizzled
 
 BLOCK_M = 64                      # q rows per thread block (one warpgroup's wgmma M)
@@ -163,9 +164,9 @@ def _check_args(q_rows, k_rows, v_rows, mask):
     raise ValueError(f"k_rows and v_rows must be in q_rows' dtype {q_rows.dtype}, got "
                      f"{k_rows.dtype} and {v_rows.dtype}")
   batch, num_kv_heads, m_total, head_dim = q_rows.shape
-  if head_dim % 64 or not 0 < head_dim <= 256:
+  if head_dim % 64 or not 0 < head_dim <= MAX_HEAD_DIM:
     # D = 96 was a bare AssertionError (SMEM tiling); D = 320 passed, past the wgmma's N <= 256.
-    raise ValueError(f"head dim D={head_dim} must be a multiple of 64 in [64, 256]")
+    raise ValueError(f"head dim D={head_dim} must be a multiple of 64 in [64, {MAX_HEAD_DIM}]")
   u_pad = k_rows.shape[2]
   bias, tiles, counts = mask
   if m_total % BLOCK_M or u_pad % BLOCK_U or u_pad == 0:

@@ -401,10 +401,15 @@ def codes8(qkv: QuantKV):
   return 16 * ku + kl, 16 * vu + vl
 
 
-def dequantize_planes(x: QuantPlanes, group: int, bits: int, dtype=jnp.float32):
-  """(k, v) [B, Hkv, S, D] from code planes (token-major) at 4 bits (upper nibbles) or 8 (both)."""
+def check_bits(bits) -> None:
+  """The read precision: the integer 4 (upper nibbles) or 8 (both); 4.0 is refused."""
   if not is_int(bits) or bits not in (4, 8):
     raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+
+
+def dequantize_planes(x: QuantPlanes, group: int, bits: int, dtype=jnp.float32):
+  """(k, v) [B, Hkv, S, D] from code planes (token-major) at 4 bits (upper nibbles) or 8 (both)."""
+  check_bits(bits)
   ku, kl = _upper_lower(x.k_planes)
   vu, vl = _upper_lower(x.v_planes)
   ks = jnp.repeat(x.k_scale.astype(jnp.float32), group, axis=2)         # [B, Hkv, S, D]
@@ -423,8 +428,7 @@ def dequantize_planes(x: QuantPlanes, group: int, bits: int, dtype=jnp.float32):
 @functools.partial(jax.jit, static_argnames=("bits", "dtype"))
 def dequantize(qkv: QuantKV, bits: int = 8, dtype=jnp.float32):
   """(k, v) [B, Hkv, S, D] from the 4-bit (upper nibbles) or 8-bit (both) view."""
-  if not is_int(bits) or bits not in (4, 8):
-    raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+  check_bits(bits)
   k_planes, v_planes = code_planes(qkv)
   planes = QuantPlanes(k_planes, v_planes, qkv.k_scale, qkv.k_zero, qkv.v_scale, qkv.v_zero)
   return dequantize_planes(planes, qkv.group, bits, dtype)
@@ -1068,8 +1072,7 @@ def _quant_partials(q_t, qkv: QuantKV, lengths, *, bits, num_splits, dtype,
 
 def _check_quantized(q, qkv, bits, lengths_quantized, cfg) -> int:
   """Checks q, the quantized region and its lengths; returns Hkv."""
-  if not is_int(bits) or bits not in (4, 8):
-    raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+  check_bits(bits)
   if q.ndim != 4:
     raise ValueError(f"q must be [B, Tq, Hq, D], got shape {q.shape}")
   b, tq, hq, d = q.shape
