@@ -25,6 +25,7 @@ from sparsedec.kv.dense import KVCache, init_cache
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.forward import forward
 from sparsedec.model.linear import linear
+from sparsedec.model import quant_weights
 from sparsedec.model.params import cast_params, init_random
 from sparsedec.model.quant_weights import (params_to_layout, quantize_params, quantize_weight,
                                            weights_bytes)
@@ -249,13 +250,41 @@ def test_stories260k_is_refused_by_name_in_interpret_mode():
 
 @pytest.mark.parametrize("layout", ["int4", "int4_grouped", "int4_reduce"])
 def test_weight_layouts_hold_the_same_quantized_weight(layout):
-  """The int4 layouts hold the packed weight's codes and multiply to its product. (Compiled on an
-  H200, the "int4" case failed in one of two runs: XLA's jitted product at outputs narrower than
-  64 columns is wrong at random; benchmarks/NOTES.md, session 56.)"""
+  """The int4 layouts hold the packed weight's codes and multiply to its product, at widths
+  where XLA:GPU's jitted product of the "int4" layout was wrong unpadded (16-40 columns on an
+  H200; benchmarks/NOTES.md, sessions 56-57)."""
+  for n_out in (16, 24, 40):
+    check_layout_product(layout, n_out)
+
+
+@pytest.fixture
+def int4_gpu_path(monkeypatch):
+  """quant_weights' GPU paths on any backend; no trace of `linear` from either side leaks
+  through jax's caches into the other."""
+  jax.clear_caches()
+  monkeypatch.setattr(quant_weights, "_on_gpu", lambda: True)
+  yield
+  jax.clear_caches()
+
+
+def test_narrow_int4_products_are_padded_on_a_gpu(int4_gpu_path):
+  """The GPU path of the "int4" product multiplies narrow weights padded to INT4_MIN_OUT columns
+  (the same values; the padded dot may sum in another order)."""
   w = rand.normal(jax.random.key(0), (172, 24), jnp.float32)
+  qw = quantize_weight(w, group=64, layout="int4")
+  x = rand.normal(jax.random.key(1), (2, 3, 172))
+  jaxpr = jax.make_jaxpr(linear)(x, qw)
+  widths = [e.invars[1].aval.shape[-1] for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+  assert widths == [quant_weights.INT4_MIN_OUT]
+  want = np.asarray(linear(x, quantize_weight(w, group=64)))
+  np.testing.assert_allclose(np.asarray(jax.jit(linear)(x, qw)), want, rtol=1e-5, atol=1e-4)
+
+
+def check_layout_product(layout: str, n_out: int) -> None:
+  w = rand.normal(jax.random.key(n_out), (172, n_out), jnp.float32)
   packed = quantize_weight(w, group=64)
   qw = quantize_weight(w, group=64, layout=layout)
-  assert qw.codes.dtype == jnp.int4 and qw.codes.shape == (192, 24)
+  assert qw.codes.dtype == jnp.int4 and qw.codes.shape == (192, n_out)
   assert qw.num_bytes() == packed.num_bytes()             # 4-bit arrays: two codes per byte
   np.testing.assert_array_equal(np.asarray(qw.dequantize()), np.asarray(packed.dequantize()))
   np.testing.assert_array_equal(np.asarray(packed.to_layout(layout).codes),

@@ -63,6 +63,7 @@ META_DTYPE = jnp.float16
 LAYOUTS = ("packed", "int4", "int4_grouped", "int4_reduce", "int4_t")
 _INT4_KN = ("int4", "int4_grouped", "int4_reduce")   # the same [In_pad, Out] int4 storage
 CODE_OFFSET = 8          # int4 layouts store c - 8 in [-8, 7]
+INT4_MIN_OUT = 64        # "int4" products narrower than this are computed padded to it
 GRIDS = ("minmax", "absmax")   # how a group's (zero, step) are chosen (module docstring)
 
 
@@ -253,13 +254,20 @@ def _pad_inputs(x: jax.Array, w: QuantWeight) -> jax.Array:
 
 def _int4_dequant_matmul(x: jax.Array, w: QuantWeight, precision) -> jax.Array:
   """x [..., In] @ w ("int4"): the dequantization as an elementwise function of the int4 codes
-  (fusable into the dot's operand); the same values as dequantize()."""
+  (fusable into the dot's operand); the same values as dequantize(). On a GPU a weight narrower
+  than INT4_MIN_OUT columns is multiplied zero-padded to that width and the product sliced back:
+  XLA:GPU (jax 0.11.2) computed the jitted product wrong at 16-40 output columns, in its Triton
+  transpose fusion of the int4 operand (H200, benchmarks/NOTES.md sessions 56-57)."""
   n_groups, n_out = w.scale.shape
-  c = w.codes.reshape(n_groups, w.group, n_out)                            # [In/G, G, Out] int4
-  wf = ((c.astype(jnp.float32) + CODE_OFFSET) * w.scale.astype(jnp.float32)[:, None]
-        + w.zero.astype(jnp.float32)[:, None])                             # [In/G, G, Out]
-  wx = wf.astype(x.dtype).reshape(w.in_padded, n_out)
-  return jnp.dot(_pad_inputs(x, w), wx, precision=precision)
+  width = max(n_out, INT4_MIN_OUT) if _on_gpu() else n_out
+  codes, scale, zero = w.codes, w.scale, w.zero
+  if width > n_out:
+    codes, scale, zero = (jnp.pad(a, ((0, 0), (0, width - n_out))) for a in (codes, scale, zero))
+  c = codes.reshape(n_groups, w.group, width)                              # [In/G, G, W] int4
+  wf = ((c.astype(jnp.float32) + CODE_OFFSET) * scale.astype(jnp.float32)[:, None]
+        + zero.astype(jnp.float32)[:, None])                               # [In/G, G, W]
+  wx = wf.astype(x.dtype).reshape(w.in_padded, width)
+  return jnp.dot(_pad_inputs(x, w), wx, precision=precision)[..., :n_out]
 
 
 def _int4_grouped_matmul(x: jax.Array, w: QuantWeight, precision) -> jax.Array:
