@@ -430,14 +430,34 @@ def _kernel_attention(kind, q, k_cache, v_cache, lengths, k_new, v_new, q_pos, p
                           config=SparseConfig(inflight=inflight), interpret=interpret)
 
 
-def _check_attend_inputs(q, k_cache, v_cache, lengths, k_new, v_new, plan) -> None:
+def _check_quant_view_extra(view: QuantView, b: int, hkv: int, d: int) -> None:
+  """A QuantView's `extra` arrays at its layer: k / v [B, W, Hkv, D] floating, extra_len [B]
+  integer (the reference broadcast a batch-1 or a [1] length silently)."""
+  if view.extra_k is None:
+    return
+  if view.layer is None or view.extra_v is None or view.extra_len is None:
+    return                     # _check_quant_view / the read name what is missing
+  ek, ev = view.extra_k[view.layer], view.extra_v[view.layer]
+  for name, x in (("extra_k", ek), ("extra_v", ev)):
+    if x.ndim != 4 or x.shape[0] != b or x.shape[2:] != (hkv, d) or x.shape != ek.shape:
+      raise ValueError(f"attend: QuantView {name} must be [B={b}, W, Hkv={hkv}, D={d}] (k and v "
+                       f"alike), got shape {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f"attend: QuantView {name} must be floating point, got {x.dtype}")
+  n = view.extra_len
+  if n.shape != (b,) or not jnp.issubdtype(n.dtype, jnp.integer):
+    raise ValueError(f"attend: QuantView extra_len must be [B={b}] integer, got shape "
+                     f"{n.shape} {n.dtype}")
+
+
+def _check_attend_inputs(q, k_cache, v_cache, lengths, k_new, v_new, q_pos, plan) -> None:
   """attend's shapes and dtypes (static: works under jit), checked before either path. The
   reference path broadcast what the kernels refuse: a cache, k_new / v_new or block list of
   batch 1 (or Hkv 1) against B rows, lengths [1], an inflight mask [T] or [1, T] read as every
   query's row, and a float 0 / -inf bias mask read as its inverse (nonzero -> True; on the
   kernel path attend's cast to bool hid it from the kernel's own check): silent wrong numbers."""
   arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, lengths=lengths, k_new=k_new,
-                v_new=v_new, inflight_mask=plan.inflight_mask)
+                v_new=v_new, q_pos=q_pos, inflight_mask=plan.inflight_mask)
   for name, x in arrays.items():
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise ValueError(f"attend: {name} must be an array, got {type(x).__name__}")
@@ -462,6 +482,9 @@ def _check_attend_inputs(q, k_cache, v_cache, lengths, k_new, v_new, plan) -> No
   if lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise ValueError(f"attend: lengths must be [B={b}] integer, got shape {lengths.shape} "
                      f"{lengths.dtype}")
+  if q_pos.shape != (b, t) or not jnp.issubdtype(q_pos.dtype, jnp.integer):
+    raise ValueError(f"attend: q_pos must be [B, T] = {(b, t)} integer, got shape {q_pos.shape} "
+                     f"{q_pos.dtype}")
   mask = plan.inflight_mask
   if tuple(mask.shape) != (t, t):
     raise ValueError(f"attend: plan.inflight_mask must be [T, T] = {[t, t]}, got shape "
@@ -471,6 +494,8 @@ def _check_attend_inputs(q, k_cache, v_cache, lengths, k_new, v_new, plan) -> No
                      f"got {mask.dtype} (a 0 / -inf bias mask would read as its inverse)")
   for seg in plan.segments:
     view = seg.view
+    if isinstance(view, QuantView):
+      _check_quant_view_extra(view, b, hkv, d)
     if not isinstance(view, BlockListView):
       continue
     if view.per_layer:
@@ -507,7 +532,7 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Ar
   """
   if impl not in ATTENTION_IMPLS:
     raise UnsupportedConfigError(f"attention impl {impl!r} is not one of {ATTENTION_IMPLS}")
-  _check_attend_inputs(q, k_cache, v_cache, lengths, k_new, v_new, plan)
+  _check_attend_inputs(q, k_cache, v_cache, lengths, k_new, v_new, q_pos, plan)
   check_segments(plan, q.shape[1])
   if impl != "reference":
     kind, blocker = _kernel_choice(q, k_cache, plan, window)

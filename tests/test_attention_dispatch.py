@@ -180,7 +180,7 @@ def test_model_single_query_calls_keep_the_combine_score():
 
 def test_attend_checks_shapes_and_dtypes_before_either_path():
   """The reference path broadcast what the kernels refuse, silently wrong: a cache, k_new /
-  v_new or block list of batch 1 against B rows, lengths [1], an inflight mask [T] (every
+  v_new, block list or q_pos of batch 1 against B rows, lengths [1], an inflight mask [T] (every
   query's row), a float 0 / -inf bias mask (nonzero read as True: its inverse; the kernel path
   cast it to bool before the kernel's own check could see it). Refused by name, on both paths."""
   from sparsedec.attention import AttentionPlan, BlockListView, FullView, Segment
@@ -204,6 +204,9 @@ def test_attend_checks_shapes_and_dtypes_before_either_path():
        r"inflight_mask must be \[T, T\] = \[3, 3\], got shape \(3,\)"),
       ((q, kv, kv, lengths, new, new, pos, full(bias)), "inflight_mask must be bool"),
       ((q[:, :, :3], kv, kv, lengths, new, new, pos, plan), "Hq=3 .* not a multiple of Hkv=2"),
+      ((q, kv, kv, lengths, new, new, pos[:1], plan), r"q_pos must be \[B, T\] = \(2, 3\)"),
+      ((q, kv, kv, lengths, new, new, pos[:, 0], plan), r"q_pos must be \[B, T\] = \(2, 3\)"),
+      ((q, kv, kv, lengths, new, new, pos + 0.5, plan), "q_pos must be .* integer"),
   ]
   for args, needle in cases:
     for impl in ("reference", "auto", KERNEL):

@@ -113,6 +113,26 @@ def test_draft_token_with_in_flight_scratch_equals_reference(window):
   assert np.abs(np.asarray(without, np.float32) - np.asarray(want, np.float32)).max() > 5e-2
 
 
+def test_a_quant_views_extra_arrays_are_checked_by_name(window):
+  """The reference broadcast a batch-1 scratch or a [1] extra_len over B rows silently."""
+  qc, q, k_new, v_new, lengths, extra = window
+  q_pos = lengths[:, None] + 3
+  args = (qc, q[:, :1], k_new[:, :1], v_new[:, :1], q_pos)
+  ok_len = jnp.full((B,), 3, jnp.int32)
+  cases = [(dict(extra_k=(extra[0][:1],), extra_v=(extra[1][:1],), extra_len=ok_len),
+            r"extra_k must be \[B=3, W, Hkv=2, D=64\]"),
+           (dict(extra_k=(extra[0],), extra_v=(extra[1][:, :2],), extra_len=ok_len),
+            r"extra_v must be \[B=3, W, Hkv=2, D=64\] \(k and v alike\)"),
+           (dict(extra_k=(extra[0],), extra_v=(extra[1],), extra_len=ok_len[:1]),
+            r"extra_len must be \[B=3\] integer"),
+           (dict(extra_k=(extra[0],), extra_v=(extra[1],), extra_len=ok_len + 0.5),
+            r"extra_len must be \[B=3\] integer")]
+  for view_kw, needle in cases:
+    for impl in ("reference", KERNEL):
+      with pytest.raises(ValueError, match=needle):
+        _attend(impl, *args, view_kw, 4, 1)
+
+
 def test_the_drafts_view_bf16_tail_and_stacked_scratch_equal_the_fp32_reference(window):
   """QuantSpec's draft view (`draft_view`: the tail precomputed in the cache's bf16) with the
   scratch stacked over layers ([L, B, W, Hkv, D], `write_draft_kv`) reads, through the kernel,
