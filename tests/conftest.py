@@ -66,6 +66,9 @@ def _release_compiled_programs():
 ROOT = hf_harness.REPO
 SHARED = hf_harness.SHARED
 STORIES_HF = hf_harness.STORIES260K
+# The embedded default checkpoint (sparsedec format, in every clone; test_weights checks it
+# equals STORIES_HF's weights): what tests load when they need the model, not its HF files.
+STORIES = hf_harness.REPO / "checkpoints" / "stories260K"
 
 
 @pytest.fixture(scope="session")
@@ -108,7 +111,7 @@ def smollm2_gguf() -> pathlib.Path:
 def stories():
   """(cfg, params, tokenizer) of the embedded stories260K checkpoint (fp32)."""
   from sparsedec.weights.checkpoint import load_model
-  return load_model(STORIES_HF)
+  return load_model(STORIES)
 
 
 @pytest.fixture(scope="module")

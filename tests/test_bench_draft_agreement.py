@@ -14,8 +14,7 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))   # benchmarks/ importable
 
 from benchmarks import draft_agreement  # noqa: E402
-
-STORIES = pathlib.Path(__file__).resolve().parents[1] / "checkpoints" / "stories260K"
+from conftest import STORIES  # noqa: E402  (the embedded stories260K)
 
 
 def test_agreement_rows(tmp_path):

@@ -174,8 +174,8 @@ def test_weight_quantization_round_trip_and_padding():
   assert (err <= step * 0.5 + 1e-6).all()
   x = rand.normal(jax.random.key(1), (3, 172))
   from sparsedec.model.linear import linear
-  np.testing.assert_allclose(np.asarray(linear(x, qw)), np.asarray(x @ qw.dequantize()),
-                             rtol=1e-5, atol=1e-5)
+  want = jnp.dot(x, qw.dequantize(), precision=jax.lax.Precision.HIGHEST)   # not TF32 on a GPU
+  np.testing.assert_allclose(np.asarray(linear(x, qw)), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("qtype,grid", [("Q4_1", "minmax"), ("Q4_0", "absmax")])

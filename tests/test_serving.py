@@ -10,13 +10,6 @@ import pytest
 import sparsedec
 from sparsedec.decode import api
 from sparsedec.decode.serving import insert_row
-from sparsedec.weights.checkpoint import load_model
-from conftest import STORIES_HF
-
-
-@pytest.fixture(scope="module")
-def stories():
-  return load_model(STORIES_HF)
 
 
 def test_inserted_request_generates_what_it_would_alone(stories):
