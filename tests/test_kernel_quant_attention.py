@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import rand
 from kernel_mode import INTERPRET
+from pallas_kernels.combine import f32_einsum
 from pallas_kernels.register_operand import unpack_words
 from pallas_kernels.quant_attention import (AUTO_DEQUANT_MIN_TOKENS, AUTO_DEQUANT_ROWS,
                                             DEQUANT_MAX_BYTES, QuantAttentionConfig, QuantKV,
@@ -622,10 +623,10 @@ def _attend_key_sets(q, qkv, bits, lq, key_sets):
   k, v = jnp.concatenate(ks, axis=1), jnp.concatenate(vs, axis=1)           # [B, U, Hkv, D]
   mask = jnp.concatenate(masks, axis=2)                                    # [B, Tq, U]
   qg = q.astype(jnp.float32).reshape(b, tq, hkv, hq // hkv, d)
-  s = jnp.einsum("bthgd,buhd->bthgu", qg, k) * d ** -0.5
+  s = f32_einsum("bthgd,buhd->bthgu", qg, k) * d ** -0.5
   s = jnp.where(mask[:, :, None, None], s, -jnp.inf)
   lse = jax.nn.logsumexp(s, axis=-1)
-  out = jnp.einsum("bthgu,buhd->bthgd", jnp.exp(s - lse[..., None]), v)
+  out = f32_einsum("bthgu,buhd->bthgd", jnp.exp(s - lse[..., None]), v)
   return out.reshape(b, tq, hq, d), lse.reshape(b, tq, hq)
 
 
