@@ -256,8 +256,9 @@ def _int4_dequant_matmul(x: jax.Array, w: QuantWeight, precision) -> jax.Array:
   """x [..., In] @ w ("int4"): the dequantization as an elementwise function of the int4 codes
   (fusable into the dot's operand); the same values as dequantize(). On a GPU a weight narrower
   than INT4_MIN_OUT columns is multiplied zero-padded to that width and the product sliced back:
-  XLA:GPU (jax 0.11.2) computed the jitted product wrong at 16-40 output columns, in its Triton
-  transpose fusion of the int4 operand (H200, benchmarks/NOTES.md sessions 56-57)."""
+  XLA:GPU (jax 0.11.2) computed the jitted product wrong at 16-40 output columns, with cuBLAS and
+  with Triton GEMMs alike; both failing programs dequantize the int4 operand in a Triton transpose
+  fusion (H200, benchmarks/NOTES.md sessions 56-57)."""
   n_groups, n_out = w.scale.shape
   width = max(n_out, INT4_MIN_OUT) if _on_gpu() else n_out
   codes, scale, zero = w.codes, w.scale, w.zero
