@@ -128,7 +128,7 @@ class Tokenizer:
     template = _compile_template(source)
     variables = {k: v for k, v in self.special_tokens.items() if v is not None}
     variables.update(_plain(kwargs))
-    return template.render(messages=_plain(list(messages)),
+    return template.render(messages=_plain(_chat_messages(messages)),
                            add_generation_prompt=add_generation_prompt, **variables)
 
   def encode_chat(self, messages: Sequence[Mapping[str, Any]],
@@ -272,6 +272,28 @@ def _compile_template(source: str) -> jinja2.Template:
     except jinja2.exceptions.TemplateSyntaxError as e:
       raise CheckpointError(f"chat_template does not parse: {e}") from e
   return _TEMPLATES[source]
+
+
+# Where a message's reasoning may be given; templates read the first (Qwen3) or "thinking".
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
+  """The messages as transformers (5.x) hands them to a template: each a mapping, its keys whose
+  value is None dropped (APIs return content=None / tool_calls=None; templates test whether a key
+  is defined), and a reasoning given under any of REASONING_FIELDS also under "thinking" and
+  "reasoning_content"."""
+  out = []
+  for message in messages:
+    if not isinstance(message, Mapping):
+      raise InputError(f"chat messages must be mappings (role, content, ...), got "
+                       f"{type(message).__name__}")
+    message = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((message[k] for k in REASONING_FIELDS if k in message), None)
+    if reasoning is not None:
+      message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    out.append(message)
+  return out
 
 
 def _plain(value: Any) -> Any:

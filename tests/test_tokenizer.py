@@ -42,6 +42,21 @@ CHATS = [
      {"role": "user", "content": "Write a haiku about JAX."}],
 ]
 
+# What a template sees of each message: None-valued keys (dropped by transformers 5.x) and
+# reasoning under its three names (each given one is copied to "thinking" and "reasoning_content").
+PROBE_TEMPLATE = (
+    "{% for m in messages %}[{{ m.role }}|{{ m.content if m.content is defined else 'NO' }}|"
+    "{{ 'TC' if m.tool_calls is defined else 'no-tc' }}|"
+    "{{ m.reasoning_content if m.reasoning_content is defined else '-' }}|"
+    "{{ m.thinking if m.thinking is defined else '-' }}|"
+    "{{ m.reasoning if m.reasoning is defined else '-' }}]{% endfor %}")
+PROBE_CHATS = [
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": None}],
+    [{"role": "assistant", "content": "x", "reasoning": "why"}],
+    [{"role": "assistant", "content": "x", "reasoning_content": "rc", "thinking": "own"}],
+    [{"role": "assistant", "content": "x", "reasoning_content": None, "thinking": "t"}],
+]
+
 HF_TOKENIZER_SCRIPT = r"""
 import json, sys
 from transformers import AutoTokenizer
@@ -55,6 +70,9 @@ for key, spec in job["tokenizers"].items():
   if tok.chat_template:
     out[key]["chats"] = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
                          for c in job["chats"]]
+  out[key]["probes"] = [tok.apply_chat_template(c, chat_template=job["probe_template"],
+                                                tokenize=False, add_generation_prompt=False)
+                        for c in job["probe_chats"]]
 json.dump(out, sys.stdout)
 """
 
@@ -67,7 +85,8 @@ def stories_tok(stories_hf_dir) -> Tokenizer:
 @pytest.fixture(scope="module")
 def hf_tokenizer_reference(hf_python, stories_hf_dir, smollm2_gguf):
   """Start transformers on the same texts in the background; returns a waiter."""
-  job = json.dumps({"texts": sample_texts(), "chats": CHATS, "tokenizers": {
+  job = json.dumps({"texts": sample_texts(), "chats": CHATS, "probe_template": PROBE_TEMPLATE,
+                    "probe_chats": PROBE_CHATS, "tokenizers": {
       "stories": {"dir": str(stories_hf_dir)},
       "smollm2": {"dir": str(smollm2_gguf.parent), "gguf_file": smollm2_gguf.name}}})
   proc = subprocess.Popen([hf_python, "-c", HF_TOKENIZER_SCRIPT, job], stdout=subprocess.PIPE,
@@ -102,6 +121,10 @@ def test_matches_transformers(hf_tokenizer_reference, stories_tok, smol_tok):
       assert tok.decode(ids, skip_special_tokens=True) == decoded_skip, (name, text)
   assert "chats" not in ref["stories"]
   assert [smol_tok.apply_chat_template(c) for c in CHATS] == ref["smollm2"]["chats"]
+  # Messages as transformers 5.x prepares them: None-valued keys dropped, reasoning aliased.
+  probe = Tokenizer(stories_tok.backend, {**stories_tok.config, "chat_template": PROBE_TEMPLATE})
+  assert [probe.apply_chat_template(c, add_generation_prompt=False)
+          for c in PROBE_CHATS] == ref["stories"]["probes"]
 
 
 # ------------------------------------------------------------------------- encode / decode
@@ -300,3 +323,9 @@ def test_named_chat_templates_pick_tool_use_given_tools(stories_tok, tmp_path):
   no_default = Tokenizer(stories_tok.backend, {**stories_tok.config, "chat_template": named[1:]})
   with pytest.raises(InputError, match=r"\['tool_use'\] include no 'default'"):
     no_default.apply_chat_template(chat)
+
+
+def test_a_chat_message_that_is_not_a_mapping_is_refused_by_name(stories_tok):
+  tok = Tokenizer(stories_tok.backend, {**stories_tok.config, "chat_template": PROBE_TEMPLATE})
+  with pytest.raises(InputError, match="chat messages must be mappings .* got str"):
+    tok.apply_chat_template(["hi"])
