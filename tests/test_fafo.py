@@ -294,3 +294,26 @@ def test_cli_generate_fafo_equals_dense_and_reports_stats(capsys, stories):
   # a FAFO knob with another method is refused by name
   assert cli.main(["generate", "--prompt", "Once", "--subsequences", "4"]) == 2
   assert "--subsequences does not apply to --method dense" in capsys.readouterr()[1]
+
+
+def test_a_stop_token_fumble_is_stored_as_the_model_guessed_it(stories):
+  """A fumble token that is a stop token goes into the pool as the model's token (a candidate may
+  then propose the stop) and is replaced by a context token in the subsequence only, as
+  Lookahead's window does (the pool held the random replacement)."""
+  from sparsedec.decode import api
+  cfg, params, tok = stories
+  method = Fafo(subsequences=6, length=3, candidates=2, output_ngrams=False)
+  prompt = tok.encode("Once upon a time, there was a little girl named Lily.")
+  state, run = api.start(cfg, params, [prompt], max_new_tokens=8, stop_tokens=(), method=method)
+  guessed = np.asarray(run.advance(params, state, 1).extras.fumble[0, :, -1])   # the model's
+  stop = next(int(t) for t in guessed if int(t) not in prompt)
+  state, run = api.start(cfg, params, [prompt], max_new_tokens=8, stop_tokens=(stop,),
+                         method=method)
+  pool_before = np.asarray(state.extras.pool.values)
+  state = run.advance(params, state, 1)
+  assert not bool(state.done[0])                          # the row goes on
+  assert stop not in pool_before
+  values = np.asarray(state.extras.pool.values)           # [B, NB, A, E, V]
+  stamps = np.asarray(state.extras.pool.value_stamps)
+  assert (values[stamps > 0][:, -1] == stop).any()        # stored with the model's token
+  assert stop not in np.asarray(state.extras.fumble)      # replaced in the subsequences

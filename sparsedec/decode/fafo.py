@@ -34,8 +34,9 @@ Choices where the paper leaves one:
 * Subsequences start as random tokens of the prompt; the pool is seeded with the prompt's n-grams
   (key: up to k preceding tokens, value: the next k tokens) and, with `output_ngrams`, with the
   n-grams of the accepted text, as Lookahead Decoding does, so the two are compared on equal terms.
-* Fumble tokens that are stop tokens are replaced by random context tokens (the subsequence would
-  otherwise fill with end-of-text), as Lookahead's window does.
+* Fumble tokens that are stop tokens are replaced by random context tokens in the subsequence (it
+  would otherwise fill with end-of-text), after the new guess went into the pool with the model's
+  token, as Lookahead's window does.
 """
 
 from __future__ import annotations
@@ -218,15 +219,16 @@ class Fafo:
     cache = commit(state.cache, kv, appended, take)                       # current + accepted
 
     # Fumble bookkeeping: drop the oldest token into the discarded buffer, append the new one,
-    # store the new guess under every suffix of the discarded buffer.
-    if ctx.stop_ids:
-      is_stop = jnp.isin(new_tokens, jnp.asarray(ctx.stop_ids, jnp.int32))
-      fill = context_tokens(row_salt(state, _FUMBLE_SEED), state.tokens, state.num_tokens, (n,))
-      new_tokens = jnp.where(is_stop, fill, new_tokens)
+    # store the new guess (the model's tokens) under every suffix of the discarded buffer; a stop
+    # token is then replaced in the subsequence only (as Lookahead's window).
     guess = jnp.concatenate([x.fumble[:, :, 1:], new_tokens[:, :, None]], axis=2)   # [B, n, k]
     discarded = jnp.concatenate([x.discarded[:, :, 1:], x.fumble[:, :, :1]], axis=2)
     discarded_len = jnp.broadcast_to(jnp.minimum(state.active_steps, k)[:, None], (b, n))
     pool = self._store(x.pool, discarded, discarded_len, guess, state, appended, active)
+    if ctx.stop_ids:
+      is_stop = jnp.isin(new_tokens, jnp.asarray(ctx.stop_ids, jnp.int32))
+      fill = context_tokens(row_salt(state, _FUMBLE_SEED), state.tokens, state.num_tokens, (n,))
+      guess = guess.at[:, :, -1].set(jnp.where(is_stop, fill, new_tokens))
     accepted = jnp.maximum(jnp.minimum(verdict.accepted, appended - 1), 0)
     keep = active[:, None, None]
     extras = x.replace(
