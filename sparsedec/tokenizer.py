@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import jinja2
 import jinja2.ext
+import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
@@ -113,12 +114,15 @@ class Tokenizer:
 
   # --------------------------------------------------------------------------- chat template
   def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
-                          add_generation_prompt: bool = True, **kwargs: Any) -> str:
+                          add_generation_prompt: bool = True, tools: Sequence | None = None,
+                          documents: Sequence | None = None, **kwargs: Any) -> str:
     """Render `messages` ([{"role": ..., "content": ...}, ...]) with the chat template.
-    Extra keyword arguments (tools=..., enable_thinking=...) are passed to the template. Given
-    tools, a tokenizer with named templates renders its "tool_use" one, as transformers does."""
+    tools (JSON schemas), documents and extra keyword arguments (enable_thinking=...,
+    date_string=...) are passed to the template; tools and documents are always defined there,
+    None when not given, as in transformers. Given tools, a tokenizer with named templates
+    renders its "tool_use" one, as transformers does."""
     source = self.chat_template
-    if kwargs.get("tools") is not None and self.chat_templates.get("tool_use"):
+    if tools is not None and self.chat_templates.get("tool_use"):
       source = self.chat_templates["tool_use"]
     if not source:
       if self.chat_templates:
@@ -128,7 +132,8 @@ class Tokenizer:
     template = _compile_template(source)
     variables = {k: v for k, v in self.special_tokens.items() if v is not None}
     variables.update(_plain(kwargs))
-    return template.render(messages=_plain(_chat_messages(messages)),
+    return template.render(messages=_plain(_chat_messages(messages)), tools=_plain(tools),
+                           documents=_plain(documents),
                            add_generation_prompt=add_generation_prompt, **variables)
 
   def encode_chat(self, messages: Sequence[Mapping[str, Any]],
@@ -297,18 +302,23 @@ def _chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
 
 
 def _plain(value: Any) -> Any:
-  """A deep copy made of plain JSON-like types (what the sandboxed template may see)."""
+  """A deep copy made of plain JSON-like types (what the sandboxed template may see), as
+  transformers' _plain_template_data makes it: subclasses of str / int / float (str enums,
+  numpy scalars) become their base value (a str enum its value, not "Role.USER"), numpy scalars
+  their Python value, tuples stay tuples and mapping keys are converted like values."""
   if value is None or type(value) in (str, int, float, bool):
     return value
-  if isinstance(value, Mapping):
-    return {str(k): _plain(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [_plain(v) for v in value]
-  if isinstance(value, bool):
-    return bool(value)
-  for base in (str, int, float):   # subclasses (enums, numpy scalars) back to the base type
+  for base in (str, int, float):
     if isinstance(value, base):
-      return base(value)
+      return getattr(base, f"__{base.__name__}__")(value)
+  if isinstance(value, Mapping):
+    return {_plain(k): _plain(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return [_plain(v) for v in value]
+  if isinstance(value, tuple):
+    return tuple(_plain(v) for v in value)
+  if isinstance(value, np.generic):      # np.int64, np.bool_ (not int / bool subclasses)
+    return _plain(value.item())
   raise InputError(f"chat template input of type {type(value).__name__} is not supported "
                    "(use str, numbers, lists and dicts)")
 

@@ -1,10 +1,12 @@
 """Tokenizer: encode/decode, GGUF tokenizer and chat template parity with transformers,
 incremental (streaming) detokenization."""
 
+import datetime
 import gzip
 import json
 import pathlib
 import subprocess
+import types
 
 import jinja2
 import pytest
@@ -73,6 +75,10 @@ for key, spec in job["tokenizers"].items():
   out[key]["probes"] = [tok.apply_chat_template(c, chat_template=job["probe_template"],
                                                 tokenize=False, add_generation_prompt=False)
                         for c in job["probe_chats"]]
+if "template_job" in job:   # HF_TEMPLATE_SCRIPT, in this process: one transformers import
+  scope = {"job": job["template_job"]}
+  exec(job["template_script"], scope)
+  out["template_cases"] = scope["out"]
 json.dump(out, sys.stdout)
 """
 
@@ -84,18 +90,23 @@ def stories_tok(stories_hf_dir) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def hf_tokenizer_reference(hf_python, stories_hf_dir, smollm2_gguf):
-  """Start transformers on the same texts in the background; returns a waiter."""
+  """Start transformers on the same texts, and on the chat template cases (template_job()), in
+  the background; returns a waiter."""
   job = json.dumps({"texts": sample_texts(), "chats": CHATS, "probe_template": PROBE_TEMPLATE,
                     "probe_chats": PROBE_CHATS, "tokenizers": {
       "stories": {"dir": str(stories_hf_dir)},
-      "smollm2": {"dir": str(smollm2_gguf.parent), "gguf_file": smollm2_gguf.name}}})
+      "smollm2": {"dir": str(smollm2_gguf.parent), "gguf_file": smollm2_gguf.name}},
+      "template_job": template_job(stories_hf_dir), "template_script": HF_TEMPLATE_SCRIPT})
   proc = subprocess.Popen([hf_python, "-c", HF_TOKENIZER_SCRIPT, job], stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
+  result = []
 
   def wait():
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    return json.loads(out)
+    if not result:
+      out, err = proc.communicate(timeout=300)
+      assert proc.returncode == 0, err[-3000:]
+      result.append(json.loads(out))
+    return result[0]
 
   yield wait
   if proc.poll() is None:
@@ -329,3 +340,227 @@ def test_a_chat_message_that_is_not_a_mapping_is_refused_by_name(stories_tok):
   tok = Tokenizer(stories_tok.backend, {**stories_tok.config, "chat_template": PROBE_TEMPLATE})
   with pytest.raises(InputError, match="chat messages must be mappings .* got str"):
     tok.apply_chat_template(["hi"])
+
+
+# ---------------------------------------------------------------- real chat templates vs HF
+CHAT_TEMPLATES = pathlib.Path(__file__).resolve().parent / "data" / "chat_templates"
+FIXED_NOW = (2025, 3, 7, 12, 0, 0)   # strftime_now's "now" on both sides (Llama 3.2's date)
+
+WEATHER_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "The city, e.g. Paris"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city"]}}}]
+WEATHER_CALL = {"id": "call0Abc9", "type": "function", "function": {
+    "name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}
+SYSTEM_USER = [{"role": "system", "content": "You are a terse assistant."},
+               {"role": "user", "content": "What is the capital of France?"}]
+MULTI_TURN = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! ✓"},
+              {"role": "user", "content": "Write a haiku about JAX."}]
+TOOL_TURNS = [
+    {"role": "system", "content": "Use tools when needed."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [WEATHER_CALL]},
+    {"role": "tool", "tool_call_id": "call0Abc9", "name": "get_weather",
+     "content": '{"temperature": 18, "sky": "clear"}'},
+]
+THINKING_TURNS = [
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4", "reasoning_content": "Two plus two is four."},
+    {"role": "user", "content": "And 3+3?"},
+]
+QWEN3_TOOL_TURNS = [
+    {"role": "system", "content": "Use tools when needed."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "reasoning_content": "I should call the tool.",
+     "tool_calls": [WEATHER_CALL]},
+    {"role": "tool", "tool_call_id": "call0Abc9", "content": '{"temperature": 18}'},
+    {"role": "assistant", "content": "It is 18 °C and clear in Paris.",
+     "reasoning_content": "The tool said 18."},
+    {"role": "user", "content": "Thanks!"},
+]
+
+
+def _cases(template: str, chats: list, **kwargs) -> list[dict]:
+  """One case per (chat, add_generation_prompt)."""
+  return [{"template": template, "messages": chat, "kwargs": {**kwargs, "add_generation_prompt": g}}
+          for chat in chats for g in (True, False)]
+
+
+# (template file, messages, apply_chat_template kwargs) rendered by transformers and by sparsedec.
+# Cases a template refuses (raise_exception, a missing field) must fail the same way on both.
+TEMPLATE_CASES = [
+    *_cases("SmolLM2-135M-Instruct.jinja", [SYSTEM_USER, MULTI_TURN]),
+    *_cases("Llama-3.1-8B-Instruct.jinja", [SYSTEM_USER, MULTI_TURN]),
+    *_cases("Llama-3.1-8B-Instruct.jinja", [SYSTEM_USER, MULTI_TURN], date_string="02 Jan 2025"),
+    *_cases("Llama-3.1-8B-Instruct.jinja", [TOOL_TURNS], tools=WEATHER_TOOLS),
+    *_cases("Llama-3.1-8B-Instruct.jinja", [TOOL_TURNS], tools=WEATHER_TOOLS,
+            tools_in_user_message=False),
+    *_cases("Llama-3.1-8B-Instruct.jinja", [[
+        {"role": "user", "content": "Search the news."},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+            "name": "brave_search", "arguments": {"query": "news"}}}]},
+        {"role": "ipython", "content": {"results": ["a", "b"]}}]],
+        builtin_tools=["brave_search", "code_interpreter"]),
+    *_cases("Llama-3.2-3B-Instruct.jinja", [SYSTEM_USER, MULTI_TURN]),        # strftime_now
+    *_cases("Llama-3.2-3B-Instruct.jinja", [SYSTEM_USER], date_string="02 Jan 2025"),
+    *_cases("Llama-3.2-3B-Instruct.jinja", [TOOL_TURNS], tools=WEATHER_TOOLS),
+    *_cases("Mistral-7B-Instruct-v0.3.jinja", [SYSTEM_USER, MULTI_TURN]),
+    *_cases("Mistral-7B-Instruct-v0.3.jinja", [TOOL_TURNS, TOOL_TURNS[1:]], tools=WEATHER_TOOLS),
+    *_cases("Mistral-7B-Instruct-v0.3.jinja", [TOOL_TURNS[:2] + [     # id of 8 characters
+        {"role": "assistant", "tool_calls": [{**WEATHER_CALL, "id": "call0Abc"}]}]]),
+    *_cases("Mixtral-8x7B-Instruct-v0.1.jinja", [MULTI_TURN, SYSTEM_USER]),   # system refused
+    *_cases("Qwen2.5-7B-Instruct.jinja", [SYSTEM_USER, MULTI_TURN]),
+    *_cases("Qwen2.5-7B-Instruct.jinja", [TOOL_TURNS, TOOL_TURNS[1:]], tools=WEATHER_TOOLS),
+    *_cases("Qwen3-0.6B.jinja", [SYSTEM_USER, MULTI_TURN, THINKING_TURNS, THINKING_TURNS[:2]]),
+    *_cases("Qwen3-0.6B.jinja", [SYSTEM_USER, THINKING_TURNS], enable_thinking=False),
+    *_cases("Qwen3-0.6B.jinja", [THINKING_TURNS], enable_thinking=True),
+    *_cases("Qwen3-0.6B.jinja", [QWEN3_TOOL_TURNS, QWEN3_TOOL_TURNS[:4]], tools=WEATHER_TOOLS,
+            enable_thinking=False),
+    *_cases("Qwen3-0.6B.jinja", [QWEN3_TOOL_TURNS[:4]], tools=WEATHER_TOOLS),
+    # reasoning given as "reasoning" / inline <think> in content instead of reasoning_content
+    *_cases("Qwen3-0.6B.jinja", [[THINKING_TURNS[0], {"role": "assistant", "content": "4",
+                                                       "reasoning": "2+2=4"}],
+                                 [THINKING_TURNS[0], {"role": "assistant",
+                                                       "content": "<think>\nadd\n</think>\n\n4"}]]),
+    # content None with tool_calls: the original Qwen3 template reads message.content, so both fail
+    *_cases("Qwen3-0.6B.jinja", [[TOOL_TURNS[1], {"role": "assistant", "content": None,
+                                                   "tool_calls": [WEATHER_CALL]}]]),
+]
+
+# Inputs JSON cannot carry (enums, tuples, numpy scalars, non-str keys): both sides exec this
+# source and render its RICH_CASES, (template, messages, kwargs) with template a file of
+# CHAT_TEMPLATES or RICH_TEMPLATE, which shows what the template sees.
+RICH_TEMPLATE = (
+    "{{ tools is defined }}|{{ tools }}|{{ documents is defined }}|{{ documents }}|"
+    "{% for m in messages %}{{ m.role }}:{{ m.role == 'user' }}:{{ m.content }};{% endfor %}"
+    "{{ x }}|{{ y }}|{{ z }}|{{ w }}|{{ w[1] }}")
+RICH_SOURCE = """
+import enum
+import numpy as np
+class Role(str, enum.Enum):
+  SYSTEM = "system"
+  USER = "user"
+  ASSISTANT = "assistant"
+ROLES = {"system": Role.SYSTEM, "user": Role.USER, "assistant": Role.ASSISTANT}
+RICH_CASES = [
+  ("rich", [{"role": Role.USER, "content": "hi"}, {"role": Role.ASSISTANT, "content": ("a", 2)}],
+   {"x": (1, "b"), "y": np.int64(3), "z": np.bool_(False), "w": {1: np.float32(0.5)}}),
+  ("rich", [{"role": "user", "content": "hi"}],
+   {"tools": None, "x": np.str_("s"), "y": np.float64(2.5), "z": [np.int32(7)], "w": {1: 2}}),
+  ("rich", [{"role": "user", "content": "hi"}],
+   {"documents": [{"title": "T", "text": "body"}], "x": 0, "y": 0, "z": 0, "w": {1: 1}}),
+] + [(name, [{**m, "role": ROLES[m["role"]]} for m in chat], {"add_generation_prompt": True})
+     for name, chat in (("Qwen2.5-7B-Instruct.jinja", SYSTEM_USER),
+                        ("Llama-3.1-8B-Instruct.jinja", MULTI_TURN),
+                        ("Qwen3-0.6B.jinja", MULTI_TURN))]
+"""
+
+
+def rich_cases() -> list:
+  scope = {"SYSTEM_USER": SYSTEM_USER, "MULTI_TURN": MULTI_TURN}
+  exec(RICH_SOURCE, scope)
+  return scope["RICH_CASES"]
+
+
+# Run by HF_TOKENIZER_SCRIPT with `job` = template_job(); leaves its renderings in `out`.
+HF_TEMPLATE_SCRIPT = r"""
+import datetime
+from transformers import AutoTokenizer
+from transformers.utils import chat_template_utils
+
+class FixedNow(datetime.datetime):
+  @classmethod
+  def now(cls, tz=None):
+    return cls(*job["now"])
+
+chat_template_utils.datetime = FixedNow     # what strftime_now calls
+tok = AutoTokenizer.from_pretrained(job["dir"])
+scope = {"SYSTEM_USER": job["system_user"], "MULTI_TURN": job["multi_turn"]}
+exec(job["rich_source"], scope)
+cases = [(c["template"], c["messages"], c["kwargs"]) for c in job["cases"]] + scope["RICH_CASES"]
+out = []
+for template, messages, kwargs in cases:
+  try:
+    out.append({"text": tok.apply_chat_template(
+        messages, tokenize=False, chat_template=job["templates"][template], **kwargs)})
+  except Exception as e:
+    out.append({"error": type(e).__name__, "message": str(e)})
+"""
+
+
+def template_job(stories_hf_dir) -> dict:
+  templates = {name: (CHAT_TEMPLATES / name).read_text(encoding="utf-8")
+               for name in {c["template"] for c in TEMPLATE_CASES}}
+  return {"dir": str(stories_hf_dir), "now": FIXED_NOW, "cases": TEMPLATE_CASES,
+          "templates": {**templates, "rich": RICH_TEMPLATE}, "rich_source": RICH_SOURCE,
+          "system_user": SYSTEM_USER, "multi_turn": MULTI_TURN}
+
+
+@pytest.fixture(scope="module")
+def hf_template_reference(hf_tokenizer_reference):
+  """transformers' renderings of TEMPLATE_CASES, then of RICH_CASES (hf_tokenizer_reference's
+  subprocess makes them: one transformers import for the file)."""
+  return lambda: hf_tokenizer_reference()["template_cases"]
+
+
+def _template_tok(stories_tok: Tokenizer, name: str) -> Tokenizer:
+  source = RICH_TEMPLATE if name == "rich" else (CHAT_TEMPLATES / name).read_text(encoding="utf-8")
+  return Tokenizer(stories_tok.backend, {**stories_tok.config, "chat_template": source})
+
+
+def _render(tok: Tokenizer, messages, kwargs) -> dict:
+  kwargs = dict(kwargs)
+  add_generation_prompt = kwargs.pop("add_generation_prompt")
+  try:
+    return {"text": tok.apply_chat_template(messages, add_generation_prompt, **kwargs)}
+  except Exception as e:
+    return {"error": type(e).__name__, "message": str(e)}
+
+
+def test_real_chat_templates_match_transformers(hf_template_reference, stories_tok, monkeypatch):
+  """The chat templates of Llama 3.1 / 3.2, Mistral v0.3 and v0.1, Qwen2.5, Qwen3 and SmolLM2
+  (tests/data/chat_templates, sources in its README) render every case of TEMPLATE_CASES as
+  transformers does: tools, tool calls and responses, content None, reasoning, enable_thinking,
+  date_string and strftime_now (both fixed to FIXED_NOW), and the same refusals."""
+  import sparsedec.tokenizer as tokenizer_module
+
+  class FixedNow(datetime.datetime):
+    @classmethod
+    def now(cls, tz=None):
+      return cls(*FIXED_NOW)
+
+  monkeypatch.setattr(tokenizer_module, "datetime", types.SimpleNamespace(datetime=FixedNow))
+  ref = hf_template_reference()[:len(TEMPLATE_CASES)]
+  assert len(ref) == len(TEMPLATE_CASES)
+  for case, expected in zip(TEMPLATE_CASES, ref):
+    tok = _template_tok(stories_tok, case["template"])
+    got = _render(tok, case["messages"], {"add_generation_prompt": False, **case["kwargs"]})
+    assert got == expected, (case["template"], case["kwargs"], case["messages"])
+  # the cases exercise what they claim: renderings, refusals and the fixed date
+  texts = [r["text"] for r in ref if "text" in r]
+  assert sum("error" in r for r in ref) >= 3 and len(texts) > 50
+  assert any("Today Date: 07 Mar 2025" in t for t in texts)
+  assert any("<tool_call>" in t and "<tool_response>" in t for t in texts)
+  assert any("[TOOL_CALLS]" in t and "[TOOL_RESULTS]" in t for t in texts)
+  assert any("<think>\nTwo plus two is four.\n</think>\n\n4<|im_end|>" in t for t in texts)
+  assert any(t.endswith("<think>\n\n</think>\n\n") for t in texts)
+
+
+def test_chat_template_inputs_are_converted_as_transformers_does(hf_template_reference,
+                                                                 stories_tok):
+  """What a template sees of inputs beyond JSON (RICH_CASES), as in transformers 5.24: a str-enum
+  role is its value ("Role.USER" was rendered, so real templates' role tests failed: Qwen2.5
+  put its default system prompt for the given one and dropped the user turn), tuples stay tuples (were lists), numpy scalars (np.int64,
+  np.bool_) are their Python values (were refused), mapping keys keep their type (were made str),
+  and `tools` / `documents` are defined, None when not given (were undefined)."""
+  ref = hf_template_reference()[len(TEMPLATE_CASES):]
+  cases = rich_cases()
+  assert len(ref) == len(cases)
+  for (name, messages, kwargs), expected in zip(cases, ref):
+    got = _render(_template_tok(stories_tok, name), messages,
+                  {"add_generation_prompt": False, **kwargs})
+    assert got == expected, (name, messages, kwargs)
+  assert ref[0]["text"] == ("True|None|True|None|user:True:hi;assistant:False:('a', 2);"
+                            "(1, 'b')|3|False|{1: 0.5}|0.5")
