@@ -115,14 +115,18 @@ class Tokenizer:
   # --------------------------------------------------------------------------- chat template
   def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                           add_generation_prompt: bool = True, tools: Sequence | None = None,
-                          documents: Sequence | None = None, **kwargs: Any) -> str:
+                          documents: Sequence | None = None, chat_template: str | None = None,
+                          **kwargs: Any) -> str:
     """Render `messages` ([{"role": ..., "content": ...}, ...]) with the chat template.
     tools (JSON schemas), documents and extra keyword arguments (enable_thinking=...,
     date_string=...) are passed to the template; tools and documents are always defined there,
-    None when not given, as in transformers. Given tools, a tokenizer with named templates
-    renders its "tool_use" one, as transformers does."""
+    None when not given, as in transformers. The template, as transformers chooses it:
+    `chat_template` (the name of one of the tokenizer's named templates, or a template's text),
+    else the tokenizer's, its "tool_use" one when it has named templates and tools are given."""
     source = self.chat_template
-    if tools is not None and self.chat_templates.get("tool_use"):
+    if chat_template is not None:
+      source = self.chat_templates.get(chat_template, chat_template)
+    elif tools is not None and self.chat_templates.get("tool_use"):
       source = self.chat_templates["tool_use"]
     if not source:
       if self.chat_templates:

@@ -334,6 +334,10 @@ def test_named_chat_templates_pick_tool_use_given_tools(stories_tok, tmp_path):
   no_default = Tokenizer(stories_tok.backend, {**stories_tok.config, "chat_template": named[1:]})
   with pytest.raises(InputError, match=r"\['tool_use'\] include no 'default'"):
     no_default.apply_chat_template(chat)
+  # chat_template= names one of them or is a template's text (it was a template variable)
+  assert tok.apply_chat_template(chat, tools=tools, chat_template="default") == "hi"
+  assert tok.apply_chat_template(chat, chat_template="tool_use", tools=tools) == "TOOLS add: hi"
+  assert no_default.apply_chat_template(chat, chat_template="{{ messages[0].content }}!") == "hi!"
 
 
 def test_a_chat_message_that_is_not_a_mapping_is_refused_by_name(stories_tok):
