@@ -556,9 +556,10 @@ def test_chat_template_inputs_are_converted_as_transformers_does(hf_template_ref
                                                                  stories_tok):
   """What a template sees of inputs beyond JSON (RICH_CASES), as in transformers 5.24: a str-enum
   role is its value ("Role.USER" was rendered, so real templates' role tests failed: Qwen2.5
-  put its default system prompt for the given one and dropped the user turn), tuples stay tuples (were lists), numpy scalars (np.int64,
-  np.bool_) are their Python values (were refused), mapping keys keep their type (were made str),
-  and `tools` / `documents` are defined, None when not given (were undefined)."""
+  put its default system prompt for the given one and dropped the user turn), tuples stay
+  tuples (were lists), numpy scalars (np.int64, np.bool_) are their Python values (were
+  refused), mapping keys keep their type (were made str), and `tools` / `documents` are
+  defined, None when not given (were undefined)."""
   ref = hf_template_reference()[len(TEMPLATE_CASES):]
   cases = rich_cases()
   assert len(ref) == len(cases)
