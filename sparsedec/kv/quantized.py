@@ -38,7 +38,7 @@ from jax import lax
 
 from pallas_kernels.quant_attention import (KEY_TILE, QuantKV, QuantPlanes, k_layout,
                                             quantize_kv, quantize_planes, v_layout, v_tile_tokens)
-from pallas_kernels.register_operand import pack_words
+from pallas_kernels.register_operand import pack_words, unpack_words
 from sparsedec.model.quant_weights import array_bytes
 from pallas_kernels.quant_attention import bytes_per_token as _quant_bytes
 from sparsedec.errors import InputError, is_int
@@ -143,64 +143,29 @@ def from_dense(cache: KVCache, group: int, quant_capacity: int | None = None) ->
                         buf_len=buf_len, group=group)
 
 
-@struct.dataclass
-class GroupWords:
-  """A flushed group in storage order (`flush` packs every layer's at once; rows layer-major,
-  [L * B, ...], until `unstacked`). T = the value tile's tokens."""
-  k: jax.Array        # [R, G, Hkv, 2, D/C, C/8] words, token-major: scattered at the group's slots
-  v: jax.Array        # T | G: [R, G/T, Hkv, 2, D, T/8], whole tiles; G < T: [R, Hkv, 2, D, T/8],
-                      # the group's codes in their nibbles of its tile, zeros elsewhere
-  k_scale: jax.Array  # [R, Hkv, 1, D] fp16 (and k_zero)
-  k_zero: jax.Array
-  v_scale: jax.Array  # [R, Hkv, G] fp16 (and v_zero)
-  v_zero: jax.Array
-
-
-def group_words(planes: QuantPlanes, start: jax.Array, num_layers: int, tile: int) -> GroupWords:
-  """planes of one G-token group per row (R = num_layers * B rows, layer-major) -> their words;
-  start [B]: the group's first slot in each row (for G < T, where in its tile it lands)."""
-  g = planes.v_planes.shape[3]
-  k = k_layout(planes.k_planes).transpose(0, 4, 1, 2, 3, 5)              # [R, G, Hkv, 2, D/C, C/8]
-  if g % tile == 0:
-    v = v_layout(planes.v_planes).transpose(0, 3, 1, 2, 4, 5)          # [R, G/T, Hkv, 2, D, T/8]
-  else:
-    codes = planes.v_planes.swapaxes(-1, -2)                            # [R, Hkv, 2, D, G]
-    in_tile = jnp.zeros((*codes.shape[:-1], tile), codes.dtype)         # [R, Hkv, 2, D, T]
-    offset = jnp.tile(start % tile, num_layers)                          # [R]
-    v = pack_words(jax.vmap(lambda z, c, o: lax.dynamic_update_slice_in_dim(z, c, o, axis=-1))(
-        in_tile, codes, offset))
-  return GroupWords(k=k, v=v, k_scale=planes.k_scale, k_zero=planes.k_zero,
-                    v_scale=planes.v_scale, v_zero=planes.v_zero)
-
-
-def _group_nibbles(start: jax.Array, g: int, tile: int) -> jax.Array:
-  """[B, 1, 1, 1, T/8] uint32: the nibbles of slots start % T .. + G of a value tile's words."""
-  slot = jnp.arange(tile)[None, :] - (start % tile)[:, None]              # [B, T]
-  ones = jnp.where((slot >= 0) & (slot < g), -1, 0)                       # code -1: nibble 0xF
-  return pack_words(ones)[:, None, None, None, :]
-
-
-def _write_v_tiles(v_codes: jax.Array, words: jax.Array, start: jax.Array, on: jax.Array,
-                   g: int) -> jax.Array:
-  """v_codes [B, Hkv, 2, S/T, D, T/8] with a group's value words (`GroupWords.v`, one layer)
-  written at token start[b] of rows with on[b]: whole tiles when T divides G, else the group's
-  nibbles of the one tile holding it (the tile's other codes kept)."""
-  b = start.shape[0]
+def _write_v_tiles(v_codes: jax.Array, planes: jax.Array, start: jax.Array,
+                   on: jax.Array) -> jax.Array:
+  """v_codes [B, Hkv, 2, S/T, D, T/8] words with the group's value codes planes
+  [B, Hkv, 2, G, D] written at token start[b] of rows with on[b]: whole tiles when T divides G,
+  else a read-modify-write of the one tile holding the group."""
+  b, g = start.shape[0], planes.shape[3]
   n_tiles, t = v_codes.shape[3], v_codes.shape[-1] * 8
   rows = jnp.arange(b)[:, None]                                              # [B, 1]
   if g % t == 0:
     tiles = jnp.where(on[:, None], start[:, None] // t + jnp.arange(g // t)[None], n_tiles)
+    new = v_layout(planes)                                                   # [B,Hkv,2,G/T,D,T/8]
     # indexed at (rows, tiles) -> [B, G/T, Hkv, 2, D, T/8]
-    return v_codes.at[rows, :, :, tiles].set(words, mode="drop")
+    return v_codes.at[rows, :, :, tiles].set(new.transpose(0, 3, 1, 2, 4, 5), mode="drop")
   tile = jnp.where(on, start // t, n_tiles)                                  # [B]
   old = v_codes[rows[:, 0], :, :, jnp.minimum(tile, n_tiles - 1)]           # [B, Hkv, 2, D, T/8]
-  new = (old & ~_group_nibbles(start, g, t)) | words
-  return v_codes.at[rows[:, 0], :, :, tile].set(new, mode="drop")
+  codes = unpack_words(old)                                                  # [B, Hkv, 2, D, T]
+  codes = jax.vmap(lambda c, p, o: lax.dynamic_update_slice_in_dim(c, p, o, axis=-1))(
+      codes, planes.swapaxes(-1, -2), start % t)
+  return v_codes.at[rows[:, 0], :, :, tile].set(pack_words(codes), mode="drop")
 
 
-def _write_group(qkv: QuantKV, new: GroupWords, start: jax.Array, on: jax.Array) -> QuantKV:
-  """Write one quantized group `new` (G tokens, one layer's words) at slot start[b] of rows with
-  on[b]."""
+def _write_group(qkv: QuantKV, new: QuantPlanes, start: jax.Array, on: jax.Array) -> QuantKV:
+  """Write one quantized group `new` (G tokens) at slot start[b] of rows with on[b]."""
   g = qkv.group
   b = start.shape[0]
   cap = qkv.capacity
@@ -209,8 +174,9 @@ def _write_group(qkv: QuantKV, new: GroupWords, start: jax.Array, on: jax.Array)
   grp = jnp.where(on, start // g, cap // g)                                  # [B]
   return QuantKV(
       # k [B, Hkv, 2, D/C, S, C/8] indexed at (rows, slots) -> [B, G, Hkv, 2, D/C, C/8]
-      k_codes=qkv.k_codes.at[rows, :, :, :, slots].set(new.k, mode="drop"),
-      v_codes=_write_v_tiles(qkv.v_codes, new.v, start, on, g),
+      k_codes=qkv.k_codes.at[rows, :, :, :, slots].set(
+          k_layout(new.k_planes).transpose(0, 4, 1, 2, 3, 5), mode="drop"),
+      v_codes=_write_v_tiles(qkv.v_codes, new.v_planes, start, on),
       k_scale=qkv.k_scale.at[rows[:, 0], :, grp].set(new.k_scale[:, :, 0], mode="drop"),
       k_zero=qkv.k_zero.at[rows[:, 0], :, grp].set(new.k_zero[:, :, 0], mode="drop"),
       v_scale=qkv.v_scale.at[rows, :, slots].set(new.v_scale.transpose(0, 2, 1), mode="drop"),
@@ -241,15 +207,13 @@ def unstacked(batch, num_layers: int) -> tuple:
 def flush(cache: QuantizedCache, on: jax.Array) -> QuantizedCache:
   """For rows with on[b] (CF1 full): quantize CF1 into the next group, CF2 -> CF1. Every layer's
   CF1 is quantized in one batch ([L * B, Hkv, G, D]; per-row arithmetic, the same codes as one
-  layer at a time) and packed into storage order in that batch too (`group_words`), then
-  scattered layer by layer."""
-  g, n_layers = cache.group, len(cache.codes)
+  layer at a time), then written layer by layer."""
+  g = cache.group
   planes = quantize_planes(stacked_cf1(cache.buf_k, g), stacked_cf1(cache.buf_v, g), g)
-  tile = cache.codes[0].v_codes.shape[-1] * 8
-  words = group_words(planes, cache.quant_len, n_layers, tile)
   codes, buf_k, buf_v = [], [], []
   shift = on[:, None, None, None]
-  for qkv, new, k, v in zip(cache.codes, unstacked(words, n_layers), cache.buf_k, cache.buf_v):
+  for qkv, new, k, v in zip(cache.codes, unstacked(planes, len(cache.codes)), cache.buf_k,
+                            cache.buf_v):
     codes.append(_write_group(qkv, new, cache.quant_len, on))
     buf_k.append(jnp.where(shift, _cf2_to_cf1(k, g), k))
     buf_v.append(jnp.where(shift, _cf2_to_cf1(v, g), v))
