@@ -239,7 +239,7 @@ def _meta_neighbour(r, direction):
   return lax.bitcast_convert_type(out, META_DTYPE)
 
 
-def _round_to_meta(x, direction):
+def round_to_meta(x, direction):
   """fp32 -> META_DTYPE, rounded down (direction < 0) or up (> 0), never to nearest. The
   optimization barrier keeps XLA from dropping the fp32 -> fp16 -> fp32 round trip the
   comparison needs (XLA:GPU allows excess precision by default). On an H100 the zeros and steps
@@ -262,13 +262,13 @@ def _grid(lo, hi):
   codes are all 0.)"""
   lo = jnp.clip(lo, -META_MAX, META_MAX)
   hi = jnp.clip(hi, -META_MAX, META_MAX)
-  zero = _round_to_meta(lo, -1)
+  zero = round_to_meta(lo, -1)
   zero_f = zero.astype(jnp.float32)
   # A multiply by the fp32 constant 1/15 (not a division, which XLA may rewrite): the grid is
   # then bit-reproducible by any fp32 implementation.
   fifteenth = jnp.float32(1 / UPPER_LEVELS)
-  step = _round_to_meta((hi - zero_f) * fifteenth, +1)
-  below_top = _round_to_meta((META_MAX - zero_f) * fifteenth, -1)
+  step = round_to_meta((hi - zero_f) * fifteenth, +1)
+  below_top = round_to_meta((META_MAX - zero_f) * fifteenth, -1)
   step = jnp.where(zero_f + UPPER_LEVELS * step.astype(jnp.float32) > META_MAX, below_top, step)
   step = jnp.where(step > 0, step, jnp.ones_like(step))   # constant group: any step works
   return zero, step

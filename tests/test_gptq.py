@@ -307,8 +307,10 @@ def test_quantspec_decodes_with_the_gptq_draft_the_params_carry(stories):
   used = got.state.extras.draft_params["layers"]
   assert gptq.DRAFT_KEY not in got.state.extras.draft_params
   for i, lp in enumerate(draft):
-    for name in QUANTIZED_LINEARS:
-      np.testing.assert_array_equal(np.asarray(used[i][name].codes), np.asarray(lp[name].codes))
+    for name in QUANTIZED_LINEARS:   # in the layout the run stores ("int4_t" on a GPU)
+      got_w = used[i][name]
+      np.testing.assert_array_equal(np.asarray(got_w.codes),
+                                    np.asarray(lp[name].to_layout(got_w.layout).codes))
   rtn_codes = quantize_weight(params["layers"][0]["w_down"], 32).codes
   assert not np.array_equal(np.asarray(draft[0]["w_down"].codes), np.asarray(rtn_codes))
   assert 0.0 < got.method_stats["acceptance_rate"] <= 1.0

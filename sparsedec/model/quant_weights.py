@@ -55,6 +55,7 @@ from flax import struct
 # this module, so either may be first; the names are looked up at call time.
 import pallas_kernels.w4a16_gemv as w4a16
 import pallas_kernels.w4a8_gemv as w4a8
+from pallas_kernels.quant_attention import round_to_meta
 from pallas_kernels.register_operand import unpack_words
 from sparsedec.errors import InputError, is_int
 
@@ -155,14 +156,6 @@ def _store_codes(c: jax.Array, layout: str) -> jax.Array:
   return codes
 
 
-def _to_meta(x: jax.Array, direction: int) -> jax.Array:
-  r = x.astype(META_DTYPE)
-  rf = r.astype(jnp.float32)
-  toward = jnp.array(-jnp.inf if direction < 0 else jnp.inf, META_DTYPE)
-  off = rf > x if direction < 0 else rf < x
-  return jnp.where(off, jnp.nextafter(r, toward), r)
-
-
 def check_group_layout(group, layout: str) -> None:
   """InputError unless group is an even integer >= 2 that `layout` can store."""
   if not is_int(group) or group < 2 or group % 2:
@@ -185,10 +178,12 @@ def group_grid(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
   """rows [..., G, Out] (fp32) -> (zero, step) [..., Out] fp16: zero = the min rounded down, step =
   (max - zero) / 15 rounded up (1 for a constant group), so no row's code clips; one fp16 step
   lower when 15 times that still spans the group (the fp32 1/15 can push the quotient of an
-  exact multiple over it: a Q4_1 block's grid is then reproduced exactly)."""
-  zero = _to_meta(rows.min(-2), -1)
+  exact multiple over it: a Q4_1 block's grid is then reproduced exactly). The fp16 roundings
+  are the KV quantizer's (`round_to_meta`), which XLA:GPU cannot skip: with `jnp.astype` alone a
+  jitted grid on an H200 came out one fp16 step off the same grid computed op by op."""
+  zero = round_to_meta(rows.min(-2), -1)
   span = rows.max(-2) - zero.astype(jnp.float32)
-  step = _to_meta(span * jnp.float32(1 / 15), +1)
+  step = round_to_meta(span * jnp.float32(1 / 15), +1)
   lower = jnp.nextafter(step, jnp.zeros_like(step))
   step = jnp.where(lower.astype(jnp.float32) * 15 >= span, lower, step)
   return zero, jnp.where(step > 0, step, jnp.ones_like(step))
@@ -199,17 +194,30 @@ def absmax_grid(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
   group's largest-magnitude value m (the first, signed) at code 0, step d = -m / 8, so w ~ d (c -
   8); step 1 for an all-zero group."""
   m = jnp.take_along_axis(rows, jnp.abs(rows).argmax(-2)[..., None, :], axis=-2)[..., 0, :]
-  zero = m.astype(META_DTYPE)
+  # The barriers make the fp16 roundings real under jit (XLA:GPU may keep fp16 values in fp32).
+  zero = jax.lax.optimization_barrier(m.astype(META_DTYPE))
   step = (zero.astype(jnp.float32) * jnp.float32(-1 / 8)).astype(META_DTYPE)  # exact: a power of 2
-  return zero, jnp.where(step != 0, step, jnp.ones_like(step))
+  return zero, jax.lax.optimization_barrier(jnp.where(step != 0, step, jnp.ones_like(step)))
 
 
 def grid_codes(rows, zero, step):
   """rows [..., Out] fp32 on the grid (zero, step) [..., Out] (broadcast) -> codes in [0, 15],
-  fp32 (round half to even). numpy arrays in, numpy out (GPTQ's host loop), with the same fp32
-  arithmetic."""
+  fp32: the exact quotient (rows - zero) / step rounded half to even. numpy arrays in, numpy out
+  (GPTQ's host loop), with the same fp32 arithmetic. As the KV quantizer's codes
+  (`pallas_kernels.quant_attention._codes8`), the quotient is only a guess g (XLA:GPU's fp32
+  quotient is not always IEEE's), settled by comparing d = rows - zero with (g +- 1/2) * step:
+  products exact in fp32 (a <= 6-bit by an 11-bit significand), so every backend, jitted or not,
+  gives the same codes."""
   xp = np if isinstance(rows, np.ndarray) else jnp
-  c = xp.round((rows - zero.astype(xp.float32)) / step.astype(xp.float32))
+  s = step.astype(xp.float32)
+  d = rows - zero.astype(xp.float32)
+  sign = xp.where(s < 0, xp.float32(-1), xp.float32(1))       # Q4_0's steps may be negative
+  d, s = d * sign, s * sign                                    # exact
+  g = xp.clip(xp.round(d * (xp.float32(1) / s)), -1, 16)     # the guess, near the grid
+  above, below = (g + xp.float32(0.5)) * s, (g - xp.float32(0.5)) * s
+  odd = xp.mod(g, 2) == 1
+  c = (g + (d > above).astype(xp.float32) - (d < below).astype(xp.float32)
+       + ((d == above) & odd).astype(xp.float32) - ((d == below) & odd).astype(xp.float32))
   return xp.clip(c, 0, 15)
 
 
