@@ -4,7 +4,8 @@
   where it has none, of tokenizer.json's post-processor (as transformers encodes);
 - `apply_chat_template` renders the config's Jinja chat template the way transformers does
   (sandboxed, trim_blocks, lstrip_blocks, `raise_exception`, `tojson`, `strftime_now`, the
-  `{% generation %}` assistant-mask blocks);
+  `{% generation %}` assistant-mask blocks, `continue_final_message`, its defaults; checked
+  against transformers 5.24 on the supported families' templates in tests/test_tokenizer.py);
 - `StreamDecoder` turns a growing list of ids into text pieces for streaming.
 """
 
@@ -28,7 +29,9 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 GENERATION_CONFIG_FILE = "generation_config.json"
-SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# The named special tokens (transformers' SPECIAL_TOKENS_ATTRIBUTES): template variables too.
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                      "mask_token")
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
@@ -114,15 +117,20 @@ class Tokenizer:
 
   # --------------------------------------------------------------------------- chat template
   def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
-                          add_generation_prompt: bool = True, tools: Sequence | None = None,
+                          add_generation_prompt: bool = False, tools: Sequence | None = None,
                           documents: Sequence | None = None, chat_template: str | None = None,
-                          **kwargs: Any) -> str:
-    """Render `messages` ([{"role": ..., "content": ...}, ...]) with the chat template.
+                          continue_final_message: bool | str = False, **kwargs: Any) -> str:
+    """Render `messages` ([{"role": ..., "content": ...}, ...]) with the chat template, as
+    transformers' apply_chat_template(tokenize=False) does (its defaults too:
+    add_generation_prompt=False; `encode_chat` adds the generation prompt).
     tools (JSON schemas), documents and extra keyword arguments (enable_thinking=...,
-    date_string=...) are passed to the template; tools and documents are always defined there,
-    None when not given, as in transformers. The template, as transformers chooses it:
-    `chat_template` (the name of one of the tokenizer's named templates, or a template's text),
-    else the tokenizer's, its "tool_use" one when it has named templates and tools are given."""
+    date_string=...) are passed to the template with the special tokens (bos_token, ...);
+    tools and documents are always defined there, None when not given.
+    continue_final_message: the text ends where the final message's "content" (or the field it
+    names, e.g. "reasoning_content") ends, so generation continues that message (not with
+    add_generation_prompt). The template, as transformers chooses it: `chat_template` (the name of
+    one of the tokenizer's named templates, or a template's text), else the tokenizer's, its
+    "tool_use" one when it has named templates and tools are given."""
     source = self.chat_template
     if chat_template is not None:
       source = self.chat_templates.get(chat_template, chat_template)
@@ -133,19 +141,27 @@ class Tokenizer:
         raise InputError(f"this tokenizer's chat templates {sorted(map(str, self.chat_templates))} "
                          "include no 'default' one")
       raise InputError("this tokenizer has no chat_template")
+    if continue_final_message and add_generation_prompt:
+      raise InputError("continue_final_message and add_generation_prompt are not compatible: the "
+                       "first continues the final message, the second starts a new assistant one")
     template = _compile_template(source)
     variables = {k: v for k, v in self.special_tokens.items() if v is not None}
     variables.update(_plain(kwargs))
-    return template.render(messages=_plain(_chat_messages(messages)), tools=_plain(tools),
-                           documents=_plain(documents),
+    chat = _plain(_chat_messages(messages))
+    final = _tag_final_message(chat, continue_final_message, source) if continue_final_message \
+        else None
+    text = template.render(messages=chat, tools=_plain(tools), documents=_plain(documents),
                            add_generation_prompt=add_generation_prompt, **variables)
+    return text if final is None else _cut_at_tag(text, final)
 
   def encode_chat(self, messages: Sequence[Mapping[str, Any]],
                   add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
-    """Token ids of the rendered chat, as transformers' apply_chat_template(tokenize=True): the
+    """Token ids of the rendered chat to generate from (so, unlike `apply_chat_template`, with the
+    generation prompt unless told otherwise), as transformers' apply_chat_template(tokenize=True): the
     template writes every special token it wants (BOS included), so encode adds neither BOS nor
     EOS (a tokenizer whose encode appends EOS must not end the prompt with it)."""
-    return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
+    return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                **kwargs),
                        add_bos=False, add_eos=False)
 
   # ------------------------------------------------------------------------------- files
@@ -303,6 +319,54 @@ def _chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
       message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
     out.append(message)
   return out
+
+
+# What `continue_final_message` appends to the final message's text, found again in the rendering.
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final_message(chat: list[dict], field: bool | str, source: str) -> str:
+  """Mark the end of the final message's `field` ("content" for True) with CONTINUE_TAG, as
+  transformers 5.24 does (every copy of a reasoning field; the last text block of a content
+  list), in place on `chat` (a plain copy). Returns the final message's text."""
+  if not chat:
+    raise InputError("continue_final_message is set but the conversation is empty")
+  field = field if isinstance(field, str) else "content"
+  last = chat[-1]
+  final = last.get(field)
+  if final is None:
+    raise InputError(f'continue_final_message is set but the final message has no "{field}" '
+                     "to continue")
+  fields = [f for f in REASONING_FIELDS if last.get(f) == final] if field in REASONING_FIELDS \
+      else [field]
+  if not any(f in source for f in fields):
+    raise InputError(f'continue_final_message is set to "{field}", which the chat template never '
+                     "reads")
+  if isinstance(final, (list, tuple)):
+    block = next((b for b in reversed(final) if isinstance(b, dict) and "text" in b), None)
+    if block is None or not isinstance(block["text"], str):
+      raise InputError("continue_final_message is set but the final message has no text block "
+                       "to continue")
+    final = block["text"]
+    block["text"] = final + CONTINUE_TAG
+    return final
+  if not isinstance(final, str):
+    raise InputError(f'continue_final_message needs the final message\'s "{field}" to be text, '
+                     f"got {type(final).__name__}")
+  for f in fields:
+    last[f] = final + CONTINUE_TAG
+  return final
+
+
+def _cut_at_tag(text: str, final: str) -> str:
+  """The rendering cut where CONTINUE_TAG was (the spacing after it trimmed if the template
+  trimmed the message)."""
+  tag = CONTINUE_TAG.strip()
+  if final.strip() not in text or tag not in text:
+    raise InputError("continue_final_message is set but the final message does not appear in the "
+                     "rendered chat (the template drops part of it)")
+  at = text.rindex(tag)
+  return text[:at] if text[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
 
 
 def _plain(value: Any) -> Any:

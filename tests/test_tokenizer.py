@@ -131,7 +131,8 @@ def test_matches_transformers(hf_tokenizer_reference, stories_tok, smol_tok):
       assert tok.decode(ids) == decoded, (name, text)
       assert tok.decode(ids, skip_special_tokens=True) == decoded_skip, (name, text)
   assert "chats" not in ref["stories"]
-  assert [smol_tok.apply_chat_template(c) for c in CHATS] == ref["smollm2"]["chats"]
+  assert [smol_tok.apply_chat_template(c, add_generation_prompt=True)
+          for c in CHATS] == ref["smollm2"]["chats"]
   # Messages as transformers 5.x prepares them: None-valued keys dropped, reasoning aliased.
   probe = Tokenizer(stories_tok.backend, {**stories_tok.config, "chat_template": PROBE_TEMPLATE})
   assert [probe.apply_chat_template(c, add_generation_prompt=False)
@@ -171,10 +172,24 @@ def test_chat_template_helpers(stories_tok):
   tok = Tokenizer(stories_tok.backend, {**stories_tok.config, "chat_template": (
       "{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}"
       "{{ bos_token }}{{ messages[0] | tojson }}{% if add_generation_prompt %}>{% endif %}")})
-  assert tok.apply_chat_template([{"role": "user", "content": "é<"}]) == (
+  assert tok.apply_chat_template([{"role": "user", "content": "é<"}], add_generation_prompt=True) == (
       '<s>{"role": "user", "content": "é<"}>')
+  assert tok.apply_chat_template([{"role": "user", "content": "é<"}]) == (   # as transformers
+      '<s>{"role": "user", "content": "é<"}')
   with pytest.raises(jinja2.exceptions.TemplateError, match="one message only"):
     tok.apply_chat_template(CHATS[1])
+  # every named special token of the config is a template variable, as in transformers
+  tok = Tokenizer(stories_tok.backend, {**stories_tok.config, "sep_token": "[SEP]",
+                                        "cls_token": {"content": "[CLS]"}, "mask_token": "[M]",
+                                        "chat_template": "{{ cls_token }}{{ messages[0].content }}"
+                                        "{{ sep_token }}{{ mask_token }}{{ unk_token }}"})
+  assert tok.apply_chat_template(CHATS[0]) == "[CLS]You are a terse assistant.[SEP][M]<unk>"
+  assert tok.apply_chat_template(CHATS[0], sep_token="|") == "[CLS]You are a terse assistant.|[M]<unk>"
+  # continue_final_message on an empty chat, or a final message that is not text
+  with pytest.raises(InputError, match="conversation is empty"):
+    tok.apply_chat_template([], continue_final_message=True)
+  with pytest.raises(InputError, match="to be text, got int"):
+    tok.apply_chat_template([{"role": "assistant", "content": 3}], continue_final_message=True)
 
 
 # ------------------------------------------------------------------------------- streaming
@@ -273,7 +288,8 @@ def test_chat_template_file_wins_over_the_config_entry(stories_hf_dir, tmp_path)
       "NEW{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
       "{% if add_generation_prompt %}<gen>{% endif %}", encoding="utf-8")
   tok = Tokenizer.from_dir(tmp_path)
-  assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "NEW[user]hi<gen>"
+  assert tok.apply_chat_template([{"role": "user", "content": "hi"}],
+                                add_generation_prompt=True) == "NEW[user]hi<gen>"
   # Saved over a directory holding another chat_template.jinja, the saved template still loads.
   again = Tokenizer(tok.backend, {**tok.config, "chat_template": "SAVED"})
   again.save(tmp_path)
@@ -289,7 +305,7 @@ def test_chat_template_generation_blocks_render_their_body(stories_tok):
       "{% if m['role'] == 'assistant' %}{% generation %}{% set mark = '!' %}{{ m['content'] }}"
       "{{ eos_token }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{{ mark }}"
       "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")})
-  assert tok.apply_chat_template(CHATS[1]) == (
+  assert tok.apply_chat_template(CHATS[1], add_generation_prompt=True) == (
       "<user>Hi|<assistant>Hello!</s>|<user>Write a haiku about JAX.|<assistant>")
 
 
@@ -307,7 +323,8 @@ def test_chat_prompts_never_end_in_eos(stories_tok):
                                         "[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
                                         "{% if add_generation_prompt %}[assistant]{% endif %}"})
   assert tok.encode("Once upon")[-1] == 2                  # the plain-text policy is unchanged
-  rendered = tok.apply_chat_template([{"role": "user", "content": "Once upon"}])
+  rendered = tok.apply_chat_template([{"role": "user", "content": "Once upon"}],
+                                     add_generation_prompt=True)
   expected = tok.encode(rendered, add_bos=False, add_eos=False)
   assert expected[0] == 1 and expected[-1] != 2
   assert cli._prompt_ids(argparse.Namespace(chat="Once upon", system=None), tok) == expected
@@ -431,6 +448,36 @@ TEMPLATE_CASES = [
     # content None with tool_calls: the original Qwen3 template reads message.content, so both fail
     *_cases("Qwen3-0.6B.jinja", [[TOOL_TURNS[1], {"role": "assistant", "content": None,
                                                    "tool_calls": [WEATHER_CALL]}]]),
+    # add_generation_prompt not given: transformers' default (False)
+    {"template": "SmolLM2-135M-Instruct.jinja", "messages": SYSTEM_USER, "kwargs": {}},
+    {"template": "Qwen3-0.6B.jinja", "messages": MULTI_TURN, "kwargs": {}},
+    # continue_final_message: a prefilled assistant turn is continued, not closed
+    *[{"template": t, "messages": SYSTEM_USER + [{"role": "assistant", "content": answer}],
+       "kwargs": {"continue_final_message": True}}
+      for t in ("SmolLM2-135M-Instruct.jinja", "Llama-3.1-8B-Instruct.jinja",
+                "Qwen2.5-7B-Instruct.jinja", "Qwen3-0.6B.jinja")
+      for answer in ("The capital is", "The capital is ")],     # Llama's template trims
+    {"template": "Mistral-7B-Instruct-v0.3.jinja", "kwargs": {"continue_final_message": "content"},
+     "messages": MULTI_TURN + [{"role": "assistant", "content": "JAX"}]},
+    *[{"template": t, "kwargs": {"continue_final_message": True},    # the last text block
+       "messages": SYSTEM_USER + [{"role": "assistant", "content": [
+           {"type": "text", "text": "Paris"}, {"type": "image"}, {"type": "text", "text": "is"},
+           {"type": "image"}]}]}
+      for t in ("blocks", "Qwen2.5-7B-Instruct.jinja")],    # Qwen2.5's template takes text only
+    {"template": "Qwen3-0.6B.jinja", "kwargs": {"continue_final_message": "reasoning_content"},
+     "messages": [THINKING_TURNS[0], {"role": "assistant", "content": "",
+                                      "reasoning_content": "Two plus"}]},
+    {"template": "Qwen3-0.6B.jinja", "kwargs": {"continue_final_message": "thinking"},
+     "messages": [THINKING_TURNS[0], {"role": "assistant", "content": "", "thinking": "Two"}]},
+    # ... and refused: with add_generation_prompt, a field the message or template lacks
+    {"template": "Qwen2.5-7B-Instruct.jinja", "messages": SYSTEM_USER,
+     "kwargs": {"continue_final_message": True, "add_generation_prompt": True}},
+    {"template": "Qwen2.5-7B-Instruct.jinja", "messages": SYSTEM_USER,
+     "kwargs": {"continue_final_message": "reasoning_content"}},
+    {"template": "Llama-3.1-8B-Instruct.jinja", "kwargs": {"continue_final_message": "thinking"},
+     "messages": [SYSTEM_USER[1], {"role": "assistant", "content": "", "thinking": "Hmm"}]},
+    {"template": "Mixtral-8x7B-Instruct-v0.1.jinja", "kwargs": {"continue_final_message": True},
+     "messages": [SYSTEM_USER[1], {"role": "assistant", "content": ""}]},       # empty: rendered
 ]
 
 # Inputs JSON cannot carry (enums, tuples, numpy scalars, non-str keys): both sides exec this
@@ -460,6 +507,13 @@ RICH_CASES = [
                         ("Llama-3.1-8B-Instruct.jinja", MULTI_TURN),
                         ("Qwen3-0.6B.jinja", MULTI_TURN))]
 """
+
+# A template that reads content blocks (the real ones above take text content only).
+BLOCKS_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}:{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for b in m.content if b.type == 'text' %}{{ '|' if not loop.first }}{{ b.text }}"
+    "{% endfor %}{% endif %}\n{% endfor %}")
+INLINE_TEMPLATES = {"rich": RICH_TEMPLATE, "blocks": BLOCKS_TEMPLATE}
 
 
 def rich_cases() -> list:
@@ -496,9 +550,9 @@ for template, messages, kwargs in cases:
 
 def template_job(stories_hf_dir) -> dict:
   templates = {name: (CHAT_TEMPLATES / name).read_text(encoding="utf-8")
-               for name in {c["template"] for c in TEMPLATE_CASES}}
+               for name in {c["template"] for c in TEMPLATE_CASES} - set(INLINE_TEMPLATES)}
   return {"dir": str(stories_hf_dir), "now": FIXED_NOW, "cases": TEMPLATE_CASES,
-          "templates": {**templates, "rich": RICH_TEMPLATE}, "rich_source": RICH_SOURCE,
+          "templates": {**templates, **INLINE_TEMPLATES}, "rich_source": RICH_SOURCE,
           "system_user": SYSTEM_USER, "multi_turn": MULTI_TURN}
 
 
@@ -510,17 +564,25 @@ def hf_template_reference(hf_tokenizer_reference):
 
 
 def _template_tok(stories_tok: Tokenizer, name: str) -> Tokenizer:
-  source = RICH_TEMPLATE if name == "rich" else (CHAT_TEMPLATES / name).read_text(encoding="utf-8")
+  source = INLINE_TEMPLATES.get(name) or (CHAT_TEMPLATES / name).read_text(encoding="utf-8")
   return Tokenizer(stories_tok.backend, {**stories_tok.config, "chat_template": source})
 
 
 def _render(tok: Tokenizer, messages, kwargs) -> dict:
-  kwargs = dict(kwargs)
-  add_generation_prompt = kwargs.pop("add_generation_prompt")
   try:
-    return {"text": tok.apply_chat_template(messages, add_generation_prompt, **kwargs)}
+    return {"text": tok.apply_chat_template(messages, **kwargs)}
+  except InputError as e:   # transformers raises ValueError where we raise InputError
+    return {"error": "ValueError", "message": None, "ours": str(e)}
   except Exception as e:
     return {"error": type(e).__name__, "message": str(e)}
+
+
+def _matches(got: dict, expected: dict) -> bool:
+  """The same text, or the same refusal: the template's own (raise_exception) with its message,
+  else ours (InputError, its own message) where transformers raises ValueError."""
+  if got.get("message", "") is None:
+    return expected.get("error") == "ValueError"
+  return got == expected
 
 
 def test_real_chat_templates_match_transformers(hf_template_reference, stories_tok, monkeypatch):
@@ -540,8 +602,9 @@ def test_real_chat_templates_match_transformers(hf_template_reference, stories_t
   assert len(ref) == len(TEMPLATE_CASES)
   for case, expected in zip(TEMPLATE_CASES, ref):
     tok = _template_tok(stories_tok, case["template"])
-    got = _render(tok, case["messages"], {"add_generation_prompt": False, **case["kwargs"]})
-    assert got == expected, (case["template"], case["kwargs"], case["messages"])
+    got = _render(tok, case["messages"], case["kwargs"])
+    assert _matches(got, expected), (case["template"], case["kwargs"], case["messages"], got,
+                                     expected)
   # the cases exercise what they claim: renderings, refusals and the fixed date
   texts = [r["text"] for r in ref if "text" in r]
   assert sum("error" in r for r in ref) >= 3 and len(texts) > 50
@@ -550,6 +613,12 @@ def test_real_chat_templates_match_transformers(hf_template_reference, stories_t
   assert any("[TOOL_CALLS]" in t and "[TOOL_RESULTS]" in t for t in texts)
   assert any("<think>\nTwo plus two is four.\n</think>\n\n4<|im_end|>" in t for t in texts)
   assert any(t.endswith("<think>\n\n</think>\n\n") for t in texts)
+  assert any(t.endswith("<|im_start|>assistant\nThe capital is") for t in texts)
+  assert any(t.endswith("<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nThe capital is")
+             for t in texts)
+  assert any(t.endswith("<think>\nTwo plus") for t in texts)
+  assert sum(r.get("error") == "ValueError" for r in ref) == 3
+  assert any(t.endswith("assistant:Paris|is") for t in texts)
 
 
 def test_chat_template_inputs_are_converted_as_transformers_does(hf_template_reference,
@@ -566,6 +635,6 @@ def test_chat_template_inputs_are_converted_as_transformers_does(hf_template_ref
   for (name, messages, kwargs), expected in zip(cases, ref):
     got = _render(_template_tok(stories_tok, name), messages,
                   {"add_generation_prompt": False, **kwargs})
-    assert got == expected, (name, messages, kwargs)
+    assert _matches(got, expected), (name, messages, kwargs)
   assert ref[0]["text"] == ("True|None|True|None|user:True:hi;assistant:False:('a', 2);"
                             "(1, 'b')|3|False|{1: 0.5}|0.5")
