@@ -73,6 +73,16 @@ def check_lengths(name: str, lengths: jax.Array, batch: int) -> None:
     raise ValueError(f"{name} must be integer, got {lengths.dtype}")
 
 
+def int32_lengths(lengths: jax.Array, capacity: int) -> jax.Array:
+  """Per-row lengths (`check_lengths`) as int32 with the same meaning: int32 ones pass through
+  (the kernels clip them to [0, S] themselves: no XLA op per call); another integer dtype is
+  clipped to [0, capacity] in its own dtype first, so a uint32 or int64 length past int32's
+  range reads every slot instead of wrapping to a negative length that reads none."""
+  if lengths.dtype == jnp.int32:
+    return lengths
+  return jnp.clip(lengths, 0, capacity).astype(jnp.int32)
+
+
 def is_int(value) -> bool:
   """A Python or numpy integer, not a bool (`sparsedec.errors.is_int`, whose package imports
   these modules)."""

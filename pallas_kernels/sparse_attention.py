@@ -97,7 +97,7 @@ import numpy as np
 
 from pallas_kernels.combine import (check_arrays, check_config_ints, check_inflight_mode,
                                     check_score_queries, combine_partials, f32_einsum,
-                                    in_kernel_score, inflight_choice, inflight_merges,
+                                    in_kernel_score, inflight_choice, inflight_merges, int32_lengths,
                                     interpret_mode, is_int, normalised, permute_queries, score_rows,
                                     scores_to_probs, selected_first, static_ints, wrapper_outputs)
 from pallas_kernels.inflight_attention import (MergeSegment, inflight_merged, inflight_partials,
@@ -728,7 +728,7 @@ def _rows_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths, 
   # The kernel clips the entries, counts and lengths itself: no XLA op per call for that.
   return tuple(_cache_partials(
       q_rows, k_cache, v_cache, block_tables.astype(jnp.int32), num_blocks.astype(jnp.int32),
-      lengths.astype(jnp.int32), segments=segments,
+      int32_lengths(lengths, k_cache.shape[2]), segments=segments,
       rows_out=rows_out, block_size=block_size, cfg=config, score_rows=rows_score, ws=ws,
       inflight_key=inflight_key, inflight_tile=inflight_tile, interpret=interpret))
 
@@ -840,7 +840,7 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       outs.append(out_s.astype(q.dtype))           # concatenated in q's dtype: half the bytes
       lses.append(lse_s)
     if seg.score_slot >= 0:
-      lengths_c = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
+      lengths_c = jnp.clip(int32_lengths(lengths, capacity), 0, capacity)
       if seg.full:
         reads = (jnp.arange(capacity) < lengths_c[:, None])[:, None]              # [B, 1, S]
       else:
@@ -918,7 +918,7 @@ def sparse_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
   hkv, capacity = k_cache.shape[1], k_cache.shape[2]
   n_cache_blocks = capacity // block_size
   sparse_queries = tq if sparse_queries is None else sparse_queries
-  lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
+  lengths = jnp.clip(int32_lengths(lengths, capacity), 0, capacity)
   mask = inflight_mask.astype(bool)
   tables = jnp.clip(block_tables.astype(jnp.int32), 0, n_cache_blocks - 1)
   counts = jnp.clip(num_blocks.astype(jnp.int32), 0, block_tables.shape[2])

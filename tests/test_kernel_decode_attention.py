@@ -231,6 +231,21 @@ def test_lengths_outside_the_capacity_are_clipped_in_the_kernel():
          jnp.ones((1, 1), bool), DecodeConfig(num_splits=2))
 
 
+def test_unsigned_lengths_past_int32_read_every_slot():
+  """A uint32 length past int32's range means every slot (it wrapped to a negative length that
+  read none): the kernel and the reference give what int32 lengths at the capacity give."""
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      5, batch=2, num_queries=1, num_q_heads=4, num_kv_heads=1, head_dim=64, capacity=128,
+      dtype=jnp.bfloat16)
+  mask, config = jnp.ones((1, 1), bool), DecodeConfig(num_splits=2)
+  wide = _check(q, k_cache, v_cache, jnp.array([2**32 - 5, 7], jnp.uint32), k_new, v_new, mask,
+                config, score_queries=(0,))
+  clipped = _check(q, k_cache, v_cache, jnp.array([128, 7], jnp.int32), k_new, v_new, mask,
+                   config, score_queries=(0,))
+  for a, b in zip(wide, clipped):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_empty_cache_and_empty_mask_row_gives_zero_output():
   """lengths = 0 and a query that sees no in-flight key: out 0 and lse -inf, as the reference."""
   q, k_cache, v_cache, k_new, v_new = _inputs(

@@ -54,15 +54,16 @@ def test_4bit_read_ignores_the_lower_plane_and_8bit_reads_it():
       assert bool(jnp.array_equal(x, y)) == same
 
 
-@pytest.mark.parametrize("round_to", [64, 128])
-def test_lengths_bound_the_tiles_written(round_to):
+@pytest.mark.parametrize("round_to,dtype", [(64, jnp.int32), (128, jnp.int32), (64, jnp.uint32)])
+def test_lengths_bound_the_tiles_written(round_to, dtype):
   """With lengths, the tiles below round_up(length, round_to) are the reference's bit for bit and
   the rest are never written: the interpreter fills unwritten output with NaN, so a kernel that
   wrote (or read) past the bound would show here (on a GPU unwritten memory holds anything, so
-  there only the written part is checked). Lengths past the capacity are clipped."""
+  there only the written part is checked). Lengths past the capacity are clipped, a uint32 one
+  past int32's range too (it wrapped to a negative length that wrote nothing)."""
   k = rand.normal(jax.random.key(1), (3, 2, 256, 64))
   qkv = quantize_kv(k, 0.5 * k + 1.0, group=64)
-  lengths = jnp.array([70, 0, 999], jnp.int32)
+  lengths = jnp.array([70, 0, 999 if dtype == jnp.int32 else 2**32 - 2], dtype)
   got = dequantize_kv(qkv, 8, lengths=lengths, round_to=round_to, interpret=INTERPRET)
   want = dequantize_kv_reference(qkv, 8)
   for x, y in zip(got, want):

@@ -319,6 +319,23 @@ def test_kernel_matches_dequantize_then_attend(case):
          k_new, v_new, jnp.asarray(case["mask"]), case["config"])
 
 
+@pytest.mark.parametrize("path", ["fused", "dequantize"])
+def test_unsigned_lengths_past_int32_read_every_slot(path):
+  """uint32 lengths past int32's range (both segments) mean every slot, as int32 lengths at the
+  capacities do (they wrapped to negative lengths that read none), in the kernel and the
+  reference, with the selected query's scores."""
+  q, qkv, k_full, v_full, k_new, v_new = _inputs(
+      9, batch=2, num_queries=1, num_q_heads=4, num_kv_heads=1, head_dim=64, capacity=128,
+      full_capacity=8, group=64, dtype=jnp.bfloat16)
+  args = (k_new, v_new, jnp.ones((1, 1), bool), QuantAttentionConfig(num_splits=2, path=path))
+  wide = _check(q, qkv, 8, jnp.array([2**32 - 3, 70], jnp.uint32), k_full, v_full,
+                jnp.array([5, 2**32 - 1], jnp.uint32), *args, score_queries=(0,))
+  clipped = _check(q, qkv, 8, jnp.array([128, 70], jnp.int32), k_full, v_full,
+                   jnp.array([5, 8], jnp.int32), *args, score_queries=(0,))
+  for a, b in zip(wide, clipped):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_decode_gqa_ragged_d128_group128(bits):
   """Tq = 1, GQA 4:1, D = 128, G = 128 (2 tiles per key group); rows: empty, partial tile, full

@@ -241,6 +241,24 @@ def test_out_of_range_entries_counts_and_lengths_are_clipped_in_the_kernel():
   np.testing.assert_array_equal(np.asarray(lse), np.asarray(clipped[1]))
 
 
+def test_unsigned_lengths_past_int32_read_every_slot():
+  """A uint32 length past int32's range means every slot (it wrapped to a negative length that
+  read none), in the kernel and the reference, the listed and the full segment alike."""
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      8, batch=2, num_queries=2, num_q_heads=4, num_kv_heads=1, head_dim=64, capacity=256,
+      dtype=jnp.bfloat16)
+  tables, counts = jnp.array([[[3, 0]], [[1, 2]]], jnp.int32), jnp.array([[2], [2]], jnp.int32)
+  mask = jnp.tril(jnp.ones((2, 2), bool))
+  kw = dict(block_size=64, sparse_queries=1, config=SparseConfig(num_splits=2),
+            score_queries=(0, 1))
+  wide = _check(q, k_cache, v_cache, tables, counts, jnp.array([2**32 - 9, 150], jnp.uint32),
+                k_new, v_new, mask, **kw)
+  clipped = _check(q, k_cache, v_cache, tables, counts, jnp.array([256, 150], jnp.int32),
+                   k_new, v_new, mask, **kw)
+  for a, b in zip(wide, clipped):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_full_list_equals_decode_attention():
   """A list of every block (in shuffled order) = dense decode attention: the reference equals
   decode_attention's reference, and the kernel equals the decode kernel."""
