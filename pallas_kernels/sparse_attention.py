@@ -97,9 +97,10 @@ import numpy as np
 
 from pallas_kernels.combine import (check_arrays, check_config_ints, check_inflight_mode,
                                     check_score_queries, combine_partials, f32_einsum,
-                                    in_kernel_score, inflight_choice, inflight_merges, int32_lengths,
-                                    interpret_mode, is_int, normalised, permute_queries, score_rows,
-                                    scores_to_probs, selected_first, static_ints, wrapper_outputs)
+                                    in_kernel_score, inflight_choice, inflight_merges,
+                                    int32_lengths, interpret_mode, is_int, normalised,
+                                    permute_queries, score_rows, scores_to_probs, selected_first,
+                                    static_ints, wrapper_outputs)
 from pallas_kernels.inflight_attention import (MergeSegment, inflight_merged, inflight_partials,
                                                mask_bias, merge_chunks, pack_keys)
 from pallas_kernels.register_operand import a_staging, softmax_pv_step

@@ -156,13 +156,13 @@ class Tokenizer:
 
   def encode_chat(self, messages: Sequence[Mapping[str, Any]],
                   add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
-    """Token ids of the rendered chat to generate from (so, unlike `apply_chat_template`, with the
-    generation prompt unless told otherwise), as transformers' apply_chat_template(tokenize=True): the
-    template writes every special token it wants (BOS included), so encode adds neither BOS nor
-    EOS (a tokenizer whose encode appends EOS must not end the prompt with it)."""
-    return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                **kwargs),
-                       add_bos=False, add_eos=False)
+    """Token ids of the rendered chat to generate from (so, unlike `apply_chat_template`, with
+    the generation prompt unless told otherwise), as transformers'
+    apply_chat_template(tokenize=True): the template writes every special token it wants (BOS
+    included), so encode adds neither BOS nor EOS (a tokenizer whose encode appends EOS must not
+    end the prompt with it)."""
+    text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+    return self.encode(text, add_bos=False, add_eos=False)
 
   # ------------------------------------------------------------------------------- files
   @classmethod

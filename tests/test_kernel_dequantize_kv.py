@@ -54,7 +54,8 @@ def test_4bit_read_ignores_the_lower_plane_and_8bit_reads_it():
       assert bool(jnp.array_equal(x, y)) == same
 
 
-@pytest.mark.parametrize("round_to,dtype", [(64, jnp.int32), (128, jnp.int32), (64, jnp.uint32)])
+@pytest.mark.parametrize("round_to,dtype",
+                         [(64, jnp.int32), (128, jnp.int32), (64, jnp.uint32)])
 def test_lengths_bound_the_tiles_written(round_to, dtype):
   """With lengths, the tiles below round_up(length, round_to) are the reference's bit for bit and
   the rest are never written: the interpreter fills unwritten output with NaN, so a kernel that

@@ -172,9 +172,10 @@ def test_chat_template_helpers(stories_tok):
   tok = Tokenizer(stories_tok.backend, {**stories_tok.config, "chat_template": (
       "{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}"
       "{{ bos_token }}{{ messages[0] | tojson }}{% if add_generation_prompt %}>{% endif %}")})
-  assert tok.apply_chat_template([{"role": "user", "content": "é<"}], add_generation_prompt=True) == (
+  message = [{"role": "user", "content": "é<"}]
+  assert tok.apply_chat_template(message, add_generation_prompt=True) == (
       '<s>{"role": "user", "content": "é<"}>')
-  assert tok.apply_chat_template([{"role": "user", "content": "é<"}]) == (   # as transformers
+  assert tok.apply_chat_template(message) == (   # no generation prompt, as transformers
       '<s>{"role": "user", "content": "é<"}')
   with pytest.raises(jinja2.exceptions.TemplateError, match="one message only"):
     tok.apply_chat_template(CHATS[1])
@@ -184,7 +185,8 @@ def test_chat_template_helpers(stories_tok):
                                         "chat_template": "{{ cls_token }}{{ messages[0].content }}"
                                         "{{ sep_token }}{{ mask_token }}{{ unk_token }}"})
   assert tok.apply_chat_template(CHATS[0]) == "[CLS]You are a terse assistant.[SEP][M]<unk>"
-  assert tok.apply_chat_template(CHATS[0], sep_token="|") == "[CLS]You are a terse assistant.|[M]<unk>"
+  assert tok.apply_chat_template(CHATS[0], sep_token="|") == (
+      "[CLS]You are a terse assistant.|[M]<unk>")
   # continue_final_message on an empty chat, or a final message that is not text
   with pytest.raises(InputError, match="conversation is empty"):
     tok.apply_chat_template([], continue_final_message=True)
