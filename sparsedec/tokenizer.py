@@ -155,12 +155,14 @@ class Tokenizer:
     return text if final is None else _cut_at_tag(text, final)
 
   def encode_chat(self, messages: Sequence[Mapping[str, Any]],
-                  add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
-    """Token ids of the rendered chat to generate from (so, unlike `apply_chat_template`, with
-    the generation prompt unless told otherwise), as transformers'
-    apply_chat_template(tokenize=True): the template writes every special token it wants (BOS
-    included), so encode adds neither BOS nor EOS (a tokenizer whose encode appends EOS must not
-    end the prompt with it)."""
+                  add_generation_prompt: bool | None = None, **kwargs: Any) -> list[int]:
+    """Token ids of the rendered chat to generate from: unlike `apply_chat_template`, with the
+    generation prompt unless told otherwise or continuing the final message
+    (`continue_final_message`). As transformers' apply_chat_template(tokenize=True), the
+    template writes every special token it wants (BOS included), so encode adds neither BOS nor
+    EOS (a tokenizer whose encode appends EOS must not end the prompt with it)."""
+    if add_generation_prompt is None:
+      add_generation_prompt = not kwargs.get("continue_final_message", False)
     text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
     return self.encode(text, add_bos=False, add_eos=False)
 

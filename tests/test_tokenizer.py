@@ -187,6 +187,17 @@ def test_chat_template_helpers(stories_tok):
   assert tok.apply_chat_template(CHATS[0]) == "[CLS]You are a terse assistant.[SEP][M]<unk>"
   assert tok.apply_chat_template(CHATS[0], sep_token="|") == (
       "[CLS]You are a terse assistant.|[M]<unk>")
+  # encode_chat: the generation prompt unless the final message is continued
+  tok = Tokenizer(stories_tok.backend, {**stories_tok.config, "chat_template": (
+      "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+      "{% if add_generation_prompt %}[assistant]{% endif %}")})
+  prefill = [CHATS[0][1], {"role": "assistant", "content": "Paris"}]
+  assert tok.decode(tok.encode_chat(CHATS[0])).endswith("\n[assistant]")
+  assert tok.decode(tok.encode_chat(prefill, continue_final_message=True)).endswith("] Paris")
+  assert tok.encode_chat(prefill, continue_final_message=True) == tok.encode(
+      tok.apply_chat_template(prefill, continue_final_message=True), add_bos=False, add_eos=False)
+  with pytest.raises(InputError, match="not compatible"):
+    tok.encode_chat(prefill, True, continue_final_message=True)
   # continue_final_message on an empty chat, or a final message that is not text
   with pytest.raises(InputError, match="conversation is empty"):
     tok.apply_chat_template([], continue_final_message=True)
