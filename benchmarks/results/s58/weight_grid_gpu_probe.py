@@ -62,6 +62,6 @@ for name, fn in [("old minmax", quantize(old_group_grid, old_codes)),
       total[key] += a.size
   rows.append({"formulas": name, "differ_gpu_vs_cpu": wrong, "of": total})
   print(rows[-1], flush=True)
-out = os.environ.get("OUT", ".")
+out = os.environ["OUT"]   # the device run's output folder (not the working tree)
 with open(os.path.join(out, "weight_grid_gpu_probe_s58_h200.json"), "w") as f:
   json.dump({"device": str(gpu.device_kind), "rows": rows}, f, indent=1)
