@@ -39,10 +39,12 @@ MAX_SCORE_ROWS = 64               # the selected rows live in q block 0 (one wgm
 
 
 def f32_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-  """jnp.einsum accumulating in fp32, at full fp32 precision when both operands are fp32 (jax's
-  default precision multiplies fp32 in TF32 on recent GPUs: the references' fp32 results then
-  moved by ~1e-4 against an fp32 model's; bf16 / fp16 operands are exact either way)."""
-  full = a.dtype == jnp.float32 and b.dtype == jnp.float32
+  """jnp.einsum accumulating in fp32, at full precision whenever jax computes the product in fp32
+  or wider: either operand fp32 (an fp32 query against bf16 K/V, as the benchmarks pass the
+  references, is promoted too), or fp16 with bf16. jax's default precision multiplies fp32 in
+  TF32 on recent GPUs: the references' fp32 results then moved by ~1e-4 against an fp32 model's.
+  A bf16 or fp16 pair (one dtype) is exact either way."""
+  full = jnp.dtype(jnp.result_type(a.dtype, b.dtype)).itemsize >= 4
   return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32,
                     precision=jax.lax.Precision.HIGHEST if full else None)
 
@@ -73,14 +75,15 @@ def check_lengths(name: str, lengths: jax.Array, batch: int) -> None:
     raise ValueError(f"{name} must be integer, got {lengths.dtype}")
 
 
-def int32_lengths(lengths: jax.Array, capacity: int) -> jax.Array:
-  """Per-row lengths (`check_lengths`) as int32 with the same meaning: int32 ones pass through
-  (the kernels clip them to [0, S] themselves: no XLA op per call); another integer dtype is
-  clipped to [0, capacity] in its own dtype first, so a uint32 or int64 length past int32's
-  range reads every slot instead of wrapping to a negative length that reads none."""
-  if lengths.dtype == jnp.int32:
-    return lengths
-  return jnp.clip(lengths, 0, capacity).astype(jnp.int32)
+def int32_clipped(x: jax.Array, upper: int) -> jax.Array:
+  """Integer arrays the kernels clip to [0, upper] (per-row lengths, `check_lengths`; block-table
+  entries and counts) as int32 with the same meaning: int32 ones pass through (the kernels clip
+  them themselves: no XLA op per call); another integer dtype is clipped to [0, upper] in its own
+  dtype first, so a uint32 or int64 value past int32's range reads as `upper` instead of wrapping
+  to a negative one (a length that reads no slot, a block id clipped to block 0)."""
+  if x.dtype == jnp.int32:
+    return x
+  return jnp.clip(x, 0, upper).astype(jnp.int32)
 
 
 def is_int(value) -> bool:

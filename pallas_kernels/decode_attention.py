@@ -95,7 +95,7 @@ import numpy as np
 from pallas_kernels.combine import (check_arrays, check_config_ints, check_inflight_mode,
                                     check_lengths, check_mask, check_score_queries, check_sizes,
                                     combine_partials, f32_einsum, in_kernel_score, inflight_choice,
-                                    inflight_merges, int32_lengths, interpret_mode, normalised,
+                                    inflight_merges, int32_clipped, interpret_mode, normalised,
                                     permute_queries, score_rows, scores_to_probs, selected_first,
                                     static_ints, wrapper_outputs)
 from pallas_kernels.inflight_attention import (MergeSegment, inflight_merged, inflight_partials,
@@ -893,7 +893,7 @@ def _rows_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   rows_out = BLOCK_M if q_blocks > 1 else -(-num_queries * group // 8) * 8
   num_splits = _pick_num_splits(config, b, hkv, q_blocks, capacity, q_rows.shape[3],
                                 interpret is not None)
-  lengths = int32_lengths(lengths, capacity)
+  lengths = int32_clipped(lengths, capacity)
   parts = _cache_partials(q_rows, k_cache, v_cache, lengths, rows_out=rows_out,
                           num_splits=num_splits, cfg=config,
                           score_rows=score_rows(num_score_queries, group),
@@ -1042,7 +1042,7 @@ def decode_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
   hkv, capacity = k_cache.shape[1], k_cache.shape[2]
   qg = q.reshape(b, tq, hkv, hq // hkv, d)                                 # [B, Tq, Hkv, G, D]
   scale = d ** -0.5
-  cache_mask = jnp.arange(capacity)[None, :] < int32_lengths(lengths, capacity)[:, None]  # [B, S]
+  cache_mask = jnp.arange(capacity)[None, :] < int32_clipped(lengths, capacity)[:, None]  # [B, S]
   s_c = f32_einsum("bthgd,bhsd->bhgts", qg, k_cache) * scale              # [B, Hkv, G, Tq, S]
   s_n = f32_einsum("bthgd,buhd->bhgtu", qg, k_new) * scale                # [B, Hkv, G, Tq, U]
   s_c = jnp.where(cache_mask[:, None, None, None, :], s_c, -jnp.inf)

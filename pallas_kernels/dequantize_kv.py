@@ -48,7 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.combine import (check_lengths, check_sizes, int32_lengths, interpret_mode,
+from pallas_kernels.combine import (check_lengths, check_sizes, int32_clipped, interpret_mode,
                                     is_int, normalised)
 from pallas_kernels.quant_attention import (KEY_TILE, META_DTYPE, TILE_ROWS, QuantKV,
                                             _SUPPORTED_DTYPES, check_bits, check_qkv_arrays,
@@ -88,7 +88,7 @@ def dequantize_kv(qkv: QuantKV, bits: int, dtype=jnp.bfloat16, lengths: jax.Arra
   if lengths is None:
     lengths = jnp.full((batch,), capacity, jnp.int32)
   check_lengths("lengths", lengths, batch)
-  lengths = int32_lengths(lengths, capacity)
+  lengths = int32_clipped(lengths, capacity)
   head_dim, group = qkv.head_dim, qkv.group
   dtype = jnp.dtype(dtype)
   planes = 1 if bits == 4 else 2

