@@ -275,6 +275,19 @@ def test_bad_knobs_and_unsupported_models_are_refused(stories):
     sparsedec.generate(cfg, params, [[1, 2, 3]], max_new_tokens=2, method=Fafo(policy=MyPolicy()))
 
 
+def test_a_negative_or_non_integer_sink_blocks_is_named_as_what_it_is():
+  """StreamingLLM(sink_blocks=-1) or a float said the budget "leaves no recent block", as if the
+  budget were too small: the message now names the bad value itself; a sink count that fills the
+  budget keeps the budget message."""
+  for bad in (-1, 1.0, "1"):
+    with pytest.raises(InputError, match=r"sink_blocks must be an integer >= 0, got "
+                                         + repr(bad).replace(".", r"\.")):
+      StreamingLLM(sink_blocks=bad)
+  with pytest.raises(InputError, match="budget_blocks=2 with sink_blocks=2 leaves no recent"):
+    StreamingLLM(budget_blocks=2, sink_blocks=2)
+  assert StreamingLLM(budget_blocks=2, sink_blocks=0).sink_blocks == 0
+
+
 def test_cli_generate_fafo_equals_dense_and_reports_stats(capsys, stories):
   import json
   from sparsedec import cli

@@ -42,7 +42,10 @@ class StreamingLLM:
 
   def __post_init__(self):
     check_budget("StreamingLLM", self.block_size, self.budget_blocks)
-    if not is_int(self.sink_blocks) or not 0 <= self.sink_blocks < self.budget_blocks:
+    if not is_int(self.sink_blocks) or self.sink_blocks < 0:
+      raise InputError(f"StreamingLLM: sink_blocks must be an integer >= 0, got "
+                       f"{self.sink_blocks!r}")
+    if self.sink_blocks >= self.budget_blocks:
       raise InputError(f"StreamingLLM: budget_blocks={self.budget_blocks} with sink_blocks="
                        f"{self.sink_blocks!r} leaves no recent block (needs an integer 0 <= "
                        f"sink_blocks < budget_blocks: a larger budget or fewer sink blocks)")
