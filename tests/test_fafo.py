@@ -232,11 +232,11 @@ def test_bad_knobs_and_unsupported_models_are_refused(stories):
     Fafo(policy="streaming")
   with pytest.raises(InputError, match=r"policy object, e.g. StreamingLLM\(\)"):
     Fafo(policy=StreamingLLM)                      # the class, not an instance
-  with pytest.raises(InputError, match="window, pool and recent_blocks must be integers"):
+  with pytest.raises(InputError, match="pool must be an integer >= 1, got 2.5"):
     SnapKV(pool=2.5)
   # were TypeErrors from a comparison with None, or accepted (a bool block size, a None
   # max_commit that failed later in Fafo's check)
-  with pytest.raises(InputError, match="recent_blocks must be integers"):
+  with pytest.raises(InputError, match="recent_blocks must be an integer >= 1, got None"):
     SnapKV(recent_blocks=None)
   with pytest.raises(InputError, match="sink_blocks"):
     StreamingLLM(sink_blocks=None)
@@ -286,6 +286,14 @@ def test_a_negative_or_non_integer_sink_blocks_is_named_as_what_it_is():
   with pytest.raises(InputError, match="budget_blocks=2 with sink_blocks=2 leaves no recent"):
     StreamingLLM(budget_blocks=2, sink_blocks=2)
   assert StreamingLLM(budget_blocks=2, sink_blocks=0).sink_blocks == 0
+
+
+def test_snapkv_names_the_one_bad_knob():
+  """SnapKV(window=0) said "window, pool and recent_blocks must be integers >= 1, got 0, 7, 2":
+  the user matched the values to the names by position. Each knob is now named alone."""
+  for field in ("window", "pool", "recent_blocks"):
+    with pytest.raises(InputError, match=rf"^SnapKV: {field} must be an integer >= 1, got 0$"):
+      SnapKV(**{field: 0})
 
 
 def test_cli_generate_fafo_equals_dense_and_reports_stats(capsys, stories):

@@ -61,9 +61,10 @@ class SnapKV:
 
   def __post_init__(self):
     check_budget("SnapKV", self.block_size, self.budget_blocks)
-    if not all(is_int(v) and v >= 1 for v in (self.window, self.pool, self.recent_blocks)):
-      raise InputError(f"SnapKV: window, pool and recent_blocks must be integers >= 1, got "
-                       f"{self.window!r}, {self.pool!r}, {self.recent_blocks!r}")
+    for field in ("window", "pool", "recent_blocks"):
+      value = getattr(self, field)
+      if not is_int(value) or value < 1:
+        raise InputError(f"SnapKV: {field} must be an integer >= 1, got {value!r}")
     if not 1 <= self.recent_blocks < self.budget_blocks:
       raise InputError(f"SnapKV: budget_blocks={self.budget_blocks} with recent_blocks="
                        f"{self.recent_blocks} leaves no block to select (needs 1 <= "
