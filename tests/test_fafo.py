@@ -296,6 +296,23 @@ def test_snapkv_names_the_one_bad_knob():
       SnapKV(**{field: 0})
 
 
+def test_a_user_policy_with_a_bad_block_size_or_budget_is_refused_by_name():
+  """A policy of the user's own (the built-in ones check their knobs) with block_size 0 failed
+  after prefill with a bare ZeroDivisionError (capacity % block_size); Fafo now checks
+  the two knobs it reads itself, naming the policy and the knob."""
+  @dataclasses.dataclass(frozen=True)
+  class MyPolicy:
+    budget_blocks: object = 2
+    block_size: object = 8
+    init = StreamingLLM.init
+    view = StreamingLLM.view
+    update = StreamingLLM.update
+  for knobs, needle in (({"block_size": 0}, "block_size must be a positive integer, got 0"),
+                        ({"budget_blocks": None}, "budget_blocks must be a positive integer")):
+    with pytest.raises(InputError, match="fafo policy MyPolicy: " + needle):
+      Fafo(policy=MyPolicy(**knobs))
+
+
 def test_cli_generate_fafo_equals_dense_and_reports_stats(capsys, stories):
   import json
   from sparsedec import cli

@@ -50,6 +50,7 @@ import numpy as np
 from flax import struct
 
 from sparsedec.attention import AttentionPlan, FullView, Segment
+from sparsedec.compress.base import check_budget
 from sparsedec.compress.streaming import StreamingLLM
 from sparsedec.decode.loop import StepContext, finish_step
 from sparsedec.decode.guesses import context_tokens, row_salt
@@ -133,6 +134,8 @@ class Fafo:
     for attr in ("init", "view", "update", "block_size", "budget_blocks"):
       if not hasattr(self.policy, attr):
         raise InputError(f"fafo policy {self.policy!r} is not a CompressionPolicy (no {attr})")
+    check_budget(f"fafo policy {type(self.policy).__name__}", self.policy.block_size,
+                 self.policy.budget_blocks)
     if getattr(self.policy, "max_commit", self.length + 1) < self.length + 1:
       raise InputError(f"fafo commits up to length + 1 = {self.length + 1} entries per step; "
                        f"the policy's max_commit is {self.policy.max_commit}")
