@@ -217,6 +217,20 @@ def test_bad_sampling_parameters(kwargs, message):
     sparsedec.SamplingConfig(**kwargs["sampling_kw"])
 
 
+def test_jax_scalars_are_taken_as_numpy_ones_and_traced_knobs_refused_by_name():
+  """A concrete jax scalar (jnp.float32(0.5)) was refused as "temperature must be >= 0 ..., got
+  Array(0.5)"; it is taken as a numpy scalar is. A traced one cannot set a static config: refused
+  by name, not with jax's ConcretizationTypeError."""
+  got = sparsedec.SamplingConfig(temperature=jnp.float32(0.5), top_k=jnp.int32(5),
+                                 top_p=jnp.asarray(0.9))
+  assert got == sparsedec.SamplingConfig(temperature=0.5, top_k=5, top_p=float(np.float32(0.9)))
+  assert type(got.temperature) is float and type(got.top_k) is int
+  with pytest.raises(sparsedec.InputError, match="top_k"):
+    sparsedec.SamplingConfig(top_k=jnp.asarray(True))
+  with pytest.raises(sparsedec.InputError, match="temperature is traced"):
+    jax.jit(lambda t: sparsedec.SamplingConfig(temperature=t).top_k)(0.5)
+
+
 def test_numpy_scalars_and_wide_seeds_are_taken_and_loop_slices_checked():
   """numpy scalars as sampling knobs (stored as Python numbers: one jit cache key); seeds past
   int32 (2**31, a getrandbits(32) value) taken modulo 2**32 instead of an OverflowError; a

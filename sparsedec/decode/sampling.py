@@ -32,13 +32,21 @@ def _as_float(value: numbers.Real) -> float:
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
   """temperature 0 means greedy (argmax), else finite and >= MIN_TEMPERATURE; top_k 0 means
-  off; top_p in (0, 1]. numpy scalars are taken (stored as Python numbers)."""
+  off; top_p in (0, 1]. numpy and concrete jax scalars are taken (stored as Python numbers);
+  a traced value is refused by name (the config is static)."""
 
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
 
   def __post_init__(self):
+    for name in ("temperature", "top_k", "top_p"):
+      value = getattr(self, name)
+      if isinstance(value, jax.core.Tracer):
+        raise InputError(f"{name} is traced: a SamplingConfig is static (part of the compiled "
+                         f"program), so build it outside jit from Python or numpy numbers")
+      if isinstance(value, jax.Array) and value.ndim == 0:
+        object.__setattr__(self, name, value.item())     # a concrete jax scalar, as numpy's
     real = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)
     if not (real(self.temperature) and (self.temperature == 0 or (
         MIN_TEMPERATURE <= _as_float(self.temperature) < math.inf))):
