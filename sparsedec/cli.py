@@ -269,7 +269,7 @@ def _with_draft(args, cfg, params, tok, method, n: int | None):
 
 def _prompt_ids(args, tok) -> list[int]:
   if args.chat is not None:
-    messages = ([{"role": "system", "content": args.system}] if args.system else [])
+    messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
     messages.append({"role": "user", "content": args.chat})
     return tok.encode_chat(messages, add_generation_prompt=True)
   return tok.encode(args.prompt)

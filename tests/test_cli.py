@@ -221,3 +221,19 @@ def test_bench_names_a_missing_prompt_file_and_the_shared_dir_it_read(capsys, tm
   code, _, err = run_cli(capsys, "bench", "--prompts", "mt_bench", "--max-new-tokens", "2")
   assert code == 2 and f"SPARSEDEC_SHARED={tmp_path / 'nowhere'}" in err, err
   assert "set SPARSEDEC_SHARED to" not in err, err
+
+
+def test_an_empty_system_message_is_kept():
+  """`--chat hi --system ""` is how a user drops a template's default system prompt (SmolLM2's
+  "You are a helpful AI assistant named SmolLM..."); the empty string was taken for no --system
+  at all, so the default one came back silently."""
+  seen = []
+
+  class Tok:
+    def encode_chat(self, messages, add_generation_prompt):
+      seen.append(messages)
+      return [1]
+
+  args = cli._parser().parse_args(["generate", "--chat", "hi", "--system", ""])
+  cli._prompt_ids(args, Tok())
+  assert seen == [[{"role": "system", "content": ""}, {"role": "user", "content": "hi"}]]
