@@ -211,7 +211,7 @@ DEFAULT_CALIBRATION_TOKENS = 4096
 def _draft_tokens(args, method) -> int | None:
   """Calibration tokens of the GPTQ draft asked for (--draft-calibration), or None; checked
   before the model loads."""
-  from sparsedec.errors import InputError
+  from sparsedec.errors import InputError, read_text
   if args.draft_calibration is None and args.draft_calibration_prompts is None:
     if args.draft_calibration_tokens is not None:
       raise InputError("--draft-calibration-tokens goes with --draft-calibration or "
@@ -232,13 +232,13 @@ def _draft_tokens(args, method) -> int | None:
   for path in args.draft_calibration or ():
     if not Path(path).is_file():
       raise InputError(f"calibration text file not found: {path}")
-    if not Path(path).read_text().strip():
+    if not read_text(path, "calibration text file").strip():
       raise InputError(f"calibration text file is empty: {path}")
   if args.draft_calibration_prompts is not None:
     path = Path(args.draft_calibration_prompts)
     if not path.is_file():
       raise InputError(f"calibration prompts file not found: {path}")
-    if not path.read_text().strip():
+    if not read_text(path, "calibration prompts file").strip():
       raise InputError(f"calibration prompts file is empty: {path}")
   return n
 
@@ -249,11 +249,14 @@ def _with_draft(args, cfg, params, tok, method, n: int | None):
   model's answers to --draft-calibration-prompts, or params when n is None."""
   if n is None:
     return params
+  from sparsedec.errors import read_text
   from sparsedec.model.gptq import gptq_quantize_params, self_generated_calibration, with_draft
-  seqs = [tok.encode(Path(path).read_text())[: min(n, cfg.max_position_embeddings)]
+  take = min(n, cfg.max_position_embeddings)
+  seqs = [tok.encode(read_text(path, "calibration text file"))[:take]
           for path in args.draft_calibration or ()]
   if args.draft_calibration_prompts is not None:
-    lines = [x for x in Path(args.draft_calibration_prompts).read_text().splitlines() if x.strip()]
+    text = read_text(args.draft_calibration_prompts, "calibration prompts file")
+    lines = [x for x in text.splitlines() if x.strip()]
     if tok.chat_template:
       prompts = [tok.encode_chat([{"role": "user", "content": x}]) for x in lines]
     else:

@@ -39,6 +39,18 @@ def read_json(path, error: type[SparsedecError] | None = None):
     raise (error or CheckpointError)(f"{path} is not valid JSON: {e}") from e
 
 
+def read_text(path, what: str) -> str:
+  """The text of file `path` (UTF-8); one that cannot be read or decoded raises InputError
+  naming it as `what` (e.g. "prompt file"), not a bare UnicodeDecodeError / OSError traceback."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      return f.read()
+  except UnicodeDecodeError as e:
+    raise InputError(f"{what} {path} is not UTF-8 text: {e}") from e
+  except OSError as e:
+    raise InputError(f"cannot read {what} {path}: {e.strerror or e}") from e
+
+
 def unwritable_reason(path) -> str | None:
   """Why `path` (a file or directory to create or replace) could not be written, checked before
   a long run: its nearest existing ancestor is not a directory or takes no new entry; None if

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from sparsedec.errors import InputError
+from sparsedec.errors import InputError, read_text
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,4 +60,4 @@ def load_prompt_set(name: str) -> list[str]:
       raise InputError(f"prompt file not found: {name} (--prompts takes mt_bench, humaneval, or "
                        f"an existing text file with one prompt per line)")
     raise InputError(f"unknown prompt set {name!r} (mt_bench, humaneval, or a file path)")
-  return [line for line in path.read_text().splitlines() if line.strip()]
+  return [line for line in read_text(path, "prompt file").splitlines() if line.strip()]

@@ -237,3 +237,18 @@ def test_an_empty_system_message_is_kept():
   args = cli._parser().parse_args(["generate", "--chat", "hi", "--system", ""])
   cli._prompt_ids(args, Tok())
   assert seen == [[{"role": "system", "content": ""}, {"role": "user", "content": "hi"}]]
+
+
+def test_a_text_file_that_is_not_utf8_is_a_clear_error(capsys, tmp_path):
+  """A --prompts, --draft-calibration or --draft-calibration-prompts file holding bytes that are
+  not UTF-8 (a Latin-1 export, a binary picked by mistake) ended the command on a
+  UnicodeDecodeError traceback instead of an error naming the file."""
+  bad = tmp_path / "latin1.txt"
+  bad.write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+  code, out, err = run_cli(capsys, "bench", "--prompts", str(bad), "--max-new-tokens", "2")
+  assert code == 2 and out == "" and f"prompt file {bad} is not UTF-8 text" in err, err
+  for flag, what in (("--draft-calibration", "calibration text file"),
+                     ("--draft-calibration-prompts", "calibration prompts file")):
+    code, out, err = run_cli(capsys, "generate", "--prompt", "Once", "--method", "quantspec",
+                             flag, str(bad), "--max-new-tokens", "2")
+    assert code == 2 and out == "" and f"{what} {bad} is not UTF-8 text" in err, (flag, err)
