@@ -352,10 +352,17 @@ def cmd_bench(args) -> int:
   print(text)                            # first: a write that still fails loses nothing
   if args.output:                        # whole or not at all: a temporary file, then a rename
     out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp.write_text(text + "\n")
-    os.replace(tmp, out)
+    try:
+      out.parent.mkdir(parents=True, exist_ok=True)
+      tmp.write_text(text + "\n")
+      os.replace(tmp, out)
+    except BaseException as e:           # a full disk, Ctrl-C: no half-written file is left
+      tmp.unlink(missing_ok=True)
+      if isinstance(e, OSError):
+        raise InputError(f"--output {args.output}: cannot write there: {e.strerror or e} (the "
+                         f"result was printed on stdout)") from e
+      raise
   return 0
 
 

@@ -252,3 +252,28 @@ def test_a_text_file_that_is_not_utf8_is_a_clear_error(capsys, tmp_path):
     code, out, err = run_cli(capsys, "generate", "--prompt", "Once", "--method", "quantspec",
                              flag, str(bad), "--max-new-tokens", "2")
     assert code == 2 and out == "" and f"{what} {bad} is not UTF-8 text" in err, (flag, err)
+
+
+def test_bench_output_write_failure_leaves_no_partial_file(capsys, tmp_path, monkeypatch):
+  """A write of --output that fails (a full disk) left its half-written `.NAME.tmp-PID` beside
+  the target and ended on an OSError traceback; now the temporary file is removed, a file
+  already there is kept as it was, and the error names --output."""
+  import errno
+  import pathlib
+  from sparsedec import bench
+  monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: {"ok": 1})
+  real_write = pathlib.Path.write_text
+
+  def disk_full(self, data, *args, **kwargs):
+    real_write(self, data[:3])
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(pathlib.Path, "write_text", disk_full)
+  target = tmp_path / "bench.json"
+  target.write_bytes(b"previous run\n")
+  code, out, err = run_cli(capsys, "bench", "--max-new-tokens", "2", "--output", str(target))
+  assert code == 2 and json.loads(out) == {"ok": 1}
+  assert f"--output {target}: cannot write there: No space left on device" in err, err
+  assert "Traceback" not in err
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]
+  assert target.read_bytes() == b"previous run\n"
