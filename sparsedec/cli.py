@@ -22,6 +22,17 @@ def default_model() -> str:
   return os.environ.get("SPARSEDEC_DEFAULT_MODEL", str(DEFAULT_MODEL))
 
 
+def _model_path(args) -> str:
+  """--model, or the default model when it is left out; an empty --model (`--model "$UNSET"`)
+  is refused, not taken for the default."""
+  from sparsedec.errors import InputError
+  if args.model is None:
+    return default_model()
+  if not args.model:
+    raise InputError("--model is empty (leave it out for the default model)")
+  return args.model
+
+
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
   from sparsedec.decode.methods import method_names
   p.add_argument("--model", default=None,
@@ -187,7 +198,7 @@ def _exact_draft_group(args, method):
       or args.draft_weight_group is not None or args.draft_weight_grid is not None \
       or args.draft_calibration is not None or args.draft_calibration_prompts is not None:
     return method
-  model = args.model or default_model()
+  model = _model_path(args)
   if source_kind(model) != "gguf":
     return method
   exact = exact_4bit_grid(model)
@@ -202,7 +213,7 @@ def _exact_draft_group(args, method):
 
 def _load(args):
   from sparsedec.weights.checkpoint import load_model
-  return load_model(args.model or default_model(), dtype=args.dtype)
+  return load_model(_model_path(args), dtype=args.dtype)
 
 
 DEFAULT_CALIBRATION_TOKENS = 4096
@@ -347,7 +358,7 @@ def cmd_bench(args) -> int:
                      batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                      sampling=_sampling(args), seed=args.seed, method=method,
                      chat_template=args.chat_template, ignore_eos=args.ignore_eos,
-                     model_name=args.model or default_model(), cache_size=args.cache_size)
+                     model_name=_model_path(args), cache_size=args.cache_size)
   text = json.dumps(result, indent=2)
   print(text)                            # first: a write that still fails loses nothing
   if args.output:                        # whole or not at all: a temporary file, then a rename

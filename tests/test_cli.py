@@ -74,6 +74,7 @@ def test_sampled_generation_is_reproducible_by_seed(capsys):
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["--cache-size", "8", "--max-new-tokens", "16"], "does not fit in the KV cache of 8"),
     (["--model", "/nonexistent/model"], "/nonexistent/model"),
+    (["--model", ""], "--model is empty"),           # `--model "$UNSET"` ran the default model
     (["--chat", "hi"], "has no chat_template"),
     (["--system", "be brief"], "--system goes with --chat"),
     (["--stream", "--json"], "--stream and --json do not go together"),
