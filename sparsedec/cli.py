@@ -281,6 +281,19 @@ def _with_draft(args, cfg, params, tok, method, n: int | None):
   return with_draft(params, draft)
 
 
+def _check_utf8(flag: str, value: str | None) -> None:
+  """A command-line text that is not UTF-8 (bytes from a Latin-1 terminal reach Python as lone
+  surrogates) is refused by name: the tokenizer raised a bare TypeError on it."""
+  from sparsedec.errors import InputError
+  try:
+    if value is not None:
+      value.encode("utf-8")
+  except UnicodeEncodeError as e:
+    bad = ord(value[e.start])
+    what = f"byte 0x{bad - 0xDC00:02x}" if 0xDC80 <= bad <= 0xDCFF else f"U+{bad:04X}"
+    raise InputError(f"{flag} is not UTF-8 text ({what} at character {e.start})") from None
+
+
 def _prompt_ids(args, tok) -> list[int]:
   if args.chat is not None:
     messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
@@ -299,6 +312,9 @@ def cmd_generate(args) -> int:
   if args.stream and args.json:
     raise InputError("--stream and --json do not go together: --json prints one object when "
                      "generation ends")
+  for flag, value in (("--prompt", args.prompt), ("--chat", args.chat),
+                      ("--system", args.system)):
+    _check_utf8(flag, value)
   sampling = _sampling(args)
   method = _exact_draft_group(args, _method(args))
   calibration = _draft_tokens(args, method)

@@ -278,3 +278,15 @@ def test_bench_output_write_failure_leaves_no_partial_file(capsys, tmp_path, mon
   assert "Traceback" not in err
   assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]
   assert target.read_bytes() == b"previous run\n"
+
+
+def test_a_prompt_that_is_not_utf8_is_a_clear_error(capsys):
+  """`--prompt $'caf\\xe9'` (a Latin-1 terminal): Python hands the byte over as a lone surrogate
+  and the tokenizer ended the command on "TypeError: TextInputSequence must be str"."""
+  for flag in ("--prompt", "--chat"):
+    code, out, err = run_cli(capsys, "generate", flag, "caf\udce9", "--max-new-tokens", "2")
+    assert code == 2 and out == "", err
+    assert f"{flag} is not UTF-8 text (byte 0xe9 at character 3)" in err, err
+  code, _, err = run_cli(capsys, "generate", "--chat", "hi", "--system", "\udcff",
+                         "--max-new-tokens", "2")
+  assert code == 2 and "--system is not UTF-8 text (byte 0xff at character 0)" in err, err
