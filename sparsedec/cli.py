@@ -41,8 +41,11 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--method", default="dense", choices=method_names())
   p.add_argument("--max-new-tokens", type=int, default=128)
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-  p.add_argument("--top-k", type=int, default=0)
-  p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--top-k", type=int, default=None,
+                 help="keep the k most likely tokens when sampling (default 0 = off)")
+  p.add_argument("--top-p", type=float, default=None,
+                 help="keep the smallest set of tokens of probability >= p when sampling "
+                      "(default 1.0 = off)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
   p.add_argument("--cache-size", type=int, default=None, help="KV cache capacity in tokens")
@@ -142,8 +145,23 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _sampling(args):
+  """The SamplingConfig of --temperature / --top-k / --top-p. A sampling-only flag given at
+  --temperature 0 (greedy) is refused by name, as flags of another method are: it had no effect
+  and said nothing."""
   from sparsedec.decode.sampling import SamplingConfig
-  return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+  from sparsedec.errors import InputError
+  cfg = SamplingConfig(temperature=args.temperature,
+                       top_k=0 if args.top_k is None else args.top_k,
+                       top_p=1.0 if args.top_p is None else args.top_p)
+  if cfg.greedy:
+    draft = getattr(args, "draft_sampling", None) if args.method == "quantspec" else None
+    given = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p),
+                                      ("--draft-sampling", draft)) if value is not None]
+    if given:
+      verb, them = ("applies", "it") if len(given) == 1 else ("apply", "them")
+      raise InputError(f"{', '.join(given)} {verb} only when sampling, and --temperature is 0 "
+                       f"(greedy): give --temperature > 0, or leave {them} out")
+  return cfg
 
 
 _METHOD_KNOBS = {"lookahead": {"lookahead_window": "window", "ngram": "ngram",

@@ -71,6 +71,10 @@ def test_sampled_generation_is_reproducible_by_seed(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    # Sampling-only flags at temperature 0 did nothing and said nothing.
+    (["--top-k", "40"], "--top-k applies only when sampling, and --temperature is 0"),
+    (["--top-k", "40", "--top-p", "0.9", "--temperature", "0"], "--top-k, --top-p apply only"),
+    (["--method", "quantspec", "--draft-sampling", "argmax"], "--draft-sampling applies only"),
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["--cache-size", "8", "--max-new-tokens", "16"], "does not fit in the KV cache of 8"),
     (["--model", "/nonexistent/model"], "/nonexistent/model"),
