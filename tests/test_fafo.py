@@ -224,6 +224,23 @@ def test_observation_window_longer_than_the_prompt_gives_the_prompts_own_queries
                                    atol=1e-5, err_msg=f"row {row} layer {layer} slot {i}")
 
 
+def test_an_observation_window_past_the_token_buffer_is_cut_to_it(stories):
+  """SnapKV's window is a static width: one past the token buffer (every token a row can hold)
+  only added invalid queries to the init forward, and 2**40 failed at run time. It is cut to the
+  buffer: the same selection, so FAFO with it is still dense greedy."""
+  from sparsedec.compress.base import prompt_window_queries
+  from sparsedec.decode.api import start
+  cfg, params, tok = stories
+  prompt = tok.encode("Once upon a time, there was a little girl")
+  state, _ = start(cfg, params, [prompt], max_new_tokens=8)
+  q, pos, valid = prompt_window_queries(cfg, params, state, 2 ** 40)
+  assert pos.shape == valid.shape == (1, state.tokens.shape[1])
+  assert q[0].shape[1] == state.tokens.shape[1] and int(valid.sum()) == len(prompt) + 1
+  method = Fafo(subsequences=2, length=3, candidates=2,
+                policy=SnapKV(budget_blocks=2, block_size=64, window=2 ** 40, recent_blocks=1))
+  testing.assert_matches_dense(cfg, params, [prompt], method=method, max_new_tokens=8)
+
+
 def test_bad_knobs_and_unsupported_models_are_refused(stories):
   cfg, params, tok = stories
   with pytest.raises(InputError, match="subsequences"):

@@ -54,6 +54,9 @@ def prompt_window_queries(cfg, params, state, window: int):
   then invalid entries: after the valid ones, so that no valid query attends to them (padding in
   front, the causal in-flight mask let every query attend to the padding too)."""
   from sparsedec.model.forward import forward   # compress <- forward <- attention: no cycle
+  # No row holds more tokens than the token buffer: a longer window only adds invalid entries
+  # (SnapKV(window=2**40) was accepted and failed at run time; window=4096 ran 4096 queries).
+  window = min(window, state.tokens.shape[1])
   n = state.num_tokens                                                      # [B]
   first = jnp.maximum(n - window, 0)                                        # [B]
   idx = first[:, None] + jnp.arange(window, dtype=jnp.int32)[None, :]       # [B, w]
