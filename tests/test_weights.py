@@ -463,6 +463,22 @@ def test_corrupt_files_raise_errors_that_name_them(hf_copy, tmp_path):
     load_checkpoint(ckpt)
 
 
+@pytest.mark.parametrize("change", [
+    lambda c: {k: v for k, v in c.items() if k != "family"},
+    lambda c: {**c, "eos_token_ids": 2},
+    lambda c: {**c, "rope_scaling": {"kind": "linear", "factor": 2.0, "scale": 1.0}},
+    lambda c: {**c, "rope_scaling": [2.0]},
+    lambda c: list(c),
+], ids=["missing-field", "eos-not-a-list", "unknown-rope-field", "rope-not-object", "a-list"])
+def test_malformed_checkpoint_config_is_named(tmp_path, change):
+  """A hand-edited or damaged sparsedec_config.json (a field missing or of the wrong type) was a
+  bare TypeError from the dataclass constructor, naming neither the file nor the checkpoint."""
+  good = json.loads((ROOT / "checkpoints" / "stories260K" / "sparsedec_config.json").read_text())
+  (tmp_path / "sparsedec_config.json").write_text(json.dumps(change(good)))
+  with pytest.raises(CheckpointError, match="sparsedec_config.json"):
+    load_checkpoint(tmp_path)
+
+
 # -------------------------------------------------------------------------------------- GGUF
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
   """HF half-split q/k rows -> llama.cpp interleaved rows (as llama.cpp's converter writes)."""

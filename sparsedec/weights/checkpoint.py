@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from sparsedec.errors import CheckpointError, read_json, unwritable_reason
+from sparsedec.errors import (CheckpointError, UnsupportedConfigError, read_json,
+                             unwritable_reason)
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.params import Params, abstract_params, cast_params, check_params
 from sparsedec.tokenizer import GENERATION_CONFIG_FILE, Tokenizer
@@ -139,7 +140,17 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
   config_file = os.path.join(path, CONFIG_NAME)
   if not os.path.isfile(config_file):
     raise CheckpointError(f"{path} is not a sparsedec checkpoint ({CONFIG_NAME} not found)")
-  return ModelConfig.from_dict(read_json(config_file))
+  d = read_json(config_file)
+  # A corrupt or hand-edited file (a field missing, of the wrong type, not an object) raised a
+  # bare TypeError from the dataclass constructor that named neither the file nor the field.
+  if not isinstance(d, Mapping):
+    raise CheckpointError(f"{config_file} is not a JSON object (got a {type(d).__name__})")
+  try:
+    return ModelConfig.from_dict(d)
+  except UnsupportedConfigError as e:
+    raise UnsupportedConfigError(f"{config_file}: {e}") from e
+  except (TypeError, ValueError) as e:
+    raise CheckpointError(f"{config_file} is not a valid sparsedec config: {e}") from e
 
 
 def load_checkpoint(path: str | os.PathLike, dtype: str | None = None
