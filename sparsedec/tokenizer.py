@@ -23,7 +23,7 @@ import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
-from sparsedec.errors import CheckpointError, InputError, read_json
+from sparsedec.errors import CheckpointError, InputError, is_int, read_json
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -184,7 +184,7 @@ class Tokenizer:
     if os.path.isfile(template_file):   # as transformers: the file wins over the config's entry
       with open(template_file, encoding="utf-8") as f:
         config["chat_template"] = f.read()
-    eos = _read_json(os.path.join(path, GENERATION_CONFIG_FILE)).get("eos_token_id")
+    eos = read_generation_config(path).get("eos_token_id")
     extra = [] if eos is None else (list(eos) if isinstance(eos, list) else [eos])
     return cls(backend, config, extra)
 
@@ -395,3 +395,22 @@ def _plain(value: Any) -> Any:
 
 def _read_json(path: str) -> dict:
   return read_json(path) if os.path.isfile(path) else {}
+
+
+def read_generation_config(path: str | os.PathLike) -> dict:
+  """generation_config.json of directory `path` ({} when there is none). Its bos_token_id /
+  eos_token_id are checked to be token ids (an int, and for eos a list of ints too): a file
+  that is not an object, or ids such as "2" or [2, null], raised a bare AttributeError /
+  ValueError / TypeError that named neither the file nor the key."""
+  gen_file = os.path.join(path, GENERATION_CONFIG_FILE)
+  gen = _read_json(gen_file)
+  if not isinstance(gen, Mapping):
+    raise CheckpointError(f"{gen_file} is not a JSON object (got a {type(gen).__name__})")
+  for key in ("bos_token_id", "eos_token_id"):
+    value = gen.get(key)
+    ids = value if key == "eos_token_id" and isinstance(value, list) else [value]
+    if value is not None and not all(is_int(i) and i >= 0 for i in ids):
+      raise CheckpointError(f"{gen_file}: {key} must be a token id (an integer >= 0"
+                            f"{', or a list of them' if key == 'eos_token_id' else ''}), "
+                            f"got {value!r}")
+  return gen

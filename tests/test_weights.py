@@ -463,6 +463,18 @@ def test_corrupt_files_raise_errors_that_name_them(hf_copy, tmp_path):
     load_checkpoint(ckpt)
 
 
+@pytest.mark.parametrize("content", ["[]", "null", '{"eos_token_id": "2"}',
+                                     '{"eos_token_id": [2, null]}', '{"bos_token_id": 1.5}'])
+def test_malformed_generation_config_is_named(hf_copy, content):
+  """generation_config.json that is valid JSON but not an object, or whose ids are not ints,
+  was a bare AttributeError / ValueError / TypeError (or a str bos id taken as is) from both
+  the config and the tokenizer readers, naming neither the file nor the key."""
+  (hf_copy / "generation_config.json").write_text(content)
+  for load in (load_model, lambda d: load_hf(d)):
+    with pytest.raises(CheckpointError, match="generation_config.json"):
+      load(hf_copy)
+
+
 @pytest.mark.parametrize("change", [
     lambda c: {k: v for k, v in c.items() if k != "family"},
     lambda c: {**c, "eos_token_ids": 2},

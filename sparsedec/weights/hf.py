@@ -17,6 +17,7 @@ from safetensors import safe_open
 from sparsedec.errors import CheckpointError, UnsupportedConfigError, read_json
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.params import Params, check_params
+from sparsedec.tokenizer import read_generation_config
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -163,11 +164,6 @@ def load_hf_config(path: str | os.PathLike, dtype: str | None = None) -> ModelCo
   return cfg.replace(eos_token_ids=merged, bos_token_id=bos)
 
 
-def read_generation_config(path: str | os.PathLike) -> dict:
-  gen_file = os.path.join(path, GENERATION_CONFIG_FILE)
-  if not os.path.isfile(gen_file):
-    return {}
-  return read_json(gen_file)
 
 
 def _safetensors(file: str):
