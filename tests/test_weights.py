@@ -235,6 +235,17 @@ def test_hidden_act_swish_is_silu_and_others_are_refused():
     ModelConfig.from_hf({**LLAMA_HF_CONFIG, "hidden_act": "gelu"})
 
 
+@pytest.mark.parametrize("change", [
+    {"rope_theta": 0}, {"rope_theta": -10000.0}, {"rope_theta": float("nan")},
+    {"rope_scaling": {"rope_type": "linear", "factor": float("nan")}},
+], ids=["theta-0", "theta-negative", "theta-nan", "factor-nan"])
+def test_rope_theta_and_factor_must_be_finite_positive(change):
+  """A rope_theta <= 0 or NaN (or a NaN scaling factor) was accepted and made the RoPE tables
+  inf/NaN: every logit NaN, with no error naming the attribute."""
+  with pytest.raises(UnsupportedConfigError, match="rope_theta|factor"):
+    ModelConfig.from_hf({**LLAMA_HF_CONFIG, **change})
+
+
 def hf_llama3_inv_freq(theta, dim, factor, low, high, old_context_len):
   """transformers' _compute_llama3_parameters, one frequency at a time (float64)."""
   out = []

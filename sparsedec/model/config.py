@@ -55,8 +55,9 @@ class RopeScaling:
     if not all(math.isfinite(f) and f > 0 for f in self.freq_factors):
       raise UnsupportedConfigError("rope_scaling freq_factors must be finite and > 0, got "
                                    f"{self.freq_factors}")
-    if self.factor <= 0:
-      raise UnsupportedConfigError(f"rope_scaling factor must be > 0, got {self.factor}")
+    if not (math.isfinite(self.factor) and self.factor > 0):     # NaN passed `<= 0`
+      raise UnsupportedConfigError(f"rope_scaling factor must be finite and > 0, got "
+                                   f"{self.factor}")
     if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
       raise UnsupportedConfigError(
           "rope_scaling llama3 needs high_freq_factor > low_freq_factor, got "
@@ -119,6 +120,9 @@ class ModelConfig:
     if self.attention not in ATTENTION_IMPLS:
       raise UnsupportedConfigError(
           f"attention {self.attention!r} is not one of {ATTENTION_IMPLS}")
+    # theta ** (2i / D) of a theta <= 0 or NaN made the RoPE tables inf/NaN: NaN logits, no error.
+    if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+      raise UnsupportedConfigError(f"rope_theta must be finite and > 0, got {self.rope_theta}")
     if self.rms_norm_eps <= 0:
       raise UnsupportedConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
 
