@@ -246,6 +246,19 @@ def test_rope_theta_and_factor_must_be_finite_positive(change):
     ModelConfig.from_hf({**LLAMA_HF_CONFIG, **change})
 
 
+def test_rope_scaling_wins_over_rope_parameters_like_transformers():
+  """A config.json with both `rope_parameters` (5.x) and `rope_scaling` (4.x) is read by
+  transformers 4.x and 5.x (`rope_scaling or rope_parameters`) with rope_scaling and the theta
+  beside it; we took rope_parameters and silently dropped the scaling (logits off by 4e-3 of
+  their scale on a tiny random Llama, checked against transformers 5)."""
+  cfg = ModelConfig.from_hf({
+      **{k: v for k, v in LLAMA_HF_CONFIG.items() if k != "rope_theta"},
+      "rope_parameters": {"rope_type": "default", "rope_theta": 100.0},
+      "rope_scaling": {"rope_type": "linear", "factor": 4.0}})
+  assert cfg.rope_scaling is not None and cfg.rope_scaling.kind == "linear"
+  assert cfg.rope_scaling.factor == 4.0 and cfg.rope_theta == 10000.0
+
+
 def hf_llama3_inv_freq(theta, dim, factor, low, high, old_context_len):
   """transformers' _compute_llama3_parameters, one frequency at a time (float64)."""
   out = []

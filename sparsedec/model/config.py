@@ -204,8 +204,10 @@ def _family(hf: Mapping[str, Any]) -> str:
 
 
 def _rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
-  # transformers >= 5 keeps theta and scaling together in `rope_parameters`.
-  params = hf.get("rope_parameters")
+  # transformers >= 5 keeps theta and scaling together in `rope_parameters`. A config that has
+  # both takes `rope_scaling` (theta beside it, not rope_parameters') as transformers 4.x (which
+  # knows no rope_parameters) and 5.x (`rope_scaling or rope_parameters`) both do.
+  params = None if hf.get("rope_scaling") else hf.get("rope_parameters")
   if isinstance(params, Mapping) and params and not all(
       isinstance(v, Mapping) for v in params.values()):
     theta = _number("rope_theta", params.get("rope_theta", hf.get("rope_theta", 10000.0)),
