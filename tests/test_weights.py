@@ -246,6 +246,20 @@ def test_rope_theta_and_factor_must_be_finite_positive(change):
     ModelConfig.from_hf({**LLAMA_HF_CONFIG, **change})
 
 
+@pytest.mark.parametrize("change, needle", [
+    ({"hidden_size": 256.5}, "hidden_size must be an integer"),
+    ({"num_hidden_layers": True}, "num_hidden_layers must be an integer"),
+    ({"eos_token_id": [2, 2.5]}, "eos_token_id must be an integer"),
+    ({"bos_token_id": "<s>"}, "bos_token_id must be a number"),
+])
+def test_non_integer_config_counts_and_ids_are_named(change, needle):
+  """int() truncated a fractional count or id (hidden_size 256.5 ran as 256, eos 2.5 as 2, true
+  as 1 layer) and bos_token_id was taken unchecked (a string reached generation)."""
+  with pytest.raises(UnsupportedConfigError, match=needle):
+    ModelConfig.from_hf({**LLAMA_HF_CONFIG, **change})
+  assert ModelConfig.from_hf({**LLAMA_HF_CONFIG, "hidden_size": 256.0}).hidden_size == 256
+
+
 def test_rope_scaling_wins_over_rope_parameters_like_transformers():
   """A config.json with both `rope_parameters` (5.x) and `rope_scaling` (4.x) is read by
   transformers 4.x and 5.x (`rope_scaling or rope_parameters`) with rope_scaling and the theta

@@ -182,6 +182,10 @@ class ModelConfig:
 def _number(key: str, value: Any, kind: type = int):
   """`value` (config attribute `key`) as `kind`; a value that is no number (null, a string)
   raises an UnsupportedConfigError naming `key`, not a bare TypeError/ValueError."""
+  if kind is int and (isinstance(value, bool) or (
+      isinstance(value, float) and not value.is_integer())):
+    # int() truncated them: hidden_size 16.5 became 16, eos_token_id 2.5 became 2, true 1.
+    raise UnsupportedConfigError(f"{key} must be an integer, got {value!r}")
   try:
     return kind(value)
   except (TypeError, ValueError):
@@ -302,7 +306,7 @@ def _from_hf(hf: Mapping[str, Any], dtype: str | None) -> ModelConfig:
     qkv_bias = o_bias = False
   else:
     qkv_bias = o_bias = attention_bias
-  eos = hf.get("eos_token_id")
+  eos, bos = hf.get("eos_token_id"), hf.get("bos_token_id")
   eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
   if dtype is None:
     src = hf.get("dtype") or hf.get("torch_dtype") or "float32"
@@ -326,7 +330,7 @@ def _from_hf(hf: Mapping[str, Any], dtype: str | None) -> ModelConfig:
       o_bias=o_bias,
       qk_norm=family == "qwen3",
       sliding_window=_sliding_window(family, hf),
-      bos_token_id=hf.get("bos_token_id"),
+      bos_token_id=None if bos is None else _number("bos_token_id", bos),
       eos_token_ids=tuple(_number("eos_token_id", e) for e in eos_ids),
       dtype=dtype,
   )
