@@ -20,7 +20,6 @@ from sparsedec.model.params import Params, check_params
 from sparsedec.tokenizer import read_generation_config
 
 CONFIG_FILE = "config.json"
-GENERATION_CONFIG_FILE = "generation_config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -162,8 +161,6 @@ def load_hf_config(path: str | os.PathLike, dtype: str | None = None) -> ModelCo
   merged = tuple(dict.fromkeys(cfg.eos_token_ids + eos))
   bos = cfg.bos_token_id if cfg.bos_token_id is not None else gen.get("bos_token_id")
   return cfg.replace(eos_token_ids=merged, bos_token_id=bos)
-
-
 
 
 def _safetensors(file: str):
