@@ -392,6 +392,21 @@ def test_jax_arrays_are_taken_as_prompts_and_stop_tokens():
                               seed=seed).tokens == seeded.tokens
 
 
+def test_stop_tokens_from_a_one_pass_iterable_stop_the_row():
+  """stop_tokens=map(int, flag.split(",")) (or a generator, an iterator) was read twice, once to
+  check its ids and once to keep them: the second read found it empty, so the row ran on to
+  max_new_tokens with no stop tokens at all, silently."""
+  cfg = CONFIGS["llama3"]
+  params = init_random(cfg, jax.random.key(2), scale=0.3)
+  free = sparsedec.generate(cfg, params, [[1, 2, 3]], max_new_tokens=8, stop_tokens=())
+  stop = free.tokens[0][3]
+  want = sparsedec.generate(cfg, params, [[1, 2, 3]], max_new_tokens=8, stop_tokens=[stop])
+  assert want.stopped == [True]
+  for stops in (map(int, [str(stop)]), (t for t in [stop]), iter([stop])):
+    got = sparsedec.generate(cfg, params, [[1, 2, 3]], max_new_tokens=8, stop_tokens=stops)
+    assert got.tokens == want.tokens and got.stopped == want.stopped, type(stops).__name__
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(seed="12"), "seed must be an int"),      # was split into the seeds 1 and 2
     (dict(stop_tokens=[2 ** 40]), "stop token 1099511627776 outside the vocabulary"),  # OverflowError

@@ -177,6 +177,8 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
   method = get_method(method)
   stops = cfg.eos_token_ids if stop_tokens is None else stop_tokens
   stops = _python(stops)
+  if not isinstance(stops, (str, bytes)) and hasattr(stops, "__iter__"):
+    stops = list(stops)     # once: a generator or map would be empty when read a second time
   if (isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__")
       or not all(is_int(t) for t in stops)):
     raise InputError(f"stop_tokens must be a sequence of token ids (() for none), "
