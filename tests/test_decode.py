@@ -409,6 +409,9 @@ def test_stop_tokens_from_a_one_pass_iterable_stop_the_row():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(seed="12"), "seed must be an int"),      # was split into the seeds 1 and 2
+    # Floats / bools one at a time (a map or generator) were truncated to ints, unlike a list's.
+    (dict(seed=map(float, "12")), "seed must be an int"),
+    (dict(seed=(s for s in [True, 2])), "seed must be an int"),
     (dict(stop_tokens=[2 ** 40]), "stop token 1099511627776 outside the vocabulary"),  # OverflowError
     (dict(stop_tokens=[97]), "stop token 97 outside the vocabulary"),
 ])

@@ -148,6 +148,8 @@ def _seeds(seed, batch: int) -> np.ndarray:
     seed = [int(seed)] * batch
   if isinstance(seed, (str, bytes)):           # iterable, but not ints
     raise InputError(f"seed must be an int or one int per prompt ({batch}), got {seed!r}")
+  if hasattr(seed, "__iter__"):
+    seed = list(seed)       # once: a generator or map would be empty for the bool/float check
   try:
     seeds = np.asarray([int(s) % 2 ** 32 for s in seed], np.uint32).view(np.int32)
   except (TypeError, ValueError):
