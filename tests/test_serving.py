@@ -215,3 +215,15 @@ def test_advance_by_a_given_number_of_steps_reads_nothing_back(stories):
     state = advance_4(params, state)
   assert bool(state.done.all()) and int(state.step) == 15   # the prefill made the first token
   assert api.collect(state, ())[0] == sparsedec.generate(cfg, params, prompts, **kw).tokens
+
+
+def test_advance_traced_without_steps_is_refused_by_name(stories):
+  """Run.advance may be traced inside a caller's jit with steps=N; without steps it reads the
+  token counts back, which under jit was a TracerArrayConversionError about `s.done`, not a
+  word about passing steps."""
+  cfg, params, _ = stories
+  state, run = api.start(cfg, params, [[1], [5, 6]], max_new_tokens=4, cache_size=128)
+  with pytest.raises(sparsedec.InputError, match="pass steps=N"):
+    jax.jit(lambda p, s: run.advance(p, s))(params, state)
+  state = jax.jit(lambda p, s: run.advance(p, s, steps=8))(params, state)
+  assert bool(state.done.all())

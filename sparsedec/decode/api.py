@@ -232,6 +232,9 @@ class Run:
                        f"for {describe_build((self.method, self.ctx))}: advance a state with the "
                        f"Run that api.start returned with it")
     if steps is None:
+      if isinstance(state.done, jax.core.Tracer):
+        raise InputError("Run.advance(params, state) inside jit cannot read the rows' token "
+                         "counts to size its bound: pass steps=N (a Python int) when tracing it")
       limits, num, done = jax.device_get((state.limits, state.num_tokens, state.done))
       left = int(np.max(np.where(done, 0, limits - num), initial=0))             # [B] -> []
       budget = max(self.max_steps, self.method.max_steps(max(left, 1)))
