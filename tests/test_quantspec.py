@@ -119,6 +119,16 @@ def test_prefill_quantizes_whole_groups_bit_identical_to_quantize_kv():
     assert not np.asarray(cache.buf_k[0])[row, :, n - ql:].any()
 
 
+@pytest.mark.parametrize("capacity", [0, 64.0, "64", True])
+def test_prefill_refuses_a_quantized_capacity_that_is_not_a_positive_integer(capacity):
+  """from_dense's quant_capacity is None (the default) or an integer: 0 was silently taken as
+  "the default" (`quant_capacity or ...`), 64.0 failed inside jnp.pad with a TypeError about
+  pad_width, "64" with a string-formatting TypeError, True was reported as a capacity of True."""
+  k, v = _tokens_kv(0)
+  with pytest.raises(InputError, match="quantized capacity must be None"):
+    qkv.from_dense(_dense(k, v, [13, 30]), G, quant_capacity=capacity)
+
+
 @settings(max_examples=12, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, GAMMA), st.integers(0, GAMMA)), min_size=1,
                 max_size=12),

@@ -115,7 +115,10 @@ def from_dense(cache: KVCache, group: int, quant_capacity: int | None = None) ->
   s, d = cache.k[0].shape[2:]
   check_group(group, d)
   unit = math.lcm(group, 8)            # whole groups, whole 8-code words
-  cap = quant_capacity or -(-s // unit) * unit
+  if quant_capacity is not None and (not is_int(quant_capacity) or quant_capacity < 1):
+    raise InputError(f"quantized capacity must be None (the default) or an integer >= 1, got "
+                     f"{quant_capacity!r}")
+  cap = -(-s // unit) * unit if quant_capacity is None else int(quant_capacity)
   if cap % unit:
     raise InputError(f"quantized capacity {cap} must be a multiple of the quant group {group} "
                      f"and of 8 (codes are stored as words of 8)")
