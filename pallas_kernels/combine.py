@@ -75,13 +75,13 @@ def check_lengths(name: str, lengths: jax.Array, batch: int) -> None:
     raise ValueError(f"{name} must be integer, got {lengths.dtype}")
 
 
-def int32_clipped(x: jax.Array, upper: int) -> jax.Array:
-  """Integer arrays the kernels clip to [0, upper] (per-row lengths, `check_lengths`; block-table
-  entries and counts) as int32 with the same meaning: int32 ones pass through (the kernels clip
-  them themselves: no XLA op per call); another integer dtype is clipped to [0, upper] in its own
-  dtype first, so a uint32 or int64 value past int32's range reads as `upper` instead of wrapping
-  to a negative one (a length that reads no slot, a block id clipped to block 0)."""
-  if x.dtype == jnp.int32:
+def int32_clipped(x: jax.Array, upper: int, *, kernel_clips: bool = False) -> jax.Array:
+  """An integer array (per-row lengths, `check_lengths`; block-table entries and counts) clipped
+  to [0, upper] as int32. The clip happens in x's own dtype, so a uint32 or int64 value past
+  int32's range reads as `upper` instead of wrapping to a negative one (a length that reads no
+  slot, a block id clipped to block 0). kernel_clips: the array goes to a kernel that clips it
+  itself, so an int32 one passes through (no XLA op per call)."""
+  if kernel_clips and x.dtype == jnp.int32:
     return x
   return jnp.clip(x, 0, upper).astype(jnp.int32)
 

@@ -893,7 +893,7 @@ def _rows_partials(q_rows: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   rows_out = BLOCK_M if q_blocks > 1 else -(-num_queries * group // 8) * 8
   num_splits = _pick_num_splits(config, b, hkv, q_blocks, capacity, q_rows.shape[3],
                                 interpret is not None)
-  lengths = int32_clipped(lengths, capacity)
+  lengths = int32_clipped(lengths, capacity, kernel_clips=True)
   parts = _cache_partials(q_rows, k_cache, v_cache, lengths, rows_out=rows_out,
                           num_splits=num_splits, cfg=config,
                           score_rows=score_rows(num_score_queries, group),

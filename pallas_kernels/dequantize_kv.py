@@ -88,7 +88,7 @@ def dequantize_kv(qkv: QuantKV, bits: int, dtype=jnp.bfloat16, lengths: jax.Arra
   if lengths is None:
     lengths = jnp.full((batch,), capacity, jnp.int32)
   check_lengths("lengths", lengths, batch)
-  lengths = int32_clipped(lengths, capacity)
+  lengths = int32_clipped(lengths, capacity, kernel_clips=True)
   head_dim, group = qkv.head_dim, qkv.group
   dtype = jnp.dtype(dtype)
   planes = 1 if bits == 4 else 2

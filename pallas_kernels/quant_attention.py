@@ -1197,7 +1197,7 @@ def quant_attention(q: jax.Array, qkv: QuantKV, lengths_quantized: jax.Array,
 def full_and_inflight_keys(k_full, v_full, lengths_full, k_new, v_new, inflight_mask):
   """`quant_attention`'s two key sets: the full-precision segment (token-major, its slots
   r < lengths_full[b]) and the in-flight tokens under the [Tq, Tq] mask."""
-  n_full = jnp.clip(int32_clipped(lengths_full, k_full.shape[2]), 0, k_full.shape[2])
+  n_full = int32_clipped(lengths_full, k_full.shape[2])
   full_mask = jnp.arange(k_full.shape[2])[None, None, :] < n_full[:, None, None]  # [B, 1, Rf]
   return ((k_full.transpose(0, 2, 1, 3), v_full.transpose(0, 2, 1, 3), full_mask),
           (k_new, v_new, inflight_mask.astype(bool)[None]))
@@ -1268,9 +1268,9 @@ def _with_keys(q, qkv, lengths_quantized, key_sets, *, bits, return_lse, score_q
                                          rows=n,
                                          exact_blocks=exact.num_blocks if exact is not None else 0)
   acc, m2, l, *scores = _quant_partials(
-      q_t, qkv, int32_clipped(lengths_quantized, capacity), bits=bits, num_splits=num_splits,
-      dtype=q.dtype, cfg=config, block_kv=block_kv, with_scores=bool(sel), exact=exact,
-      interpret=interpret)
+      q_t, qkv, int32_clipped(lengths_quantized, capacity, kernel_clips=True), bits=bits,
+      num_splits=num_splits, dtype=q.dtype, cfg=config, block_kv=block_kv,
+      with_scores=bool(sel), exact=exact, interpret=interpret)
   out_t, lse_t = merge_partials_in_ranges(acc, m2, l, ranges=merge_ranges,
                                           interpret=interpret)             # [B,Hkv,NQB,D,N]
   out = _query_major(out_t.swapaxes(3, 4), n_rows, tq, group)              # [B, Tq, Hq, D]
@@ -1278,7 +1278,7 @@ def _with_keys(q, qkv, lengths_quantized, key_sets, *, bits, return_lse, score_q
   probs = None
   if sel:
     read = (jnp.arange(capacity)[None]
-            < jnp.clip(int32_clipped(lengths_quantized, capacity), 0, capacity)[:, None])[:, None]
+            < int32_clipped(lengths_quantized, capacity)[:, None])[:, None]
     # [B, Hkv, S, N] -> the selected rows [B, Hkv, R, S]
     rows = scores[0][..., :score_rows(len(sel), group)].swapaxes(2, 3)
     probs = scores_to_probs(rows, lse[:, :len(sel)], read, group=group)
@@ -1295,7 +1295,7 @@ def _dequantized_call(q, qkv, lengths_quantized, key_sets, *, bits, num_selected
   b, tq, hq, d = q.shape
   group = hq // qkv.k_codes.shape[1]
   from pallas_kernels.dequantize_kv import dequantize_kv   # (it imports this module)
-  lengths = jnp.clip(int32_clipped(lengths_quantized, qkv.capacity), 0, qkv.capacity)
+  lengths = int32_clipped(lengths_quantized, qkv.capacity)
   # Only the slots decode_attention's kernel reads are written: whole block_kv tiles up to the
   # length, in the tiling split_partials resolves from this same config.
   decode_cfg = DecodeConfig().resolve(num_q_blocks(tq, group), qkv.capacity, d)

@@ -729,9 +729,9 @@ def _rows_partials(q_rows, k_cache, v_cache, block_tables, num_blocks, lengths, 
   # The kernel clips the entries, counts and lengths itself: no XLA op per call for that.
   return tuple(_cache_partials(
       q_rows, k_cache, v_cache,
-      int32_clipped(block_tables, k_cache.shape[2] // block_size - 1),
-      int32_clipped(num_blocks, block_tables.shape[2]), int32_clipped(lengths, k_cache.shape[2]),
-      segments=segments,
+      int32_clipped(block_tables, k_cache.shape[2] // block_size - 1, kernel_clips=True),
+      int32_clipped(num_blocks, block_tables.shape[2], kernel_clips=True),
+      int32_clipped(lengths, k_cache.shape[2], kernel_clips=True), segments=segments,
       rows_out=rows_out, block_size=block_size, cfg=config, score_rows=rows_score, ws=ws,
       inflight_key=inflight_key, inflight_tile=inflight_tile, interpret=interpret))
 
@@ -741,8 +741,8 @@ def _read_counts(block_tables, num_blocks, lengths, *, block_size: int, capacity
   entries i < num_blocks[b, h] naming the slot's block; 0 for slots >= lengths[b])."""
   table_len = block_tables.shape[2]
   n_cache_blocks = capacity // block_size
-  tables = jnp.clip(int32_clipped(block_tables, n_cache_blocks - 1), 0, n_cache_blocks - 1)
-  counts = jnp.clip(int32_clipped(num_blocks, table_len), 0, table_len)       # [B, Hkv]
+  tables = int32_clipped(block_tables, n_cache_blocks - 1)                      # [B, Hkv, NB]
+  counts = int32_clipped(num_blocks, table_len)                                 # [B, Hkv]
   listed = jnp.arange(table_len) < counts[..., None]                            # [B, Hkv, NB]
   hits = (tables[..., None] == jnp.arange(n_cache_blocks)) & listed[..., None]  # [.., NB, S/bs]
   per_block = hits.sum(2, dtype=jnp.int32)                                      # [B, Hkv, S/bs]
@@ -843,7 +843,7 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
       outs.append(out_s.astype(q.dtype))           # concatenated in q's dtype: half the bytes
       lses.append(lse_s)
     if seg.score_slot >= 0:
-      lengths_c = jnp.clip(int32_clipped(lengths, capacity), 0, capacity)
+      lengths_c = int32_clipped(lengths, capacity)
       if seg.full:
         reads = (jnp.arange(capacity) < lengths_c[:, None])[:, None]              # [B, 1, S]
       else:
@@ -921,10 +921,10 @@ def sparse_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
   hkv, capacity = k_cache.shape[1], k_cache.shape[2]
   n_cache_blocks = capacity // block_size
   sparse_queries = tq if sparse_queries is None else sparse_queries
-  lengths = jnp.clip(int32_clipped(lengths, capacity), 0, capacity)
+  lengths = int32_clipped(lengths, capacity)
   mask = inflight_mask.astype(bool)
-  tables = jnp.clip(int32_clipped(block_tables, n_cache_blocks - 1), 0, n_cache_blocks - 1)
-  counts = jnp.clip(int32_clipped(num_blocks, block_tables.shape[2]), 0, block_tables.shape[2])
+  tables = int32_clipped(block_tables, n_cache_blocks - 1)
+  counts = int32_clipped(num_blocks, block_tables.shape[2])
   full_tables = jnp.broadcast_to(jnp.arange(n_cache_blocks, dtype=jnp.int32),
                                  (b, hkv, n_cache_blocks))
   full_counts = jnp.broadcast_to(-(-lengths // block_size)[:, None], (b, hkv))
