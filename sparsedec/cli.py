@@ -420,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
   except SparsedecError as err:
     print(f"sparsedec: error: {err}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt:              # Ctrl-C: one line, the shell's code for SIGINT
+    print("sparsedec: interrupted", file=sys.stderr)
+    return 130
   except BrokenPipeError:                # stdout's reader is gone (`| head`): end quietly
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no 2nd error at exit
     return 1

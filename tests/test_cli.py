@@ -189,6 +189,19 @@ def test_a_closed_stdout_ends_quietly(tmp_path):
   assert proc.returncode == 1
 
 
+def test_ctrl_c_ends_on_one_line_and_the_sigint_code(capsys, monkeypatch):
+  """Ctrl-C during a command printed Python's traceback; now one line and exit code 130."""
+  def interrupted(args):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(cli, "cmd_generate", interrupted)
+  try:
+    code, out, err = run_cli(capsys, "generate", "--prompt", "Once")
+  except KeyboardInterrupt:        # not caught by main (which would also stop pytest's session)
+    pytest.fail("KeyboardInterrupt escaped cli.main")
+  assert code == 130 and out == ""
+  assert err == "sparsedec: interrupted\n"
+
+
 def test_policy_knobs_reach_the_policy():
   """--sink-blocks (StreamingLLM) and --recent-blocks (SnapKV) set their policy's fields; a SnapKV
   budget of 2 blocks needs --recent-blocks 1 (the default 2 is refused below the budget)."""

@@ -632,3 +632,15 @@ def test_truncated_tokenizer_json_is_named_before_the_weights(hf_copy, tmp_path,
     with pytest.raises(CheckpointError, match=r"cannot read .*tokenizer\.json"):
       load()
   assert leftovers(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize("key, needle", [("num_key_value_heads", "num_kv_heads must be a positive"),
+                                         ("head_dim", "head_dim must be a positive")])
+def test_zero_kv_heads_or_head_dim_is_refused_not_defaulted(key, needle):
+  """`"num_key_value_heads": 0` ran as multi-head attention and `"head_dim": 0` as hidden / heads
+  (a falsy value took the default meant for a missing key); transformers takes the 0 and fails
+  inside attention. A missing or null key still gets the default."""
+  with pytest.raises(UnsupportedConfigError, match=needle):
+    ModelConfig.from_hf({**LLAMA_HF_CONFIG, key: 0})
+  cfg = ModelConfig.from_hf({**LLAMA_HF_CONFIG, key: None})
+  assert (cfg.num_kv_heads, cfg.head_dim) == ((4, 64) if key == "num_key_value_heads" else (2, 64))

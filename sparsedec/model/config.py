@@ -298,7 +298,8 @@ def _from_hf(hf: Mapping[str, Any], dtype: str | None) -> ModelConfig:
   if num_heads <= 0:
     raise UnsupportedConfigError(f"num_attention_heads must be a positive integer, got {num_heads}")
   # Qwen3Config defaults head_dim to 128 (transformers 4.x and 5.x); the others derive it.
-  head_dim = hf.get("head_dim", 128 if family == "qwen3" else None) or hidden // num_heads
+  head_dim = hf.get("head_dim", 128 if family == "qwen3" else None)
+  head_dim = hidden // num_heads if head_dim is None else head_dim    # 0 is refused, not derived
   attention_bias = bool(hf.get("attention_bias", False))
   if family == "qwen2":
     qkv_bias, o_bias = True, False   # Qwen2 always has q/k/v bias, never o bias
@@ -318,7 +319,8 @@ def _from_hf(hf: Mapping[str, Any], dtype: str | None) -> ModelConfig:
       intermediate_size=_number("intermediate_size", hf["intermediate_size"]),
       num_layers=_number("num_hidden_layers", hf["num_hidden_layers"]),
       num_heads=num_heads,
-      num_kv_heads=_number("num_key_value_heads", hf.get("num_key_value_heads") or num_heads),
+      num_kv_heads=_number("num_key_value_heads", num_heads if hf.get("num_key_value_heads") is None
+                           else hf["num_key_value_heads"]),              # 0 is refused, not MHA
       head_dim=_number("head_dim", head_dim),
       rms_norm_eps=_number("rms_norm_eps", hf.get("rms_norm_eps", 1e-6), float),
       rope_theta=theta,
