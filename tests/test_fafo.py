@@ -372,3 +372,48 @@ def test_a_stop_token_fumble_is_stored_as_the_model_guessed_it(stories):
   stamps = np.asarray(state.extras.pool.value_stamps)
   assert (values[stamps > 0][:, -1] == stop).any()        # stored with the model's token
   assert stop not in np.asarray(state.extras.fumble)      # replaced in the subsequences
+
+
+def _snapkv_scores_whole_window(q, q_pos, q_valid, k, lengths, block_size, pool):
+  """SnapKV's block scores as first written: the window's [B, Hkv, G, w, S] scores at once."""
+  b, w, hq, d = q.shape
+  hkv, s = k.shape[1], k.shape[2]
+  qg = q.reshape(b, w, hkv, hq // hkv, d).astype(jnp.float32)
+  scores = jnp.einsum("bwhgd,bhsd->bhgws", qg, k.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST) * d ** -0.5
+  slot = jnp.arange(s)
+  ok = (slot[None, None, :] <= q_pos[:, :, None]) & (slot[None, None, :] < lengths[:, None, None])
+  scores = jnp.where(ok[:, None, None], scores, -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1)
+  probs = jnp.where(jnp.isfinite(scores), probs, 0.0) * q_valid[:, None, None, :, None]
+  mass = probs.sum((2, 3))
+  if pool > 1:
+    mass = jax.lax.reduce_window(mass, 0.0, jax.lax.add, (1, 1, pool), (1, 1, 1), "SAME") / pool
+  return mass.reshape(b, hkv, s // block_size, block_size).sum(-1)
+
+
+def test_snapkv_scores_one_window_query_at_a_time_equal_the_whole_window_and_stay_small():
+  """SnapKV's init scored the whole observation window at once: [B, Hkv, G, w, S] fp32 scores
+  plus an fp32 copy of K, 1.5 GiB of XLA temporaries per row and layer at Llama-3.1-8B shapes,
+  128K. One query a step gives the same scores (ragged lengths, invalid window entries, GQA) in
+  a fraction of the memory."""
+  from sparsedec.compress.snapkv import _block_scores
+  rng = np.random.default_rng(0)
+  b, w, hq, hkv, d, s, bs = 2, 6, 4, 2, 16, 64, 8
+  q = jnp.asarray(rng.normal(size=(b, w, hq, d)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(b, hkv, s, d)), jnp.float32)
+  lengths = jnp.array([40, 9], jnp.int32)
+  q_pos = jnp.array([[34, 35, 36, 37, 38, 39], [6, 7, 8, 9, 10, 11]], jnp.int32)
+  q_valid = jnp.array([[True] * 6, [True] * 4 + [False] * 2])
+  for pool in (1, 3):
+    np.testing.assert_allclose(_block_scores(q, q_pos, q_valid, k, lengths, bs, pool),
+                               _snapkv_scores_whole_window(q, q_pos, q_valid, k, lengths, bs,
+                                                           pool), rtol=1e-5, atol=1e-6)
+  # Memory at a longer cache (compiled, not run): bf16, G 4, window 32, S 16K.
+  args = (jax.ShapeDtypeStruct((1, 32, 8, 64), jnp.bfloat16),
+          jax.ShapeDtypeStruct((1, 32), jnp.int32), jax.ShapeDtypeStruct((1, 32), jnp.bool_),
+          jax.ShapeDtypeStruct((1, 2, 16384, 64), jnp.bfloat16),
+          jax.ShapeDtypeStruct((1,), jnp.int32))
+  whole_window_scores = 2 * 4 * 32 * 16384 * 4                            # bytes, fp32
+  temp = jax.jit(_block_scores, static_argnums=(5, 6)).lower(*args, 64, 7).compile()
+  assert temp.memory_analysis().temp_size_in_bytes < whole_window_scores / 8
