@@ -419,6 +419,27 @@ def test_a_failed_swap_puts_the_old_checkpoint_back(stories_hf_dir, tmp_path, mo
   assert (pathlib.Path(out) / "sparsedec_config.json").read_text() == before   # float32, not bf16
 
 
+@pytest.mark.parametrize("field, value, needle", [
+    ("vocab_size", 256, r"tensor embed has shape \(512, 64\), expected \(256, 64\)"),
+    ("intermediate_size", 100, r"tensor layers\[0\]\.w_gate_up has shape \(64, 344\)"),
+    ("num_layers", 3, "layers: expected 3 layers, got 5"),
+    ("tie_word_embeddings", False, r"missing tensor lm_head \(expected shape \(64, 512\)\)"),
+])
+def test_params_saved_with_another_config_are_named(tmp_path, capfd, field, value, needle):
+  """A sparsedec_config.json that does not fit the saved params (edited, or copied from another
+  checkpoint) failed inside orbax's restore: no field named, advice to pass orbax's `strict=False`
+  / `partial_restore=True`, and a screenful of asyncio 'Event loop is closed' tracebacks."""
+  ckpt = shutil.copytree(ROOT / "checkpoints" / "stories260K", tmp_path / "ckpt")
+  config = ckpt / "sparsedec_config.json"
+  config.write_text(json.dumps({**json.loads(config.read_text()), field: value}))
+  capfd.readouterr()
+  with pytest.raises(CheckpointError, match=rf"params saved in params/ do not fit its "
+                                            rf"sparsedec_config.json: {needle}") as err:
+    load_checkpoint(ckpt)
+  assert "strict" not in str(err.value) and "partial_restore" not in str(err.value)
+  assert "Event loop is closed" not in capfd.readouterr().err
+
+
 def test_overwrite_replaces_only_a_checkpoint(hf_copy, tmp_path):
   """overwrite deletes what it replaces: never a directory that is not a checkpoint (say, the one
   holding the source, or the working directory), nor a plain file; and an HF directory without

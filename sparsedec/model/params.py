@@ -92,14 +92,18 @@ def check_params(cfg: ModelConfig, params: Params) -> None:
       raise CheckpointError(f"{path}: expected a dict of tensors, got {type(got).__name__}")
     missing = sorted(set(exp) - set(got))
     extra = sorted(set(got) - set(exp))
+
+    def name(k: str) -> str:                         # top-level keys without a leading dot
+      return f"{path}.{k}" if path else k
+
     if missing:
-      raise CheckpointError(f"missing tensor {path}.{missing[0]} (expected shape {exp[missing[0]]})"
-                            if not isinstance(exp[missing[0]], list) else
-                            f"missing {path}.{missing[0]}")
+      raise CheckpointError(f"missing tensor {name(missing[0])} (expected shape "
+                            f"{exp[missing[0]]})" if not isinstance(exp[missing[0]], list) else
+                            f"missing {name(missing[0])}")
     if extra:
-      raise CheckpointError(f"unexpected tensor {path}.{extra[0]} for this config")
+      raise CheckpointError(f"unexpected tensor {name(extra[0])} for this config")
     for k in exp:
-      walk(exp[k], got[k], f"{path}.{k}" if path else k)
+      walk(exp[k], got[k], name(k))
 
   walk(expected, params, "")
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from etils import epath
 from tqdm import tqdm
 
 from sparsedec.errors import (CheckpointError, UnsupportedConfigError, read_json,
@@ -153,6 +154,29 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
     raise CheckpointError(f"{config_file} is not a valid sparsedec config: {e}") from e
 
 
+def _check_stored_shapes(path: str, cfg: ModelConfig) -> None:
+  """Raise a CheckpointError when the arrays saved under `path/params` (their orbax metadata,
+  no array is read) are not the ones `cfg` needs: params saved with another config, or an edited
+  sparsedec_config.json. orbax's own refusal named neither the config nor the field, suggested
+  orbax restore options (`strict=False`, `partial_restore=True`) and printed asyncio tracebacks.
+  Metadata that cannot be read is left to the restore, whose error names the directory."""
+  params_dir = os.path.join(path, PARAMS_DIR)
+  handler = ocp.StandardCheckpointHandler()
+  try:
+    stored = handler.metadata(epath.Path(params_dir))
+    stored = getattr(stored, "tree", stored)
+  except Exception:                       # noqa: BLE001 (corrupt metadata: the restore names it)
+    return
+  finally:
+    handler.close()
+  try:
+    check_params(cfg, stored)
+  except CheckpointError as e:
+    raise CheckpointError(f"checkpoint {path}: the params saved in {PARAMS_DIR}/ do not fit its "
+                          f"{CONFIG_NAME}: {e} (saved with another config, or the config was "
+                          f"edited?)") from None
+
+
 def load_checkpoint(path: str | os.PathLike, dtype: str | None = None
                     ) -> tuple[ModelConfig, Params]:
   """Restore (cfg, params as jax arrays) from a checkpoint directory; dtype casts on restore."""
@@ -163,6 +187,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None
   params_dir = os.path.join(path, PARAMS_DIR)
   if not os.path.isdir(params_dir):
     raise CheckpointError(f"checkpoint {path} has no {PARAMS_DIR}/ directory")
+  _check_stored_shapes(path, cfg)
   stored = abstract_params(cfg)
   sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
