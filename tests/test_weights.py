@@ -339,6 +339,29 @@ def test_qwen3_head_dim_defaults_like_transformers():
     assert ModelConfig.from_hf(dict(LLAMA_HF_CONFIG, architectures=[arch])).head_dim == 64
 
 
+@pytest.mark.parametrize("arch, context, kv_heads", [
+    ("LlamaForCausalLM", 2048, 32), ("MistralForCausalLM", 131072, 8),
+    ("Qwen2ForCausalLM", 32768, 32), ("Qwen3ForCausalLM", 32768, 32)])
+def test_absent_context_and_kv_heads_default_like_transformers(arch, context, kv_heads):
+  """A config.json without max_position_embeddings / num_key_value_heads gets its family's
+  transformers default (MistralConfig 131072 and 8 KV heads, Qwen2/Qwen3Config 32768 and 32),
+  checked against transformers' classes in .hfenv: it got 2048 and num_attention_heads for
+  every family, so a Qwen prompt past 2048 tokens was refused, and a Mistral config without
+  num_key_value_heads was read as multi-head attention (its k_proj refused as wrongly shaped).
+  A null num_key_value_heads still means num_attention_heads, as in transformers."""
+  hf = {k: v for k, v in LLAMA_HF_CONFIG.items() if k != "num_key_value_heads"}
+  hf = dict(hf, architectures=[arch], num_attention_heads=32, hidden_size=512)
+  cfg = ModelConfig.from_hf(hf)
+  assert (cfg.max_position_embeddings, cfg.num_kv_heads) == (context, kv_heads)
+  assert ModelConfig.from_hf(dict(hf, num_key_value_heads=None)).num_kv_heads == 32
+  assert ModelConfig.from_hf(dict(hf, max_position_embeddings=64)).max_position_embeddings == 64
+  if not arch.startswith("Qwen"):
+    return
+  with pytest.raises(UnsupportedConfigError, match="no num_key_value_heads.*default of 32: not "
+                                                   r"a divisor of num_attention_heads \(4\)"):
+    ModelConfig.from_hf(dict(hf, num_attention_heads=4, hidden_size=256))
+
+
 @pytest.mark.parametrize("change, needle", [
     ({"num_attention_heads": 0}, "num_attention_heads"),
     ({"vocab_size": None}, "vocab_size"),

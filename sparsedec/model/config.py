@@ -289,14 +289,31 @@ def _check_unsupported(hf: Mapping[str, Any]) -> None:
       raise UnsupportedConfigError(f"{key}={hf[key]!r} is not supported")
 
 
+# What transformers' config class of each family (4.x and 5.x) gives an attribute config.json
+# leaves out. Absent only: a null num_key_value_heads means num_attention_heads in all four.
+ABSENT_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8},
+    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
+    "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
+}
+
+
 def _from_hf(hf: Mapping[str, Any], dtype: str | None) -> ModelConfig:
   family = _family(hf)
+  absent = {k: v for k, v in ABSENT_DEFAULTS[family].items() if k not in hf}
+  hf = {**hf, **absent}
   _check_unsupported(hf)
   theta, scaling = _rope(hf)
   num_heads = _number("num_attention_heads", hf["num_attention_heads"])
   hidden = _number("hidden_size", hf["hidden_size"])
   if num_heads <= 0:
     raise UnsupportedConfigError(f"num_attention_heads must be a positive integer, got {num_heads}")
+  if "num_key_value_heads" in absent and num_heads % absent["num_key_value_heads"]:
+    raise UnsupportedConfigError(
+        f"the config has no num_key_value_heads, which for {family} means transformers' default "
+        f"of {absent['num_key_value_heads']}: not a divisor of num_attention_heads ({num_heads}) "
+        f"(add num_key_value_heads to the config)")
   # Qwen3Config defaults head_dim to 128 (transformers 4.x and 5.x); the others derive it.
   head_dim = hf.get("head_dim", 128 if family == "qwen3" else None)
   head_dim = hidden // num_heads if head_dim is None else head_dim    # 0 is refused, not derived
