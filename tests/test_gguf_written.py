@@ -642,6 +642,30 @@ def test_missing_tensor_and_metadata_are_named(stories_hf_dir, stories_hf_tensor
 
 
 
+@pytest.mark.parametrize("extra, needle", [
+    ({"add_rope_dimension_count": 4},
+     r"'llama\.rope\.dimension_count' 4 != head dim 8: partial RoPE is not supported"),
+    ({"add_rope_scaling_type": gguf.RopeScalingType.YARN, "add_rope_scaling_factor": 4.0},
+     r"'llama\.rope\.scaling\.type' 'yarn' is not supported \(supported: none, linear\)"),
+    ({"add_sliding_window": 16}, r"'llama\.attention\.sliding_window' \(16\) is not supported"),
+    ({"add_expert_count": 8}, r"'llama\.expert_count' \(8\): mixture-of-experts"),
+    ({"add_layer_norm_rms_eps": 0.0}, "rms_norm_eps must be > 0"),
+], ids=["rope-dims", "yarn", "sliding-window", "experts", "eps"])
+def test_unsupported_gguf_metadata_is_named_by_its_key_and_file(stories_hf_dir, stories_hf_tensors,
+                                                                tmp_path, extra, needle):
+  """Refusals of GGUF metadata name the GGUF key and the file: they named HF attributes the file
+  has not ("partial_rotary_factor=0.5", "num_experts=8", "rope_scaling type 'yarn'"), told to
+  "remove the key" from a config.json, and named no file."""
+  pieces = read_sentencepiece_model(stories_hf_dir / "tokenizer.model")
+  plan = stories_tensor_plan(stories_hf_tensors, 8, 4)
+  path = write_gguf(tmp_path / "odd.gguf", "llama", dict(stories_kv(pieces), **extra),
+                    [(g, w, q) for g, _, w, q in plan])
+  with pytest.raises(UnsupportedConfigError, match=rf"odd\.gguf: (GGUF metadata )?{needle}") as err:
+    load_gguf(path)
+  for hf_only in ("partial_rotary_factor", "num_experts", "rope_scaling", "remove the key"):
+    assert hf_only not in str(err.value)
+
+
 def test_wrongly_sized_llama_q_k_rows_are_named(stories_hf_dir, stories_hf_tensors, tmp_path):
   """A llama q/k weight whose row count is not heads * head_dim gets the shape error naming it,
   not a bare ValueError from the RoPE un-permutation's reshape."""

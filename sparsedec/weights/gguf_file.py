@@ -140,19 +140,28 @@ def hf_config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> dic
   if key("attention.value_length", head_dim) != head_dim:
     raise UnsupportedConfigError(f"{arch}.attention.value_length {key('attention.value_length')} "
                                  f"!= key_length {head_dim} is not supported")
+  # The refusals below name the GGUF keys: through from_hf they named HF attributes the file has
+  # not (partial_rotary_factor, num_experts, rope_scaling) and told to edit a config.json.
   rope_dims = key("rope.dimension_count", head_dim)
   if rope_dims != head_dim:
-    hf["partial_rotary_factor"] = rope_dims / head_dim
+    raise UnsupportedConfigError(f"GGUF metadata '{arch}.rope.dimension_count' {rope_dims} != "
+                                 f"head dim {head_dim}: partial RoPE is not supported")
   scaling = key("rope.scaling.type", "none")
-  if scaling not in ("none", None):
+  if scaling not in ("none", None, "linear"):
+    raise UnsupportedConfigError(f"GGUF metadata '{arch}.rope.scaling.type' {scaling!r} is not "
+                                 f"supported (supported: none, linear)")
+  if scaling == "linear":
     hf["rope_scaling"] = {"rope_type": scaling, "factor": key("rope.scaling.factor", 1.0)}
   if ROPE_FREQS in tensor_names and "rope_scaling" in hf:
     raise UnsupportedConfigError(f"GGUF has both {arch}.rope.scaling.type {scaling!r} and a "
                                  f"{ROPE_FREQS!r} tensor: one RoPE scaling is supported")
-  if key("attention.sliding_window"):
-    hf["sliding_window"] = int(key("attention.sliding_window"))
+  # Qwen's is left aside, as before (HF reads a Qwen sliding_window only with use_sliding_window).
+  if arch == "llama" and key("attention.sliding_window"):
+    raise UnsupportedConfigError(f"GGUF metadata '{arch}.attention.sliding_window' "
+                                 f"({key('attention.sliding_window')}) is not supported")
   if key("expert_count"):
-    hf["num_experts"] = int(key("expert_count"))
+    raise UnsupportedConfigError(f"GGUF metadata '{arch}.expert_count' ({key('expert_count')}): "
+                                 f"mixture-of-experts models are not supported")
   return hf
 
 
@@ -221,8 +230,11 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = None,
   reader = _reader(path)
   meta = read_metadata(reader)
   tensors = {t.name: t for t in reader.tensors}
-  hf = hf_config_from_metadata(meta, set(tensors))
-  cfg = ModelConfig.from_hf(hf, dtype or "float32")
+  try:                                    # the errors name the file, as config.json's do
+    hf = hf_config_from_metadata(meta, set(tensors))
+    cfg = ModelConfig.from_hf(hf, dtype or "float32")
+  except (CheckpointError, UnsupportedConfigError) as e:
+    raise type(e)(f"{path}: {e}") from e
   if ROPE_FREQS in tensors:
     cfg = _with_rope_freqs(cfg, tensors[ROPE_FREQS], path)
   hf_names = {hf_tensor_name(name): name for name in tensors if name != ROPE_FREQS}
