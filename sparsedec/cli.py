@@ -127,10 +127,14 @@ def _parser() -> argparse.ArgumentParser:
   gen.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
   conv = sub.add_parser("convert", help="convert an HF dir or GGUF file to a checkpoint")
-  conv.add_argument("src")
-  conv.add_argument("out")
-  conv.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
-  conv.add_argument("--overwrite", action="store_true")
+  conv.add_argument("src", help="an HF checkpoint directory or a .gguf file")
+  conv.add_argument("out", help="the checkpoint directory to write")
+  conv.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                    help="default: float32 from a GGUF file; from an HF directory, its config's "
+                         "dtype, with float16 weights rounded to bfloat16 (float32 keeps them "
+                         "exactly)")
+  conv.add_argument("--overwrite", action="store_true",
+                    help="replace an existing checkpoint directory at OUT")
 
   bench = sub.add_parser("bench", help="tokens/s, steps and peak memory over a prompt set")
   _add_generation_args(bench)

@@ -198,7 +198,8 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None,
             progress: Callable[[str, int], None] | None = None) -> tuple[ModelConfig, Params]:
   """Load an HF checkpoint directory into (ModelConfig, params) as numpy arrays.
 
-  dtype: "float32" | "bfloat16" | None (None: from config.json's torch_dtype/dtype).
+  dtype: "float32" | "bfloat16" | None (None: from config.json's dtype/torch_dtype: bfloat16 for
+  "bfloat16" and "float16", whose weights are then rounded to bfloat16, else float32).
   progress: optional callback (HF tensor name, number of tensors) called after each read.
   """
   path = os.fspath(path)
