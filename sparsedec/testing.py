@@ -20,6 +20,7 @@ import numpy as np
 
 from sparsedec.attention import causal_plan
 from sparsedec.decode.api import GenerationResult, generate
+from sparsedec.errors import InputError, is_int
 from sparsedec.kv.dense import init_cache
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.forward import forward
@@ -36,8 +37,13 @@ class Divergence:
   top2_margin: float | None = None  # dense top-1 minus top-2 logit there
 
   def describe(self) -> str:
-    s = (f"row {self.row}: first divergence at generated position {self.position}: "
-         f"got {self.actual}, dense gave {self.expected}")
+    s = f"row {self.row}: first divergence at generated position {self.position}: "
+    if self.actual is None:
+      s += f"the output ended after {self.position} tokens, dense went on with {self.expected}"
+    elif self.expected is None:
+      s += f"got {self.actual}, dense had ended after {self.position} tokens"
+    else:
+      s += f"got {self.actual}, dense gave {self.expected}"
     if self.margin is not None:
       s += f" (dense logit margin expected-actual {self.margin:.6g}"
       s += f", top-2 margin {self.top2_margin:.6g})"
@@ -62,10 +68,28 @@ def dense_logits(cfg: ModelConfig, params: Params, tokens: Sequence[int]) -> np.
   return np.asarray(logits[0])
 
 
-def find_divergences(actual: Sequence[Sequence[int]], expected: Sequence[Sequence[int]],
-                     cfg: ModelConfig | None = None, params: Params | None = None,
+def _token_rows(rows, what: str) -> list[list[int]]:
+  """One token-id list per row, from lists / arrays of them or a GenerationResult (its tokens);
+  anything else (a flat list of ids, a row of non-integers) raises InputError naming `what`."""
+  if isinstance(rows, GenerationResult):
+    rows = rows.tokens
+  rows = rows.tolist() if hasattr(rows, "tolist") else rows
+  out = []
+  for row in rows if isinstance(rows, (list, tuple)) else [rows]:
+    row = row.tolist() if hasattr(row, "tolist") else row
+    if not isinstance(row, (list, tuple)) or not all(is_int(t) for t in row):
+      raise InputError(f"{what} must be one list of token ids per row (or a GenerationResult), "
+                       f"got {rows!r:.80}")
+    out.append([int(t) for t in row])
+  return out
+
+
+def find_divergences(actual, expected, cfg: ModelConfig | None = None,
+                     params: Params | None = None,
                      prompts: Sequence[Sequence[int]] | None = None) -> list[Divergence]:
-  """Per-row first divergences; with cfg/params/prompts, the dense margins there too."""
+  """Per-row first divergences of `actual` from `expected` (each one token-id list per row, or a
+  GenerationResult); with cfg/params/prompts, the dense margins there too."""
+  actual, expected = _token_rows(actual, "actual"), _token_rows(expected, "expected")
   if len(actual) != len(expected):
     raise AssertionError(f"{len(actual)} rows of output against {len(expected)} expected")
   out = []
@@ -86,11 +110,13 @@ def find_divergences(actual: Sequence[Sequence[int]], expected: Sequence[Sequenc
   return out
 
 
-def assert_tokens_equal(actual: Sequence[Sequence[int]], expected: Sequence[Sequence[int]], *,
-                        cfg: ModelConfig | None = None, params: Params | None = None,
+def assert_tokens_equal(actual, expected, *, cfg: ModelConfig | None = None,
+                        params: Params | None = None,
                         prompts: Sequence[Sequence[int]] | None = None,
                         label: str = "method") -> None:
-  """Raise AssertionError with a per-row report of the first divergence, if any."""
+  """Raise AssertionError with a per-row report of the first divergence, if any. `actual` and
+  `expected`: one token-id list per row, or a GenerationResult."""
+  actual = _token_rows(actual, "actual")
   divs = find_divergences(actual, expected, cfg, params, prompts)
   if divs:
     lines = [f"{label} output differs from dense decoding in {len(divs)} of {len(actual)} rows:"]
@@ -99,11 +125,12 @@ def assert_tokens_equal(actual: Sequence[Sequence[int]], expected: Sequence[Sequ
 
 
 def assert_matches_dense(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
-                         method, max_new_tokens: int, expected: Sequence[Sequence[int]] | None
-                         = None, **generate_kwargs) -> GenerationResult:
-  """Generate with `method` and with dense decoding (greedy unless sampling/seed given) and
-  assert the tokens are identical. Pass `expected` to reuse a dense result. Returns the
-  method's result.
+                         method, max_new_tokens: int,
+                         expected: Sequence[Sequence[int]] | GenerationResult | None = None,
+                         **generate_kwargs) -> GenerationResult:
+  """Generate with `method` and with dense decoding (greedy unless `sampling` is given) and
+  assert the tokens are identical. Pass `expected` (a dense GenerationResult or its tokens) to
+  reuse a dense result. Returns the method's result.
 
   Token identity is the claim of greedy decoding. With sampling, the lossless speculative
   methods (FAFO, Lookahead, QuantSpec) keep dense decoding's distribution but draw their random

@@ -301,6 +301,40 @@ def test_divergence_report_names_position_tokens_and_margin(stories):
   testing.assert_tokens_equal([dense], [dense])  # equal: no error
 
 
+def test_divergence_report_says_which_output_ended(stories):
+  """An output shorter or longer than dense's was reported as "got None" / "dense gave None"."""
+  cfg, params, tok = stories
+  prompt = tok.encode("Once upon a time")
+  dense = sparsedec.generate(cfg, params, [prompt], max_new_tokens=8, stop_tokens=()).tokens[0]
+  with pytest.raises(AssertionError) as err:
+    testing.assert_tokens_equal([dense[:5]], [dense])
+  assert f"position 5: the output ended after 5 tokens, dense went on with {dense[5]}" in str(
+      err.value)
+  with pytest.raises(AssertionError) as err:
+    testing.assert_tokens_equal([dense], [dense[:5]], cfg=cfg, params=params, prompts=[prompt])
+  assert f"position 5: got {dense[5]}, dense had ended after 5 tokens" in str(err.value)
+  assert "None" not in str(err.value)
+
+
+def test_assertions_take_generation_results_and_refuse_flat_lists(stories):
+  """assert_matches_dense's `expected` "reuses a dense result": a GenerationResult raised
+  TypeError (no len()); a flat token list raised "'int' object is not iterable"."""
+  cfg, params, tok = stories
+  prompts = [tok.encode("Once upon a time"), tok.encode("Lily")]
+  dense = sparsedec.generate(cfg, params, prompts, max_new_tokens=6)
+  got = testing.assert_matches_dense(cfg, params, prompts, method="lookahead", max_new_tokens=6,
+                                     expected=dense)
+  testing.assert_tokens_equal(got, dense)
+  testing.assert_tokens_equal(np.asarray([dense.tokens[0]]), [dense.tokens[0]])
+  swapped = dense.tokens[::-1]
+  with pytest.raises(AssertionError, match="differs from dense decoding in 2 of 2 rows"):
+    testing.assert_tokens_equal(swapped, dense)
+  with pytest.raises(sparsedec.InputError, match="actual must be one list of token ids per row"):
+    testing.assert_tokens_equal(dense.tokens[0], dense.tokens[0])
+  with pytest.raises(sparsedec.InputError, match="expected must be one list of token ids"):
+    testing.assert_tokens_equal([dense.tokens[0]], [[1.5]])
+
+
 def test_stories_bf16_logits_track_fp32(stories):
   """bf16 compute runs (on CPU too) and stays within bf16 rounding of the fp32 model."""
   from sparsedec.model.params import cast_params
