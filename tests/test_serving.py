@@ -56,6 +56,19 @@ def test_insert_rejects_mismatched_states(stories):
   assert state.prompt_lengths.tolist() == [2, 1]
 
 
+def test_a_request_of_another_dtype_is_refused_naming_the_model(stories):
+  """The message told the user to use the same max_new_tokens, which a request may choose."""
+  from sparsedec.model.params import cast_params
+  cfg, params, tok = stories
+  state, _ = api.start(cfg, params, [[1, 2]], max_new_tokens=1, cache_size=128)
+  request, _ = api.start(cfg.replace(dtype="bfloat16"), cast_params(params, "bfloat16"), [[5]],
+                         max_new_tokens=3, cache_size=128)
+  with pytest.raises(sparsedec.InputError, match=r"cache.k\[0\] is bfloat16.*float32") as err:
+    insert_row(state, request, 0)
+  assert "same model (config, dtype), cache_size and method" in str(err.value)
+  assert "max_new_tokens" not in str(err.value)
+
+
 def test_quantspec_insert_keeps_the_shared_draft_weights(stories):
   """QuantSpec's extras hold its 4-bit draft weights, the same for every row (not batch-major):
   an insert leaves them as they are (a per-row copy wrote the request's row 0 into row `row` of
@@ -82,7 +95,7 @@ def test_quantspec_insert_keeps_the_shared_draft_weights(stories):
   assert int(state.extras.accepted_drafts[1]) == int(alone.state.extras.accepted_drafts[0])
   other, _ = api.start(cfg, params, [[5, 6]], **{**kw, "cache_size": 256})
   with pytest.raises(sparsedec.InputError,
-                     match="request state's .* build both with the same cache_size"):
+                     match=r"request state's .* start both with the same model .*cache_size"):
     insert_row(state, other, 0)
 
 

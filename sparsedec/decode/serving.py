@@ -102,8 +102,8 @@ def insert_row(state: DecodeState, request: DecodeState, row: int, *,
         != one.shape[:axis] + one.shape[axis + 1:] or big.dtype != one.dtype):
       raise InputError(f"the request state's {jax.tree_util.keystr(path)} is "
                        f"{one.dtype}{list(one.shape)}, the running state's "
-                       f"{big.dtype}{list(big.shape)} (batch axis {axis}): build both with the "
-                       f"same cache_size, max_new_tokens and method")
+                       f"{big.dtype}{list(big.shape)} (batch axis {axis}): start both with the "
+                       f"same model (config, dtype), cache_size and method")
   if not replace_running and not bool(state.done[row]):
     raise InputError(f"row {row} is still decoding (state.done[{row}] is False): insert into a "
                      f"finished row, e.g. the first of numpy.flatnonzero(state.done), or pass "
