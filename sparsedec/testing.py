@@ -155,7 +155,12 @@ def assert_forward_matches_dense(cfg: ModelConfig, params: Params, tokens: np.nd
   tokens = np.asarray(tokens, np.int32)
   chex.assert_rank(tokens, 2)
   expected = np.stack([dense_logits(cfg, params, row.tolist()) for row in tokens])
-  actual = np.asarray(forward_fn(jnp.asarray(tokens)), np.float32)
+  actual = forward_fn(jnp.asarray(tokens))
+  if isinstance(actual, (tuple, list)):
+    raise InputError(f"forward_fn must return the logits [B, T, V] as one array, got a "
+                     f"{type(actual).__name__} of {len(actual)} (sparsedec's forward returns "
+                     f"(logits, cache): take its [0])")
+  actual = np.asarray(actual, np.float32)
   chex.assert_shape(actual, expected.shape)
   try:
     chex.assert_trees_all_close(actual, expected, atol=atol, rtol=rtol)

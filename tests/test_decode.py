@@ -316,6 +316,20 @@ def test_divergence_report_says_which_output_ended(stories):
   assert "None" not in str(err.value)
 
 
+def test_forward_assertion_refuses_a_forward_returning_logits_and_cache(stories):
+  """A forward_fn returning sparsedec's (logits, cache) raised numpy's "inhomogeneous shape"."""
+  cfg, params, tok = stories
+  tokens = np.asarray([tok.encode("Once upon a time")[:4]])
+
+  def with_cache(t):                                                   # [B, T] -> (logits, cache)
+    b, n = t.shape
+    return forward(cfg, params, t, jnp.broadcast_to(jnp.arange(n)[None], (b, n)),
+                   init_cache(cfg, b, 1), causal_plan(n))
+  with pytest.raises(sparsedec.InputError, match=r"forward_fn must return the logits.*take its"):
+    testing.assert_forward_matches_dense(cfg, params, tokens, with_cache)
+  testing.assert_forward_matches_dense(cfg, params, tokens, lambda t: with_cache(t)[0])
+
+
 def test_assertions_take_generation_results_and_refuse_flat_lists(stories):
   """assert_matches_dense's `expected` "reuses a dense result": a GenerationResult raised
   TypeError (no len()); a flat token list raised "'int' object is not iterable"."""
