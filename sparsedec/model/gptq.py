@@ -258,6 +258,26 @@ def _checked_sequences(cfg: ModelConfig, tokens) -> list[np.ndarray]:
   return seqs
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "grams"))
+def _calibration_chunk(lp, x, start, valid, k_cache, v_cache, *, cfg: ModelConfig,
+                       grams: tuple[str, ...]):
+  """Layer lp over one chunk x [rows, chunk, Dm] at positions start.. (valid [rows]: how many
+  of the chunk's tokens each row has): its output, the chunk's K/V written into the layer's
+  cache [rows, Hkv, S, D], and the input sums over the valid tokens of the linears in grams.
+  Module-level, so every calibration of a config shares its compiles (a jit per instance
+  compiled them again for each one)."""
+  rows, chunk = x.shape[:2]
+  pos = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (rows, chunk))
+  cos, sin = rope_tables(cfg, pos, jnp.dtype(cfg.dtype))
+  taps = {} if grams else None
+  y, _, k, v = decoder_layer(cfg, lp, x, cos, sin, pos, k_cache, v_cache,
+                             jnp.full((rows,), start, jnp.int32), causal_plan(chunk), taps)
+  k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.transpose(0, 2, 1, 3), start, 2)
+  v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.transpose(0, 2, 1, 3), start, 2)
+  sums = {name: _gram(taps[name], valid) for name in grams}
+  return y, k_cache, v_cache, sums
+
+
 class LayerCalibration:
   """Calibration tokens' hidden states walked through the model one layer at a time, in causal
   chunks against the current layer's own KV cache:
@@ -299,24 +319,6 @@ class LayerCalibration:
         embed = jnp.take(params["embed"], jnp.asarray(ids), axis=0).astype(self.dtype)
         self.batches.append((lengths, [embed[:, s:s + self.chunk]
                                        for s in range(0, n * self.chunk, self.chunk)]))
-    self._run = jax.jit(self._chunk, static_argnames="grams")
-
-  def _chunk(self, lp, x, start, valid, k_cache, v_cache, grams: tuple[str, ...]):
-    """Layer lp over one chunk x [rows, chunk, Dm] at positions start.. (valid [rows]: how many
-    of the chunk's tokens each row has): its output, the chunk's K/V written into the layer's
-    cache [rows, Hkv, S, D], and the input sums over the valid tokens of the linears in grams."""
-    cfg = self.cfg
-    rows = x.shape[0]
-    pos = jnp.broadcast_to(start + jnp.arange(self.chunk, dtype=jnp.int32), (rows, self.chunk))
-    cos, sin = rope_tables(cfg, pos, self.dtype)
-    taps = {} if grams else None
-    y, _, k, v = decoder_layer(cfg, lp, x, cos, sin, pos, k_cache, v_cache,
-                               jnp.full((rows,), start, jnp.int32), causal_plan(self.chunk), taps)
-    k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.transpose(0, 2, 1, 3), start, 2)
-    v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.transpose(0, 2, 1, 3), start, 2)
-    sums = {name: _gram(taps[name], valid) for name in grams}
-    return y, k_cache, v_cache, sums
-
   def _through(self, lp, grams: tuple[str, ...]):
     cfg = self.cfg
     out, total = [], {name: 0.0 for name in grams}
@@ -327,8 +329,8 @@ class LayerCalibration:
       for i, x in enumerate(xs):
         start = i * self.chunk
         valid = jnp.asarray(np.clip(lengths - start, 0, self.chunk), jnp.int32)
-        y, k_cache, v_cache, sums = self._run(lp, x, jnp.int32(start), valid, k_cache, v_cache,
-                                              grams)
+        y, k_cache, v_cache, sums = _calibration_chunk(lp, x, jnp.int32(start), valid, k_cache,
+                                                       v_cache, cfg=cfg, grams=grams)
         ys.append(y)
         for name in grams:
           total[name] = total[name] + sums[name]
