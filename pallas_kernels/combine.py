@@ -377,8 +377,9 @@ def _combine_reduced(parts, scores, values):
   parts: (acc [B, Hkv, NQB, NS, R, D], m [B, Hkv, NQB, NS, R] natural log, l [..., NS, R]);
   scores: [B, Hkv, NQB, R, U] per exact set, values: its v [B, U, Hkv, D].
   Returns o [B, Hkv, NQB, R, D] and lse [B, Hkv, NQB, R]."""
+  # initial: a key set of U = 0 keys (an empty full-precision segment) has no maximum.
   m_tot = functools.reduce(jnp.maximum, [m.max(3) for _, m, _ in parts]
-                           + [s.max(-1) for s in scores])                  # [B, Hkv, NQB, R]
+                           + [s.max(-1, initial=-jnp.inf) for s in scores])  # [B, Hkv, NQB, R]
   m_tot = _finite_or_zero(m_tot)
   denom, o = 0.0, 0.0
   for a, m, s in parts:

@@ -568,6 +568,18 @@ def test_dequantize_path_equals_the_reference(bits):
   np.testing.assert_allclose(out, fused, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("path", ["fused", "dequantize"])
+def test_an_empty_full_precision_segment(path):
+  """k_full / v_full with Rf = 0 slots (no recent segment) and 5 in-flight queries: the
+  dequantize path's combine took the max of the empty key set's scores ('zero-size array to
+  reduction operation max'), which the wide calls of "auto" reach too."""
+  q, qkv, k_full, v_full, k_new, v_new = _inputs(
+      31, batch=1, num_queries=5, num_q_heads=2, num_kv_heads=1, head_dim=64, capacity=128,
+      full_capacity=0, group=64, dtype=jnp.bfloat16)
+  _check(q, qkv, 8, jnp.array([100], jnp.int32), k_full, v_full, jnp.array([0], jnp.int32),
+         k_new, v_new, jnp.tril(jnp.ones((5, 5), bool)), QuantAttentionConfig(path=path))
+
+
 def test_dequantize_path_rounds_to_decodes_128_key_tiles():
   """Capacity 256 with few query rows: decode_attention's kernel reads 128-key tiles, so the
   dequantization must write up to the length rounded to 128, not 64 (a 64-key tile left unwritten
