@@ -10,7 +10,8 @@ Contract:
 
   merge_partials(acc [B, Hkv, QB, NS, D, N] fp32 (un-normalised O^T; N a multiple of 8, <= 64),
                  m2 [B, Hkv, QB, NS, NP] fp32 (row max, log2 units, -inf for an empty split),
-                 l [B, Hkv, QB, NS, NP] fp32 (row sum); NP >= max(N, 32), columns >= N ignored)
+                 l [B, Hkv, QB, NS, NP] fp32 (row sum); NP >= max(N, 32) and a multiple of
+                 4, columns >= N ignored)
     -> out [B, Hkv, QB, D, N] fp32 (sum_s 2**(m_s - m) acc_s / sum_s 2**(m_s - m) l_s, 0 for a
        row that sees nothing), lse [B, Hkv, QB, NP] fp32 (natural log, -inf for a row that sees
        nothing; columns >= N undefined)
@@ -87,15 +88,18 @@ def _check(acc, m2, l):
   if acc.ndim != 6:
     raise ValueError(f"acc must be [B, Hkv, QB, NS, D, N], got shape {acc.shape}")
   b, hkv, qb, ns, d, n = acc.shape
-  check_sizes(B=b, Hkv=hkv, QB=qb)
+  check_sizes(B=b, Hkv=hkv, QB=qb, D=d)        # D = 0 was a ZeroDivisionError in the plan
   if ns < 1 or d % TILE or n % 8 or not 0 < n <= 64:
     raise ValueError(f"acc [B, Hkv, QB, NS, D, N] needs NS >= 1, D a multiple of {TILE} and N a "
                      f"multiple of 8 in (0, 64], got {acc.shape}")
   if acc.dtype != jnp.float32 or m2.dtype != jnp.float32 or l.dtype != jnp.float32:
     raise ValueError(f"acc, m2 and l must be float32, got {acc.dtype}, {m2.dtype}, {l.dtype}")
-  if m2.ndim != 5 or m2.shape[:4] != (b, hkv, qb, ns) or m2.shape[4] < max(n, 32):
-    raise ValueError(f"m2 must be [B={b}, Hkv={hkv}, QB={qb}, NS={ns}, NP >= {max(n, 32)}], got "
-                     f"{m2.shape}")
+  if (m2.ndim != 5 or m2.shape[:4] != (b, hkv, qb, ns) or m2.shape[4] < max(n, 32)
+      or m2.shape[4] % 4):
+    # NP = 33 ran in the interpreter and failed Mosaic's lowering for the GPU ('async_copy
+    # requires all GMEM strides except the last one to be a multiple of 16 bytes').
+    raise ValueError(f"m2 must be [B={b}, Hkv={hkv}, QB={qb}, NS={ns}, NP >= {max(n, 32)}, a "
+                     f"multiple of 4 (16-byte TMA rows)], got {m2.shape}")
   if l.shape != m2.shape:
     raise ValueError(f"l shape {l.shape} differs from m2 shape {m2.shape}")
 

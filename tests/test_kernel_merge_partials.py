@@ -116,6 +116,12 @@ def test_bad_inputs_are_rejected_in_plain_words():
     merge_partials(acc.astype(jnp.bfloat16), m2, l, interpret=INTERPRET)
   with pytest.raises(ValueError, match="B=0"):                     # was a ZeroDivisionError
     merge_partials(acc[:0], m2[:0], l[:0], interpret=INTERPRET)
+  with pytest.raises(ValueError, match="D=0"):                     # was a ZeroDivisionError
+    merge_partials(acc[..., :0, :], m2, l, interpret=INTERPRET)
+  # NP = 33: fine in the interpreter, Mosaic's 'strides ... a multiple of 16 bytes' on a GPU.
+  pad = lambda x: jnp.pad(x, ((0, 0),) * 4 + ((0, 1),))
+  with pytest.raises(ValueError, match="a multiple of 4"):
+    merge_partials(acc, pad(m2), pad(l), interpret=INTERPRET)
   sds = jax.ShapeDtypeStruct
   stats = sds((1, 1, 1, 257, 64), jnp.float32)
   with pytest.raises(ValueError, match="at most MAX_SPLITS=256 splits .* NS=257"):
