@@ -105,11 +105,24 @@ def check_counts(optional: Sequence[str] = (), **counts) -> None:
 
 def check_config_ints(config, counts: Sequence[str] = (), optional: Sequence[str] = ()) -> None:
   """A kernel config's integer knobs (`check_counts`): `counts` positive ints, `optional` None or
-  positive ints. Its `warp_specialized`, where it has one, None or a bool."""
+  positive ints, numpy integers stored as Python ints (`python_ints`). Its `warp_specialized`,
+  where it has one, None or a bool."""
   check_counts(optional, **{name: getattr(config, name) for name in (*counts, *optional)})
+  python_ints(config, (*counts, *optional))
   ws = getattr(config, "warp_specialized", None)
   if ws is not None and not isinstance(ws, (bool, np.bool_)):
     raise ValueError(f"warp_specialized must be None, True or False, got {ws!r}")
+
+
+def python_ints(config, names: Sequence[str]) -> None:
+  """Stores a frozen config's integer fields `names` (checked, or None) as Python ints: a numpy
+  integer (np.int64(2) stages, splits, block_kv) passed the checks and failed deep in the
+  kernel build (Mosaic's Barrier: 'numpy.int64' object is not iterable; a bare AssertionError
+  for the split count)."""
+  for name in names:
+    value = getattr(config, name)
+    if value is not None:
+      object.__setattr__(config, name, int(value))
 
 
 def check_mask(name: str, mask, shape: tuple[int, ...] | None = None) -> None:

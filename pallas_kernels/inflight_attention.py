@@ -142,8 +142,8 @@ def inflight_partials(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
   _check_args(q_rows, k_rows, v_rows, mask)
   _check_rows_out(rows_out)
   check_counts(num_stages=num_stages)
-  return _inflight_kernel(q_rows, k_rows, v_rows, mask, rows_out=rows_out,
-                          num_stages=num_stages, interpret=interpret)
+  return _inflight_kernel(q_rows, k_rows, v_rows, mask, rows_out=int(rows_out),
+                          num_stages=int(num_stages), interpret=interpret)
 
 
 def _check_rows_out(rows_out):
@@ -621,7 +621,9 @@ def inflight_merged(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
   d_chunks: blocks per q block, each merging and writing D / d_chunks (>= 16) columns (None:
   `merge_chunks`; `chunks_fit` says which are allowed)."""
   _check_args(q_rows, k_rows, v_rows, mask)
-  check_counts(num_stages=num_stages, group=group)  # group 0: ZeroDivisionError
+  # group 0: ZeroDivisionError; d_chunks 2.0 or np.int64(2): a bare AssertionError in the build.
+  check_counts(("d_chunks",), num_stages=num_stages, group=group, d_chunks=d_chunks)
+  num_stages, group = int(num_stages), int(group)
   b, hkv, m_total, d = q_rows.shape
   w, rows_out = acc.shape[2], acc.shape[3]
   if acc.shape != (b, hkv, w, rows_out, d):
@@ -646,6 +648,7 @@ def inflight_merged(q_rows: jax.Array, k_rows: jax.Array, v_rows: jax.Array,
   itemsize = jnp.dtype(q_rows.dtype).itemsize
   if d_chunks is None:
     d_chunks = merge_chunks(b * hkv * (m_total // BLOCK_M), d, group, itemsize)
+  d_chunks = int(d_chunks)
   if not chunks_fit(d_chunks, d, group, itemsize):
     raise ValueError(f"d_chunks must be one of {_chunk_counts()} with D / d_chunks a multiple "
                      f"of {MERGE_MIN_COLUMNS} and, where 64 % G == 0, G * D / d_chunks * "

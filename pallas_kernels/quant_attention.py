@@ -154,8 +154,9 @@ import numpy as np
 
 from pallas_kernels.combine import (check_config_ints, check_lengths, check_mask,
                                     check_score_queries, check_sizes, combine_partials, f32_einsum,
-                                    int32_clipped, interpret_mode, is_int, normalised, score_rows,
-                                    scores_to_probs, selected_first, static_ints, wrapper_outputs)
+                                    int32_clipped, interpret_mode, is_int, normalised, python_ints,
+                                    score_rows, scores_to_probs, selected_first, static_ints,
+                                    wrapper_outputs)
 
 from pallas_kernels.decode_attention import (BLOCK_M, LOG2E, DecodeConfig, num_q_blocks,
                                              split_partials)
@@ -561,6 +562,7 @@ class QuantAttentionConfig:
                        f"tiles) or None, got {self.block_kv!r}")
     check_config_ints(self, ("num_stages", "min_tiles_per_split"),
                       ("num_splits", "target_blocks"))
+    python_ints(self, ("block_m", "block_kv"))
 
 
 def _one_wave(bits, block_kv, rows):

@@ -92,7 +92,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.combine import interpret_mode, normalised
+from pallas_kernels.combine import interpret_mode, normalised, python_ints
 from pallas_kernels.hopper import SM_COUNT, SMEM_PER_SM, SMEM_RESERVED_PER_BLOCK
 from pallas_kernels.register_operand import (CODES_PER_WORD, SMEM_ROW_WORDS, a_staging,
                                              pack_words, swizzled, unpack_words,
@@ -127,18 +127,22 @@ class W4A16Config:
   min_steps_per_split: int = 2
 
   def __post_init__(self):
-    if not isinstance(self.block_out, int) or not TILE_OUT <= self.block_out <= MAX_BLOCK_OUT \
+    # is_int: numpy integers too, not bools (num_splits=True ran one split; np.int64(2) stages
+    # were refused as not an integer), as W4A8Config and the attention configs take them.
+    if not is_int(self.block_out) or not TILE_OUT <= self.block_out <= MAX_BLOCK_OUT \
         or self.block_out % TILE_OUT:
       raise InputError(f"block_out must be a multiple of {TILE_OUT} in [{TILE_OUT}, "
                        f"{MAX_BLOCK_OUT}], got {self.block_out!r}")
     for name in ("num_stages", "min_steps_per_split"):
       v = getattr(self, name)
-      if not isinstance(v, int) or v < 1:
+      if not is_int(v) or v < 1:
         raise InputError(f"{name} must be a positive integer, got {v!r}")
     for name in ("groups_per_stage", "num_splits", "target_blocks"):
       v = getattr(self, name)
-      if v is not None and (not isinstance(v, int) or v < 1):
+      if v is not None and (not is_int(v) or v < 1):
         raise InputError(f"{name} must be None or a positive integer, got {v!r}")
+    python_ints(self, ("block_out", "num_stages", "min_steps_per_split", "groups_per_stage",
+                       "num_splits", "target_blocks"))
 
 
 # ----------------------------------------------------------------------------------------------

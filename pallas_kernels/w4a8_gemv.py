@@ -79,7 +79,7 @@ from jaxlib.mlir.dialects import arith, llvm, memref, scf, vector
 from jaxlib.mlir.dialects import math as mlir_math
 import numpy as np
 
-from pallas_kernels.combine import interpret_mode, normalised
+from pallas_kernels.combine import interpret_mode, normalised, python_ints
 from pallas_kernels.hopper import SM_COUNT, SMEM_PER_SM, SMEM_RESERVED_PER_BLOCK
 from pallas_kernels.register_operand import SMEM_ROW_WORDS
 from pallas_kernels.sync import warpgroup_barrier
@@ -127,6 +127,8 @@ class W4A8Config:
         raise InputError(f"{name} must be a positive integer, got {v!r}")
     if self.num_splits is not None and (not is_int(self.num_splits) or self.num_splits < 1):
       raise InputError(f"num_splits must be None or a positive integer, got {self.num_splits!r}")
+    python_ints(self, ("block_out", "rows_per_stage", "num_stages", "num_splits",
+                       "min_steps_per_split"))
 
 
 def unsupported_reason(n_rows: int, n_out: int, group: int, dtype) -> str | None:
@@ -523,9 +525,10 @@ def w4a8_matmul(x: jax.Array, codes_t: jax.Array, scale: jax.Array, zero: jax.Ar
   group = G, 32 or a multiple of 64."""
   w4a16.check_operands(x, codes_t, scale, zero, in_features, group, caller="w4a8_matmul",
                        reason=unsupported_reason)
-  if planes not in PLANES:
-    raise InputError(f"planes must be one of {PLANES}, got {planes!r}")
-  group = int(group)
+  if not is_int(planes) or planes not in PLANES:
+    # planes=2.0 passed 'in PLANES' and failed as a shape TypeError; True ran one plane.
+    raise InputError(f"planes must be one of {PLANES} (an int), got {planes!r}")
+  planes, group = int(planes), int(group)
   n_groups, n_out = scale.shape
   in_pad = n_groups * group
   p = plan(n_out, n_groups, group, config, planes, jnp.dtype(x.dtype).itemsize)

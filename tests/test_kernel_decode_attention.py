@@ -270,6 +270,21 @@ def test_more_than_64_query_rows_uses_several_q_blocks(num_queries):
          DecodeConfig(num_splits=1))
 
 
+def test_numpy_integer_config_knobs_run():
+  """DecodeConfig takes numpy integers for its counts, and the kernel runs with them (they passed
+  the checks, then np.int64 stages failed in Mosaic's Barrier, "'numpy.int64' object is not
+  iterable", and np.int64 splits on a bare AssertionError)."""
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      0, batch=1, num_queries=1, num_q_heads=2, num_kv_heads=1, head_dim=64, capacity=128,
+      dtype=jnp.bfloat16)
+  config = DecodeConfig(block_kv=np.int64(64), num_stages=np.int64(2), num_splits=np.int64(2),
+                        target_blocks=np.int64(4), min_tiles_per_split=np.int64(1))
+  assert all(type(getattr(config, name)) is int for name in (
+      "block_kv", "num_stages", "num_splits", "target_blocks", "min_tiles_per_split"))
+  _check(q, k_cache, v_cache, jnp.array([100], jnp.int32), k_new, v_new, jnp.ones((1, 1), bool),
+         config)
+
+
 def test_bad_inputs_are_rejected_in_plain_words():
   q, k_cache, v_cache, k_new, v_new = _inputs(
       0, batch=1, num_queries=1, num_q_heads=3, num_kv_heads=2, head_dim=64, capacity=64,

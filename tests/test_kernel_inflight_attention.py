@@ -390,6 +390,11 @@ def test_bad_inputs_are_rejected_in_plain_words():
     DecodeConfig(inflight="sometimes")
   with pytest.raises(ValueError, match="inflight must be one of"):
     SparseConfig(inflight="never")
+  # d_chunks an int (2.0 or np.int64(2) passed chunks_fit's 'in' and failed on a bare
+  # AssertionError).
+  with pytest.raises(ValueError, match="d_chunks must be >= 1 \\(an int\\) or None, got 2.0"):
+    inflight_merged(q_rows, pack_keys(k_new), pack_keys(v_new), bias, acc, ml, ml, group=2,
+                    segments=(MergeSegment(0, 1, 0, 2, 0, 5),), d_chunks=2.0)
 
 
 @pytest.mark.parametrize("tokens,num_kv_heads,group,head_dim", [

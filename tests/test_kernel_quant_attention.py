@@ -766,6 +766,12 @@ def test_kernel_rejects_bad_inputs_in_plain_words():
     QuantAttentionConfig(min_tiles_per_split=0)
   with pytest.raises(ValueError, match="num_stages must be >= 1 .*, got 2.0"):
     QuantAttentionConfig(num_stages=2.0)
+  # numpy integers are stored as ints (np.int64 stages failed in Mosaic's Barrier, splits on a
+  # bare AssertionError; test_numpy_integer_config_knobs_run runs one in decode_attention).
+  np_config = QuantAttentionConfig(block_kv=np.int64(64), num_stages=np.int64(2),
+                                   num_splits=np.int64(2), block_m=np.int64(8))
+  assert all(type(getattr(np_config, name)) is int
+             for name in ("block_kv", "num_stages", "num_splits", "block_m"))
   with pytest.raises(ValueError, match="must divide the quantized capacity S=64"):
     quant_attention(*args, bits=4, config=QuantAttentionConfig(block_kv=128))
   bad = QuantKV(qkv.k_codes.astype(jnp.int32), qkv.v_codes, qkv.k_scale, qkv.k_zero,

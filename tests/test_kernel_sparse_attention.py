@@ -468,6 +468,12 @@ def test_bad_inputs_are_rejected_in_plain_words():
     sparse_attention(*args(good), block_size=32)
   with pytest.raises(ValueError, match=r"positive multiple of 64 \(an int\), got 64.0"):
     sparse_attention(*args(good), block_size=64.0)
+  # numpy integers stored as ints (np.int64 stages failed in Mosaic's Barrier, np.int64 splits
+  # or block_kv on a bare AssertionError; test_numpy_integer_config_knobs_run runs one).
+  np_config = SparseConfig(block_kv=np.int64(64), num_stages=np.int64(2),
+                           num_splits=np.int64(2), num_splits_full=np.int64(2))
+  assert all(type(getattr(np_config, name)) is int
+             for name in ("block_kv", "num_stages", "num_splits", "num_splits_full"))
   with pytest.raises(ValueError, match="block_tables must be"):
     sparse_attention(*args(jnp.zeros((1, 1, 1), jnp.int32)), block_size=64)
   with pytest.raises(ValueError, match="block_tables must be an array, got list"):

@@ -185,6 +185,12 @@ def test_refuses_unsupported_shapes():
     W4A16Config(num_stages=0)
   with pytest.raises(InputError, match="target_blocks must be None or a positive integer"):
     W4A16Config(target_blocks=0)
+  # Counts are ints, numpy's too, not bools (num_splits=True ran one split; np.int64 stages
+  # were refused as 'not a positive integer'), as W4A8Config takes them.
+  with pytest.raises(InputError, match="num_splits must be None or a positive integer"):
+    W4A16Config(num_splits=True)
+  np_config = W4A16Config(num_stages=np.int64(2), block_out=np.int64(128))
+  assert type(np_config.num_stages) is int and type(np_config.block_out) is int   # Barrier
   with pytest.raises(InputError, match="in_features must be a positive integer"):
     run(x, in_features=0)
   # A numpy integer group is an integer (it was refused as "must be a positive integer").

@@ -198,6 +198,10 @@ def test_refuses_unsupported_calls():
     run(x, group=64)
   with pytest.raises(InputError, match="planes"):
     run(x, planes=3)
+  # 2.0 passed the 'in (1, 2)' check and failed as a shape TypeError; True ran one plane.
+  for planes in (2.0, True):
+    with pytest.raises(InputError, match="planes must be one of"):
+      run(x, planes=planes)
   q192 = quantize_weight(jnp.ones((128, 192)), 32, "int4_t")
   with pytest.raises(InputError, match="Out=192"):
     w4a8_matmul(x, q192.codes, q192.scale, q192.zero, in_features=128, group=32)
@@ -205,6 +209,8 @@ def test_refuses_unsupported_calls():
     W4A8Config(block_out=64)
   with pytest.raises(InputError, match="num_stages"):
     W4A8Config(num_stages=0)
+  # numpy integers stored as ints (np.int64 stages failed in Mosaic's Barrier).
+  assert type(W4A8Config(num_stages=np.int64(2)).num_stages) is int
 
 
 @pytest.mark.parametrize("n_in,n_out,group,config", [
