@@ -775,6 +775,8 @@ def sparse_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   sparse_queries = tq if sparse_queries is None else sparse_queries
   _check_inputs(q, k_cache, v_cache, block_tables, num_blocks, lengths, k_new, v_new,
                 inflight_mask, block_size, sparse_queries, config)
+  # A numpy integer sparse_queries reached the kernel's grid (a bare AssertionError in Pallas).
+  block_size, sparse_queries = int(block_size), int(sparse_queries)
   group = hq // k_cache.shape[1]
   sel = check_score_queries(score_queries, tq, group)
   mask = inflight_mask.astype(bool)

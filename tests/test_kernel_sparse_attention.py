@@ -470,6 +470,12 @@ def test_bad_inputs_are_rejected_in_plain_words():
     sparse_attention(*args(good), block_size=64.0)
   # numpy integers stored as ints (np.int64 stages failed in Mosaic's Barrier, np.int64 splits
   # or block_kv on a bare AssertionError; test_numpy_integer_config_knobs_run runs one).
+  # ... and numpy integer block_size / sparse_queries (the latter a bare AssertionError in the
+  # kernel's grid).
+  out = sparse_attention(*args(good), block_size=np.int64(64), sparse_queries=np.int64(1),
+                         interpret=INTERPRET)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(sparse_attention(
+      *args(good), block_size=64, sparse_queries=1, interpret=INTERPRET), np.float32))
   np_config = SparseConfig(block_kv=np.int64(64), num_stages=np.int64(2),
                            num_splits=np.int64(2), num_splits_full=np.int64(2))
   assert all(type(getattr(np_config, name)) is int
