@@ -123,7 +123,17 @@ def mask_bias(mask: jax.Array, row_query: np.ndarray) -> InflightMask:
   """mask [T, U] bool (query t sees in-flight key u); row_query [R] static ints, the query each
   kernel row holds (-1: a padding row, which sees every key < U). Returns the `InflightMask`."""
   check_mask("mask [T, U]", mask)
+  if mask.ndim != 2:
+    raise ValueError(f"mask must be [T, U], got shape {tuple(mask.shape)}")
   row_query = np.asarray(row_query)
+  if (row_query.ndim != 1 or not row_query.size or row_query.size % BLOCK_M
+      or not np.issubdtype(row_query.dtype, np.integer)
+      or not np.all((-1 <= row_query) & (row_query < mask.shape[0]))):
+    # A query >= T read query T - 1's row (jnp's clamped gather), one < -1 was padding: silent;
+    # R not whole q blocks was a reshape TypeError.
+    raise ValueError(f"row_query must be [R] ints in [-1, T={mask.shape[0]}) with R a positive "
+                     f"multiple of {BLOCK_M} (whole q blocks), got {row_query.dtype}"
+                     f"{list(row_query.shape)}")
   u = mask.shape[1]
   rows = jnp.asarray(mask, bool)[np.maximum(row_query, 0)]                  # [R, U]
   rows = rows | jnp.asarray(row_query < 0)[:, None]

@@ -328,6 +328,12 @@ def test_bad_inputs_are_rejected_in_plain_words():
   q, k_new, v_new, mask = _case(0, 1, 1, 2, 5, 64, 1.0, jnp.bfloat16)
   q_rows, row_query = _rows(q, 1)
   bias = mask_bias(jnp.asarray(mask), row_query)
+  # A row's query past T read query T - 1's mask row, silently; one below -1 was padding; rows
+  # not whole q blocks were a reshape TypeError.
+  for bad in (np.where(row_query == 4, 5, row_query), np.where(row_query == 4, -2, row_query),
+              row_query[:60]):
+    with pytest.raises(ValueError, match="row_query must be"):
+      mask_bias(jnp.asarray(mask), bad)
   with pytest.raises(ValueError, match="rows_out"):
     inflight_partials(q_rows, pack_keys(k_new), pack_keys(v_new), bias, rows_out=12)
   with pytest.raises(ValueError, match="bias must be"):
