@@ -33,8 +33,8 @@ consumer: decode_attention reads whole `block_kv` tiles (masking the scores of s
 length, but multiplying their V rows by p = 0, which a NaN left in an unwritten slot would turn
 into NaN), so its caller passes that tile size.
 
-Limits (ValueError otherwise): head_dim a multiple of 64, capacity a multiple of 64, the key
-group a multiple of 64, output bf16 or fp16.
+Limits (ValueError otherwise): head_dim a multiple of 64 up to 256, capacity a multiple of 64,
+the key group a multiple of 64, output bf16 or fp16.
 """
 
 from __future__ import annotations
@@ -56,14 +56,18 @@ from pallas_kernels.quant_attention import (KEY_TILE, META_DTYPE, TILE_ROWS, Qua
 from pallas_kernels.register_operand import SMEM_ROW_WORDS, swizzled, word_offset, word_tile
 
 CHUNK = 64                        # channels per K chunk / V channel tile
+# The key scale / zero row of a tile comes in one TMA box, at most 256 elements a dimension (D =
+# 512 passed the checks and failed Mosaic's lowering on a GPU; 1024 overflowed SMEM).
+MAX_HEAD_DIM = 256
 
 
 def _check(qkv: QuantKV, bits: int, dtype) -> None:
   check_bits(bits)
   if jnp.dtype(dtype) not in _SUPPORTED_DTYPES:
     raise ValueError(f"dequantize_kv writes bfloat16 or float16, got {dtype}")
-  if qkv.head_dim % CHUNK:
-    raise ValueError(f"head_dim {qkv.head_dim} must be a multiple of {CHUNK}")
+  if qkv.head_dim % CHUNK or qkv.head_dim > MAX_HEAD_DIM:
+    raise ValueError(f"head_dim {qkv.head_dim} must be a multiple of {CHUNK} and at most "
+                     f"{MAX_HEAD_DIM}")
   check_sizes(B=qkv.k_codes.shape[0], Hkv=qkv.k_codes.shape[1], S=qkv.capacity)
   if qkv.capacity % KEY_TILE or qkv.group % KEY_TILE:
     raise ValueError(f"capacity {qkv.capacity} and key group {qkv.group} must be multiples of "

@@ -95,6 +95,9 @@ def test_bad_inputs_are_rejected_in_plain_words():
   narrow = quantize_kv(jnp.ones((1, 1, 64, 32)), jnp.ones((1, 1, 64, 32)), group=64)
   with pytest.raises(ValueError, match="head_dim 32 must be a multiple of 64"):
     dequantize_kv(narrow, 4)
+  # D = 512 passed and failed Mosaic's lowering on a GPU (a TMA box of <= 256 elements).
+  with pytest.raises(ValueError, match="head_dim 512 must be a multiple of 64 and at most 256"):
+    jax.jit(lambda x: dequantize_kv(x, 4)).trace(QuantKV.abstract(1, 1, 128, 512, group=64))
   with pytest.raises(ValueError, match="round_to must be a positive multiple of 64"):
     dequantize_kv(qkv, 4, lengths=jnp.array([64]), round_to=96)
   with pytest.raises(ValueError, match="round_to must be .* got 64.0"):   # was lax.div's error
