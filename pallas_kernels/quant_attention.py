@@ -532,7 +532,9 @@ class QuantAttentionConfig:
   """Tiling. A key tile is 64 keys (the wgmma M of the key-side product); a pipeline stage holds
   block_kv keys (1, 2 or 4 tiles), fetched together and put through one online-softmax update.
   block_kv must divide the key group or be a multiple of it, and divide the quantized capacity;
-  None picks per call (`_block_kv`)."""
+  None picks per call (`_block_kv`). The tiling fields are the fused kernel's: a call on the
+  dequantize path (`path`, also where "auto" takes it) runs decode_attention's kernel with its
+  default tiling (`DecodeConfig()`) and does not read them."""
   # Defaults: the best of `benchmarks/quant_sweep.py` on an H200 (S = 64K, Tq = 1 and 5).
   block_kv: int | None = None
   num_stages: int = 2
