@@ -487,7 +487,8 @@ def w4a16_matmul(x: jax.Array, codes_t: jax.Array, scale: jax.Array, zero: jax.A
   """x [M, In] (bf16/fp16, M <= 64) @ the 4-bit weight -> [M, Out] in x's dtype.
 
   codes_t [In_pad / 64, Out, 8] uint32 (c - 8, the module docstring's layout); scale, zero
-  [In_pad / G, Out] fp16; in_features = In; group = G (a multiple of 64). fp32 accumulation.
+  [In_pad / G, Out] fp16; in_features = In; group = G (a multiple of 64, or 16 or 32: several
+  groups a chunk, `group_supported`). fp32 accumulation.
   """
   check_operands(x, codes_t, scale, zero, in_features, group, caller="w4a16_matmul")
   group = int(group)                               # a numpy integer is one too
