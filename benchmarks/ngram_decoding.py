@@ -27,6 +27,7 @@ import os
 
 import numpy as np
 
+from benchmarks._args import count
 from sparsedec.bench import (DEFAULT_SMOLLM2_GGUF, device_description, encode_prompts, log,
                              mean_repeated_ngram_share)
 from sparsedec.compress import POLICIES
@@ -37,6 +38,9 @@ from sparsedec.prompts import humaneval, mt_bench
 from sparsedec.testing import find_divergences
 from sparsedec.weights.checkpoint import load_model
 
+
+
+PROMPT_SETS = ("mt_bench", "humaneval")
 
 
 def prompt_ids(tok, name: str, num: int) -> list[list[int]]:
@@ -67,24 +71,28 @@ def main(argv=None) -> dict:
   ap.add_argument("--gguf", default=DEFAULT_SMOLLM2_GGUF,
                   help="the model: a .gguf file (SmolLM2 by default), an HF dir or a checkpoint")
   ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
-  ap.add_argument("--prompt-sets", nargs="+", default=["mt_bench", "humaneval"])
-  ap.add_argument("--num-prompts", type=int, default=10)
-  ap.add_argument("--max-new-tokens", type=int, default=256)
-  ap.add_argument("--guesses", type=int, nargs="+", default=[10, 20, 30, 40, 50, 60])
-  ap.add_argument("--methods", nargs="+", default=["fafo", "lookahead"])
-  ap.add_argument("--length", type=int, default=4, help="FAFO k = Lookahead N - 1")
-  ap.add_argument("--candidates", type=int, default=7, help="FAFO m = Lookahead G")
+  ap.add_argument("--prompt-sets", nargs="+", default=["mt_bench", "humaneval"],
+                  choices=PROMPT_SETS)
+  ap.add_argument("--num-prompts", type=count, default=10)
+  ap.add_argument("--max-new-tokens", type=count, default=256)
+  ap.add_argument("--guesses", type=count, nargs="+", default=[10, 20, 30, 40, 50, 60])
+  ap.add_argument("--methods", nargs="+", default=["fafo", "lookahead"],
+                  choices=("fafo", "lookahead"), help="compared with dense (always run)")
+  ap.add_argument("--length", type=count, default=4, help="FAFO k = Lookahead N - 1")
+  ap.add_argument("--candidates", type=count, default=7, help="FAFO m = Lookahead G")
   ap.add_argument("--policy", default="streaming", choices=sorted(POLICIES))
-  ap.add_argument("--budget-blocks", type=int, default=4)
-  ap.add_argument("--block-size", type=int, default=64)
+  ap.add_argument("--budget-blocks", type=count, default=4)
+  ap.add_argument("--block-size", type=count, default=64)
   ap.add_argument("--sweep", action="store_true")
   ap.add_argument("--speed", action="store_true")
-  ap.add_argument("--speed-guesses", type=int, nargs="+", default=None,
+  ap.add_argument("--speed-guesses", type=count, nargs="+", default=None,
                   help="guess counts of --speed (default: --guesses)")
-  ap.add_argument("--speed-prompts", type=int, default=5)
+  ap.add_argument("--speed-prompts", type=count, default=5)
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "ngram_decoding.json"))
   args = ap.parse_args(argv)
+  if not (args.sweep or args.speed):
+    ap.error("nothing to measure: give --sweep, --speed or both")
   cfg, params, tok = load_model(args.gguf, dtype=args.dtype)
   result = {"benchmark": "FAFO vs Lookahead vs dense, SmolLM2-135M-Instruct, greedy",
             "device": device_description(), "dtype": args.dtype, "args": vars(args),

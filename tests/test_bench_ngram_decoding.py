@@ -47,3 +47,23 @@ def test_figure1_rows_and_plot(tmp_path):
   gains = plot_ngram.speedups(speed)
   assert set(gains) == {("humaneval", m, g) for m in ("fafo", "lookahead", "dense_after")
                         for g in ((2, 3) if m != "dense_after" else (0,))}
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--methods", "fafoo"], "invalid choice: 'fafoo'"),      # ran dense, labelled 'fafoo'
+    (["--prompt-sets", "mtbench"], "invalid choice: 'mtbench'"),   # after the first set's runs
+    (["--num-prompts", "-1"], "--num-prompts: must be an integer >= 1, got '-1'"),  # 79 prompts
+    (["--speed-prompts", "0"], "--speed-prompts: must be an integer >= 1"),  # a 0 / 0 division
+    (["--guesses", "0"], "--guesses: must be an integer >= 1"),
+    ([], "nothing to measure: give --sweep, --speed or both"),   # an empty JSON, silently
+])
+def test_bad_arguments_refused_by_name_before_the_model_loads(bad, message, monkeypatch,
+                                                               capsys, tmp_path):
+  def no_load(*args, **kwargs):
+    raise AssertionError("the model was loaded before the arguments were checked")
+  monkeypatch.setattr(ngram_decoding, "load_model", no_load)
+  sweep = [] if bad == [] else ["--sweep"]
+  with pytest.raises(SystemExit):
+    ngram_decoding.main(["--gguf", str(STORIES), *sweep, *bad, "--out", str(tmp_path / "x.json")])
+  assert message in capsys.readouterr().err
+  assert not (tmp_path / "x.json").exists()
