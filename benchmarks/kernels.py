@@ -775,12 +775,53 @@ def run_quant(bench: Bench, batches, seqs, tqs, bits_list):
 # Main.
 # ----------------------------------------------------------------------------------------------
 
+KERNELS = ("decode", "sparse", "quant", "fafo")
+REFS = ("jnp", "dpa", "bundled")
+
+
 def _ints(text: str) -> list[int]:
   return [int(t) for t in text.split(",") if t]
 
 
 def _floats(text: str) -> list[float]:
   return [float(t) for t in text.split(",") if t]
+
+
+def _check_args(p: argparse.ArgumentParser, args) -> None:
+  """Every sweep list is refused by flag name when malformed, empty, or holding a value the
+  sweep cannot take (a misspelt kernel or reference was skipped silently: a run that measured
+  nothing; '1,x' or a single --fafo count was a bare ValueError traceback)."""
+  def names(flag, text, known, allow_empty=False):
+    got = [t for t in text.split(",") if t]
+    unknown = [t for t in got if t not in known]
+    if unknown or not (got or allow_empty):
+      p.error(f"{flag} takes a comma-separated subset of {','.join(known)}, got {text!r}")
+
+  def numbers(flag, text, parse, ok, what, length=None):
+    try:
+      values = parse(text)
+    except ValueError:
+      values = None
+    if not values or not all(ok(v) for v in values) or length not in (None, len(values)):
+      size = f"{length} " if length else ""
+      p.error(f"{flag} takes {size}comma-separated {what}, got {text!r}")
+    return values
+
+  names("--kernels", args.kernels, KERNELS)
+  names("--refs", args.refs, REFS, allow_empty=True)
+  for flag in ("batch", "seq", "tq", "sparse_seq", "fafo_seq"):
+    numbers(f"--{flag.replace('_', '-')}", getattr(args, flag), _ints, lambda v: v >= 1,
+            "integers >= 1")
+  numbers("--bits", args.bits, _ints, lambda v: v in (4, 8), "read widths among 4 and 8")
+  numbers("--fractions", args.fractions, _floats, lambda v: 0 < v <= 1, "fractions in (0, 1]")
+  numbers("--fafo", args.fafo, _ints, lambda v: v >= 1, "query counts >= 1 (sparse,full)",
+          length=2)
+  hq, hkv, _ = numbers("--heads", args.heads, _ints, lambda v: v >= 1, "sizes >= 1 (Hq,Hkv,D)",
+                       length=3)
+  if hq % hkv:
+    p.error(f"--heads: Hq ({hq}) must be a multiple of Hkv ({hkv}), got {args.heads!r}")
+  if args.block_size < 1:
+    p.error(f"--block-size must be >= 1, got {args.block_size}")
 
 
 def parse_args(argv=None):
@@ -798,7 +839,8 @@ def parse_args(argv=None):
   p.add_argument("--fafo", help=f"FAFO sparse,full query counts ({FULL['fafo']})")
   p.add_argument("--fafo-seq", help=f"S of the FAFO case ({FULL['fafo_seq']})")
   p.add_argument("--heads", help=f"Hq,Hkv,D ({FULL['heads']})")
-  p.add_argument("--refs", default="jnp,dpa,bundled", help="references to time (jnp,dpa,bundled)")
+  p.add_argument("--refs", default="jnp,dpa,bundled",
+                 help="references to time (jnp,dpa,bundled; '' for none)")
   p.add_argument("--no-partials", action="store_true", help="skip the kernel-only timings")
   p.add_argument("--quick", action="store_true",
                  help=f"a short run that still covers every target: {QUICK}")
@@ -820,6 +862,7 @@ def parse_args(argv=None):
   for key, value in preset.items():
     if getattr(args, key) is None:
       setattr(args, key, value)
+  _check_args(p, args)
   return args
 
 
@@ -829,7 +872,7 @@ def settings_from(args) -> Settings:
                 repeats=args.repeats, max_working_set=args.max_working_set_gb * 1e9,
                 rotate_bytes=args.rotate_mb * 1e6, max_copies=args.max_copies,
                 max_seconds=480.0 if args.max_seconds is None else args.max_seconds,
-                partials=not args.no_partials, refs=tuple(args.refs.split(",")),
+                partials=not args.no_partials, refs=tuple(t for t in args.refs.split(",") if t),
                 unroll=args.unroll, chain=args.chain, profile=not args.no_profile,
                 verbose=args.verbose)
   if args.dry_run:
@@ -851,7 +894,7 @@ def main(argv=None) -> int:
     out_path = os.path.join(out_dir, "kernels_dryrun.json")
   else:
     out_path = os.path.join(default_out_dir(), "kernels.json")
-  kernels = args.kernels.split(",")
+  kernels = [k for k in args.kernels.split(",") if k]
   dev = jax.devices()[0]
   meta = dict(
       device=dev.device_kind, platform=dev.platform, jax=jax.__version__,

@@ -247,3 +247,32 @@ def test_read_floor_stream_kernel_lowers_and_reads_its_tiles():
     np.testing.assert_array_equal(np.asarray(out[0, :, split], np.float32),
                                   np.asarray(k[0, :, tile * block_kv:tile * block_kv + 64],
                                              np.float32))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--kernels", "decod"], "--kernels takes a comma-separated subset of"),  # measured nothing
+    (["--kernels", ""], "--kernels takes a comma-separated subset of"),
+    (["--refs", "cudnn"], "--refs takes a comma-separated subset of"),       # timed no reference
+    (["--batch", "1,x"], "--batch takes comma-separated integers >= 1, got '1,x'"),
+    (["--seq", "0"], "--seq takes comma-separated integers >= 1"),
+    (["--tq", ""], "--tq takes comma-separated integers >= 1"),
+    (["--bits", "3"], "--bits takes comma-separated read widths among 4 and 8"),
+    (["--fractions", "0.016,2"], "--fractions takes comma-separated fractions in (0, 1]"),
+    (["--fafo", "64"], "--fafo takes 2 comma-separated query counts"),
+    (["--heads", "32,8"], "--heads takes 3 comma-separated sizes"),
+    (["--heads", "32,6,128"], "--heads: Hq (32) must be a multiple of Hkv (6)"),
+    (["--block-size", "0"], "--block-size must be >= 1, got 0"),
+])
+def test_kernels_arguments_refused_by_name(bad, message, capsys):
+  from benchmarks import kernels
+  with pytest.raises(SystemExit):
+    kernels.parse_args(["--dry-run", *bad])
+  assert message in capsys.readouterr().err
+
+
+def test_kernels_arguments_accepted():
+  from benchmarks import kernels
+  args = kernels.parse_args(["--dry-run", "--kernels", "decode,quant", "--refs", ""])
+  st = kernels.settings_from(args)
+  assert st.refs == () and (st.hq, st.hkv, st.d) == (8, 2, 128)
+  assert kernels.parse_args(["--quick"]).fractions == "0.016,0.25"
