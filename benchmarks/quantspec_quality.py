@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks._args import count
 from benchmarks._gemv_choice import (EMULATIONS, add_one_row_gemv_arg, apply_one_row_gemv,
                                      draft_matmul)
 from sparsedec.attention import AttentionPlan, QuantView, Segment, causal_plan
@@ -148,8 +149,7 @@ def calibration_questions(first: int, stop: int, turns: list[int]) -> list[str]:
   """MT-Bench questions [first, stop) of each turn in `turns` (turn 1's, then turn 2's, ...). A
   turn-2 question is asked on its own (a new conversation), so it is one more chat prompt of the
   same kind; questions below `first` stay out in every turn (they are the evaluated ones)."""
-  if not turns or any(t not in (1, 2) for t in turns) or len(set(turns)) != len(turns):
-    raise SystemExit(f"--calibration-turns must be distinct turns among 1 and 2, got {turns}")
+  check_calibration_turns(turns)
   return [q for t in turns for q in mt_bench(turn=t)[first:stop]]
 
 
@@ -163,32 +163,60 @@ def self_chat_calibration(cfg, params, tok, questions: list[str], new_tokens: in
                                     max_new_tokens=new_tokens, max_tokens=max_tokens)
 
 
+def check_calibration_turns(turns: list[int]) -> None:
+  if not turns or any(t not in (1, 2) for t in turns) or len(set(turns)) != len(turns):
+    raise SystemExit(f"--calibration-turns must be distinct turns among 1 and 2, got {turns}")
+
+
+def _check_calibration(ap: argparse.ArgumentParser, args) -> None:
+  """The GPTQ calibration flags, checked before the model loads (they were checked after the
+  perplexity pass, and --weight-quantizer gptq with --weight-bits none ran the KV-only draft
+  under the label gptq)."""
+  if args.weight_quantizer != "gptq":
+    return
+  if args.weight_bits == "none":
+    ap.error("--weight-quantizer gptq chooses the draft's 4-bit weights; --weight-bits none "
+             "keeps them at full precision")
+  if args.calibration_source in ("book", "mixed"):
+    end = (args.book_prompts - 1) * BOOK_STRIDE + args.prompt_tokens + args.new_tokens
+    if args.calibration_offset < end:
+      raise SystemExit("--calibration-offset overlaps the book prompts and their continuations")
+  if args.calibration_source in ("self-chat", "mixed"):
+    first, stop = args.calibration_prompts
+    if first < args.mt_bench_prompts:
+      raise SystemExit("--calibration-prompts overlap the evaluated MT-Bench prompts")
+    if stop <= first:
+      raise SystemExit(f"--calibration-prompts FIRST STOP must have FIRST < STOP, got {first} "
+                       f"{stop}")
+    check_calibration_turns(args.calibration_turns)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--gguf", default=DEFAULT_SMOLLM2_GGUF)
   ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-  ap.add_argument("--ppl-tokens", type=int, default=2048)
-  ap.add_argument("--chunk", type=int, default=64)
-  ap.add_argument("--group", type=int, default=128)
-  ap.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 4, 6, 8])
-  ap.add_argument("--prompt-tokens", type=int, default=4096)
-  ap.add_argument("--new-tokens", type=int, default=96)
-  ap.add_argument("--mt-bench-prompts", type=int, default=4)
+  ap.add_argument("--ppl-tokens", type=count, default=2048)
+  ap.add_argument("--chunk", type=count, default=64)
+  ap.add_argument("--group", type=count, default=128)
+  ap.add_argument("--gammas", type=count, nargs="+", default=[1, 2, 4, 6, 8])
+  ap.add_argument("--prompt-tokens", type=count, default=4096)
+  ap.add_argument("--new-tokens", type=count, default=96)
+  ap.add_argument("--mt-bench-prompts", type=count, default=4)
   ap.add_argument("--mt-bench-one-at-a-time", action="store_true",
                   help="decode the MT-Bench prompts one at a time (batch 1) instead of as a batch")
-  ap.add_argument("--book-prompts", type=int, default=1,
+  ap.add_argument("--book-prompts", type=count, default=1,
                   help=f"book windows of --prompt-tokens, {BOOK_STRIDE} tokens apart, each "
                        "decoded on its own (batch 1); acceptance pooled over them")
   ap.add_argument("--sets", nargs="+", default=["book", "mt_bench"], choices=("book", "mt_bench"),
                   help="the prompt sets of the acceptance sweep")
   ap.add_argument("--weight-bits", default="4", choices=("4", "none"),
                   help='draft weight bits: "4" (group-wise) or "none" (full-precision weights)')
-  ap.add_argument("--weight-group", type=int, default=128,
+  ap.add_argument("--weight-group", type=count, default=128,
                   help="input rows per 4-bit draft weight group")
   ap.add_argument("--weight-quantizer", default="rtn", choices=("rtn", "gptq"),
                   help="the draft's 4-bit weights: round-to-nearest, or GPTQ calibrated on "
                        "--calibration-tokens tokens of the book from --calibration-offset")
-  ap.add_argument("--calibration-tokens", type=int, default=4096)
+  ap.add_argument("--calibration-tokens", type=count, default=4096)
   ap.add_argument("--calibration-source", default="book", choices=("book", "self-chat", "mixed"),
                   help="GPTQ's calibration text: --calibration-tokens of the book from "
                        "--calibration-offset; or as many tokens of the model's own greedy answers "
@@ -196,7 +224,7 @@ def main(argv=None):
                        "(disjoint from the evaluated ones); or both (mixed)")
   ap.add_argument("--calibration-prompts", type=int, nargs=2, default=[40, 80],
                   metavar=("FIRST", "STOP"))
-  ap.add_argument("--calibration-new-tokens", type=int, default=160)
+  ap.add_argument("--calibration-new-tokens", type=count, default=160)
   ap.add_argument("--calibration-turns", type=int, nargs="+", default=[1],
                   help="MT-Bench turns whose questions --calibration-prompts are asked (each "
                        "on its own): 1, or 1 2 for twice as many prompts")
@@ -221,14 +249,18 @@ def main(argv=None):
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "quantspec_quality.json"))
   args = ap.parse_args(argv)
+  _check_calibration(ap, args)
   apply_one_row_gemv(args.one_row_gemv)
   weight_bits = None if args.weight_bits == "none" else int(args.weight_bits)
   cfg, params, tok = load_model(args.gguf, dtype=args.dtype)
   text_ids = np.asarray(tok.encode(book()), np.int32)
-  if args.book_prompts < 1 or (args.book_prompts - 1) * BOOK_STRIDE + args.prompt_tokens > len(
-      text_ids):
+  if (args.book_prompts - 1) * BOOK_STRIDE + args.prompt_tokens > len(text_ids):
     raise SystemExit(f"--book-prompts {args.book_prompts} windows of {args.prompt_tokens} tokens "
                      f"do not fit the book's {len(text_ids)} tokens")
+  if args.weight_quantizer == "gptq" and args.calibration_source in ("book", "mixed") \
+      and args.calibration_offset >= len(text_ids):
+    raise SystemExit(f"--calibration-offset {args.calibration_offset} is past the book's "
+                     f"{len(text_ids)} tokens")
   result = {"benchmark": "QuantSpec quality and acceptance, SmolLM2-135M-Instruct",
             "device": device_description(), "args": vars(args), "perplexity": {},
             "acceptance": []}
@@ -255,13 +287,9 @@ def main(argv=None):
     calibration = []
     if args.calibration_source in ("book", "mixed"):
       start = args.calibration_offset
-      if start < (args.book_prompts - 1) * BOOK_STRIDE + args.prompt_tokens + args.new_tokens:
-        raise SystemExit("--calibration-offset overlaps the book prompts and their continuations")
       calibration.append(text_ids[start:start + args.calibration_tokens])
     if args.calibration_source in ("self-chat", "mixed"):
       first, stop = args.calibration_prompts
-      if first < args.mt_bench_prompts:
-        raise SystemExit("--calibration-prompts overlap the evaluated MT-Bench prompts")
       calibration += self_chat_calibration(cfg, params, tok,
                                            calibration_questions(first, stop,
                                                                  args.calibration_turns),

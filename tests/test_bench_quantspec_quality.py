@@ -83,3 +83,30 @@ def test_book_windows_one_at_a_time(tmp_path, monkeypatch):
   with pytest.raises(SystemExit, match="do not fit"):
     quantspec_quality.main(["--gguf", str(STORIES), "--skip-ppl", "--book-prompts", "10000",
                             "--out", str(out)])
+
+
+@pytest.mark.parametrize("bad, message", [
+    # ran the KV-only draft and labelled its rows weight_quantizer "gptq"
+    (["--weight-bits", "none", "--weight-quantizer", "gptq"],
+     "--weight-quantizer gptq chooses the draft's 4-bit weights"),
+    # these three were checked only after the perplexity pass
+    (["--weight-quantizer", "gptq", "--calibration-offset", "100"],
+     "--calibration-offset overlaps the book prompts"),
+    (["--weight-quantizer", "gptq", "--calibration-source", "self-chat",
+      "--calibration-prompts", "2", "9"], "--calibration-prompts overlap the evaluated"),
+    (["--weight-quantizer", "gptq", "--calibration-source", "mixed", "--calibration-turns", "3"],
+     "--calibration-turns must be distinct turns among 1 and 2"),
+    (["--weight-quantizer", "gptq", "--calibration-source", "self-chat",
+      "--calibration-prompts", "40", "40"], "FIRST < STOP"),      # calibrated on nothing
+    (["--mt-bench-prompts", "-1"], "--mt-bench-prompts: must be an integer >= 1"),  # took 79
+    (["--gammas", "2", "0"], "--gammas: must be an integer >= 1"),
+    (["--chunk", "0"], "--chunk: must be an integer >= 1"),
+])
+def test_bad_arguments_refused_before_the_model_loads(bad, message, monkeypatch, capsys,
+                                                       tmp_path):
+  def no_load(*args, **kwargs):
+    raise AssertionError("the model was loaded before the arguments were checked")
+  monkeypatch.setattr(quantspec_quality, "load_model", no_load)
+  with pytest.raises(SystemExit) as e:
+    quantspec_quality.main(["--gguf", str(STORIES), *bad, "--out", str(tmp_path / "x.json")])
+  assert message in f"{e.value} {capsys.readouterr().err}"
