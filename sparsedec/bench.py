@@ -79,18 +79,26 @@ def mean_repeated_ngram_share(rows) -> float:
   return round(float(np.mean([repeated_ngram_share(r) for r in rows])), 4) if rows else 0.0
 
 
-def run_bench(cfg: ModelConfig, params: Params, tok: Tokenizer, *, prompts: str = "mt_bench",
-              num_prompts: int = 10, batch_size: int = 1, max_new_tokens: int = 256,
-              sampling: SamplingConfig | None = None, seed: int = 0,
-              method: str | DecodeMethod = "dense",
-              chat_template: bool = False, ignore_eos: bool = False,
-              model_name: str = "", cache_size: int | None = None) -> dict:
+def bench_prompts(prompts: str, num_prompts: int, batch_size: int) -> list[str]:
+  """The first num_prompts texts of the prompt set, after checking the counts: what run_bench
+  reads, and what the CLI checks before it loads a model (a misspelt --prompts was refused only
+  after the model, and any GPTQ draft, had been built)."""
   for name, value in (("num_prompts", num_prompts), ("batch_size", batch_size)):
     if not is_int(value) or value < 1:
       raise InputError(f"bench {name} must be an integer >= 1, got {value!r}")
   texts = load_prompt_set(prompts)[:num_prompts]
   if not texts:
     raise InputError(f"prompt set {prompts!r} holds no prompts")
+  return texts
+
+
+def run_bench(cfg: ModelConfig, params: Params, tok: Tokenizer, *, prompts: str = "mt_bench",
+              num_prompts: int = 10, batch_size: int = 1, max_new_tokens: int = 256,
+              sampling: SamplingConfig | None = None, seed: int = 0,
+              method: str | DecodeMethod = "dense",
+              chat_template: bool = False, ignore_eos: bool = False,
+              model_name: str = "", cache_size: int | None = None) -> dict:
+  texts = bench_prompts(prompts, num_prompts, batch_size)
   ids = encode_prompts(tok, texts, chat_template)
   stop = () if ignore_eos else None
   kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, method=method,

@@ -381,20 +381,24 @@ def cmd_convert(args) -> int:
 
 
 def cmd_bench(args) -> int:
-  from sparsedec.bench import run_bench
+  from sparsedec.bench import bench_prompts, run_bench
   from sparsedec.errors import InputError, unwritable_reason
   if args.output:                        # before the run, not after it
     reason = ("it is a directory" if os.path.isdir(args.output)
               else unwritable_reason(args.output))
     if reason:
       raise InputError(f"--output {args.output}: cannot write there: {reason}")
+  bench_prompts(args.prompts, args.num_prompts, args.batch_size)   # before the model loads
+  if args.max_new_tokens < 1:
+    raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+  sampling = _sampling(args)
   method = _exact_draft_group(args, _method(args))
   calibration = _draft_tokens(args, method)
   cfg, params, tok = _load(args)
   params = _with_draft(args, cfg, params, tok, method, calibration)
   result = run_bench(cfg, params, tok, prompts=args.prompts, num_prompts=args.num_prompts,
                      batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                     sampling=_sampling(args), seed=args.seed, method=method,
+                     sampling=sampling, seed=args.seed, method=method,
                      chat_template=args.chat_template, ignore_eos=args.ignore_eos,
                      model_name=_model_path(args), cache_size=args.cache_size)
   text = json.dumps(result, indent=2)

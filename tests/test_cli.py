@@ -120,6 +120,23 @@ def test_bench_refuses_no_prompts_and_empty_batches(capsys, tmp_path):
   assert code == 2 and "holds no prompts" in err, err
 
 
+def test_bench_refuses_bad_prompts_counts_and_sampling_before_loading(capsys, tmp_path,
+                                                                     monkeypatch):
+  """A misspelt --prompts, a count < 1 and a sampling flag at temperature 0 were refused only
+  after the model (and a --draft-calibration GPTQ draft) had been built."""
+  def no_load(args):
+    raise AssertionError("the model was loaded before the arguments were checked")
+  monkeypatch.setattr(cli, "_load", no_load)
+  for argv, message in ((("--prompts", "mt_bnech"), "unknown prompt set 'mt_bnech'"),
+                        (("--prompts", str(tmp_path / "none.txt")), "prompt file not found"),
+                        (("--num-prompts", "0"), "num_prompts must be an integer >= 1"),
+                        (("--batch-size", "-2"), "batch_size must be an integer >= 1"),
+                        (("--max-new-tokens", "0"), "--max-new-tokens must be >= 1, got 0"),
+                        (("--top-k", "5"), "--top-k applies only when sampling")):
+    code, _, err = run_cli(capsys, "bench", "--max-new-tokens", "2", *argv)
+    assert code == 2 and message in err, (argv, err)
+
+
 def test_bench_checks_its_output_first_and_uses_the_cache_size(capsys, tmp_path, monkeypatch):
   """An --output that cannot be written used to fail after the whole run (the results lost: the
   file was written before they were printed); --cache-size used to be ignored by bench."""
