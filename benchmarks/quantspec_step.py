@@ -61,6 +61,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks._args import count  # noqa: E402
 from benchmarks._gemv_choice import add_one_row_gemv_arg, apply_one_row_gemv  # noqa: E402
 from benchmarks._timing import device_time  # noqa: E402
 from benchmarks.step_roofline import (LLAMA_31_8B, log, random_params, random_state,  # noqa: E402
@@ -655,17 +656,17 @@ def run_worker(args, kind: str, path: str) -> None:
 
 def parse_args(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
-  ap.add_argument("--gammas", type=int, nargs="+", default=[2, 4, 6])
+  ap.add_argument("--contexts", type=count, nargs="+", default=[8192, 32768, 131072])
+  ap.add_argument("--gammas", type=count, nargs="+", default=[2, 4, 6])
   ap.add_argument("--layouts", nargs="+", default=["packed", "int4", "int4_grouped", "int4_reduce"],
                   choices=LAYOUTS + (KV_ONLY,),
                   help=f"draft weight layouts to time (quant_weights.LAYOUTS; {KV_ONLY!r}: the "
                        "full weights, a KV-only draft)")
   ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
-  ap.add_argument("--steps", type=int, default=16, help="forwards / steps per timed loop")
-  ap.add_argument("--repeats", type=int, default=3)
-  ap.add_argument("--group", type=int, default=128, help="KV quant group G")
-  ap.add_argument("--weight-group", type=int, default=128)
+  ap.add_argument("--steps", type=count, default=16, help="forwards / steps per timed loop")
+  ap.add_argument("--repeats", type=count, default=3)
+  ap.add_argument("--group", type=count, default=128, help="KV quant group G")
+  ap.add_argument("--weight-group", type=count, default=128)
   ap.add_argument("--attention", default="auto", choices=("auto", "reference", "pallas"))
   ap.add_argument("--acceptance-json", nargs="+", default=[DEFAULT_ACCEPTANCE],
                   help="quantspec_quality.py JSONs; each acceptance row projects the drafts of its "
@@ -674,7 +675,7 @@ def parse_args(argv=None):
                   help="per-token acceptance a for every gamma (instead of the JSON)")
   ap.add_argument("--full-step", action="store_true",
                   help="also time QuantSpec.step itself (draft + verify + commit) per gamma")
-  ap.add_argument("--layers", type=int, default=None, help="fewer layers")
+  ap.add_argument("--layers", type=count, default=None, help="fewer layers")
   ap.add_argument("--profile", type=int, nargs="?", const=16, default=0, metavar="TOP",
                   help="GPU: also the profiler's busy time per draft / verify forward and its "
                        "TOP (16) costliest kernels")
@@ -693,6 +694,13 @@ def parse_args(argv=None):
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "quantspec_step.json"))
   args = ap.parse_args(argv)
+  if args.acceptance is not None and not 0.0 <= args.acceptance <= 1.0:
+    ap.error(f"--acceptance is a per-token acceptance probability in [0, 1], got "
+             f"{args.acceptance}")       # -0.5 projected 0.75 tokens per step, 1.5 counted as 1
+  if args.acceptance is None:
+    missing = [path for path in args.acceptance_json if not os.path.isfile(path)]
+    if missing:                          # were skipped: no projection, or one misleading error
+      ap.error(f"--acceptance-json: no file at {missing[0]}")
   if args.smoke:
     for name, value in SMOKE_ARGS.items():
       if getattr(args, name) == ap.get_default(name):

@@ -95,6 +95,29 @@ def test_reproject_matches_acceptance_to_the_draft_weight_group(tmp_path):
   best = result["best_gamma"]
   assert len(best) == 1 and best[0]["projected_speedup"] == max(
       p["projected_speedup"] for p in projected)
+  other = tmp_path / "acceptance_gamma5.json"         # rows at no gamma the run timed
+  other.write_text(json.dumps({"acceptance": [{"prompts": "book", "gamma": 5,
+                                               "acceptance_rate": 0.7}]}))
   with pytest.raises(SystemExit, match="no \\(dense, draft, verify, acceptance\\)"):
-    bench.main(["--reproject", str(step), "--acceptance-json", str(tmp_path / "missing.json"),
-                "--out", str(out)])
+    bench.main(["--reproject", str(step), "--acceptance-json", str(other), "--out", str(out)])
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--acceptance", "-0.5"], "--acceptance is a per-token acceptance probability in [0, 1]"),
+    (["--acceptance", "1.5"], "--acceptance is a per-token acceptance probability in [0, 1]"),
+    (["--acceptance-json", "missing.json"], "--acceptance-json: no file at missing.json"),
+    (["--gammas", "2", "0"], "--gammas: must be an integer >= 1"),
+    (["--steps", "0"], "--steps: must be an integer >= 1"),
+])
+def test_bad_projection_arguments_refused_by_name(bad, message, capsys, tmp_path):
+  """--acceptance -0.5 projected 0.75 tokens per step (E < 1) and 1.5 was taken as 1; a missing
+  --acceptance-json was skipped (no projections at all, or --reproject's error about rows)."""
+  step = tmp_path / "step.json"
+  step.write_text(json.dumps({"rows": [
+      {"kind": "dense", "context": 300, "step_seconds": 0.01},
+      {"kind": "draft", "context": 300, "layout": "int4", "step_seconds": 0.004},
+      {"kind": "verify", "context": 300, "gamma": 2, "step_seconds": 0.012}]}))
+  with pytest.raises(SystemExit):
+    bench.main(["--reproject", str(step), *bad, "--out", str(tmp_path / "out.json")])
+  assert message in capsys.readouterr().err
+  assert not (tmp_path / "out.json").exists()
