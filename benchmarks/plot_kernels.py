@@ -46,6 +46,8 @@ def load(paths: list[str], exclude: tuple[str, ...] = ()) -> dict:
   for path in paths:
     with open(path) as f:
       results = json.load(f)
+    if not isinstance(results, dict) or not isinstance(results.get("measurements"), list):
+      raise SystemExit(f"{path} is not a kernels.py JSON (it has no measurements list)")
     if merged is None:
       merged = {k: v for k, v in results.items()
                 if k not in ("measurements", "targets", "targets_device_time")}

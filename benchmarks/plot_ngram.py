@@ -37,10 +37,15 @@ def main(argv=None):
   for path in args.files:
     with open(path) as f:
       data = json.load(f)
+    if not isinstance(data, dict) or not ({"sweep", "speed"} & set(data)) or not all(
+        isinstance(data.get(key, []), list) for key in ("sweep", "speed")):
+      ap.error(f"{path} is not an ngram_decoding.py JSON (it has no sweep or speed rows)")
     sweep += data.get("sweep", [])
     speed += data.get("speed", [])
-    device = data["device"].get("device_kind", "")
+    device = (data.get("device") or {}).get("device_kind", "")
   tau_rows = speed or sweep
+  if not tau_rows:             # a run stopped before its first row: no panel to draw
+    ap.error(f"no sweep or speed rows in {', '.join(args.files)}: nothing to plot")
   gains = speedups(speed)
   sets = sorted({r["prompt_set"] for r in tau_rows})
   panels = 2 if gains else 1

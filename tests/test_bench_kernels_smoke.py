@@ -276,3 +276,12 @@ def test_kernels_arguments_accepted():
   st = kernels.settings_from(args)
   assert st.refs == () and (st.hq, st.hkv, st.d) == (8, 2, 128)
   assert kernels.parse_args(["--quick"]).fractions == "0.016,0.25"
+
+
+def test_plot_kernels_refuses_a_json_of_another_benchmark(tmp_path):
+  """Another benchmark's JSON (no measurements) drew nothing, printed 0/0 targets and exited 0."""
+  from benchmarks import plot_kernels
+  other = tmp_path / "ngram.json"
+  other.write_text(json.dumps({"device": {"device_kind": "cpu"}, "sweep": [], "speed": []}))
+  with pytest.raises(SystemExit, match="ngram.json is not a kernels.py JSON"):
+    plot_kernels.main([str(other), "--out-dir", str(tmp_path)])

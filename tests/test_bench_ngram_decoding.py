@@ -67,3 +67,19 @@ def test_bad_arguments_refused_by_name_before_the_model_loads(bad, message, monk
     ngram_decoding.main(["--gguf", str(STORIES), *sweep, *bad, "--out", str(tmp_path / "x.json")])
   assert message in capsys.readouterr().err
   assert not (tmp_path / "x.json").exists()
+
+
+def test_plot_ngram_refuses_a_json_without_rows(tmp_path, capsys):
+  """A JSON with no rows crashed in matplotlib (`Number of columns must be a positive integer`),
+  and a kernels.py JSON with an AttributeError on its device string: both refused by name."""
+  empty = tmp_path / "empty.json"
+  empty.write_text(json.dumps({"device": {"device_kind": "cpu"}, "sweep": [], "speed": []}))
+  kernels = tmp_path / "kernels.json"
+  kernels.write_text(json.dumps({"device": "NVIDIA H200", "sweep": {"kernels": ["decode"]},
+                                 "measurements": []}))
+  for path, message in ((empty, "no sweep or speed rows in"),
+                        (kernels, "is not an ngram_decoding.py JSON")):
+    with pytest.raises(SystemExit):
+      plot_ngram.main([str(path), "--out", str(tmp_path / "figure1.png")])
+    assert message in capsys.readouterr().err
+  assert not (tmp_path / "figure1.png").exists()
