@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._args import count  # noqa: E402
 from benchmarks.step_roofline import LLAMA_31_8B, random_params  # noqa: E402
 from sparsedec.bench import device_description, log, peak_memory_bytes  # noqa: E402
 from sparsedec.model.gptq import gptq_quantize_params, gptq_quantize_weight  # noqa: E402
@@ -85,16 +86,22 @@ def time_draft(cfg, group: int, tokens: int, sequences: int) -> dict:
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--model", choices=tuple(MODELS), default="llama-3.1-8b")
-  p.add_argument("--layers", type=int, default=None, help="at most this many layers")
+  p.add_argument("--layers", type=count, default=None, help="at most this many layers")
   p.add_argument("--group", type=int, default=128)
-  p.add_argument("--calibration-tokens", type=int, default=2048)
-  p.add_argument("--sequences", type=int, default=1, help="calibration sequences (split evenly)")
+  p.add_argument("--calibration-tokens", type=count, default=2048)
+  p.add_argument("--sequences", type=count, default=1,
+                 help="calibration sequences (--calibration-tokens split evenly)")
   p.add_argument("--repeats", type=int, default=3,
                  help="timed calls after the first (0: first only)")
   p.add_argument("--skip-shapes", action="store_true")
   p.add_argument("--skip-draft", action="store_true")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
+  if args.calibration_tokens % args.sequences:    # the remainder was dropped, yet recorded
+    p.error(f"--calibration-tokens {args.calibration_tokens} does not split evenly into "
+            f"--sequences {args.sequences}")
+  if args.repeats < 0:
+    p.error(f"--repeats must be >= 0, got {args.repeats}")
   cfg = MODELS[args.model]
   if args.layers is not None:
     cfg = cfg.replace(num_layers=min(args.layers, cfg.num_layers))

@@ -26,3 +26,19 @@ def test_gptq_time_rows(tmp_path):
   assert draft["layers"] == 2 and len(draft["per_layer_s"]) == 2
   assert draft["total_s"] >= sum(draft["per_layer_s"]) > 0
   assert result["memory"]["host_peak_rss_bytes"] > 0
+
+
+def test_gptq_time_refuses_bad_counts_by_name(capsys):
+  """--calibration-tokens 10 --sequences 3 timed 9 tokens and recorded 10; --sequences 0 or more
+  sequences than tokens failed deep in GPTQ ('got 0 of float64'), --layers 0 in ModelConfig."""
+  import pytest
+  for bad, message in ((["--calibration-tokens", "10", "--sequences", "3"],
+                        "--calibration-tokens 10 does not split evenly into --sequences 3"),
+                       (["--calibration-tokens", "10", "--sequences", "20"],
+                        "does not split evenly"),
+                       (["--sequences", "0"], "--sequences: must be an integer >= 1, got '0'"),
+                       (["--layers", "0"], "--layers: must be an integer >= 1, got '0'"),
+                       (["--repeats", "-1"], "--repeats must be >= 0, got -1")):
+    with pytest.raises(SystemExit):
+      gptq_time.main(["--model", "smollm2-135m", *bad])
+    assert message in capsys.readouterr().err, bad
