@@ -39,8 +39,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks._args import count  # noqa: E402
 from benchmarks._gemv_choice import DRAFT_WEIGHTS, draft_matmul  # noqa: E402
-from benchmarks.quantspec_quality import (calibration_questions, quantized_pass,  # noqa: E402
+from benchmarks.quantspec_quality import (calibration_questions,  # noqa: E402
+                                          check_calibration_turns, quantized_pass,
                                           self_chat_calibration)
 from sparsedec.bench import (DEFAULT_SMOLLM2_GGUF, device_description,  # noqa: E402
                              encode_prompts, log)
@@ -59,22 +61,22 @@ def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--gguf", default=DEFAULT_SMOLLM2_GGUF)
   ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-  ap.add_argument("--group", type=int, default=128, help="KV quantization group")
-  ap.add_argument("--weight-group", type=int, default=128)
-  ap.add_argument("--chunk", type=int, default=64)
-  ap.add_argument("--eval-tokens", type=int, default=2048)
-  ap.add_argument("--eval-prompts", type=int, default=16)
-  ap.add_argument("--new-tokens", type=int, default=160)
+  ap.add_argument("--group", type=count, default=128, help="KV quantization group")
+  ap.add_argument("--weight-group", type=count, default=128)
+  ap.add_argument("--chunk", type=count, default=64)
+  ap.add_argument("--eval-tokens", type=count, default=2048)
+  ap.add_argument("--eval-prompts", type=count, default=16)
+  ap.add_argument("--new-tokens", type=count, default=160)
   ap.add_argument("--chat-template", type=int, choices=(0, 1), default=1,
                   help="wrap the MT-Bench prompts in the tokenizer's chat template")
   ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
   ap.add_argument("--calibration-sources", nargs="+", default=["book", "self-chat", "mixed"],
                   choices=("book", "self-chat", "mixed"))
-  ap.add_argument("--calibration-tokens", type=int, default=4096)
+  ap.add_argument("--calibration-tokens", type=count, default=4096)
   ap.add_argument("--calibration-offset", type=int, default=60000)
   ap.add_argument("--calibration-prompts", type=int, nargs=2, default=[40, 80],
                   metavar=("FIRST", "STOP"))
-  ap.add_argument("--calibration-new-tokens", type=int, default=None,
+  ap.add_argument("--calibration-new-tokens", type=count, default=None,
                   help="length of the self-chat calibration answers (default --new-tokens)")
   ap.add_argument("--gptq-damp", type=float, default=DEFAULT_DAMP,
                   help="GPTQ's damping: this fraction of the mean Hessian diagonal is added to it")
@@ -93,10 +95,22 @@ def main(argv=None):
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "draft_agreement.json"))
   args = ap.parse_args(argv)
-  if args.calibration_prompts[0] < args.eval_prompts:
-    raise SystemExit("--calibration-prompts overlap the evaluated MT-Bench prompts")
-  if args.calibration_offset < args.eval_tokens + 1:
+  # The calibration sources the GPTQ variants read (none for rtn alone): only those are built
+  # and checked (the self-chat answers were generated, and --calibration-turns checked, after
+  # the evaluated texts' passes, even for --variants rtn).
+  sources = args.calibration_sources if any(VARIANTS[v] for v in args.variants) else []
+  if any(src in ("book", "mixed") for src in sources) and \
+      args.calibration_offset < args.eval_tokens + 1:
     raise SystemExit("--calibration-offset overlaps the evaluated book tokens")
+  chat_sources = any(src in ("self-chat", "mixed") for src in sources)
+  if chat_sources:
+    first, stop = args.calibration_prompts
+    if first < args.eval_prompts:
+      raise SystemExit("--calibration-prompts overlap the evaluated MT-Bench prompts")
+    if stop <= first:
+      raise SystemExit(f"--calibration-prompts FIRST STOP must have FIRST < STOP, got {first} "
+                       f"{stop}")
+    check_calibration_turns(args.calibration_turns)
   cfg, params, tok = load_model(args.gguf, dtype=args.dtype)
   book_ids = np.asarray(tok.encode(book()), np.int32)
 
@@ -112,13 +126,15 @@ def main(argv=None):
             for name, (ids, _) in texts.items()}
 
   book_cal = [book_ids[args.calibration_offset:args.calibration_offset + args.calibration_tokens]]
-  first, stop = args.calibration_prompts
-  chat_cal = self_chat_calibration(cfg, params, tok,
-                                   calibration_questions(first, stop, args.calibration_turns),
-                                   args.calibration_new_tokens or args.new_tokens,
-                                   args.calibration_tokens, chat_template)
+  chat_cal = []
+  if chat_sources:
+    first, stop = args.calibration_prompts
+    chat_cal = self_chat_calibration(cfg, params, tok,
+                                     calibration_questions(first, stop, args.calibration_turns),
+                                     args.calibration_new_tokens or args.new_tokens,
+                                     args.calibration_tokens, chat_template)
   calibration = {"book": book_cal, "self-chat": chat_cal, "mixed": book_cal + chat_cal}
-  calibration = {k: calibration[k] for k in args.calibration_sources}
+  calibration = {k: calibration[k] for k in sources}
 
   result = {"benchmark": "QuantSpec draft agreement with the INT8 target, teacher-forced",
             "device": device_description(), "args": vars(args),

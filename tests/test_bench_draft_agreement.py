@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))   # benchmarks/ importable
@@ -39,6 +41,38 @@ def test_agreement_rows(tmp_path):
     assert "overlap" in str(e)
   else:
     raise AssertionError("overlapping calibration prompts were accepted")
+
+
+def test_rtn_alone_builds_no_calibration_and_bad_calibration_is_refused_first(tmp_path,
+                                                                             monkeypatch):
+  """--variants rtn generated the self-chat calibration answers anyway (minutes on SmolLM2) and
+  reported calibration it never used; --calibration-turns 3 was refused only after the
+  evaluated texts' passes."""
+  def unused(*args, **kwargs):
+    raise AssertionError("self-chat calibration built for --variants rtn")
+  monkeypatch.setattr(draft_agreement, "self_chat_calibration", unused)
+  # The passes and the answers are not what is tested here (test_agreement_rows runs them).
+  monkeypatch.setattr(draft_agreement, "quantized_pass",
+                      lambda cfg, params, ids, *rest: (0.0, np.zeros(len(ids) - 1, np.int32)))
+  monkeypatch.setattr(draft_agreement, "generate", lambda cfg, params, prompts, max_new_tokens:
+                      SimpleNamespace(tokens=[[1] * max_new_tokens for _ in prompts]))
+  out = tmp_path / "agreement.json"
+  result = draft_agreement.main([
+      "--gguf", str(STORIES), "--chat-template", "0", "--group", "16", "--weight-group", "32",
+      "--chunk", "16", "--eval-tokens", "32", "--eval-prompts", "1", "--new-tokens", "4",
+      "--variants", "rtn", "--out", str(out)])
+  assert [r["variant"] for r in result["rows"]] == ["rtn"]
+  assert result["calibration_tokens"] == {} and result["calibration_sequences"] == {}
+
+  def no_load(*args, **kwargs):
+    raise AssertionError("the model was loaded before the arguments were checked")
+  monkeypatch.setattr(draft_agreement, "load_model", no_load)
+  for bad, message in ((["--calibration-turns", "3"], "--calibration-turns must be distinct"),
+                       (["--calibration-prompts", "50", "50"], "FIRST < STOP"),
+                       (["--eval-prompts", "0"], None)):
+    with pytest.raises(SystemExit) as e:
+      draft_agreement.main(["--gguf", str(STORIES), *bad, "--out", str(out)])
+    assert message is None or message in str(e.value)
 
 
 def test_draft_matmul_replaces_only_the_quantized_linears_product():
