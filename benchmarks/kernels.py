@@ -822,6 +822,8 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
     p.error(f"--heads: Hq ({hq}) must be a multiple of Hkv ({hkv}), got {args.heads!r}")
   if args.block_size < 1:
     p.error(f"--block-size must be >= 1, got {args.block_size}")
+  if args.unroll is not None and args.unroll < 1:
+    p.error(f"--unroll must be >= 1, got {args.unroll}")
 
 
 def parse_args(argv=None):
@@ -852,6 +854,7 @@ def parse_args(argv=None):
                  help="start no measurement after this many seconds (default 480; dry run none)")
   p.add_argument("--max-working-set-gb", type=float, default=20.0)
   add_loop_args(p, target_gb=4.0, min_calls=20, max_copies=4, copies_of="the cache")
+  p.set_defaults(unroll=None)              # 8, or 1 in a dry run (see settings_from)
   p.add_argument("--bw-gib", type=float, default=4.0, help="array size of the read-BW test")
   p.add_argument("--chain", choices=CHAINS, default="auto",
                  help="how each timed call waits for the previous one: its output as the next "
@@ -873,14 +876,16 @@ def settings_from(args) -> Settings:
                 rotate_bytes=args.rotate_mb * 1e6, max_copies=args.max_copies,
                 max_seconds=480.0 if args.max_seconds is None else args.max_seconds,
                 partials=not args.no_partials, refs=tuple(t for t in args.refs.split(",") if t),
-                unroll=args.unroll, chain=args.chain, profile=not args.no_profile,
+                unroll=args.unroll or 8, chain=args.chain, profile=not args.no_profile,
                 verbose=args.verbose)
   if args.dry_run:
     # Interpret mode runs each grid point in Python (~0.5 s): one call per timed run, and two
-    # cache copies (always) so the copy-cycling path runs too.
+    # cache copies (always) so the copy-cycling path runs too. Not unrolled unless --unroll asks:
+    # time_loop rounds the calls up to unroll x copies, and the default 8 made every dry-run
+    # measurement 16 interpreted calls.
     st = dataclasses.replace(st, interpret=True, min_calls=1, max_calls=1, repeats=1,
                              calibrate=False, rotate_bytes=1e15, max_copies=2,
-                             max_seconds=args.max_seconds)
+                             max_seconds=args.max_seconds, unroll=args.unroll or 1)
   return st
 
 

@@ -262,6 +262,7 @@ def test_read_floor_stream_kernel_lowers_and_reads_its_tiles():
     (["--heads", "32,8"], "--heads takes 3 comma-separated sizes"),
     (["--heads", "32,6,128"], "--heads: Hq (32) must be a multiple of Hkv (6)"),
     (["--block-size", "0"], "--block-size must be >= 1, got 0"),
+    (["--unroll", "0"], "--unroll must be >= 1, got 0"),
 ])
 def test_kernels_arguments_refused_by_name(bad, message, capsys):
   from benchmarks import kernels
@@ -285,3 +286,12 @@ def test_plot_kernels_refuses_a_json_of_another_benchmark(tmp_path):
   other.write_text(json.dumps({"device": {"device_kind": "cpu"}, "sweep": [], "speed": []}))
   with pytest.raises(SystemExit, match="ngram.json is not a kernels.py JSON"):
     plot_kernels.main([str(other), "--out-dir", str(tmp_path)])
+
+
+def test_dry_run_times_one_call_per_copy():
+  """--dry-run says one timed call, but the default unroll of 8 made time_loop round every
+  measurement up to 8 x 2 copies = 16 interpreted calls; --unroll still applies when given."""
+  from benchmarks import kernels
+  assert kernels.settings_from(kernels.parse_args(["--dry-run"])).unroll == 1
+  assert kernels.settings_from(kernels.parse_args(["--dry-run", "--unroll", "2"])).unroll == 2
+  assert kernels.settings_from(kernels.parse_args([])).unroll == 8
