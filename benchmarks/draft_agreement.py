@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._args import count  # noqa: E402
 from benchmarks._gemv_choice import DRAFT_WEIGHTS, draft_matmul  # noqa: E402
 from benchmarks.quantspec_quality import (calibration_questions,  # noqa: E402
-                                          check_calibration_turns, quantized_pass,
+                                          check_chat_calibration, quantized_pass,
                                           self_chat_calibration)
 from sparsedec.bench import (DEFAULT_SMOLLM2_GGUF, device_description,  # noqa: E402
                              encode_prompts, log)
@@ -104,13 +104,7 @@ def main(argv=None):
     raise SystemExit("--calibration-offset overlaps the evaluated book tokens")
   chat_sources = any(src in ("self-chat", "mixed") for src in sources)
   if chat_sources:
-    first, stop = args.calibration_prompts
-    if first < args.eval_prompts:
-      raise SystemExit("--calibration-prompts overlap the evaluated MT-Bench prompts")
-    if stop <= first:
-      raise SystemExit(f"--calibration-prompts FIRST STOP must have FIRST < STOP, got {first} "
-                       f"{stop}")
-    check_calibration_turns(args.calibration_turns)
+    check_chat_calibration(args.calibration_prompts, args.eval_prompts, args.calibration_turns)
   cfg, params, tok = load_model(args.gguf, dtype=args.dtype)
   book_ids = np.asarray(tok.encode(book()), np.int32)
 

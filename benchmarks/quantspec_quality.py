@@ -168,6 +168,18 @@ def check_calibration_turns(turns: list[int]) -> None:
     raise SystemExit(f"--calibration-turns must be distinct turns among 1 and 2, got {turns}")
 
 
+def check_chat_calibration(prompts: tuple[int, int], evaluated: int, turns: list[int]) -> None:
+  """--calibration-prompts FIRST STOP (MT-Bench prompts whose answers calibrate GPTQ) must not
+  overlap the `evaluated` first prompts and must be non-empty; --calibration-turns as above."""
+  first, stop = prompts
+  if first < evaluated:
+    raise SystemExit("--calibration-prompts overlap the evaluated MT-Bench prompts")
+  if stop <= first:
+    raise SystemExit(f"--calibration-prompts FIRST STOP must have FIRST < STOP, got {first} "
+                     f"{stop}")
+  check_calibration_turns(turns)
+
+
 def _check_calibration(ap: argparse.ArgumentParser, args) -> None:
   """The GPTQ calibration flags, checked before the model loads (they were checked after the
   perplexity pass, and --weight-quantizer gptq with --weight-bits none ran the KV-only draft
@@ -182,13 +194,8 @@ def _check_calibration(ap: argparse.ArgumentParser, args) -> None:
     if args.calibration_offset < end:
       raise SystemExit("--calibration-offset overlaps the book prompts and their continuations")
   if args.calibration_source in ("self-chat", "mixed"):
-    first, stop = args.calibration_prompts
-    if first < args.mt_bench_prompts:
-      raise SystemExit("--calibration-prompts overlap the evaluated MT-Bench prompts")
-    if stop <= first:
-      raise SystemExit(f"--calibration-prompts FIRST STOP must have FIRST < STOP, got {first} "
-                       f"{stop}")
-    check_calibration_turns(args.calibration_turns)
+    check_chat_calibration(args.calibration_prompts, args.mt_bench_prompts,
+                           args.calibration_turns)
 
 
 def main(argv=None):

@@ -39,8 +39,9 @@ def _block_scores(q: jax.Array, q_pos: jax.Array, q_valid: jax.Array, k: jax.Arr
 
   One window query per scan step: its scores are [B, Hkv, G, S] in fp32, and K is read in its
   own dtype (queries and keys share the model's; products accumulated in fp32). The whole
-  window's [B, Hkv, G, w, S] scores at once, K converted to fp32 beside them, took XLA:CPU 1.5 GiB of
-  temporaries per row and layer at Llama-3.1-8B shapes, 128K, window 32 (now 0.04 GiB)."""
+  window's [B, Hkv, G, w, S] scores at once, K converted to fp32 beside them, took XLA:CPU
+  1.5 GiB of temporaries per row and layer at Llama-3.1-8B shapes, 128K, window 32 (now
+  0.04 GiB)."""
   b, w, hq, d = q.shape
   hkv, s = k.shape[1], k.shape[2]
   qg = q.reshape(b, w, hkv, hq // hkv, d)                                   # [B, w, Hkv, G, D]
