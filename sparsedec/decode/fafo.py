@@ -23,6 +23,12 @@ Each step is one forward over T = n*k + 1 + m*k in-flight tokens (p: the current
 On a GPU the fumble segment and the verification segment go to `pallas_kernels.sparse_attention`
 in one launch (block-list queries first, then full-cache queries); elsewhere the jnp reference.
 
+Sliding-window models (Mistral): `attend` masks every query's cache view and in-flight keys by
+position (q_pos - k_pos < window), so a candidate token reads exactly the keys dense decoding
+reads at its position and the fumbles read C(kv) within the window. Where the window is shorter
+than the cache capacity plus the in-flight tokens the kernels do not apply (`kernel_choice`) and
+the jnp reference runs.
+
 Choices where the paper leaves one:
 * C(kv) is a block list over the one cache, not a copied region: the list has a fixed shape
   [B, Hkv, NB] (the kernel reads it directly), so the fumble plan never changes shape and no mask
@@ -155,9 +161,6 @@ class Fafo:
     return max_new_tokens   # at least one token per step
 
   def init(self, cfg: ModelConfig, params: Params, state: DecodeState) -> DecodeState:
-    if cfg.sliding_window is not None:
-      raise InputError("fafo does not support sliding-window attention models "
-                       f"(sliding_window={cfg.sliding_window})")
     if state.cache.capacity % self.policy.block_size:
       raise InputError(f"fafo: cache capacity {state.cache.capacity} is not a multiple of the "
                        f"policy's block_size {self.policy.block_size} (pass a cache_size, "

@@ -188,9 +188,14 @@ class QuantSpec:
     return max_new_tokens
 
   def init(self, cfg: ModelConfig, params: Params, state: DecodeState) -> DecodeState:
-    if cfg.sliding_window is not None:
-      raise InputError("quantspec does not support sliding-window attention models "
-                       f"(sliding_window={cfg.sliding_window})")
+    window, reach = cfg.sliding_window, state.cache.capacity + self.tokens_per_forward
+    if window is not None and window < reach:
+      raise InputError(
+          f"quantspec cannot apply sliding_window={window}: its quantized cache views read "
+          f"every committed key, and the cache capacity {state.cache.capacity} plus the step's "
+          f"{self.tokens_per_forward} in-flight tokens ({reach}) reach past the window; a "
+          f"cache_size <= {window - self.tokens_per_forward} keeps every key within it (the "
+          f"window then changes nothing)")
     if cfg.head_dim % 2:
       raise InputError(f"quantspec needs an even head_dim, got {cfg.head_dim}")
     b = state.batch_size
@@ -284,6 +289,9 @@ class QuantSpec:
            ctx: StepContext) -> DecodeState:
     x: QuantSpecExtras = state.extras
     g = self.gamma
+    # init admits a sliding window only where it never binds (window >= capacity + gamma + 1):
+    # attention without it is the same, and the QuantView reads take no window.
+    cfg = cfg.replace(sliding_window=None)
     active = ~state.done                                                    # [B]
     keys, step_keys = split_keys(state.keys)
     draft_u = verify_u = None
