@@ -259,7 +259,7 @@ def test_a_sliding_window_that_never_binds_runs_and_one_that_would_is_refused(st
   assert sparsedec.generate(windowed, params, _prompts(tok), method=method, **kw).tokens == want
   with pytest.raises(InputError, match=r"quantspec cannot apply sliding_window=99: .* capacity "
                                        r"96 plus the step's 4 in-flight tokens \(100\) .* "
-                                       r"cache_size <= 95 keeps"):
+                                       r"cache_size \(--cache-size\) <= 95 keeps"):
     sparsedec.generate(windowed.replace(sliding_window=99), params, _prompts(tok), method=method,
                        **kw)
 

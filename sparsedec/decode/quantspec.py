@@ -194,8 +194,8 @@ class QuantSpec:
           f"quantspec cannot apply sliding_window={window}: its quantized cache views read "
           f"every committed key, and the cache capacity {state.cache.capacity} plus the step's "
           f"{self.tokens_per_forward} in-flight tokens ({reach}) reach past the window; a "
-          f"cache_size <= {window - self.tokens_per_forward} keeps every key within it (the "
-          f"window then changes nothing)")
+          f"cache_size (--cache-size) <= {window - self.tokens_per_forward} keeps every key "
+          f"within it (the window then changes nothing)")
     if cfg.head_dim % 2:
       raise InputError(f"quantspec needs an even head_dim, got {cfg.head_dim}")
     b = state.batch_size
