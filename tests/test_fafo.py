@@ -55,13 +55,10 @@ def test_greedy_equals_dense_on_stories260k(stories, policy):
   assert result.tau > 1.2, result.tau          # guesses were accepted, not just one per step
 
 
-@pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_greedy_equals_dense_on_a_sliding_window_model_past_its_window(stories, policy):
-  """FAFO ran no sliding-window model (InputError "fafo does not support sliding-window
-  attention models"), not even a Mistral whose window (4096 by default) is longer than the whole
-  cache. `attend` masks every query's view by position, so the candidates read what dense
-  decoding reads: here a window of 12 (it binds: dense output changes without it), far exceeded
-  by the prompt and the 96 new tokens, with guesses accepted."""
+@pytest.fixture(scope="module")
+def sliding_window_dense(stories):
+  """stories260K as a Mistral with a window of 12, two prompts and dense greedy's 96 tokens (the
+  window binds: without it the output differs)."""
   cfg, params, tok = stories
   cfg = cfg.replace(family="mistral", sliding_window=12)
   prompts = [tok.encode("Once upon a time, there was a little girl named Lily. She liked to"),
@@ -69,10 +66,24 @@ def test_greedy_equals_dense_on_a_sliding_window_model_past_its_window(stories, 
   kw = dict(max_new_tokens=96, stop_tokens=())
   dense = sparsedec.generate(cfg, params, prompts, **kw)
   full = sparsedec.generate(cfg.replace(sliding_window=None), params, prompts, **kw)
-  assert dense.tokens != full.tokens                   # the window changes the output
+  assert dense.tokens != full.tokens
+  return cfg, prompts, dense
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_greedy_equals_dense_on_a_sliding_window_model_past_its_window(stories,
+                                                                        sliding_window_dense,
+                                                                        policy):
+  """FAFO ran no sliding-window model (InputError "fafo does not support sliding-window
+  attention models"), not even a Mistral whose window (4096 by default) is longer than the whole
+  cache. `attend` masks every query's view by position, so the candidates read what dense
+  decoding reads: here a window of 12, far exceeded by the prompt and the 96 new tokens, with
+  guesses accepted."""
+  _, params, _ = stories
+  cfg, prompts, dense = sliding_window_dense
   method = Fafo(subsequences=8, length=4, candidates=5, policy=POLICIES[policy])
   result = testing.assert_matches_dense(cfg, params, prompts, method=method, expected=dense,
-                                        **kw)
+                                        max_new_tokens=96, stop_tokens=())
   assert result.tau > 1.2, result.tau
 
 
