@@ -104,6 +104,20 @@ def test_second_prompt_in_same_bucket_does_not_recompile(stories):
   assert compiles == [], f"recompiled: {compiles}"
 
 
+def test_sampling_and_stop_tokens_do_not_compile_the_method_init_again(stories):
+  """The method's init reads neither the sampling config nor the stop tokens: a run that
+  changes only those reuses the compiled init (it took them as static arguments and compiled
+  it again, ~5-12 s for QuantSpec's on CPU)."""
+  from sparsedec.decode import api, loop
+  cfg, params, tok = stories
+  prompt = [tok.encode("Once upon a time")]
+  api.start(cfg, params, prompt, max_new_tokens=4)
+  before = loop._init_method._cache_size()
+  api.start(cfg, params, prompt, max_new_tokens=4, stop_tokens=(),
+            sampling=sparsedec.SamplingConfig(temperature=0.7), seed=1)
+  assert loop._init_method._cache_size() == before
+
+
 def test_stream_takes_generate_arguments(stories):
   """stream is "like generate": return_state=True gives the final state with the result (it
   raised a TypeError from start), and the streamed tokens are generate's."""

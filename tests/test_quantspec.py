@@ -392,9 +392,8 @@ def test_only_a_method_that_drops_the_dense_cache_has_the_donation_warning_hidde
   from sparsedec.decode import loop
   from sparsedec.decode.api import start
   cfg, params, tok = stories
-  state, run = start(cfg, params, [tok.encode("A dog ran")], max_new_tokens=8)
-  drops = lambda method: loop.drops_donated_buffers(cfg, params, state, method=method,
-                                                    ctx=run.ctx)
+  state, _ = start(cfg, params, [tok.encode("A dog ran")], max_new_tokens=8)
+  drops = lambda method: loop.drops_donated_buffers(cfg, params, state, method=method)
   assert drops(METHOD)                                         # int8 verification
   assert not drops(dataclasses.replace(METHOD, verify_precision="full"))
   assert not drops(get_method("dense"))

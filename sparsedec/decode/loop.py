@@ -71,33 +71,32 @@ def init_method(cfg: ModelConfig, params: Params, state: DecodeState, *, method:
   and not shown; for the others it still surfaces, as a sign of a real donation failure.
 
   The result records (method, ctx) in its static `built_for`, which `Run.advance` and
-  `serving.insert_row` check."""
-  if not drops_donated_buffers(cfg, params, state, method=method, ctx=ctx):
-    state = _init_method(cfg, params, state, method=method, ctx=ctx)
+  `serving.insert_row` check. The jitted init does not take ctx (no method's init reads it), so
+  runs that differ only in sampling or stop tokens share its compile."""
+  if not drops_donated_buffers(cfg, params, state, method=method):
+    state = _init_method(cfg, params, state, method=method)
   else:
     with warnings.catch_warnings():
       warnings.filterwarnings("ignore", message="Some donated buffers were not usable",
                               category=UserWarning)
-      state = _init_method(cfg, params, state, method=method, ctx=ctx)
+      state = _init_method(cfg, params, state, method=method)
   return state.replace(built_for=(method, ctx))
 
 
 def drops_donated_buffers(cfg: ModelConfig, params: Params, state: DecodeState, *,
-                          method: DecodeMethod, ctx: StepContext) -> bool:
+                          method: DecodeMethod) -> bool:
   """Whether the method's init returns fewer buffers of some (shape, dtype) than the state it
   is given holds, so that some donated input cannot become an output (abstract evaluation of
   the jitted init: its trace is cached, nothing runs)."""
-  out = jax.eval_shape(lambda p, s: _init_method(cfg, p, s, method=method, ctx=ctx),
-                       params, state)
+  out = jax.eval_shape(lambda p, s: _init_method(cfg, p, s, method=method), params, state)
   avals = lambda tree: collections.Counter((tuple(x.shape), str(x.dtype))
                                            for x in jax.tree.leaves(tree))
   return bool(avals(state) - avals(out))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "method", "ctx"), donate_argnames=("state",))
-def _init_method(cfg: ModelConfig, params: Params, state: DecodeState, *, method: DecodeMethod,
-                 ctx: StepContext) -> DecodeState:
-  del ctx
+@functools.partial(jax.jit, static_argnames=("cfg", "method"), donate_argnames=("state",))
+def _init_method(cfg: ModelConfig, params: Params, state: DecodeState, *,
+                 method: DecodeMethod) -> DecodeState:
   return method.init(cfg, params, state)
 
 
