@@ -155,6 +155,43 @@ def test_hessians_equal_a_direct_computation_across_chunks(stories):
       np.testing.assert_array_equal(got[name], chunked[i][name])
 
 
+def _compiles(fn):
+  """Names of the programs XLA compiled while fn() ran."""
+  names = []
+  listener = lambda event, duration, **kw: (
+      names.append(kw.get("fun_name")) if event.endswith("backend_compile_duration") else None)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    fn()
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  return names
+
+
+def test_calibration_walks_compile_each_step_once(stories):
+  """A second calibration of the same shapes compiles nothing, and a walk compiles its step once,
+  not again when the carried cache and hidden states turn from eager-made (uncommitted) arrays
+  into step outputs (committed): linear_input_hessians compiled its step twice per call, and a
+  jit defined inside it again on every call; LayerCalibration's chunk twice per walk; GPTQ on a
+  numpy Hessian again after one from the walk."""
+  cfg, params, tok = stories
+  ids = _calibration(tok, 150)                                 # chunks of 64: 64 + 64 + 22
+  gptq._hessian_chunk.clear_cache()
+  first = _compiles(lambda: gptq.linear_input_hessians(cfg, params, ids, chunk=64))
+  assert first.count("jit(_hessian_chunk)") == 1, first
+  assert _compiles(lambda: gptq.linear_input_hessians(cfg, params, ids, chunk=64)) == []
+  gptq._calibration_chunk.clear_cache()
+  cal = gptq.LayerCalibration(cfg, params, ids, chunk=64)
+  h0 = cal.hessians(params["layers"][0], advance=True)
+  cal.hessians(params["layers"][1])
+  assert gptq._calibration_chunk._cache_size() == 1
+  gptq._gptq_codes.clear_cache()
+  w = params["layers"][0]["wo"]
+  gptq.gptq_quantize_weight(w, h0["wo"], group=32)
+  gptq.gptq_quantize_weight(w, np.asarray(h0["wo"]), group=32)
+  assert gptq._gptq_codes._cache_size() == 1
+
+
 def _codes(layers):
   return [{name: np.asarray(lp[name].codes) for name in QUANTIZED_LINEARS} for lp in layers]
 

@@ -88,6 +88,28 @@ def _gram(x: jax.Array, valid) -> jax.Array:
   return jnp.einsum("bti,btj->ij", x, x, precision=jax.lax.Precision.HIGHEST)
 
 
+def _committed(tree, like: jax.Array):
+  """tree's arrays committed to the device `like` is on. jit compiles a function again for an
+  argument that is committed where it was not: an array made eagerly (jnp.zeros, jnp.asarray of
+  numpy) is not, a jitted step's output on committed params is. A walk whose carried arrays start
+  eager-made and go on as step outputs compiled each step twice; committed from the start they
+  compile once. `like` on several devices (sharded): tree as it is."""
+  sharding = like.sharding
+  return jax.device_put(tree, sharding) if len(sharding.device_set) == 1 else tree
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "chunk", "layers"))
+def _hessian_chunk(params, toks, pos, cache, valid, *, cfg: ModelConfig, chunk: int,
+                   layers: tuple[int, ...]):
+  """One causal chunk of `linear_input_hessians`: the input sums of layers' linears over the
+  chunk's first `valid` tokens, and the cache with the chunk's K/V. Module-level, so every call
+  of a config and chunk shares its compile (a jit defined in the function compiled per call)."""
+  taps = []
+  _, kv = forward(cfg, params, toks, pos, cache, causal_plan(chunk), linear_inputs=taps)
+  sums = [{name: _gram(taps[i][name], valid) for name in QUANTIZED_LINEARS} for i in layers]
+  return sums, commit(cache, kv, jnp.full((1,), valid, jnp.int32))
+
+
 def linear_input_hessians(cfg: ModelConfig, params: Params, tokens, *, chunk: int = 512,
                           layers=None) -> list[dict[str, np.ndarray]]:
   """sum_x x x^T (float64 [In, In]) of each quantized linear's inputs over one calibration token
@@ -103,21 +125,14 @@ def linear_input_hessians(cfg: ModelConfig, params: Params, tokens, *, chunk: in
     raise InputError(f"calibration layers must lie in [0, {cfg.num_layers}), got {layers}")
   chunk = min(chunk, n)
 
-  @jax.jit
-  def step(params, toks, pos, cache, valid):
-    taps = []
-    _, kv = forward(cfg, params, toks, pos, cache, causal_plan(chunk), linear_inputs=taps)
-    sums = [{name: _gram(taps[i][name], valid) for name in QUANTIZED_LINEARS} for i in layers]
-    return sums, commit(cache, kv, jnp.full((1,), valid, jnp.int32))
-
-  cache = init_cache(cfg, 1, -(-n // chunk) * chunk)
+  cache = _committed(init_cache(cfg, 1, -(-n // chunk) * chunk), params["embed"])
   total = [{name: 0.0 for name in QUANTIZED_LINEARS} for _ in layers]
   for start in range(0, n, chunk):
     valid = min(chunk, n - start)
     toks = np.zeros((1, chunk), np.int32)
     toks[0, :valid] = tokens[start:start + valid]
-    sums, cache = step(params, jnp.asarray(toks), jnp.arange(start, start + chunk)[None], cache,
-                       jnp.int32(valid))
+    sums, cache = _hessian_chunk(params, jnp.asarray(toks), jnp.arange(start, start + chunk)[None],
+                                 cache, jnp.int32(valid), cfg=cfg, chunk=chunk, layers=layers)
     for acc, got in zip(total, sums):
       for name in QUANTIZED_LINEARS:
         acc[name] = acc[name] + np.asarray(got[name], np.float64)
@@ -241,8 +256,11 @@ def gptq_quantize_weight(w, hessian, group: int = 128, layout: str = "packed",
   if not bool(jnp.all(jnp.isfinite(hessian))):
     raise InputError("the calibration Hessian has non-finite entries")
   check_group_layout(group, layout)
-  codes, zeros, steps, ok = _gptq_codes(padded_rows(jnp.asarray(w), group), hessian,
-                                        jnp.float32(damp), group=group, act_order=act_order)
+  # Both committed: a numpy Hessian and one from the calibration walk share a compile.
+  wp = padded_rows(jnp.asarray(w), group)
+  wp, hessian = _committed((wp, hessian), wp)
+  codes, zeros, steps, ok = _gptq_codes(wp, hessian, jnp.float32(damp), group=group,
+                                        act_order=act_order)
   if not bool(ok):
     raise InputError(f"the damped calibration Hessian of a [{n_in}, {n_out}] weight is not "
                      f"positive definite in fp32 (damp {damp}); use a larger damp")
@@ -317,14 +335,16 @@ class LayerCalibration:
         for r, t in enumerate(members[first:first + rows]):
           ids[r, :len(t)], lengths[r] = t, len(t)
         embed = jnp.take(params["embed"], jnp.asarray(ids), axis=0).astype(self.dtype)
-        self.batches.append((lengths, [embed[:, s:s + self.chunk]
-                                       for s in range(0, n * self.chunk, self.chunk)]))
+        # Committed, as the layer outputs that replace them are (`_committed`).
+        self.batches.append((lengths, _committed([embed[:, s:s + self.chunk] for s in range(
+            0, n * self.chunk, self.chunk)], params["embed"])))
   def _through(self, lp, grams: tuple[str, ...]):
     cfg = self.cfg
     out, total = [], {name: 0.0 for name in grams}
     for lengths, xs in self.batches:
       shape = (len(lengths), cfg.num_kv_heads, len(xs) * self.chunk, cfg.head_dim)
-      k_cache, v_cache = jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
+      k_cache, v_cache = _committed((jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)),
+                                    xs[0])
       ys = []
       for i, x in enumerate(xs):
         start = i * self.chunk
