@@ -564,8 +564,9 @@ def test_int8_view_logits_equal_the_dequantized_reference_across_a_flush(stories
   whole, _ = fwd(cfg, params, window, positions, raw, AttentionPlan(
       plan.inflight_mask, (Segment(QuantView(qc, bits=4), 0, t),)))
   shape = (2, t, cfg.num_kv_heads, cfg.head_dim)
-  ek = [jnp.zeros(shape) for _ in range(cfg.num_layers)]
-  ev = [jnp.zeros(shape) for _ in range(cfg.num_layers)]
+  # Committed as the updated scratch is (an uncommitted first one compiled the forward twice).
+  ek = [jax.device_put(jnp.zeros(shape), raw.k[0].sharding) for _ in range(cfg.num_layers)]
+  ev = [jax.device_put(jnp.zeros(shape), raw.k[0].sharding) for _ in range(cfg.num_layers)]
   for i in range(t):
     view = QuantView(qc, tuple(ek), tuple(ev), jnp.full((2,), i, jnp.int32), bits=4)
     one, kv = fwd(cfg, params, window[:, i:i + 1], positions[:, i:i + 1], raw,
