@@ -338,6 +338,7 @@ class LayerCalibration:
         # Committed, as the layer outputs that replace them are (`_committed`).
         self.batches.append((lengths, _committed([embed[:, s:s + self.chunk] for s in range(
             0, n * self.chunk, self.chunk)], params["embed"])))
+
   def _through(self, lp, grams: tuple[str, ...]):
     cfg = self.cfg
     out, total = [], {name: 0.0 for name in grams}
