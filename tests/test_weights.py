@@ -273,6 +273,25 @@ def test_rope_scaling_wins_over_rope_parameters_like_transformers():
   assert cfg.rope_scaling.factor == 4.0 and cfg.rope_theta == 10000.0
 
 
+@pytest.mark.parametrize("rope", [
+    {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4,
+                         "partial_rotary_factor": 0.5}},
+    {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "partial_rotary_factor": 0.25}},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                         "partial_rotary_factor": 0.5}},
+], ids=["linear-parameters", "llama3-scaling", "default-parameters"])
+def test_partial_rotary_factor_inside_the_rope_dict_is_refused(rope):
+  """transformers 5 reads partial_rotary_factor from rope_parameters (a top-level one is moved
+  there) and rotates only that part of each head; only a top-level factor was refused, one
+  inside the rope dict ran as full rotation: other logits, no error."""
+  config = {**{k: v for k, v in LLAMA_HF_CONFIG.items() if k != "rope_theta"}, **rope}
+  with pytest.raises(UnsupportedConfigError, match="rope_parameters / rope_scaling "
+                                                   "partial_rotary_factor=0"):
+    ModelConfig.from_hf(config)
+  whole = {k: {**v, "partial_rotary_factor": 1.0} for k, v in rope.items()}
+  assert ModelConfig.from_hf({**config, **whole}).rope_theta == 1e4
+
+
 def hf_llama3_inv_freq(theta, dim, factor, low, high, old_context_len):
   """transformers' _compute_llama3_parameters, one frequency at a time (float64)."""
   out = []

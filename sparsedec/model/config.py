@@ -225,9 +225,13 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
   else:
     theta = _number("rope_theta", hf.get("rope_theta", 10000.0), float)
     scaling = hf.get("rope_scaling")
-  if hf.get("partial_rotary_factor", 1.0) not in (None, 1.0):
-    raise UnsupportedConfigError(
-        f"partial_rotary_factor={hf['partial_rotary_factor']} is not supported (only 1.0)")
+  # transformers 5 moves a top-level partial_rotary_factor into rope_parameters and reads it
+  # from there (a factor < 1 rotates only part of each head): refused wherever it is.
+  for where, holder in (("", hf), ("rope_parameters / rope_scaling ", scaling)):
+    factor = holder.get("partial_rotary_factor", 1.0) if isinstance(holder, Mapping) else 1.0
+    if factor not in (None, 1.0):
+      raise UnsupportedConfigError(
+          f"{where}partial_rotary_factor={factor} is not supported (only 1.0)")
   if not scaling:
     return theta, None
   if not isinstance(scaling, Mapping):
