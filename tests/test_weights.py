@@ -443,6 +443,22 @@ def test_existing_checkpoint_needs_overwrite(stories_hf_dir, tmp_path):
   load_checkpoint(out)
 
 
+def test_a_concurrent_saves_temporary_is_left_alone(stories_hf_dir, tmp_path):
+  """Every save removed all `.NAME.tmp-*` siblings as left by interrupted saves, including the
+  one a concurrent save of the same name was still writing (its rename then failed). Only
+  temporaries whose process is gone are removed now."""
+  import subprocess
+  import sys
+  done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True, check=True)
+  live = tmp_path / f".ckpt.tmp-{os.getpid()}-0123abcd"           # a save still running
+  dead = tmp_path / f".ckpt.tmp-{int(done.stdout)}-4567cdef"     # its process has exited
+  live.mkdir()
+  dead.mkdir()
+  convert(stories_hf_dir, tmp_path / "ckpt", show_progress=False)
+  assert leftovers(tmp_path) == sorted(["ckpt", live.name])
+
+
 def test_a_failed_swap_puts_the_old_checkpoint_back(stories_hf_dir, tmp_path, monkeypatch):
   """overwrite moves the old checkpoint aside, then the new one in: when the second move fails,
   the old one goes back (it was left under a hidden name and the checkpoint was gone)."""

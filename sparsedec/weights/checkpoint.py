@@ -82,11 +82,31 @@ def check_output_dir(out_dir: str | os.PathLike, overwrite: bool) -> str:
   return out_dir
 
 
+def _temporary(parent: str, name: str, kind: str) -> str:
+  """`.NAME.KIND-PID-HEX`: the saving process's id, so that another save can tell a live
+  temporary (a concurrent save's) from a stale one."""
+  return os.path.join(parent, f".{name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _process_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:        # alive, another user's
+    return True
+  return True
+
+
 def _remove_stale_temporaries(parent: str, name: str) -> None:
-  """`.NAME.tmp-*` / `.NAME.old-*` siblings an interrupted save left behind."""
+  """`.NAME.tmp-*` / `.NAME.old-*` siblings an interrupted save left behind; those of a save
+  still running on this machine (its process alive) are left alone."""
   for entry in os.listdir(parent):
-    if entry.startswith((f".{name}.tmp-", f".{name}.old-")):
-      shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+    for prefix in (f".{name}.tmp-", f".{name}.old-"):
+      if entry.startswith(prefix):
+        pid_hex = entry[len(prefix):].split("-")
+        if not (len(pid_hex) == 2 and pid_hex[0].isdigit() and _process_alive(int(pid_hex[0]))):
+          shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
 
 
 def save_checkpoint(out_dir: str | os.PathLike, cfg: ModelConfig, params: Params,
@@ -103,7 +123,7 @@ def save_checkpoint(out_dir: str | os.PathLike, cfg: ModelConfig, params: Params
   parent, name = os.path.split(out_dir)
   os.makedirs(parent, exist_ok=True)
   _remove_stale_temporaries(parent, name)
-  tmp = os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+  tmp = _temporary(parent, name, "tmp")
   os.makedirs(tmp)
   try:
     params = jax.tree.map(lambda x: jnp.asarray(x, cfg.dtype), params)
@@ -121,7 +141,7 @@ def save_checkpoint(out_dir: str | os.PathLike, cfg: ModelConfig, params: Params
     with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
       json.dump(cfg.to_dict(), f, indent=2)
     if os.path.exists(out_dir):
-      old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
+      old = _temporary(parent, name, "old")
       os.rename(out_dir, old)
       try:
         os.rename(tmp, out_dir)
