@@ -113,7 +113,7 @@ def run_bench(cfg: ModelConfig, params: Params, tok: Tokenizer, *, prompts: str 
   for i in range(0, len(ids), batch_size):
     r = generate(cfg, params, ids[i: i + batch_size], **kw)
     runs.append({"prompt_tokens": r.prompt_lengths, "generated_tokens": r.num_generated,
-                 "steps": r.steps, "tau": r.tau, "prefill_seconds": r.prefill_seconds,
+                 "steps": r.steps, "active_steps": sum(r.active_steps), "tau": r.tau, "prefill_seconds": r.prefill_seconds,
                  "decode_seconds": r.decode_seconds, "tokens_per_second": r.tokens_per_second,
                  **r.method_stats})
   gen = sum(r["generated_tokens"] for r in runs)
@@ -129,6 +129,10 @@ def run_bench(cfg: ModelConfig, params: Params, tok: Tokenizer, *, prompts: str 
       "tokens_per_second": (gen - len(ids)) / dec if dec else 0.0,
       "median_tokens_per_second": float(np.median([r["tokens_per_second"] for r in runs])),
       "generated_tokens": gen, "decode_seconds": dec,
+      # Accepted tokens per row-step over every run (each run's tau weighted by its steps),
+      # and beside it the plain mean of the runs' tau.
+      "tau": ((gen - sum(len(r["prompt_tokens"]) for r in runs))
+              / max(sum(r["active_steps"] for r in runs), 1)),
       "mean_tau": float(np.mean([r["tau"] for r in runs])),
       "warmup_seconds": compile_seconds, "memory": peak_memory_bytes(),
       "device": device_description(), "runs": runs,

@@ -106,6 +106,25 @@ def test_bench_writes_json(capsys, tmp_path):
   assert "host_peak_rss_bytes" in result["memory"]
 
 
+def test_bench_tau_weights_each_run_by_its_steps(monkeypatch, stories):
+  """bench reported only `mean_tau`, the plain mean of the runs' tau: a run of 8 tokens in 2
+  steps (tau 4) and one of 1 token in 1 step (tau 1) gave 2.5, where 9 tokens in 3 steps is 3."""
+  from sparsedec import bench
+  from sparsedec.decode.api import GenerationResult
+  made = iter([[9, 2], [2, 1]] * 2)          # (tokens incl. prefill's first, steps), warm-up too
+
+  def fake_generate(cfg, params, ids, **kw):
+    tokens, steps = next(made)
+    return GenerationResult(tokens=[[5] * tokens], prompt_lengths=[len(ids[0])],
+                            stopped=[False], steps=steps, active_steps=[steps],
+                            prefill_seconds=0.1, decode_seconds=1.0)
+  monkeypatch.setattr(bench, "generate", fake_generate)
+  cfg, params, tok = stories
+  result = bench.run_bench(cfg, params, tok, num_prompts=2, max_new_tokens=8)
+  assert [r["tau"] for r in result["runs"]] == [4.0, 1.0]
+  assert result["tau"] == 3.0 and result["mean_tau"] == 2.5
+
+
 def test_bench_refuses_no_prompts_and_empty_batches(capsys, tmp_path):
   """A negative count sliced the set from the end, 0 prompts wrote NaN into the JSON and a batch
   size of 0 crashed: each is refused by name."""
