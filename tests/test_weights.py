@@ -189,6 +189,18 @@ def test_bf16_safetensors_and_generation_eos(stories_hf_dir, hf_copy):
   assert_same_params(ref, params)
 
 
+def test_generation_config_eos_ids_replace_config_json_ones(hf_copy):
+  """transformers' generate stops on generation_config.json's eos_token_id alone when that file
+  exists (config.json's is not read); we stopped on the union, so an id only config.json names
+  ended generation early. Without the file, or with no eos id in it, config.json's stand."""
+  config = json.loads((hf_copy / "config.json").read_text())
+  (hf_copy / "config.json").write_text(json.dumps({**config, "eos_token_id": 2}))
+  for gen, expected in (({"eos_token_id": [5, 7]}, (5, 7)), ({"eos_token_id": 9}, (9,)),
+                        ({"bos_token_id": 1}, (2,)), ({"eos_token_id": None}, (2,))):
+    (hf_copy / "generation_config.json").write_text(json.dumps(gen))
+    assert load_hf(hf_copy)[0].eos_token_ids == expected, gen
+
+
 def test_unsupported_architecture_is_named(hf_copy):
   config = json.loads((hf_copy / "config.json").read_text())
   config["architectures"] = ["GPT2LMHeadModel"]

@@ -148,7 +148,9 @@ def params_from_hf_tensors(cfg: ModelConfig, names: list[str],
 
 
 def load_hf_config(path: str | os.PathLike, dtype: str | None = None) -> ModelConfig:
-  """ModelConfig from `path/config.json`, with eos ids from generation_config.json merged in."""
+  """ModelConfig from `path/config.json`; generation_config.json's eos ids (where it has them)
+  replace config.json's, as in transformers, whose generate reads that file alone when it
+  exists."""
   config_file = os.path.join(path, CONFIG_FILE)
   if not os.path.isfile(config_file):
     raise CheckpointError(f"{CONFIG_FILE} not found in HF checkpoint directory {path}")
@@ -157,10 +159,10 @@ def load_hf_config(path: str | os.PathLike, dtype: str | None = None) -> ModelCo
   except UnsupportedConfigError as e:
     raise UnsupportedConfigError(f"{config_file}: {e}") from e
   gen = read_generation_config(path)
-  eos = _as_ids(gen.get("eos_token_id"))
-  merged = tuple(dict.fromkeys(cfg.eos_token_ids + eos))
+  eos = _as_ids(gen.get("eos_token_id")) if gen.get("eos_token_id") is not None else None
   bos = cfg.bos_token_id if cfg.bos_token_id is not None else gen.get("bos_token_id")
-  return cfg.replace(eos_token_ids=merged, bos_token_id=bos)
+  return cfg.replace(eos_token_ids=cfg.eos_token_ids if eos is None else tuple(dict.fromkeys(eos)),
+                     bos_token_id=bos)
 
 
 def _safetensors(file: str):
