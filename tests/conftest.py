@@ -7,7 +7,9 @@ tests that need it, except under CI (env CI set), where it fails them.
 
 import os
 import pathlib
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -61,6 +63,35 @@ def _release_compiled_programs():
     pytest.fail(f"{held[0]} memory mappings are still held after this file's compiled programs "
                 f"were dropped (vm.max_map_count is {held[1]}); a later compile would segfault "
                 f"at the limit")
+
+
+# The env var naming the run's persistent compilation cache ("" turns it off). Set it to a
+# directory of your own to keep compiled programs across local runs.
+COMPILE_CACHE_ENV = "SPARSEDEC_TEST_COMPILE_CACHE"
+
+
+def pytest_configure(config):
+  """One on-disk cache of compiled programs for the run, shared by the xdist workers. Every
+  test file drops its compiled programs (`_release_compiled_programs`), and the workers are
+  separate processes, so the same stories260K / SmolLM2 steps were compiled again file after
+  file; now a later compile of the same program (same HLO, options and jax version: jax's
+  cache key) loads it from disk. Compile counts are unchanged: jax reports a load from the
+  cache as a compile (`backend_compile_duration`), so the recompile tests still see them. The
+  controller (or a plain run) makes a fresh directory and removes it at the end; the workers
+  it starts inherit the env var."""
+  if COMPILE_CACHE_ENV not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:
+    os.environ[COMPILE_CACHE_ENV] = tempfile.mkdtemp(prefix="sparsedec-compiled-")
+    config.add_cleanup(lambda: shutil.rmtree(os.environ.pop(COMPILE_CACHE_ENV),
+                                             ignore_errors=True))
+  path = os.environ.get(COMPILE_CACHE_ENV, "")
+  if path:
+    import jax
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # A size bound makes jax lock the directory around each read and write (filelock): the
+    # two workers never read an entry the other is still writing.
+    jax.config.update("jax_compilation_cache_max_size", 16 << 30)
 
 
 ROOT = hf_harness.REPO
