@@ -393,6 +393,21 @@ def test_absent_context_and_kv_heads_default_like_transformers(arch, context, kv
     ModelConfig.from_hf(dict(hf, num_attention_heads=4, hidden_size=256))
 
 
+@pytest.mark.parametrize("arch, bos, eos", [
+    ("LlamaForCausalLM", 1, (2,)), ("MistralForCausalLM", 1, (2,)),
+    ("Qwen2ForCausalLM", None, ()), ("Qwen3ForCausalLM", None, ())])
+def test_absent_bos_and_eos_ids_default_like_transformers(arch, bos, eos):
+  """LlamaConfig and MistralConfig default bos_token_id / eos_token_id to 1 / 2 (Qwen2/Qwen3Config
+  to None), and transformers' generate stops on that eos where no generation_config.json says
+  otherwise; a Llama config.json without the keys generated past token 2. An explicit null
+  still means none, as in transformers."""
+  hf = {k: v for k, v in LLAMA_HF_CONFIG.items() if k not in ("bos_token_id", "eos_token_id")}
+  cfg = ModelConfig.from_hf(dict(hf, architectures=[arch]))
+  assert (cfg.bos_token_id, cfg.eos_token_ids) == (bos, eos)
+  cfg = ModelConfig.from_hf(dict(hf, architectures=[arch], bos_token_id=None, eos_token_id=None))
+  assert (cfg.bos_token_id, cfg.eos_token_ids) == (None, ())
+
+
 @pytest.mark.parametrize("change, needle", [
     ({"num_attention_heads": 0}, "num_attention_heads"),
     ({"vocab_size": None}, "vocab_size"),

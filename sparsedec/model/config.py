@@ -296,8 +296,9 @@ def _check_unsupported(hf: Mapping[str, Any]) -> None:
 # What transformers' config class of each family (4.x and 5.x) gives an attribute config.json
 # leaves out. Absent only: a null num_key_value_heads means num_attention_heads in all four.
 ABSENT_DEFAULTS = {
-    "llama": {"max_position_embeddings": 2048},
-    "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8},
+    "llama": {"max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2},
+    "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8,
+                "bos_token_id": 1, "eos_token_id": 2},
     "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
     "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
 }
