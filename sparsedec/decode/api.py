@@ -249,6 +249,8 @@ class Run:
 
 
 def collect(state: DecodeState, stop_ids: tuple[int, ...]) -> tuple[list[list[int]], list[bool]]:
+  """Each row's generated token ids so far (a final stop token included) and whether the row
+  ended on one of `stop_ids` (pass `run.ctx.stop_ids`). Reads the state back from the device."""
   tokens, num, plen = jax.device_get((state.tokens, state.num_tokens, state.prompt_lengths))
   generated = [tokens[i, plen[i]: num[i]].tolist() for i in range(tokens.shape[0])]
   return generated, [bool(g) and g[-1] in stop_ids for g in generated]
