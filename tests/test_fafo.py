@@ -380,6 +380,29 @@ def test_cli_generate_fafo_equals_dense_and_reports_stats(capsys, stories):
   assert "--subsequences does not apply to --method dense" in capsys.readouterr()[1]
 
 
+def test_a_step_cut_by_max_new_tokens_counts_its_appended_guesses(stories):
+  """The step that max_new_tokens cuts appends guessed tokens only (they come first): each is an
+  accepted guess. The stats counted one fewer (as if the model's token were among them)."""
+  from sparsedec.decode import api
+  cfg, params, tok = stories
+  method = Fafo(subsequences=8, length=4, candidates=5, policy=POLICIES["streaming"])
+  prompt = tok.encode("Once upon a time, there was a little girl named Lily. She liked to")
+  state, run = api.start(cfg, params, [prompt], max_new_tokens=64, stop_tokens=(), method=method)
+  sizes = []                                                 # tokens appended per step
+  while not bool(state.done[0]):
+    made = int(state.num_tokens[0])
+    state = run.advance(params, state, 1)
+    sizes.append(int(state.num_tokens[0]) - made)
+  cut = next(i for i, size in enumerate(sizes) if size >= 3)
+  limit = 1 + sum(sizes[:cut]) + 2                     # step `cut` appends 2 of its >= 3 tokens
+  result = sparsedec.generate(cfg, params, [prompt], max_new_tokens=limit, stop_tokens=(),
+                              method=method, return_state=True)
+  assert result.active_steps == [cut + 1]
+  expected = sum(size - 1 for size in sizes[:cut]) + 2
+  assert int(result.state.extras.accepted_guesses[0]) == expected
+  assert result.method_stats["accepted_guesses_per_step"] == round(expected / (cut + 1), 4)
+
+
 def test_a_stop_token_fumble_is_stored_as_the_model_guessed_it(stories):
   """A fumble token that is a stop token goes into the pool as the model's token (a candidate may
   then propose the stop) and is replaced by a context token in the subsequence only, as
