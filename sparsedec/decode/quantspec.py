@@ -319,7 +319,10 @@ class QuantSpec:
     return state.replace(cache=commit(state.cache, kv, appended), extras=extras)
 
   def stats(self, state: DecodeState) -> dict:
-    """Host-side figures: acceptance, memory (bytes of the caches actually held)."""
+    """Host-side figures: acceptance (acceptance_rate: accepted drafts / drafted tokens, summed
+    over rows and steps), memory (bytes of the caches actually held: quantized_cache_bytes the
+    codes and buffer, dense_cache_bytes the full-precision cache QuantSpec keeps beside them,
+    0 with int8 verification; dense_equivalent_cache_bytes what dense decoding's cache holds)."""
     x: QuantSpecExtras = state.extras
     active, drafted, accepted = jax.device_get((state.active_steps, x.drafted, x.accepted_drafts))
     steps, proposed = int(np.sum(active)), int(np.sum(drafted))
