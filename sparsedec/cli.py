@@ -383,7 +383,9 @@ def cmd_convert(args) -> int:
 def cmd_bench(args) -> int:
   from sparsedec.bench import bench_prompts, run_bench
   from sparsedec.errors import InputError, unwritable_reason
-  if args.output:                        # before the run, not after it
+  if args.output is not None:            # before the run, not after it
+    if not args.output:
+      raise InputError("--output is empty (leave it out to print the result only)")
     reason = ("it is a directory" if os.path.isdir(args.output)
               else unwritable_reason(args.output))
     if reason:
@@ -402,7 +404,12 @@ def cmd_bench(args) -> int:
                      chat_template=args.chat_template, ignore_eos=args.ignore_eos,
                      model_name=_model_path(args), cache_size=args.cache_size)
   text = json.dumps(result, indent=2)
-  print(text)                            # first: a write that still fails loses nothing
+  gone = None
+  try:                                   # first: a write that still fails loses nothing
+    print(text)
+    sys.stdout.flush()
+  except BrokenPipeError as e:           # stdout's reader is gone (`| head`): --output still
+    gone = e                             # gets the result, then main ends quietly
   if args.output:                        # whole or not at all: a temporary file, then a rename
     out = Path(args.output)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -413,9 +420,12 @@ def cmd_bench(args) -> int:
     except BaseException as e:           # a full disk, Ctrl-C: no half-written file is left
       tmp.unlink(missing_ok=True)
       if isinstance(e, OSError):
+        where = "printed on stdout" if gone is None else "lost: stdout was closed too"
         raise InputError(f"--output {args.output}: cannot write there: {e.strerror or e} (the "
-                         f"result was printed on stdout)") from e
+                         f"result was {where})") from e
       raise
+  if gone is not None:
+    raise gone
   return 0
 
 

@@ -343,3 +343,36 @@ def test_a_prompt_that_is_not_utf8_is_a_clear_error(capsys):
   code, _, err = run_cli(capsys, "generate", "--chat", "hi", "--system", "\udcff",
                          "--max-new-tokens", "2")
   assert code == 2 and "--system is not UTF-8 text (byte 0xff at character 0)" in err, err
+
+
+def test_bench_output_is_written_when_stdout_is_closed(capsys, tmp_path, monkeypatch):
+  """`sparsedec bench --output run.json | head -1`: the result was printed first and the reader
+  being gone ended the command there (exit 1, quietly), so run.json was never written and the
+  run was lost; an empty --output (`--output "$UNSET"`) wrote no file and said nothing."""
+  import os
+  import sys
+  from sparsedec import bench
+  monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: {"ok": 1})
+  code, out, err = run_cli(capsys, "bench", "--max-new-tokens", "2", "--output", "")
+  assert code == 2 and out == "" and "--output is empty" in err, err
+  read, write = os.pipe()
+
+  class ClosedStdout:                    # a pipe whose reader is gone
+    def write(self, text):
+      raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+      pass
+
+    def fileno(self):
+      return write                       # what main points at /dev/null
+
+  monkeypatch.setattr(sys, "stdout", ClosedStdout())
+  target = tmp_path / "run.json"
+  try:
+    code = cli.main(["bench", "--max-new-tokens", "2", "--output", str(target)])
+  finally:
+    os.close(read)
+    os.close(write)
+  assert code == 1
+  assert json.loads(target.read_text()) == {"ok": 1}
