@@ -374,7 +374,12 @@ def cmd_generate(args) -> int:
 
 
 def cmd_convert(args) -> int:
+  from sparsedec.errors import InputError
   from sparsedec.weights.checkpoint import convert
+  for name, value in (("src", args.src), ("out", args.out)):
+    if not value:             # `convert "$UNSET" ...`: "" is the current directory to os.path
+      raise InputError(f"convert's {name} is empty (an HF directory or .gguf file to read, then "
+                       f"the checkpoint directory to write)")
   out = convert(args.src, args.out, dtype=args.dtype, overwrite=args.overwrite)
   print(f"wrote {out}", file=sys.stderr)
   return 0
@@ -390,6 +395,9 @@ def cmd_bench(args) -> int:
               else unwritable_reason(args.output))
     if reason:
       raise InputError(f"--output {args.output}: cannot write there: {reason}")
+  if not args.prompts:        # "" read as the current directory: "prompt set '' is a directory"
+    raise InputError("--prompts is empty (mt_bench, humaneval, or a text file with one prompt "
+                     "per line)")
   bench_prompts(args.prompts, args.num_prompts, args.batch_size)   # before the model loads
   if args.max_new_tokens < 1:
     raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")

@@ -376,3 +376,19 @@ def test_bench_output_is_written_when_stdout_is_closed(capsys, tmp_path, monkeyp
     os.close(write)
   assert code == 1
   assert json.loads(target.read_text()) == {"ok": 1}
+
+
+def test_empty_paths_are_refused_by_name(capsys, tmp_path, stories_hf_dir, monkeypatch):
+  """`convert SRC "$UNSET"` was told the current directory 'already exists', and with
+  --overwrite in an empty directory replaced the current directory by the checkpoint (exit 0);
+  `bench --prompts ""` was told "prompt set '' is a directory"."""
+  monkeypatch.chdir(tmp_path)
+  for argv, message in ((("convert", str(stories_hf_dir), "", "--overwrite"),
+                         "convert's out is empty"),
+                        (("convert", str(stories_hf_dir), ""), "convert's out is empty"),
+                        (("convert", "", "out"), "convert's src is empty"),
+                        (("bench", "--prompts", "", "--max-new-tokens", "2"),
+                         "--prompts is empty")):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2 and out == "" and message in err, (argv, err)
+    assert list(tmp_path.iterdir()) == []
