@@ -233,9 +233,18 @@ def _exact_draft_group(args, method):
   return dataclasses.replace(method, weight_group=group, weight_grid=grid)
 
 
-def _load(args):
+def _load(args, chat_flag: str | None = None):
+  """(cfg, params, tok) of --model. chat_flag: the flag (--chat, --chat-template) that needs a
+  chat template, refused here when the tokenizer has none: before a GPTQ draft is built (it
+  was refused after, when the prompts were encoded)."""
+  from sparsedec.errors import InputError
   from sparsedec.weights.checkpoint import load_model
-  return load_model(_model_path(args), dtype=args.dtype)
+  cfg, params, tok = load_model(_model_path(args), dtype=args.dtype)
+  if chat_flag is not None and not tok.chat_template:
+    raw = " (give the text as --prompt)" if chat_flag == "--chat" else ""
+    raise InputError(f"{chat_flag} needs a chat template, and the tokenizer of "
+                     f"{_model_path(args)} has no chat_template{raw}")
+  return cfg, params, tok
 
 
 DEFAULT_CALIBRATION_TOKENS = 4096
@@ -340,7 +349,7 @@ def cmd_generate(args) -> int:
   sampling = _sampling(args)
   method = _exact_draft_group(args, _method(args))
   calibration = _draft_tokens(args, method)
-  cfg, params, tok = _load(args)
+  cfg, params, tok = _load(args, "--chat" if args.chat is not None else None)
   params = _with_draft(args, cfg, params, tok, method, calibration)
   ids = _prompt_ids(args, tok)
   kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
@@ -404,7 +413,7 @@ def cmd_bench(args) -> int:
   sampling = _sampling(args)
   method = _exact_draft_group(args, _method(args))
   calibration = _draft_tokens(args, method)
-  cfg, params, tok = _load(args)
+  cfg, params, tok = _load(args, "--chat-template" if args.chat_template else None)
   params = _with_draft(args, cfg, params, tok, method, calibration)
   result = run_bench(cfg, params, tok, prompts=args.prompts, num_prompts=args.num_prompts,
                      batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,

@@ -392,3 +392,19 @@ def test_empty_paths_are_refused_by_name(capsys, tmp_path, stories_hf_dir, monke
     code, out, err = run_cli(capsys, *argv)
     assert code == 2 and out == "" and message in err, (argv, err)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_chat_template_is_refused_before_the_gptq_draft(capsys, monkeypatch):
+  """--chat / --chat-template on a model without a chat template (stories260K) were refused
+  only when the prompts were encoded: after a --draft-calibration GPTQ draft had been built
+  (minutes on a real model), and the message named neither flag."""
+  monkeypatch.setattr(cli, "_with_draft", lambda *a: pytest.fail("built the draft first"))
+  quantspec = ("--method", "quantspec", "--draft-calibration", "README.md")
+  for argv, message in (
+      (("generate", "--chat", "hi", *quantspec),
+       "--chat needs a chat template, and the tokenizer of "),
+      (("bench", "--chat-template", *quantspec),
+       "--chat-template needs a chat template, and the tokenizer of ")):
+    code, out, err = run_cli(capsys, *argv, "--max-new-tokens", "2")
+    assert code == 2 and out == "" and message in err, (argv, err)
+    assert "has no chat_template" in err
