@@ -335,6 +335,7 @@ def _prompt_ids(args, tok) -> list[int]:
 
 def cmd_generate(args) -> int:
   from sparsedec.decode import api
+  from sparsedec.decode.api import plan_capacity
   from sparsedec.decode.methods import method_config
   from sparsedec.errors import InputError
   if args.system is not None and args.chat is None:
@@ -350,8 +351,9 @@ def cmd_generate(args) -> int:
   method = _exact_draft_group(args, _method(args))
   calibration = _draft_tokens(args, method)
   cfg, params, tok = _load(args, "--chat" if args.chat is not None else None)
-  params = _with_draft(args, cfg, params, tok, method, calibration)
   ids = _prompt_ids(args, tok)
+  plan_capacity(cfg, len(ids), args.max_new_tokens, args.cache_size)   # before a GPTQ draft
+  params = _with_draft(args, cfg, params, tok, method, calibration)
   kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                 method=method, cache_size=args.cache_size,
                 stop_tokens=() if args.ignore_eos else None)
@@ -395,7 +397,8 @@ def cmd_convert(args) -> int:
 
 
 def cmd_bench(args) -> int:
-  from sparsedec.bench import bench_prompts, run_bench
+  from sparsedec.bench import bench_prompts, encode_prompts, run_bench
+  from sparsedec.decode.api import plan_capacity
   from sparsedec.errors import InputError, unwritable_reason
   if args.output is not None:            # before the run, not after it
     if not args.output:
@@ -407,13 +410,15 @@ def cmd_bench(args) -> int:
   if not args.prompts:        # "" read as the current directory: "prompt set '' is a directory"
     raise InputError("--prompts is empty (mt_bench, humaneval, or a text file with one prompt "
                      "per line)")
-  bench_prompts(args.prompts, args.num_prompts, args.batch_size)   # before the model loads
+  texts = bench_prompts(args.prompts, args.num_prompts, args.batch_size)  # before the load
   if args.max_new_tokens < 1:
     raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
   sampling = _sampling(args)
   method = _exact_draft_group(args, _method(args))
   calibration = _draft_tokens(args, method)
   cfg, params, tok = _load(args, "--chat-template" if args.chat_template else None)
+  longest = max(len(ids) for ids in encode_prompts(tok, texts, args.chat_template))
+  plan_capacity(cfg, longest, args.max_new_tokens, args.cache_size)    # before a GPTQ draft
   params = _with_draft(args, cfg, params, tok, method, calibration)
   result = run_bench(cfg, params, tok, prompts=args.prompts, num_prompts=args.num_prompts,
                      batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,

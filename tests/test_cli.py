@@ -169,8 +169,8 @@ def test_bench_checks_its_output_first_and_uses_the_cache_size(capsys, tmp_path,
     code, out, err = run_cli(capsys, "bench", "--max-new-tokens", "2", "--output", str(target))
     assert code == 2 and out == "" and message in err, err
   assert runs == []                                      # refused before any run
-  code, out, _ = run_cli(capsys, "bench", "--max-new-tokens", "2", "--cache-size", "10")
-  assert code == 0 and runs[-1]["cache_size"] == 10
+  code, out, _ = run_cli(capsys, "bench", "--max-new-tokens", "2", "--cache-size", "300")
+  assert code == 0 and runs[-1]["cache_size"] == 300
   monkeypatch.undo()                                     # the real bench: the capacity applies
   code, _, err = run_cli(capsys, "bench", "--num-prompts", "1", "--max-new-tokens", "4",
                          "--cache-size", "10")
@@ -408,3 +408,20 @@ def test_a_missing_chat_template_is_refused_before_the_gptq_draft(capsys, monkey
     code, out, err = run_cli(capsys, *argv, "--max-new-tokens", "2")
     assert code == 2 and out == "" and message in err, (argv, err)
     assert "has no chat_template" in err
+
+
+def test_a_run_that_cannot_fit_is_refused_before_the_gptq_draft(capsys, monkeypatch):
+  """A prompt + --max-new-tokens past the model's context or --cache-size was refused by the
+  first generate call: after a --draft-calibration GPTQ draft had been built."""
+  monkeypatch.setattr(cli, "_with_draft", lambda *a: pytest.fail("built the draft first"))
+  quantspec = ("--method", "quantspec", "--draft-calibration", "README.md")
+  for argv, message in (
+      (("generate", "--prompt", "Once", "--max-new-tokens", "600"),
+       "= 602 exceeds the model's context of 512 tokens"),
+      (("generate", "--prompt", "Once", "--max-new-tokens", "8", "--cache-size", "8"),
+       "= 10 does not fit in the KV cache of 8 tokens"),
+      (("bench", "--max-new-tokens", "600"), "exceeds the model's context of 512 tokens"),
+      (("bench", "--max-new-tokens", "4", "--cache-size", "8"),
+       "does not fit in the KV cache of 8 tokens")):
+    code, out, err = run_cli(capsys, *argv, *quantspec)
+    assert code == 2 and out == "" and message in err, (argv, err)
