@@ -240,3 +240,26 @@ def test_advance_traced_without_steps_is_refused_by_name(stories):
     jax.jit(lambda p, s: run.advance(p, s))(params, state)
   state = jax.jit(lambda p, s: run.advance(p, s, steps=8))(params, state)
   assert bool(state.done.all())
+
+
+def test_advance_keeps_decoding_past_int32_steps(stories):
+  """A serving state's step is one counter for the batch that inserts leave as it is; a server
+  that had run 2**31 - 1 loop iterations got an absolute bound saturated at int32's top, and
+  every later advance returned at once: the inserted row never finished, silently. The bound
+  counts iterations from the state's step, so the step wraps and decoding goes on."""
+  import jax.numpy as jnp
+  cfg, params, tok = stories
+  kw = dict(max_new_tokens=8, stop_tokens=(), cache_size=128)
+  state, run = api.start(cfg, params, [[1, 2, 3], [4]], **kw)
+  state = run.advance(params, state)
+  state = state.replace(step=jnp.int32(2 ** 31 - 3))       # a long-running server
+  prompt = tok.encode("The little dog")
+  for steps in (4, None):
+    request, _ = api.start(cfg, params, [prompt], **kw)
+    state = insert_row(state, request, 0)
+    state = run.advance(params, state, steps)
+    if steps is not None:
+      assert int(jax.device_get(state.num_tokens[0] - state.prompt_lengths[0])) == 5
+      state = run.advance(params, state)
+    assert bool(state.done.all())
+    assert api.collect(state, ())[0][0] == sparsedec.generate(cfg, params, [prompt], **kw).tokens[0]

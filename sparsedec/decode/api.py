@@ -8,7 +8,6 @@ import time
 from typing import Generator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from sparsedec.decode.loop import (DecodeMethod, StepContext, decode, describe_build,
@@ -240,11 +239,11 @@ class Run:
       budget = max(self.max_steps, self.method.max_steps(max(left, 1)))
     else:
       budget = int(steps)
-    # The bound is formed on the device (saturating at int32's top): with `steps` given, nothing
-    # is read back, so a caller can queue several slices without waiting for the first.
-    top = np.iinfo(np.int32).max
-    limit = state.step + jnp.minimum(np.int32(min(budget, top)), top - state.step)
-    return decode(self.cfg, without_draft(params), state, limit, method=self.method,
+    # The bound is a count of iterations from the state's step (`decode`; at most int32's top):
+    # with `steps` given, nothing is read back, so a caller can queue several slices without
+    # waiting for the first.
+    count = np.int32(min(budget, np.iinfo(np.int32).max))
+    return decode(self.cfg, without_draft(params), state, count, method=self.method,
                   ctx=self.ctx)
 
 

@@ -9,7 +9,7 @@ A step may append several tokens per row: `append_tokens` clips them at the row'
 token limit, and the step commits K/V only for the tokens it appended, so a multi-token step
 never overflows the token buffer or the cache (plan_capacity needs no slack per method).
 The loop bound is a traced argument, so one compiled loop serves every max_new_tokens and a
-caller can run it in slices (streaming) by raising `step_limit`.
+caller can run it in slices (streaming), each call a number of iterations from where it stands.
 """
 
 from __future__ import annotations
@@ -101,11 +101,17 @@ def _init_method(cfg: ModelConfig, params: Params, state: DecodeState, *,
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "ctx"), donate_argnames=("state",))
-def decode(cfg: ModelConfig, params: Params, state: DecodeState, step_limit: jax.Array, *,
+def decode(cfg: ModelConfig, params: Params, state: DecodeState, steps: jax.Array, *,
            method: DecodeMethod, ctx: StepContext) -> DecodeState:
-  """Run `method.step` until every row is done or state.step reaches `step_limit` ([] int32)."""
+  """Run `method.step` until every row is done or for `steps` ([] int32 >= 0) iterations.
+
+  The bound counts from the state's step by difference, not against an absolute step: a serving
+  state's step (one counter for the batch, left as it is by inserts) may pass int32's top and
+  wrap, and an absolute limit there (saturated at the top) stopped every later call at once,
+  leaving the rows unfinished."""
+  first = state.step
 
   def cond(s: DecodeState):
-    return jnp.any(~s.done) & (s.step < step_limit)
+    return jnp.any(~s.done) & (s.step - first < steps)      # int32 wraps: the difference holds
 
   return jax.lax.while_loop(cond, lambda s: method.step(cfg, params, s, ctx), state)

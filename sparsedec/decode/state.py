@@ -26,7 +26,7 @@ class DecodeState:
   done: jax.Array            # [B] bool: stop token seen or limit reached
   cache: KVCache
   keys: jax.Array            # [B] PRNG keys, one stream per row
-  step: jax.Array            # [] int32: loop iterations so far
+  step: jax.Array            # [] int32: loop iterations so far (wraps past int32's top)
   active_steps: jax.Array    # [B] int32: iterations in which the row was not done
   extras: Any = None         # method-specific arrays (n-gram pool, draft caches, ...)
   # (method, StepContext) that `init_method` attached this state for (None: a state built by
