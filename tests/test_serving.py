@@ -263,3 +263,25 @@ def test_advance_keeps_decoding_past_int32_steps(stories):
       state = run.advance(params, state)
     assert bool(state.done.all())
     assert api.collect(state, ())[0][0] == sparsedec.generate(cfg, params, [prompt], **kw).tokens[0]
+
+
+def test_a_state_that_is_not_a_decode_state_is_refused_by_name(stories):
+  """insert_row given api.start's (state, run) pair or a GenerationResult, and Run.advance given
+  its arguments swapped, failed on AttributeErrors ("'tuple' object has no attribute
+  'batch_size'", "'dict' object has no attribute 'built_for'")."""
+  cfg, params, _ = stories
+  kw = dict(max_new_tokens=2, cache_size=128)
+  state, run = api.start(cfg, params, [[1, 2], [3]], **kw)
+  pair = api.start(cfg, params, [[5, 6]], **kw)
+  result = sparsedec.generate(cfg, params, [[5, 6]], **kw)
+  cases = ((lambda: insert_row(state, pair, 0), r"request must be a Decode.*got tuple.*unpack"),
+           (lambda: insert_row(pair, pair[0], 0), r"insert_row's state must be .*got tuple"),
+           (lambda: insert_row(state, result, 0),
+            r"got GenerationResult.*\.state .*return_state=True"),
+           (lambda: run.advance(state, params), r"advance's state must be .*got dict.*params"),
+           (lambda: run.advance(params, pair), r"advance's state must be .*got tuple.*unpack"))
+  for call, pattern in cases:
+    with pytest.raises(sparsedec.InputError, match=pattern):
+      call()
+  state = run.advance(params, state)
+  assert bool(state.done.all())

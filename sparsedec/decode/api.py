@@ -15,7 +15,7 @@ from sparsedec.decode.loop import (DecodeMethod, StepContext, decode, describe_b
 from sparsedec.decode.methods import get_method
 from sparsedec.decode.prefill import empty_cache, prefill
 from sparsedec.decode.sampling import SamplingConfig
-from sparsedec.decode.state import DecodeState
+from sparsedec.decode.state import DecodeState, check_state
 from sparsedec.errors import InputError, is_int
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.gptq import without_draft
@@ -224,6 +224,7 @@ class Run:
     method's worst case for the row with the most tokens still to make, if more (a request
     inserted with a larger max_new_tokens than this run's, `serving.insert_row`). Bounds count
     from the state's current step, so inserted rows get a full budget."""
+    check_state(state, "Run.advance's state")
     if steps is not None and (not is_int(steps) or steps < 1):
       raise InputError(f"steps must be None or an integer >= 1, got {steps!r}")
     if state.built_for is not None and state.built_for != (self.method, self.ctx):

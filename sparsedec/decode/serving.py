@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsedec.decode.loop import describe_build
-from sparsedec.decode.state import DecodeState
+from sparsedec.decode.state import DecodeState, check_state
 from sparsedec.errors import InputError
 
 
@@ -70,6 +70,8 @@ def insert_row(state: DecodeState, request: DecodeState, row: int, *,
   """Copy the single-row `request` state into row `row` of `state` (donated). The row must have
   finished (`state.done[row]`), so a running request is not dropped by mistake;
   replace_running=True drops it on purpose (preemption)."""
+  check_state(state, "insert_row's state")
+  check_state(request, "insert_row's request")
   if request.batch_size != 1:
     raise InputError(f"the request state must have batch size 1, got {request.batch_size}")
   if request.built_for != state.built_for:

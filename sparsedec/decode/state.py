@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from sparsedec.errors import InputError
 from sparsedec.kv.dense import KVCache
 
 
@@ -46,6 +47,23 @@ class DecodeState:
   def generated(self) -> jax.Array:
     """[B] tokens generated so far."""
     return self.num_tokens - self.prompt_lengths
+
+
+def check_state(value: Any, what: str) -> None:
+  """Refuse a `value` that is not a DecodeState by name (`what`: the argument), with the usual
+  slips spelled out: api.start's (state, run) pair, a GenerationResult, swapped arguments."""
+  if isinstance(value, DecodeState):
+    return
+  hint = ""
+  if isinstance(value, tuple) and any(isinstance(v, DecodeState) for v in value):
+    hint = ": api.start returns a (state, run) pair, unpack it (state, run = api.start(...))"
+  elif hasattr(value, "tokens") and hasattr(value, "state"):
+    hint = (": a GenerationResult holds its state in .state when generated with "
+            "return_state=True")
+  elif isinstance(value, dict):
+    hint = " (the model's params? they come first: run.advance(params, state))"
+  raise InputError(f"{what} must be a DecodeState (from api.start), got "
+                   f"{type(value).__name__}{hint}")
 
 
 def append_tokens(state: DecodeState, new_tokens: jax.Array, count: jax.Array,
