@@ -285,3 +285,21 @@ def test_a_state_that_is_not_a_decode_state_is_refused_by_name(stories):
       call()
   state = run.advance(params, state)
   assert bool(state.done.all())
+
+
+def test_a_state_of_another_model_is_refused_by_name(stories):
+  """Run.advance checked the state's method, sampling and stop tokens, not its model: a bfloat16
+  model's state advanced by a float32 run of the same method decoded silently, a float32 model
+  over a bfloat16 cache."""
+  from sparsedec.model.params import cast_params
+  cfg, params, _ = stories
+  kw = dict(max_new_tokens=4, cache_size=128)
+  half, _ = api.start(cfg.replace(dtype="bfloat16"), cast_params(params, "bfloat16"), [[1, 2]],
+                      **kw)
+  state, run = api.start(cfg, params, [[1, 2]], **kw)
+  assert half.built_for == state.built_for
+  with pytest.raises(sparsedec.InputError,
+                     match=r"state's cache is 5 layers of bfloat16.*run's model 5 layers of "
+                           r"float32.*another model"):
+    run.advance(params, half)
+  assert bool(run.advance(params, state).done.all())

@@ -8,6 +8,7 @@ import time
 from typing import Generator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sparsedec.decode.loop import (DecodeMethod, StepContext, decode, describe_build,
@@ -231,6 +232,15 @@ class Run:
       raise InputError(f"the state was built for {describe_build(state.built_for)}, this run is "
                        f"for {describe_build((self.method, self.ctx))}: advance a state with the "
                        f"Run that api.start returned with it")
+    k, cfg = state.cache.k, self.cfg                  # per layer [B, Hkv, S, D]
+    if state.built_for is not None and (
+        len(k) != cfg.num_layers or (k[0].shape[1], k[0].shape[3], jnp.dtype(k[0].dtype))
+        != (cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype))):
+      raise InputError(f"the state's cache is {len(k)} layers of {k[0].dtype}[B, {k[0].shape[1]}, "
+                       f"S, {k[0].shape[3]}], this run's model {cfg.num_layers} layers of "
+                       f"{cfg.dtype}[B, {cfg.num_kv_heads}, S, {cfg.head_dim}]: the state was "
+                       f"started for another model; advance it with the Run that api.start "
+                       f"returned with it")
     if steps is None:
       if isinstance(state.done, jax.core.Tracer):
         raise InputError("Run.advance(params, state) inside jit cannot read the rows' token "
