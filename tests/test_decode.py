@@ -513,3 +513,27 @@ def test_a_method_class_or_other_object_is_refused_by_name():
   for method, message in ((Lookahead, r"Lookahead\(\)"), (42, "method must be")):
     with pytest.raises(sparsedec.InputError, match=message):
       sparsedec.generate(cfg, params, [[1, 2, 3]], max_new_tokens=2, method=method)
+
+
+def test_prefill_refuses_a_chunk_that_does_not_divide_the_prompts():
+  """prefill runs P // chunk forwards: with P = 24 and chunk 16 the prompt's tokens 16..19 never
+  reached the cache and the first token was drawn from zero logits (token 0), silently; a chunk
+  past P was a bare TypeError about slice sizes."""
+  from sparsedec.decode.prefill import empty_cache, prefill
+  cfg = CONFIGS["llama3"]
+  params = init_random(cfg, jax.random.key(0), scale=0.3)
+  prompt = list(range(1, 21))                                             # 20 tokens
+  padded = np.zeros((1, 24), np.int32)
+  padded[0, :20] = prompt
+  run = lambda chunk: prefill(                                            # noqa: E731
+      cfg, params, empty_cache(cfg, 1, 64), padded, np.array([20], np.int32),
+      np.array([4], np.int32), np.zeros((1,), np.int32), chunk=chunk,
+      sampling=sparsedec.SamplingConfig(), stop_ids=())
+  state = run(8)
+  expected = sparsedec.generate(cfg, params, [prompt], max_new_tokens=1, stop_tokens=())
+  assert int(state.cache.lengths[0]) == 20
+  assert int(state.tokens[0, 20]) == expected.tokens[0][0]
+  for chunk in (16, 32, 0):
+    with pytest.raises(sparsedec.InputError, match=f"divides the padded prompt length P = 24, "
+                                                   f"got chunk {chunk}"):
+      run(chunk)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from sparsedec.decode.sampling import SamplingConfig, sample, split_keys
 from sparsedec.decode.state import DecodeState, append_tokens
+from sparsedec.errors import InputError, is_int
 from sparsedec.kv.dense import KVCache, commit, init_cache
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.forward import forward
@@ -28,6 +29,13 @@ def prefill_cache(cfg: ModelConfig, params: Params, prompts: jax.Array, prompt_l
   `chunk` tokens. Returns the cache and fp32 logits [B, V] at each row's last prompt token.
   """
   b, p = prompts.shape
+  if not is_int(chunk) or chunk < 1 or p % chunk:
+    # P // chunk forwards: a remainder would be dropped (those prompt tokens never reach the
+    # cache, and a row ending there is given zero logits: token 0), and a chunk past P is a
+    # slice larger than the prompts.
+    raise InputError(f"prefill chunk must be an integer >= 1 that divides the padded prompt "
+                     f"length P = {p}, got chunk {chunk!r} (pad prompts [B, P] to a multiple of "
+                     f"it, or pass a smaller chunk)")
   start = cache.lengths                                                   # [B]
 
   def body(c, carry):
@@ -51,7 +59,8 @@ def prefill_cache(cfg: ModelConfig, params: Params, prompts: jax.Array, prompt_l
 def prefill(cfg: ModelConfig, params: Params, cache: KVCache, prompts: jax.Array,
             prompt_lengths: jax.Array, max_new_tokens: jax.Array, seeds: jax.Array, *,
             chunk: int, sampling: SamplingConfig, stop_ids: tuple[int, ...]) -> DecodeState:
-  """A fresh DecodeState for prompts [B, P]: cache filled, first token drawn (greedy or sampled).
+  """A fresh DecodeState for prompts [B, P] (right-padded, P a multiple of chunk): cache filled,
+  first token drawn (greedy or sampled).
 
   cache: an empty cache (`empty_cache`), passed in (and donated) rather than built here, so XLA
   cannot constant-fold work over it. max_new_tokens, seeds: [B] int32 (per row). Everything is
