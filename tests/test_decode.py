@@ -537,3 +537,21 @@ def test_prefill_refuses_a_chunk_that_does_not_divide_the_prompts():
     with pytest.raises(sparsedec.InputError, match=f"divides the padded prompt length P = 24, "
                                                    f"got chunk {chunk}"):
       run(chunk)
+
+
+def test_advance_takes_a_concrete_jax_integer_and_refuses_a_traced_steps_by_name():
+  """steps=jnp.int32(4) was refused as "steps must be None or an integer >= 1, got Array(4,
+  dtype=int32)", and a traced steps inside a caller's jit the same way ("got JitTracer"): the
+  concrete one is taken as an int, the traced one is named as traced."""
+  from sparsedec.decode import api
+  cfg = CONFIGS["llama3"]
+  params = init_random(cfg, jax.random.key(0))
+  state, run = api.start(cfg, params, [[1, 2, 3]], max_new_tokens=8, stop_tokens=())
+  state = run.advance(params, state, steps=jnp.int32(3))
+  assert int(state.step) == 3
+  state = run.advance(params, state, steps=np.asarray(2))
+  assert int(state.step) == 5
+  with pytest.raises(sparsedec.InputError, match="steps is traced"):
+    jax.jit(lambda s, n: run.advance(params, s, steps=n))(state, 2)
+  with pytest.raises(sparsedec.InputError, match="steps must be None or an integer >= 1"):
+    run.advance(params, state, steps=jnp.asarray(True))

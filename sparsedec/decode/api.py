@@ -220,12 +220,19 @@ class Run:
   max_steps: int
 
   def advance(self, params: Params, state: DecodeState, steps: int | None = None) -> DecodeState:
-    """Run the loop until every row is done, or for at most `steps` more iterations (taken as
-    given, not capped). The default bound is enough for every row to finish: max_steps, or the
+    """Run the loop until every row is done, or for at most `steps` more iterations (an integer,
+    not a traced value; taken as given, not capped). The default bound is enough for every row to finish: max_steps, or the
     method's worst case for the row with the most tokens still to make, if more (a request
     inserted with a larger max_new_tokens than this run's, `serving.insert_row`). Bounds count
     from the state's current step, so inserted rows get a full budget."""
     check_state(state, "Run.advance's state")
+    if isinstance(steps, jax.core.Tracer):
+      raise InputError("steps is traced: Run.advance takes a Python int (or a concrete integer "
+                       "scalar) for it; for a bound computed inside jit call "
+                       "sparsedec.decode.loop.decode with that many steps")
+    if steps is not None and not is_int(steps) and getattr(steps, "shape", None) == () and (
+        np.issubdtype(steps.dtype, np.integer)):
+      steps = int(steps)                       # a 0-d numpy / jax integer array
     if steps is not None and (not is_int(steps) or steps < 1):
       raise InputError(f"steps must be None or an integer >= 1, got {steps!r}")
     if state.built_for is not None and state.built_for != (self.method, self.ctx):
