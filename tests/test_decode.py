@@ -555,3 +555,22 @@ def test_advance_takes_a_concrete_jax_integer_and_refuses_a_traced_steps_by_name
     jax.jit(lambda s, n: run.advance(params, s, steps=n))(state, 2)
   with pytest.raises(sparsedec.InputError, match="steps must be None or an integer >= 1"):
     run.advance(params, state, steps=jnp.asarray(True))
+
+
+def test_a_method_step_on_a_state_its_init_did_not_build_is_refused_by_name():
+  """A caller's own loop over a prefilled state (no init_method) or another method's state
+  failed inside the trace with "AttributeError: 'NoneType' object has no attribute 'pool'"."""
+  from sparsedec.decode import api
+  from sparsedec.decode.fafo import Fafo
+  from sparsedec.decode.lookahead import Lookahead
+  from sparsedec.decode.quantspec import QuantSpec
+  cfg = CONFIGS["llama3"]
+  params = init_random(cfg, jax.random.key(0))
+  state, run = api.start(cfg, params, [[1, 2, 3]], max_new_tokens=4)
+  other = state.replace(extras={"pool": jnp.zeros((1,))})            # another method's extras
+  for method, given, got in ((Fafo(), state, "got none"), (QuantSpec(), state, "got none"),
+                             (Lookahead(), other, "got dict")):
+    with pytest.raises(sparsedec.InputError, match=f"{method.name}'s step needs the "
+                                                   f"{type(method).__name__}Extras .*{got}.*"
+                                                   f"init_method"):
+      jax.eval_shape(lambda s: method.step(cfg, params, s, run.ctx), given)

@@ -61,7 +61,7 @@ from sparsedec.compress.streaming import StreamingLLM
 from sparsedec.decode.loop import StepContext, finish_step
 from sparsedec.decode.guesses import context_tokens, row_salt
 from sparsedec.decode.sampling import split_keys
-from sparsedec.decode.state import DecodeState, append_tokens
+from sparsedec.decode.state import DecodeState, append_tokens, method_extras
 from sparsedec.decode.verify import verify
 from sparsedec.errors import InputError, is_int
 from sparsedec.kv.dense import commit
@@ -187,7 +187,7 @@ class Fafo:
   def step(self, cfg: ModelConfig, params: Params, state: DecodeState,
            ctx: StepContext) -> DecodeState:
     n, k, m = self.subsequences, self.length, self.candidates
-    x: FafoExtras = state.extras
+    x: FafoExtras = method_extras(state, FafoExtras, self.name)
     b = state.batch_size
     f = n * k
     _, offsets = fafo_layout(n, k, m)

@@ -57,7 +57,7 @@ from sparsedec.attention import AttentionPlan, FullView, Segment
 from sparsedec.decode.guesses import context_tokens, row_salt
 from sparsedec.decode.loop import StepContext, finish_step
 from sparsedec.decode.sampling import split_keys
-from sparsedec.decode.state import DecodeState, append_tokens
+from sparsedec.decode.state import DecodeState, append_tokens, method_extras
 from sparsedec.decode.verify import verify
 from sparsedec.errors import InputError, is_int
 from sparsedec.kv.dense import commit
@@ -162,7 +162,7 @@ class Lookahead:
   def step(self, cfg: ModelConfig, params: Params, state: DecodeState,
            ctx: StepContext) -> DecodeState:
     w, lv, g = self.window, self.ngram - 1, self.guesses
-    x: LookaheadExtras = state.extras
+    x: LookaheadExtras = method_extras(state, LookaheadExtras, self.name)
     b = state.batch_size
     mask, offsets = lookahead_layout(w, self.ngram, g)
     t = mask.shape[0]

@@ -62,7 +62,7 @@ import pallas_kernels.w4a16_gemv as w4a16
 from sparsedec.attention import AttentionPlan, QuantView, Segment, causal_plan
 from sparsedec.decode.loop import StepContext, finish_step
 from sparsedec.decode.sampling import SamplingConfig, probabilities, split_keys
-from sparsedec.decode.state import DecodeState, append_tokens
+from sparsedec.decode.state import DecodeState, append_tokens, method_extras
 from sparsedec.decode.verify import Verdict, draw_from, verify, verify_drafted
 from sparsedec.errors import InputError, is_int
 from sparsedec.kv import quantized as qkv
@@ -287,7 +287,7 @@ class QuantSpec:
 
   def step(self, cfg: ModelConfig, params: Params, state: DecodeState,
            ctx: StepContext) -> DecodeState:
-    x: QuantSpecExtras = state.extras
+    x: QuantSpecExtras = method_extras(state, QuantSpecExtras, self.name)
     g = self.gamma
     # init admits a sliding window only where it never binds (window >= capacity + gamma + 1):
     # attention without it is the same, and the QuantView reads take no window.

@@ -66,6 +66,19 @@ def check_state(value: Any, what: str) -> None:
                    f"{type(value).__name__}{hint}")
 
 
+def method_extras(state: DecodeState, cls: type, method_name: str) -> Any:
+  """state.extras, checked to be the `cls` a method's init attaches: a state its init has not
+  been run on (a prefilled one: extras None) or another method's is refused by name, not met
+  by an AttributeError inside the step's trace."""
+  if not isinstance(state.extras, cls):
+    got = "none" if state.extras is None else type(state.extras).__name__
+    raise InputError(f"{method_name}'s step needs the {cls.__name__} its init attaches to "
+                     f"state.extras, got {got}: pass the prefilled state through "
+                     f"sparsedec.decode.loop.init_method(cfg, params, state, method=..., ctx=...) "
+                     f"with this method before stepping it")
+  return state.extras
+
+
 def append_tokens(state: DecodeState, new_tokens: jax.Array, count: jax.Array,
                   stop_ids: tuple[int, ...]) -> tuple[DecodeState, jax.Array]:
   """Append up to count[b] of new_tokens[b] ([B, A]) to each row that is not done.
