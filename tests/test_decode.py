@@ -574,3 +574,23 @@ def test_a_method_step_on_a_state_its_init_did_not_build_is_refused_by_name():
                                                    f"{type(method).__name__}Extras .*{got}.*"
                                                    f"init_method"):
       jax.eval_shape(lambda s: method.step(cfg, params, s, run.ctx), given)
+
+
+def test_append_tokens_clips_a_count_outside_the_tokens_given():
+  """A custom method's step that counted 5 of 3 new tokens advanced num_tokens by 5 (two zeros
+  past its tokens taken as generated text), and a negative count took tokens off the row (below
+  its prompt): counts are clipped to [0, A]."""
+  from sparsedec.decode.state import DecodeState, append_tokens
+  from sparsedec.kv.dense import KVCache
+  b = 2
+  state = DecodeState(
+      tokens=jnp.zeros((b, 12), jnp.int32).at[:, :3].set(7), num_tokens=jnp.full((b,), 3),
+      prompt_lengths=jnp.full((b,), 3), limits=jnp.full((b,), 11), done=jnp.zeros((b,), bool),
+      cache=KVCache(k=(), v=(), lengths=jnp.full((b,), 2)),
+      keys=jax.random.split(jax.random.key(0), b), step=jnp.int32(0),
+      active_steps=jnp.zeros((b,), jnp.int32))
+  new = jnp.asarray([[11, 12, 13], [21, 22, 23]], jnp.int32)
+  state, appended = append_tokens(state, new, jnp.asarray([5, -2]), ())
+  assert appended.tolist() == [3, 0]
+  assert state.num_tokens.tolist() == [6, 3]
+  assert state.tokens[0, :6].tolist() == [7, 7, 7, 11, 12, 13]

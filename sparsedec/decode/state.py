@@ -83,12 +83,13 @@ def append_tokens(state: DecodeState, new_tokens: jax.Array, count: jax.Array,
                   stop_ids: tuple[int, ...]) -> tuple[DecodeState, jax.Array]:
   """Append up to count[b] of new_tokens[b] ([B, A]) to each row that is not done.
 
-  Stops at (and keeps) the first stop token and at the row's limit. Returns the new state and the
-  number appended per row [B].
+  Stops at (and keeps) the first stop token and at the row's limit; a count outside [0, A] is
+  clipped to it (more than A counted zeros past the A tokens as appended, a negative count took
+  tokens off the row). Returns the new state and the number appended per row [B].
   """
   b, a = new_tokens.shape
   col = jnp.arange(a, dtype=jnp.int32)[None, :]                                 # [1, A]
-  n = jnp.where(state.done, 0, count.astype(jnp.int32))
+  n = jnp.where(state.done, 0, jnp.clip(count.astype(jnp.int32), 0, a))
   if stop_ids:
     is_stop = jnp.isin(new_tokens, jnp.asarray(stop_ids, jnp.int32)) & (col < n[:, None])
     has_stop = is_stop.any(axis=1)
