@@ -594,3 +594,23 @@ def test_append_tokens_clips_a_count_outside_the_tokens_given():
   assert appended.tolist() == [3, 0]
   assert state.num_tokens.tolist() == [6, 3]
   assert state.tokens[0, :6].tolist() == [7, 7, 7, 11, 12, 13]
+
+
+def test_a_hand_built_step_context_is_checked_and_its_stops_normalised():
+  """StepContext(sampling=None) failed in the trace ("'NoneType' object has no attribute
+  'greedy'"), stop_ids=[2] with jax's non-hashable static argument error, stop_ids=(2.5,) never
+  stopped a row, silently. The stops are stored as api.start stores them (sorted, no repeats)."""
+  from sparsedec.decode import api
+  from sparsedec.decode.loop import StepContext
+  greedy = sparsedec.SamplingConfig()
+  assert StepContext(greedy, [5, np.int64(2), 5]).stop_ids == (2, 5)
+  assert StepContext(greedy, jnp.asarray([5, 2])).stop_ids == (2, 5)
+  cfg = CONFIGS["llama3"]
+  params = init_random(cfg, jax.random.key(0))
+  _, run = api.start(cfg, params, [[1, 2, 3]], max_new_tokens=2, stop_tokens=(5, 2))
+  assert StepContext(greedy, [5, 2]) == run.ctx
+  for kwargs, message in ((dict(sampling=None, stop_ids=()), "sampling must be a SamplingConfig"),
+                          (dict(sampling=greedy, stop_ids=(2.5,)), "stop_ids must be a sequence"),
+                          (dict(sampling=greedy, stop_ids=2), "stop_ids must be a sequence")):
+    with pytest.raises(sparsedec.InputError, match=message):
+      StepContext(**kwargs)

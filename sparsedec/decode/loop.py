@@ -25,15 +25,33 @@ import jax.numpy as jnp
 
 from sparsedec.decode.sampling import SamplingConfig
 from sparsedec.decode.state import DecodeState
+from sparsedec.errors import InputError, is_int
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.params import Params
 
 
 @dataclasses.dataclass(frozen=True)
 class StepContext:
-  """Static settings every step needs."""
+  """Static settings every step needs. stop_ids: any integer token ids, stored sorted without
+  repeats (as `api.start` builds them), so a hand-built context is hashable and equal to the
+  one start made for the same stops."""
   sampling: SamplingConfig
   stop_ids: tuple[int, ...]
+
+  def __post_init__(self):
+    if not isinstance(self.sampling, SamplingConfig):
+      raise InputError(f"StepContext sampling must be a SamplingConfig, got "
+                       f"{type(self.sampling).__name__} {self.sampling!r:.80}")
+    stops = self.stop_ids
+    stops = stops.tolist() if hasattr(stops, "tolist") else stops        # numpy / jax arrays
+    if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__"):
+      stops = None
+    else:
+      stops = list(stops)
+    if stops is None or not all(is_int(t) for t in stops):
+      raise InputError(f"StepContext stop_ids must be a sequence of integer token ids (() for "
+                       f"none), got {self.stop_ids!r:.80}")
+    object.__setattr__(self, "stop_ids", tuple(sorted({int(t) for t in stops})))
 
 
 class DecodeMethod(Protocol):
