@@ -600,7 +600,7 @@ def test_a_hand_built_step_context_is_checked_and_its_stops_normalised():
   """StepContext(sampling=None) failed in the trace ("'NoneType' object has no attribute
   'greedy'"), stop_ids=[2] with jax's non-hashable static argument error, stop_ids=(2.5,) never
   stopped a row, silently. The stops are stored as api.start stores them (sorted, no repeats)."""
-  from sparsedec.decode import api
+  from sparsedec.decode import api, loop
   from sparsedec.decode.loop import StepContext
   greedy = sparsedec.SamplingConfig()
   assert StepContext(greedy, [5, np.int64(2), 5]).stop_ids == (2, 5)
@@ -614,3 +614,8 @@ def test_a_hand_built_step_context_is_checked_and_its_stops_normalised():
                           (dict(sampling=greedy, stop_ids=2), "stop_ids must be a sequence")):
     with pytest.raises(sparsedec.InputError, match=message):
       StepContext(**kwargs)
+  # init_method stored ctx=None as the state's build; Run.advance then failed describing it
+  # ("'NoneType' object has no attribute 'sampling'")
+  state, _ = api.start(cfg, params, [[1, 2, 3]], max_new_tokens=2)
+  with pytest.raises(sparsedec.InputError, match="ctx must be a StepContext"):
+    loop.init_method(cfg, params, state, method=run.method, ctx=None)

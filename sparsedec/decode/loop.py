@@ -91,6 +91,9 @@ def init_method(cfg: ModelConfig, params: Params, state: DecodeState, *, method:
   The result records (method, ctx) in its static `built_for`, which `Run.advance` and
   `serving.insert_row` check. The jitted init does not take ctx (no method's init reads it), so
   runs that differ only in sampling or stop tokens share its compile."""
+  if not isinstance(ctx, StepContext):
+    raise InputError(f"ctx must be a StepContext (the sampling and stop tokens the state will be "
+                     f"decoded with), got {type(ctx).__name__} {ctx!r:.80}")
   if not drops_donated_buffers(cfg, params, state, method=method):
     state = _init_method(cfg, params, state, method=method)
   else:
