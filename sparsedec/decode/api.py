@@ -221,10 +221,11 @@ class Run:
 
   def advance(self, params: Params, state: DecodeState, steps: int | None = None) -> DecodeState:
     """Run the loop until every row is done, or for at most `steps` more iterations (an integer,
-    not a traced value; taken as given, not capped). The default bound is enough for every row to finish: max_steps, or the
-    method's worst case for the row with the most tokens still to make, if more (a request
-    inserted with a larger max_new_tokens than this run's, `serving.insert_row`). Bounds count
-    from the state's current step, so inserted rows get a full budget."""
+    not a traced value; taken as given, not capped). The default bound is enough for every row
+    to finish: max_steps, or the method's worst case for the row with the most tokens still to
+    make, if more (a request inserted with a larger max_new_tokens than this run's,
+    `serving.insert_row`). Bounds count from the state's current step, so inserted rows get a
+    full budget."""
     check_state(state, "Run.advance's state")
     if isinstance(steps, jax.core.Tracer):
       raise InputError("steps is traced: Run.advance takes a Python int (or a concrete integer "
