@@ -113,7 +113,8 @@ def run_bench(cfg: ModelConfig, params: Params, tok: Tokenizer, *, prompts: str 
   for i in range(0, len(ids), batch_size):
     r = generate(cfg, params, ids[i: i + batch_size], **kw)
     runs.append({"prompt_tokens": r.prompt_lengths, "generated_tokens": r.num_generated,
-                 "steps": r.steps, "active_steps": sum(r.active_steps), "tau": r.tau, "prefill_seconds": r.prefill_seconds,
+                 "steps": r.steps, "active_steps": sum(r.active_steps), "tau": r.tau,
+                 "prefill_seconds": r.prefill_seconds,
                  "decode_seconds": r.decode_seconds, "tokens_per_second": r.tokens_per_second,
                  **r.method_stats})
   gen = sum(r["generated_tokens"] for r in runs)

@@ -199,6 +199,8 @@ def test_generation_config_eos_ids_replace_config_json_ones(hf_copy):
                         ({"bos_token_id": 1}, (2,)), ({"eos_token_id": None}, (2,))):
     (hf_copy / "generation_config.json").write_text(json.dumps(gen))
     assert load_hf(hf_copy)[0].eos_token_ids == expected, gen
+  (hf_copy / "generation_config.json").write_text(json.dumps({"bos_token_id": 7}))
+  assert load_hf(hf_copy)[0].bos_token_id == 7                # config.json's is 1
 
 
 def test_unsupported_architecture_is_named(hf_copy):

@@ -148,8 +148,8 @@ def params_from_hf_tensors(cfg: ModelConfig, names: list[str],
 
 
 def load_hf_config(path: str | os.PathLike, dtype: str | None = None) -> ModelConfig:
-  """ModelConfig from `path/config.json`; generation_config.json's eos ids (where it has them)
-  replace config.json's, as in transformers, whose generate reads that file alone when it
+  """ModelConfig from `path/config.json`; generation_config.json's bos / eos ids (where it has
+  them) replace config.json's, as in transformers, whose generate reads that file alone when it
   exists."""
   config_file = os.path.join(path, CONFIG_FILE)
   if not os.path.isfile(config_file):
@@ -160,7 +160,7 @@ def load_hf_config(path: str | os.PathLike, dtype: str | None = None) -> ModelCo
     raise UnsupportedConfigError(f"{config_file}: {e}") from e
   gen = read_generation_config(path)
   eos = _as_ids(gen.get("eos_token_id")) if gen.get("eos_token_id") is not None else None
-  bos = cfg.bos_token_id if cfg.bos_token_id is not None else gen.get("bos_token_id")
+  bos = gen["bos_token_id"] if gen.get("bos_token_id") is not None else cfg.bos_token_id
   return cfg.replace(eos_token_ids=cfg.eos_token_ids if eos is None else tuple(dict.fromkeys(eos)),
                      bos_token_id=bos)
 
