@@ -282,7 +282,10 @@ class Fafo:
     return ngram_pool.insert(pool, keys, lens, values, ok)
 
   def stats(self, state: DecodeState) -> dict:
-    """Host-side summary (sums over rows; per-step figures over active steps)."""
+    """Host-side summary (sums over rows; per-step figures over active steps): guesses_per_step,
+    verification candidates checked per step (<= `candidates`, m); fumble_guesses_per_step, the
+    fumble subsequences (n); pool_hit_rate, the share of steps whose pool lookup found any;
+    accepted_guesses_per_step, guessed tokens accepted per step."""
     x: FafoExtras = state.extras
     active, guesses, hits, accepted = jax.device_get(
         (state.active_steps, x.guesses, x.hit_steps, x.accepted_guesses))

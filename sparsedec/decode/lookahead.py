@@ -236,7 +236,11 @@ class Lookahead:
     return ngram_pool.insert(pool, keys, jnp.ones(valid.shape, jnp.int32), values, valid)
 
   def stats(self, state: DecodeState) -> dict:
-    """Host-side summary of the counters (sums over rows; per-step figures over active steps)."""
+    """Host-side summary of the counters (sums over rows; per-step figures over active steps):
+    guesses_per_step, candidate n-grams verified per step (<= `guesses`, G); pool_hit_rate, the
+    share of steps whose pool lookup found any; accept_rate, the share of steps that accepted at
+    least one guessed token (not QuantSpec's acceptance_rate, a share of drafted tokens);
+    accepted_guesses_per_step, guessed tokens accepted per step."""
     x: LookaheadExtras = state.extras
     active, guesses, hits, accepts, accepted = jax.device_get(
         (state.active_steps, x.guesses, x.hit_steps, x.accept_steps, x.accepted_guesses))
