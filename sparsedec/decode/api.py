@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsedec.decode.loop import (DecodeMethod, StepContext, decode, describe_build,
-                                   init_method)
+                                   init_method, stop_id_tuple)
 from sparsedec.decode.methods import get_method
 from sparsedec.decode.prefill import empty_cache, prefill
 from sparsedec.decode.sampling import SamplingConfig
@@ -177,17 +177,8 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
     raise InputError(f"prefill_chunk must be a power of two, got {prefill_chunk!r}")
   rows = _check_prompts(cfg, prompts)
   method = get_method(method)
-  stops = cfg.eos_token_ids if stop_tokens is None else stop_tokens
-  stops = _python(stops)
-  if not isinstance(stops, (str, bytes)) and hasattr(stops, "__iter__"):
-    stops = list(stops)     # once: a generator or map would be empty when read a second time
-  if (isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__")
-      or not all(is_int(t) for t in stops)):
-    raise InputError(f"stop_tokens must be a sequence of token ids (() for none), "
-                     f"got {stop_tokens!r}")
-  # Sorted, without repeats: the same stop set is the same static ctx (one compile; a state and
-  # request with the stops in another order are the same build for Run.advance and insert_row).
-  stop_ids = tuple(sorted({int(t) for t in stops}))
+  stop_ids = stop_id_tuple(cfg.eos_token_ids if stop_tokens is None else stop_tokens,
+                           "stop_tokens")
   if stop_tokens is not None:
     bad = [t for t in stop_ids if not 0 <= t < cfg.vocab_size]
     if bad:

@@ -30,11 +30,23 @@ from sparsedec.model.config import ModelConfig
 from sparsedec.model.params import Params
 
 
+def stop_id_tuple(stops, what: str) -> tuple[int, ...]:
+  """`stops` (a sequence of integer token ids; numpy / jax arrays too) sorted without repeats:
+  the same stop set is then the same static ctx (one compile; a state and a request with the
+  stops in another order are the same build). Anything else is refused, naming `what`."""
+  ids = stops.tolist() if hasattr(stops, "tolist") else stops          # numpy / jax arrays
+  if not isinstance(ids, (str, bytes)) and hasattr(ids, "__iter__"):
+    ids = list(ids)         # once: a generator or map would be empty when read a second time
+  if not isinstance(ids, list) or not all(is_int(t) for t in ids):
+    raise InputError(f"{what} must be a sequence of token ids (() for none), got {stops!r:.80}")
+  return tuple(sorted({int(t) for t in ids}))
+
+
 @dataclasses.dataclass(frozen=True)
 class StepContext:
   """Static settings every step needs. stop_ids: any integer token ids, stored sorted without
-  repeats (as `api.start` builds them), so a hand-built context is hashable and equal to the
-  one start made for the same stops."""
+  repeats (`stop_id_tuple`), so a hand-built context is hashable and equal to the one
+  `api.start` makes for the same stops."""
   sampling: SamplingConfig
   stop_ids: tuple[int, ...]
 
@@ -42,16 +54,7 @@ class StepContext:
     if not isinstance(self.sampling, SamplingConfig):
       raise InputError(f"StepContext sampling must be a SamplingConfig, got "
                        f"{type(self.sampling).__name__} {self.sampling!r:.80}")
-    stops = self.stop_ids
-    stops = stops.tolist() if hasattr(stops, "tolist") else stops        # numpy / jax arrays
-    if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__"):
-      stops = None
-    else:
-      stops = list(stops)
-    if stops is None or not all(is_int(t) for t in stops):
-      raise InputError(f"StepContext stop_ids must be a sequence of integer token ids (() for "
-                       f"none), got {self.stop_ids!r:.80}")
-    object.__setattr__(self, "stop_ids", tuple(sorted({int(t) for t in stops})))
+    object.__setattr__(self, "stop_ids", stop_id_tuple(self.stop_ids, "StepContext stop_ids"))
 
 
 class DecodeMethod(Protocol):
