@@ -140,7 +140,8 @@ def _parser() -> argparse.ArgumentParser:
   _add_generation_args(bench)
   bench.add_argument("--prompts", default="mt_bench",
                      help="mt_bench, humaneval, or a text file with one prompt per line")
-  bench.add_argument("--num-prompts", type=int, default=10)
+  bench.add_argument("--num-prompts", type=int, default=10,
+                     help="run the set's first N prompts (all of them if it holds fewer)")
   bench.add_argument("--batch-size", type=int, default=1)
   bench.add_argument("--chat-template", action="store_true",
                      help="wrap each prompt in the model's chat template")
@@ -411,6 +412,9 @@ def cmd_bench(args) -> int:
     raise InputError("--prompts is empty (mt_bench, humaneval, or a text file with one prompt "
                      "per line)")
   texts = bench_prompts(args.prompts, args.num_prompts, args.batch_size)  # before the load
+  if len(texts) < args.num_prompts:      # the JSON's num_prompts records what ran
+    print(f"note: prompt set {args.prompts!r} holds {len(texts)} prompts: running "
+          f"{len(texts)}, not --num-prompts {args.num_prompts}", file=sys.stderr)
   if args.max_new_tokens < 1:
     raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
   sampling = _sampling(args)

@@ -139,6 +139,19 @@ def test_bench_refuses_no_prompts_and_empty_batches(capsys, tmp_path):
   assert code == 2 and "holds no prompts" in err, err
 
 
+def test_bench_says_when_the_set_holds_fewer_prompts_than_asked(capsys, tmp_path):
+  """--num-prompts 5 on a 2-prompt file ran 2 without a word (the JSON's num_prompts said 2)."""
+  prompts = tmp_path / "prompts.txt"
+  prompts.write_text("Once upon a time\nThe dog\n")
+  code, out, err = run_cli(capsys, "bench", "--prompts", str(prompts), "--num-prompts", "5",
+                           "--max-new-tokens", "2")
+  assert code == 0 and json.loads(out)["num_prompts"] == 2
+  assert "holds 2 prompts: running 2, not --num-prompts 5" in err, err
+  code, _, err = run_cli(capsys, "bench", "--prompts", str(prompts), "--num-prompts", "2",
+                         "--max-new-tokens", "2")
+  assert code == 0 and "note:" not in err, err
+
+
 def test_bench_refuses_bad_prompts_counts_and_sampling_before_loading(capsys, tmp_path,
                                                                      monkeypatch):
   """A misspelt --prompts, a count < 1 and a sampling flag at temperature 0 were refused only
