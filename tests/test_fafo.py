@@ -469,3 +469,27 @@ def test_snapkv_scores_one_window_query_at_a_time_equal_the_whole_window_and_sta
   whole_window_scores = 2 * 4 * 32 * 16384 * 4                            # bytes, fp32
   temp = jax.jit(_block_scores, static_argnums=(5, 6)).lower(*args, 64, 7).compile()
   assert temp.memory_analysis().temp_size_in_bytes < whole_window_scores / 8
+
+
+@pytest.mark.parametrize("policy_type", [StreamingLLM, Quest, SnapKV])
+def test_a_budget_past_the_cache_lists_every_block_in_tables_the_cache_s_length(stories,
+                                                                              policy_type):
+  """budget_blocks was not capped: a budget past the cache's blocks made every view (and Quest's
+  and SnapKV's states) that many entries long, to list the few blocks the cache has
+  (--budget-blocks 4194304 on a 16-block cache: Quest 3.8 GiB and 3x the time; a larger one ran
+  out of memory). The lists are now at most the cache's blocks long, the same blocks listed."""
+  from sparsedec.decode.api import start
+  cfg, params, tok = stories
+  prompt = tok.encode("Once upon a time, there was a little girl named Lily. She liked to")
+  state, _ = start(cfg, params, [prompt], max_new_tokens=8, cache_size=64)   # 8 blocks of 8
+  knobs = dict(recent_blocks=1, window=4, pool=3) if policy_type is SnapKV else {}
+  listed = {}
+  for budget in (8, 10 ** 5):
+    policy = policy_type(budget_blocks=budget, block_size=8, **knobs)
+    view = policy.view(policy.init(cfg, params, state), state.cache)
+    assert view.tables.shape[-1] == 8, (budget, view.tables.shape)
+    lv = view.at_layer(0)
+    listed[budget] = [sorted(np.asarray(lv.tables[0, h, : int(lv.counts[0, h])]).tolist())
+                      for h in range(cfg.num_kv_heads)]
+  assert listed[8] == listed[10 ** 5] and listed[8][0] == [0, 1, 2], listed
+

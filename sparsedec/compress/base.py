@@ -44,6 +44,12 @@ def check_budget(name: str, block_size: int, budget_blocks: int) -> None:
     raise InputError(f"{name}: budget_blocks must be a positive integer, got {budget_blocks!r}")
 
 
+def capped_budget(policy, cache: KVCache) -> int:
+  """The blocks a policy lists per (row, KV head): its budget_blocks, at most the cache's blocks
+  (a larger budget reads the whole cache; its tables are no longer than the cache has blocks)."""
+  return min(policy.budget_blocks, -(-cache.k[0].shape[2] // policy.block_size))
+
+
 def prompt_window_queries(cfg, params, state, window: int):
   """Each layer's queries of the last `window` tokens of every row (the current token last, in
   a row at least as long as the window):

@@ -20,7 +20,8 @@ from flax import struct
 
 from pallas_kernels.combine import f32_einsum
 from sparsedec.attention import BlockListView
-from sparsedec.compress.base import check_budget, pack_tables, prompt_window_queries
+from sparsedec.compress.base import (capped_budget, check_budget, pack_tables,
+                                     prompt_window_queries)
 from sparsedec.errors import InputError, is_int
 from sparsedec.kv.dense import KVCache
 
@@ -29,7 +30,7 @@ from sparsedec.kv.dense import KVCache
 class SnapKVState:
   # Per layer first ([L, B, ...]): serving's insert_row copies a row along axis 1.
   BATCH_AXES: ClassVar[dict[str, int]] = {"tables": 1, "counts": 1}
-  tables: jax.Array        # [L, B, Hkv, NS] int32 selected prompt blocks
+  tables: jax.Array        # [L, B, Hkv, NS] int32 selected prompt blocks (NS <= blocks of S)
   counts: jax.Array        # [L, B, Hkv] int32
 
 
@@ -93,9 +94,7 @@ class SnapKV:
       score = _block_scores(q, q_pos, q_valid, k, cache.lengths, bs, self.pool)  # [B, Hkv, P]
       page = jnp.arange(score.shape[-1])
       score = jnp.where(page[None, None] < candidates[:, None, None], score, -jnp.inf)
-      n = min(keep, score.shape[-1])
-      _, top = jax.lax.top_k(score, n)
-      top = jnp.pad(top, ((0, 0), (0, 0), (0, keep - n)))
+      _, top = jax.lax.top_k(score, min(keep, score.shape[-1]))      # no more than P blocks
       tables.append(top.astype(jnp.int32))
       counts.append(jnp.broadcast_to(jnp.minimum(candidates, keep)[:, None], top.shape[:2]))
     return SnapKVState(jnp.stack(tables), jnp.stack(counts).astype(jnp.int32))
@@ -105,7 +104,7 @@ class SnapKV:
     `recent_blocks`; more where the prompt had fewer candidates than budget_blocks -
     recent_blocks, which were then all selected: blocks 0 .. counts - 1, so the newest blocks
     start at or after counts and the two lists never overlap)."""
-    nb = self.budget_blocks
+    nb = capped_budget(self, cache)          # a budget past the cache's blocks: all of them
     used = -(-cache.lengths.astype(jnp.int32) // self.block_size)[None, :, None]   # [1, B, 1]
     start = jnp.maximum(used - (nb - st.counts), st.counts)                     # [L, B, Hkv]
     recent = jnp.minimum(start[..., None] + jnp.arange(nb, dtype=jnp.int32),
