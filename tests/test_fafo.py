@@ -15,6 +15,7 @@ import rand
 import sparsedec
 from sparsedec import prompts as prompt_sets
 from sparsedec import testing
+from sparsedec.attention import BlockListView
 from sparsedec.compress import Quest, SnapKV, StreamingLLM
 from sparsedec.decode.fafo import Fafo, fafo_layout
 from sparsedec.decode.sampling import SamplingConfig
@@ -493,3 +494,42 @@ def test_a_budget_past_the_cache_lists_every_block_in_tables_the_cache_s_length(
                       for h in range(cfg.num_kv_heads)]
   assert listed[8] == listed[10 ** 5] and listed[8][0] == [0, 1, 2], listed
 
+
+def test_a_user_policy_s_malformed_view_is_refused_naming_the_policy(stories):
+  """A policy of the user's own whose view() lists per-layer blocks for fewer layers than the
+  model has decoded silently (jnp indexing clamped: every later layer read the last list); a
+  view of the wrong type, shape or dtype failed inside attend ('unknown cache view tuple', or a
+  ValueError naming no policy). Each is refused when the step is traced, naming the policy."""
+  cfg, params, tok = stories
+  streaming = StreamingLLM(budget_blocks=2, block_size=8)
+
+  @dataclasses.dataclass(frozen=True)
+  class MyPolicy:
+    budget_blocks: int = 2
+    block_size: int = 8
+    mode: str = "layers"
+    init = StreamingLLM.init
+    update = StreamingLLM.update
+
+    def view(self, pstate, cache):
+      v = streaming.view(pstate, cache)
+      if self.mode == "layers":            # lists for 2 of the model's layers
+        return BlockListView(jnp.stack([v.tables] * 2), jnp.stack([v.counts] * 2), 8,
+                             per_layer=True)
+      if self.mode == "tuple":
+        return v.tables, v.counts
+      if self.mode == "heads":
+        return BlockListView(v.tables[:, 0], v.counts, 8)
+      return BlockListView(v.tables.astype(jnp.float32), v.counts, 8)
+
+  prompt = tok.encode("Once upon a time")
+  for mode, needle in (
+      ("layers", rf"tables must be \[L, B, Hkv, NB\] \(L={cfg.num_layers}, B=1, "
+                 rf"Hkv={cfg.num_kv_heads}, per_layer=True\), got shape \(2, 1, "),
+      ("tuple", "returned a tuple, not a BlockListView"),
+      ("heads", r"tables must be \[B, Hkv, NB\] .*got shape \(1, 2\)"),
+      ("float", "tables must be integer \\(int32\\), got float32")):
+    with pytest.raises(InputError, match=r"fafo policy MyPolicy\.view.*" + needle):
+      sparsedec.generate(cfg, params, [prompt], max_new_tokens=4, cache_size=64,
+                         method=Fafo(subsequences=2, length=2, candidates=2,
+                                     policy=MyPolicy(mode=mode)))

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
-from sparsedec.attention import BlockListView
+from sparsedec.attention import BlockListView, FullView
 from sparsedec.errors import InputError, is_int
 from sparsedec.kv.dense import KVCache
 
@@ -42,6 +42,38 @@ def check_budget(name: str, block_size: int, budget_blocks: int) -> None:
     raise InputError(f"{name}: block_size must be a positive integer, got {block_size!r}")
   if not is_int(budget_blocks) or budget_blocks < 1:
     raise InputError(f"{name}: budget_blocks must be a positive integer, got {budget_blocks!r}")
+
+
+def check_view(name: str, view: Any, cache: KVCache, num_layers: int) -> None:
+  """A policy's view(...) as a method reads it (static: shapes and dtypes, so under jit too): a
+  BlockListView whose tables / counts are integer [B, Hkv, NB] / [B, Hkv], or with per_layer
+  [L, B, Hkv, NB] / [L, B, Hkv] for the model's L layers (a per-layer list of fewer layers was
+  read clamped, the last list for every later layer, silently); or a FullView (no compression).
+  `name` names the policy in the errors."""
+  if isinstance(view, FullView):
+    return
+  if not isinstance(view, BlockListView):
+    raise InputError(f"{name}.view returned a {type(view).__name__}, not a BlockListView "
+                     f"(tables [B, Hkv, NB] and counts [B, Hkv] int32, and block_size)")
+  b, hkv = cache.lengths.shape[0], cache.k[0].shape[1]
+  lead = (num_layers, b, hkv) if view.per_layer else (b, hkv)
+  axes = "[L, B, Hkv" if view.per_layer else "[B, Hkv"
+  dims = f"L={num_layers}, B={b}, Hkv={hkv}" if view.per_layer else f"B={b}, Hkv={hkv}"
+  for field, suffix in (("tables", ", NB]"), ("counts", "]")):
+    x = getattr(view, field)
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise InputError(f"{name}.view: BlockListView {field} must be an array, got "
+                       f"{type(x).__name__}")
+    if x.ndim != len(lead) + (field == "tables") or tuple(x.shape[:len(lead)]) != lead:
+      per_layer = ", per_layer=True" if view.per_layer else ""
+      raise InputError(f"{name}.view: BlockListView {field} must be {axes}{suffix} ({dims}"
+                       f"{per_layer}), got shape {tuple(x.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise InputError(f"{name}.view: BlockListView {field} must be integer (int32), got "
+                       f"{x.dtype}")
+  if not is_int(view.block_size) or view.block_size < 1:
+    raise InputError(f"{name}.view: BlockListView block_size must be a positive integer, got "
+                     f"{view.block_size!r}")
 
 
 def capped_budget(policy, cache: KVCache) -> int:

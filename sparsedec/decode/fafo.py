@@ -56,7 +56,7 @@ import numpy as np
 from flax import struct
 
 from sparsedec.attention import AttentionPlan, FullView, Segment
-from sparsedec.compress.base import check_budget
+from sparsedec.compress.base import check_budget, check_view
 from sparsedec.compress.streaming import StreamingLLM
 from sparsedec.decode.loop import StepContext, finish_step
 from sparsedec.decode.guesses import context_tokens, row_salt
@@ -206,6 +206,7 @@ class Fafo:
     tokens = jnp.concatenate([fumble_cols, current, cands.reshape(b, m * k)], axis=1)  # [B, T]
     positions = state.cache.lengths[:, None] + jnp.asarray(offsets)[None]  # [B, T]
     view = self.policy.view(x.policy_state, state.cache)
+    check_view(f"fafo policy {type(self.policy).__name__}", view, state.cache, cfg.num_layers)
     fumble_last = (k - 1) * n + np.arange(n)
     logits_at = np.concatenate([fumble_last, [f], f + 1 + np.arange(m * k)]).astype(np.int32)
     needs_queries = getattr(self.policy, "needs_queries", False)
