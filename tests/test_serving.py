@@ -303,3 +303,44 @@ def test_a_state_of_another_model_is_refused_by_name(stories):
                            r"float32.*another model"):
     run.advance(params, half)
   assert bool(run.advance(params, state).done.all())
+
+
+def test_a_policy_state_without_a_batch_axis_is_named_with_batch_axes(stories):
+  """A user's compression policy whose state is a 0-d array (a step counter) or [L, B] without
+  its class naming the axis: insert_row raised a bare IndexError ('tuple index out of range')
+  for the first and told the user to 'start both with the same model' for the second."""
+  import dataclasses
+
+  import jax.numpy as jnp
+
+  from sparsedec.compress import StreamingLLM
+  from sparsedec.decode.fafo import Fafo
+  cfg, params, tok = stories
+
+  @dataclasses.dataclass(frozen=True)
+  class Counting:
+    budget_blocks: int = 2
+    block_size: int = 8
+    layers_first: bool = False
+    view = StreamingLLM.view
+
+    def init(self, cfg, params, state):
+      if self.layers_first:
+        return jnp.zeros((cfg.num_layers, state.batch_size), jnp.int32)
+      return jnp.int32(0)
+
+    def update(self, pstate, cache, queries):
+      return pstate + 1
+
+  prompt = tok.encode("Once upon a time")
+  for layers_first, shapes in ((False, r"int32\[\], the running state's int32\[\]"),
+                               (True, r"int32\[5, 1\], the running state's int32\[5, 2\]")):
+    method = Fafo(subsequences=2, length=2, candidates=2,
+                  policy=Counting(layers_first=layers_first))
+    kw = dict(max_new_tokens=2, cache_size=64, method=method, stop_tokens=())
+    state, _ = api.start(cfg, params, [prompt] * 2, **kw)
+    request, _ = api.start(cfg, params, [prompt], **kw)
+    with pytest.raises(sparsedec.InputError,
+                       match=r"\.extras\.policy_state \(" + shapes + r"\) has no batch axis 0: "
+                             r".*SHARED_FIELDS.*BATCH_AXES"):
+      insert_row(state, request, 1, replace_running=True)

@@ -100,7 +100,16 @@ def insert_row(state: DecodeState, request: DecodeState, row: int, *,
   for (path, big), one, axis in zip(paths, jax.tree.leaves(request), _batch_axes(state)):
     if axis is None:
       continue
-    if (one.shape[axis] != 1 or big.shape[:axis] + big.shape[axis + 1:]
+    where = (f"the request state's {jax.tree_util.keystr(path)} ({one.dtype}{list(one.shape)}, "
+             f"the running state's {big.dtype}{list(big.shape)})")
+    if one.ndim <= axis or one.shape[axis] != 1:
+      # The request has one row: a leaf without a 1 on its batch axis keeps its rows elsewhere
+      # (a policy's own state, CompressionPolicy's docstring). A 0-d leaf was an IndexError, one
+      # of rows on another axis 'start both with the same model'.
+      raise InputError(f"{where} has no batch axis {axis}: its state class names a field the "
+                       f"same for every row in SHARED_FIELDS, and a field whose rows lie on "
+                       f"another axis in BATCH_AXES ({{field: axis}}, as QuestState)")
+    if (big.shape[:axis] + big.shape[axis + 1:]
         != one.shape[:axis] + one.shape[axis + 1:] or big.dtype != one.dtype):
       raise InputError(f"the request state's {jax.tree_util.keystr(path)} is "
                        f"{one.dtype}{list(one.shape)}, the running state's "
