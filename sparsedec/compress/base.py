@@ -10,7 +10,30 @@ and no mask is rebuilt per step:
                                                      # step's per-layer query statistics or None
 
 Static policies (StreamingLLM, SnapKV) ignore `queries`; dynamic ones (Quest; later TriForce's
-chunk retrieval and the SFI Selector) re-select from them.
+chunk retrieval and the SFI Selector) re-select from them. A policy of one's own:
+
+* is hashable (a frozen dataclass: the method is a static argument of the jitted loop) and has
+  `block_size` and `budget_blocks` (positive integers; the cache capacity must be a multiple
+  of block_size). `name` is optional (the stats show it; the class name otherwise).
+* gets `queries` only with the class attribute `needs_queries: ClassVar[bool] = True`: then
+  per layer the current token's queries [B, Hq, D] of the step; otherwise None (FAFO captures
+  no queries unless asked). A policy that refreshes per-block summaries from the commit may set
+  `max_commit` (the most entries a step commits that it handles); FAFO refuses a smaller one.
+* returns from `view` a `BlockListView`: tables [B, Hkv, NB] and counts [B, Hkv] int32 (with
+  per_layer=True, [L, B, Hkv, NB] and [L, B, Hkv] for every one of the model's L layers). The
+  first counts[b, h] entries of tables[b, h] are distinct block ids in [0, S / block_size);
+  entries past counts are not read. Shapes and dtypes are checked (`check_view`); the ids are
+  traced values and are not: an id out of range reads nothing in the jnp reference and is
+  clipped to a valid block in the GPU kernel, a duplicate is read twice by the kernel (once by
+  the reference). FAFO stays lossless whatever the list (only its fumble tokens read it), but
+  its guesses then differ between CPU and GPU. NB above the cache's blocks lists nothing more:
+  the built-in policies list at most S / block_size blocks whatever budget_blocks says.
+* keeps its state a pytree of arrays fixed in shape and dtype: `update` returns the structure,
+  shapes and dtypes `init` gave (the loop's carry; jax refuses any other). Each array has the
+  batch B on axis 0, unless its class (a flax `struct.dataclass`) names another axis in a
+  `BATCH_AXES` ClassVar ({field: axis}, as Quest's [L, B, ...] fields) or the field in
+  `SHARED_FIELDS` (the same for every row): serving's `insert_row` copies a request's row along
+  that axis.
 """
 
 from __future__ import annotations
