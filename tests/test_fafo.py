@@ -4,6 +4,7 @@ sampling distribution equal to dense sampling, and the fumble tokens read only C
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from sparsedec import prompts as prompt_sets
 from sparsedec import testing
 from sparsedec.attention import BlockListView
 from sparsedec.compress import Quest, SnapKV, StreamingLLM
+from sparsedec.decode import api
 from sparsedec.decode.fafo import Fafo, fafo_layout
 from sparsedec.decode.sampling import SamplingConfig
 from sparsedec.errors import InputError
@@ -320,6 +322,20 @@ def test_bad_knobs_and_unsupported_models_are_refused(stories):
   with pytest.raises(InputError, match=r"method Fafo is not hashable \(unhashable type: "
                                        r"'MyPolicy'\)"):
     sparsedec.generate(cfg, params, [[1, 2, 3]], max_new_tokens=2, method=Fafo(policy=MyPolicy()))
+
+
+def test_the_default_cache_capacity_is_whole_policy_blocks(stories):
+  """Without a cache_size, start's capacity (prompt bucket + max_new_tokens, in 128s) is also
+  rounded to the policy's block_size: a block of 256 or 96 was refused by FAFO's own init ('cache
+  capacity 128 is not a multiple of the policy's block_size 256 (pass a cache_size ...)'), a
+  capacity the caller never chose."""
+  cfg, params, _ = stories
+  prompts = [[1, 400, 300], [1, 401]]
+  for block in (256, 96):
+    method = Fafo(subsequences=2, length=2, candidates=2, pool_keys=64,
+                  policy=StreamingLLM(budget_blocks=2, block_size=block))
+    state, _ = api.start(cfg, params, prompts, max_new_tokens=3, method=method)
+    assert state.cache.capacity == math.lcm(128, block), (block, state.cache.capacity)
 
 
 def test_a_negative_or_non_integer_sink_blocks_is_named_as_what_it_is():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from typing import Generator, Sequence
 
@@ -94,7 +95,10 @@ def prompt_bucket(length: int) -> int:
 
 
 def plan_capacity(cfg: ModelConfig, max_prompt: int, max_new_tokens: int,
-                  cache_size: int | None) -> int:
+                  cache_size: int | None, multiple: int = 1) -> int:
+  """The KV cache capacity: cache_size as given, else the prompt bucket plus max_new_tokens
+  rounded up to a multiple of CAPACITY_ALIGN and of `multiple` (the method's
+  `capacity_multiple`, e.g. FAFO's policy block_size, whose blocks must tile the cache)."""
   need = max_prompt + max_new_tokens
   if need > cfg.max_position_embeddings:
     raise InputError(
@@ -109,7 +113,8 @@ def plan_capacity(cfg: ModelConfig, max_prompt: int, max_new_tokens: int,
           f"fit in the KV cache of {cache_size} tokens")
     return cache_size
   bucket = prompt_bucket(max_prompt)
-  return -(-(bucket + max_new_tokens) // CAPACITY_ALIGN) * CAPACITY_ALIGN
+  align = math.lcm(CAPACITY_ALIGN, multiple)
+  return -(-(bucket + max_new_tokens) // align) * align
 
 
 def _python(x):
@@ -184,7 +189,8 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
     if bad:
       raise InputError(f"stop token {bad[0]} outside the vocabulary [0, {cfg.vocab_size})")
   lengths = np.array([len(p) for p in rows], np.int32)
-  capacity = plan_capacity(cfg, int(lengths.max()), int(max_new_tokens), cache_size)
+  capacity = plan_capacity(cfg, int(lengths.max()), int(max_new_tokens), cache_size,
+                           multiple=getattr(method, "capacity_multiple", 1))
   bucket = prompt_bucket(int(lengths.max()))
   padded = np.zeros((len(rows), bucket), np.int32)
   for i, p in enumerate(rows):

@@ -147,6 +147,11 @@ class Fafo:
                        f"the policy's max_commit is {self.policy.max_commit}")
 
   @property
+  def capacity_multiple(self) -> int:
+    """The cache capacity must be whole policy blocks (api.start rounds its default to it)."""
+    return int(self.policy.block_size)
+
+  @property
   def tokens_per_forward(self) -> int:
     return self.subsequences * self.length + 1 + self.candidates * self.length
 
