@@ -262,6 +262,23 @@ def test_a_sliding_window_that_never_binds_runs_and_one_that_would_is_refused(st
                        **kw)
 
 
+def test_the_default_capacity_is_cut_to_a_sliding_window_that_then_never_binds(stories):
+  """Without a cache_size, start's capacity (prompt bucket + max_new_tokens, in 128s) is cut to
+  QuantSpec's max_capacity under a sliding window where the run fits in it: 40 + 8 tokens under a
+  window of 64 were refused ('the cache capacity 128 plus the step's 4 in-flight tokens (132)
+  reach past the window'), though no key of the run can leave the window."""
+  from sparsedec.decode.api import start
+  cfg, params, _ = stories
+  windowed = cfg.replace(family="mistral", sliding_window=64)
+  method = dataclasses.replace(METHOD, weight_bits=None)
+  state, _ = start(windowed, params, [list(range(1, 41)), [1, 400]], max_new_tokens=8,
+                   method=method)
+  # the run's keys then always lie within the window: it decodes as full attention (the test
+  # above proves that with dense greedy)
+  assert state.tokens.shape[1] - 1 == method.max_capacity(windowed) == 60   # [B, capacity + 1]
+  assert method.max_capacity(cfg) is None
+
+
 def test_the_state_holds_only_the_drafts_4bit_linears(stories):
   """QuantSpec's state keeps the draft's 4-bit linears and nothing else of it: the draft's
   embeddings, norms and lm_head are the target's params, which the step already has (a full
@@ -432,7 +449,7 @@ def test_bad_knobs_are_refused_by_name(stories):
     get_method("quantspec", window=3)
   with pytest.raises(InputError, match="sliding"):
     sparsedec.generate(cfg.replace(family="mistral", sliding_window=16), params, [[1, 2, 3]],
-                       max_new_tokens=2, method=METHOD)
+                       max_new_tokens=12, method=METHOD)     # 15 tokens: past 16 - 4 in flight
 
 
 def test_numpy_integer_knobs_build_the_same_draft(stories):

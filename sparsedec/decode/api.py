@@ -95,10 +95,12 @@ def prompt_bucket(length: int) -> int:
 
 
 def plan_capacity(cfg: ModelConfig, max_prompt: int, max_new_tokens: int,
-                  cache_size: int | None, multiple: int = 1) -> int:
+                  cache_size: int | None, multiple: int = 1, limit: int | None = None) -> int:
   """The KV cache capacity: cache_size as given, else the prompt bucket plus max_new_tokens
   rounded up to a multiple of CAPACITY_ALIGN and of `multiple` (the method's
-  `capacity_multiple`, e.g. FAFO's policy block_size, whose blocks must tile the cache)."""
+  `capacity_multiple`, e.g. FAFO's policy block_size, whose blocks must tile the cache), and cut
+  to `limit` (the method's `max_capacity(cfg)`, e.g. QuantSpec's under a sliding window) where
+  the prompt and max_new_tokens fit in it."""
   need = max_prompt + max_new_tokens
   if need > cfg.max_position_embeddings:
     raise InputError(
@@ -114,7 +116,10 @@ def plan_capacity(cfg: ModelConfig, max_prompt: int, max_new_tokens: int,
     return cache_size
   bucket = prompt_bucket(max_prompt)
   align = math.lcm(CAPACITY_ALIGN, multiple)
-  return -(-(bucket + max_new_tokens) // align) * align
+  capacity = -(-(bucket + max_new_tokens) // align) * align
+  if limit is not None and need <= limit // multiple * multiple < capacity:
+    capacity = limit // multiple * multiple
+  return capacity
 
 
 def _python(x):
@@ -189,8 +194,10 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
     if bad:
       raise InputError(f"stop token {bad[0]} outside the vocabulary [0, {cfg.vocab_size})")
   lengths = np.array([len(p) for p in rows], np.int32)
+  max_capacity = getattr(method, "max_capacity", None)
   capacity = plan_capacity(cfg, int(lengths.max()), int(max_new_tokens), cache_size,
-                           multiple=getattr(method, "capacity_multiple", 1))
+                           multiple=getattr(method, "capacity_multiple", 1),
+                           limit=max_capacity(cfg) if max_capacity is not None else None)
   bucket = prompt_bucket(int(lengths.max()))
   padded = np.zeros((len(rows), bucket), np.int32)
   for i, p in enumerate(rows):

@@ -6,6 +6,7 @@ A method is a frozen (hashable) object with
   max_steps(max_new_tokens) -> int             # worst-case iterations (dense: max_new_tokens)
   stats(state) -> dict                         # host-side method figures for the result
   capacity_multiple: int (optional)            # the cache capacity must be a multiple of it
+  max_capacity(cfg) -> int | None (optional)   # the largest cache capacity init takes
 A step may append several tokens per row: `append_tokens` clips them at the row's stop token and
 token limit, and the step commits K/V only for the tokens it appended, so a multi-token step
 never overflows the token buffer or the cache (plan_capacity needs no slack per method).

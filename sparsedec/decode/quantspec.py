@@ -187,6 +187,14 @@ class QuantSpec:
   def max_steps(self, max_new_tokens: int) -> int:
     return max_new_tokens
 
+  def max_capacity(self, cfg: ModelConfig) -> int | None:
+    """The largest cache capacity init takes for this model: under a sliding window, one whose
+    keys and the step's in-flight tokens stay within it (api.start's default capacity is cut to
+    it); None without a window."""
+    if cfg.sliding_window is None:
+      return None
+    return cfg.sliding_window - self.tokens_per_forward
+
   def init(self, cfg: ModelConfig, params: Params, state: DecodeState) -> DecodeState:
     window, reach = cfg.sliding_window, state.cache.capacity + self.tokens_per_forward
     if window is not None and window < reach:
