@@ -277,6 +277,11 @@ def test_the_default_capacity_is_cut_to_a_sliding_window_that_then_never_binds(s
   # above proves that with dense greedy)
   assert state.tokens.shape[1] - 1 == method.max_capacity(windowed) == 60   # [B, capacity + 1]
   assert method.max_capacity(cfg) is None
+  # a run longer than that (58 + 8 tokens) is one the window binds: the refusal says so (it
+  # advised only a cache_size <= 60, which such a run cannot fit in)
+  with pytest.raises(InputError, match=r"cache_size \(--cache-size\) <= 60 keeps .* a longer "
+                                       r"run is one the window binds, which quantspec cannot"):
+    start(windowed, params, [list(range(1, 59))], max_new_tokens=8, method=method)
 
 
 def test_the_state_holds_only_the_drafts_4bit_linears(stories):

@@ -203,7 +203,9 @@ class QuantSpec:
           f"every committed key, and the cache capacity {state.cache.capacity} plus the step's "
           f"{self.tokens_per_forward} in-flight tokens ({reach}) reach past the window; a "
           f"cache_size (--cache-size) <= {window - self.tokens_per_forward} keeps every key "
-          f"within it (the window then changes nothing)")
+          f"within it (the window then changes nothing) where the prompt + max_new_tokens fit "
+          f"in it; a longer run is one the window binds, which quantspec cannot decode "
+          f"(dense, lookahead and fafo honour the window)")
     if cfg.head_dim % 2:
       raise InputError(f"quantspec needs an even head_dim, got {cfg.head_dim}")
     b = state.batch_size
