@@ -336,7 +336,7 @@ def _prompt_ids(args, tok) -> list[int]:
 
 def cmd_generate(args) -> int:
   from sparsedec.decode import api
-  from sparsedec.decode.api import plan_capacity
+  from sparsedec.decode.api import check_method, plan_capacity
   from sparsedec.decode.methods import method_config
   from sparsedec.errors import InputError
   if args.system is not None and args.chat is None:
@@ -353,7 +353,9 @@ def cmd_generate(args) -> int:
   calibration = _draft_tokens(args, method)
   cfg, params, tok = _load(args, "--chat" if args.chat is not None else None)
   ids = _prompt_ids(args, tok)
-  plan_capacity(cfg, len(ids), args.max_new_tokens, args.cache_size)   # before a GPTQ draft
+  # Before a GPTQ draft: the capacity and the knobs that depend on it or on the model.
+  check_method(method, cfg, params, plan_capacity(cfg, len(ids), args.max_new_tokens,
+                                                  args.cache_size))
   params = _with_draft(args, cfg, params, tok, method, calibration)
   kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                 method=method, cache_size=args.cache_size,
@@ -399,7 +401,7 @@ def cmd_convert(args) -> int:
 
 def cmd_bench(args) -> int:
   from sparsedec.bench import bench_prompts, encode_prompts, run_bench
-  from sparsedec.decode.api import plan_capacity
+  from sparsedec.decode.api import check_method, plan_capacity
   from sparsedec.errors import InputError, unwritable_reason
   if args.output is not None:            # before the run, not after it
     if not args.output:
@@ -421,8 +423,12 @@ def cmd_bench(args) -> int:
   method = _exact_draft_group(args, _method(args))
   calibration = _draft_tokens(args, method)
   cfg, params, tok = _load(args, "--chat-template" if args.chat_template else None)
-  longest = max(len(ids) for ids in encode_prompts(tok, texts, args.chat_template))
-  plan_capacity(cfg, longest, args.max_new_tokens, args.cache_size)    # before a GPTQ draft
+  # Before a GPTQ draft and the warm-up: each batch's capacity (run_bench's batches) and the
+  # knobs that depend on it or on the model.
+  lengths = [len(ids) for ids in encode_prompts(tok, texts, args.chat_template)]
+  for i in range(0, len(lengths), args.batch_size):
+    check_method(method, cfg, params, plan_capacity(cfg, max(lengths[i: i + args.batch_size]),
+                                                    args.max_new_tokens, args.cache_size))
   params = _with_draft(args, cfg, params, tok, method, calibration)
   result = run_bench(cfg, params, tok, prompts=args.prompts, num_prompts=args.num_prompts,
                      batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,

@@ -549,3 +549,30 @@ def test_a_user_policy_s_malformed_view_is_refused_naming_the_policy(stories):
       sparsedec.generate(cfg, params, [prompt], max_new_tokens=4, cache_size=64,
                          method=Fafo(subsequences=2, length=2, candidates=2,
                                      policy=MyPolicy(mode=mode)))
+
+
+def test_a_capacity_the_blocks_do_not_tile_is_refused_before_prefill(stories, monkeypatch):
+  """The cache capacity against the policy's block_size was checked in FAFO's init, after prefill
+  had compiled and run (a long prompt's prefill on a real model, for nothing); the CLI's bench
+  refused it at the first batch whose capacity did not fit, after the earlier batches' warm-up."""
+  from sparsedec import bench, cli
+  from sparsedec.decode import api
+  cfg, params, tok = stories
+
+  def no_prefill(*args, **kwargs):
+    raise AssertionError("prefill ran before the knobs were checked")
+  monkeypatch.setattr(api, "prefill", no_prefill)
+  method = Fafo(subsequences=2, length=2, candidates=2, policy=StreamingLLM(block_size=64))
+  with pytest.raises(InputError, match="cache capacity 100 is not a multiple of the policy's "
+                                       "block_size 64"):
+    sparsedec.generate(cfg, params, [[1, 2, 3]], max_new_tokens=4, cache_size=100, method=method)
+
+  def no_generate(*args, **kwargs):
+    raise AssertionError("bench ran a batch before the knobs were checked")
+  monkeypatch.setattr(bench, "generate", no_generate)
+  # humaneval's first prompt plans a capacity of 384 (a multiple of 192), its second 640 (not)
+  argv = ["bench", "--prompts", "humaneval", "--num-prompts", "2", "--max-new-tokens", "8",
+          "--method", "fafo", "--block-size", "192", "--budget-blocks", "2"]
+  with pytest.raises(InputError, match="cache capacity 640 is not a multiple of the policy's "
+                                       "block_size 192"):
+    cli.cmd_bench(cli._parser().parse_args(argv))

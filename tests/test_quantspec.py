@@ -898,3 +898,23 @@ def test_top_k_1_at_a_huge_temperature_gives_the_greedy_tokens(stories):
   sampled = sparsedec.generate(cfg, params, prompts, seed=3,
                                sampling=SamplingConfig(temperature=1e39, top_k=1), **kwargs)
   assert sampled.tokens == greedy
+
+
+def test_a_model_or_draft_the_method_cannot_run_is_refused_before_prefill(stories, monkeypatch):
+  """A binding sliding window and a params' draft of another weight group were refused in
+  QuantSpec's init, after prefill had compiled and run."""
+  from sparsedec.decode import api
+  from sparsedec.model.quant_weights import QUANTIZED_LINEARS, quantize_params
+  cfg, params, _ = stories
+
+  def no_prefill(*args, **kwargs):
+    raise AssertionError("prefill ran before the knobs were checked")
+  monkeypatch.setattr(api, "prefill", no_prefill)
+  with pytest.raises(InputError, match="quantspec cannot apply sliding_window=16"):
+    sparsedec.generate(cfg.replace(family="mistral", sliding_window=16), params, [[1, 2, 3]],
+                       max_new_tokens=2, method=METHOD)
+  layers = [{name: lp[name] for name in QUANTIZED_LINEARS}
+            for lp in quantize_params(params, 64)["layers"]]
+  with pytest.raises(InputError, match=r"has weight groups \[64\], quantspec weight_group is 32"):
+    sparsedec.generate(cfg, gptq.with_draft(params, layers), [[1, 2, 3]], max_new_tokens=2,
+                       method=METHOD)

@@ -122,6 +122,14 @@ def plan_capacity(cfg: ModelConfig, max_prompt: int, max_new_tokens: int,
   return capacity
 
 
+def check_method(method: DecodeMethod, cfg: ModelConfig, params: Params, capacity: int) -> None:
+  """The method's own refusals of this model and cache capacity (its optional `check`), run
+  before prefill: a knob the run cannot take is named before anything is compiled."""
+  check = getattr(method, "check", None)
+  if check is not None:
+    check(cfg, params, capacity)
+
+
 def _python(x):
   """A numpy / JAX array (or scalar) as Python lists / ints; anything else as it is."""
   return x.tolist() if hasattr(x, "tolist") and not isinstance(x, (list, tuple)) else x
@@ -198,6 +206,7 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
   capacity = plan_capacity(cfg, int(lengths.max()), int(max_new_tokens), cache_size,
                            multiple=getattr(method, "capacity_multiple", 1),
                            limit=max_capacity(cfg) if max_capacity is not None else None)
+  check_method(method, cfg, params, capacity)
   bucket = prompt_bucket(int(lengths.max()))
   padded = np.zeros((len(rows), bucket), np.int32)
   for i, p in enumerate(rows):

@@ -165,11 +165,15 @@ class Fafo:
   def max_steps(self, max_new_tokens: int) -> int:
     return max_new_tokens   # at least one token per step
 
+  def check(self, cfg: ModelConfig, params: Params, capacity: int) -> None:
+    """Refuse a cache capacity the policy's blocks do not tile (api.start: before prefill)."""
+    if capacity % self.policy.block_size:
+      raise InputError(f"fafo: cache capacity {capacity} is not a multiple of the policy's "
+                       f"block_size {self.policy.block_size} (pass a cache_size, --cache-size, "
+                       f"that is one)")
+
   def init(self, cfg: ModelConfig, params: Params, state: DecodeState) -> DecodeState:
-    if state.cache.capacity % self.policy.block_size:
-      raise InputError(f"fafo: cache capacity {state.cache.capacity} is not a multiple of the "
-                       f"policy's block_size {self.policy.block_size} (pass a cache_size, "
-                       f"--cache-size, that is one)")
+    self.check(cfg, params, state.cache.capacity)
     b, n, k = state.batch_size, self.subsequences, self.length
     fumble = context_tokens(row_salt(state, _FUMBLE_SEED), state.tokens, state.num_tokens, (n, k))
     pool = ngram_pool.init_pool(self.pool_config, b)

@@ -7,6 +7,9 @@ A method is a frozen (hashable) object with
   stats(state) -> dict                         # host-side method figures for the result
   capacity_multiple: int (optional)            # the cache capacity must be a multiple of it
   max_capacity(cfg) -> int | None (optional)   # the largest cache capacity init takes
+  check(cfg, params, capacity) -> None         # optional: refuse knobs this model or cache
+                                               #   capacity cannot take (api.start calls it
+                                               #   before prefill; init checks them again)
 A step may append several tokens per row: `append_tokens` clips them at the row's stop token and
 token limit, and the step commits K/V only for the tokens it appended, so a multi-token step
 never overflows the token buffer or the cache (plan_capacity needs no slack per method).

@@ -195,12 +195,14 @@ class QuantSpec:
       return None
     return cfg.sliding_window - self.tokens_per_forward
 
-  def init(self, cfg: ModelConfig, params: Params, state: DecodeState) -> DecodeState:
-    window, reach = cfg.sliding_window, state.cache.capacity + self.tokens_per_forward
+  def check(self, cfg: ModelConfig, params: Params, capacity: int) -> None:
+    """Refuse a model, cache capacity or params' draft this method cannot run (api.start:
+    before prefill)."""
+    window, reach = cfg.sliding_window, capacity + self.tokens_per_forward
     if window is not None and window < reach:
       raise InputError(
           f"quantspec cannot apply sliding_window={window}: its quantized cache views read "
-          f"every committed key, and the cache capacity {state.cache.capacity} plus the step's "
+          f"every committed key, and the cache capacity {capacity} plus the step's "
           f"{self.tokens_per_forward} in-flight tokens ({reach}) reach past the window; a "
           f"cache_size (--cache-size) <= {window - self.tokens_per_forward} keeps every key "
           f"within it (the window then changes nothing) where the prompt + max_new_tokens fit "
@@ -208,6 +210,18 @@ class QuantSpec:
           f"(dense, lookahead and fafo honour the window)")
     if cfg.head_dim % 2:
       raise InputError(f"quantspec needs an even head_dim, got {cfg.head_dim}")
+    layers = params.get(DRAFT_KEY)
+    if layers is not None:
+      if self.weight_bits is None:
+        raise InputError(f"the params carry a 4-bit draft ({DRAFT_KEY!r}) but quantspec "
+                         f"weight_bits is None")
+      groups = sorted({lp[name].group for lp in layers for name in QUANTIZED_LINEARS})
+      if groups != [self.weight_group]:
+        raise InputError(f"the params' draft ({DRAFT_KEY!r}) has weight groups {groups}, "
+                         f"quantspec weight_group is {self.weight_group}")
+
+  def init(self, cfg: ModelConfig, params: Params, state: DecodeState) -> DecodeState:
+    self.check(cfg, params, state.cache.capacity)
     b = state.batch_size
     qcache = qkv.from_dense(state.cache, self.quant_group)
     cache = state.cache
@@ -223,20 +237,13 @@ class QuantSpec:
   def _draft_params(self, params: Params):
     """The draft's 4-bit linears (`QuantSpecExtras.draft_params`): None (weight_bits=None: the
     draft uses params), those of the draft layers the params carry (params[DRAFT_KEY], e.g.
-    GPTQ's: `sparsedec.model.gptq.with_draft`), else every linear RTN-quantized now; in the
-    resolved weight layout."""
+    GPTQ's: `sparsedec.model.gptq.with_draft`; `check` refused one that does not fit), else every
+    linear RTN-quantized now; in the resolved weight layout."""
     layers = params.get(DRAFT_KEY)
     if layers is None:
       return (_linears(quantize_params(params, self.weight_group, self.resolved_weight_layout(),
                                        self.weight_grid)["layers"])
               if self.weight_bits == 4 else None)
-    if self.weight_bits is None:
-      raise InputError(f"the params carry a 4-bit draft ({DRAFT_KEY!r}) but quantspec "
-                       f"weight_bits is None")
-    groups = sorted({lp[name].group for lp in layers for name in QUANTIZED_LINEARS})
-    if groups != [self.weight_group]:
-      raise InputError(f"the params' draft ({DRAFT_KEY!r}) has weight groups {groups}, quantspec "
-                       f"weight_group is {self.weight_group}")
     return params_to_layout(_linears(layers), self.resolved_weight_layout())
 
   def samples_drafts(self, sampling: SamplingConfig) -> bool:
