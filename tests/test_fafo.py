@@ -576,3 +576,15 @@ def test_a_capacity_the_blocks_do_not_tile_is_refused_before_prefill(stories, mo
   with pytest.raises(InputError, match="cache capacity 640 is not a multiple of the policy's "
                                        "block_size 192"):
     cli.cmd_bench(cli._parser().parse_args(argv))
+
+
+def test_a_length_past_the_policys_max_commit_names_the_length_that_fits(capsys):
+  """Quest's max_commit is no CLI flag: the refusal of --fafo-length 64 said only that the
+  policy's max_commit is 64, not what to give instead."""
+  from sparsedec import cli
+  assert cli.main(["generate", "--prompt", "Once", "--method", "fafo", "--policy", "quest",
+                   "--fafo-length", "64"]) == 2
+  err = capsys.readouterr()[1]
+  assert "length + 1 = 65 entries per step; the policy's max_commit is 64: a length " \
+         "(--fafo-length) of at most 63, or a policy with max_commit >= 65" in err, err
+  Fafo(length=63, policy=Quest())                   # the largest it takes

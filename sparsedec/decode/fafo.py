@@ -144,7 +144,9 @@ class Fafo:
                  self.policy.budget_blocks)
     if getattr(self.policy, "max_commit", self.length + 1) < self.length + 1:
       raise InputError(f"fafo commits up to length + 1 = {self.length + 1} entries per step; "
-                       f"the policy's max_commit is {self.policy.max_commit}")
+                       f"the policy's max_commit is {self.policy.max_commit}: a length "
+                       f"(--fafo-length) of at most {self.policy.max_commit - 1}, or a policy "
+                       f"with max_commit >= {self.length + 1}")
 
   @property
   def capacity_multiple(self) -> int:
