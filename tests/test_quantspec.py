@@ -918,3 +918,22 @@ def test_a_model_or_draft_the_method_cannot_run_is_refused_before_prefill(storie
   with pytest.raises(InputError, match=r"has weight groups \[64\], quantspec weight_group is 32"):
     sparsedec.generate(cfg, gptq.with_draft(params, layers), [[1, 2, 3]], max_new_tokens=2,
                        method=METHOD)
+
+
+def test_a_head_dim_the_codes_cannot_hold_is_refused_before_prefill(monkeypatch):
+  """QuantSpec checked for an even head_dim; the codes need a multiple of 8 (head_dim 6 or 12
+  passed its check and was refused by kv.quantized in init, after prefill)."""
+  from sparsedec.decode import api
+  from sparsedec.model.config import ModelConfig
+  from sparsedec.model.params import init_random
+
+  def no_prefill(*args, **kwargs):
+    raise AssertionError("prefill ran before the knobs were checked")
+  monkeypatch.setattr(api, "prefill", no_prefill)
+  for head_dim in (6, 12):
+    cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=48, intermediate_size=64,
+                      num_layers=1, num_heads=4, num_kv_heads=2, head_dim=head_dim)
+    params = init_random(cfg, jax.random.PRNGKey(0))
+    with pytest.raises(InputError, match=f"quantspec needs a head_dim that is a multiple of 8 .*"
+                                         f"got {head_dim}"):
+      sparsedec.generate(cfg, params, [[1, 2, 3]], max_new_tokens=2, method=METHOD)

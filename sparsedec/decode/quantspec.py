@@ -208,8 +208,9 @@ class QuantSpec:
           f"within it (the window then changes nothing) where the prompt + max_new_tokens fit "
           f"in it; a longer run is one the window binds, which quantspec cannot decode "
           f"(dense, lookahead and fafo honour the window)")
-    if cfg.head_dim % 2:
-      raise InputError(f"quantspec needs an even head_dim, got {cfg.head_dim}")
+    if cfg.head_dim % 8:
+      raise InputError(f"quantspec needs a head_dim that is a multiple of 8 (the KV cache's "
+                       f"4-bit codes are stored in words of 8), got {cfg.head_dim}")
     layers = params.get(DRAFT_KEY)
     if layers is not None:
       if self.weight_bits is None:
