@@ -336,7 +336,7 @@ def _prompt_ids(args, tok) -> list[int]:
 
 def cmd_generate(args) -> int:
   from sparsedec.decode import api
-  from sparsedec.decode.api import check_method, plan_capacity
+  from sparsedec.decode.api import method_capacity
   from sparsedec.decode.methods import method_config
   from sparsedec.errors import InputError
   if args.system is not None and args.chat is None:
@@ -354,8 +354,7 @@ def cmd_generate(args) -> int:
   cfg, params, tok = _load(args, "--chat" if args.chat is not None else None)
   ids = _prompt_ids(args, tok)
   # Before a GPTQ draft: the capacity and the knobs that depend on it or on the model.
-  check_method(method, cfg, params, plan_capacity(cfg, len(ids), args.max_new_tokens,
-                                                  args.cache_size))
+  method_capacity(cfg, params, method, len(ids), args.max_new_tokens, args.cache_size)
   params = _with_draft(args, cfg, params, tok, method, calibration)
   kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                 method=method, cache_size=args.cache_size,
@@ -401,7 +400,7 @@ def cmd_convert(args) -> int:
 
 def cmd_bench(args) -> int:
   from sparsedec.bench import bench_prompts, encode_prompts, run_bench
-  from sparsedec.decode.api import check_method, plan_capacity
+  from sparsedec.decode.api import method_capacity
   from sparsedec.errors import InputError, unwritable_reason
   if args.output is not None:            # before the run, not after it
     if not args.output:
@@ -427,8 +426,8 @@ def cmd_bench(args) -> int:
   # knobs that depend on it or on the model.
   lengths = [len(ids) for ids in encode_prompts(tok, texts, args.chat_template)]
   for i in range(0, len(lengths), args.batch_size):
-    check_method(method, cfg, params, plan_capacity(cfg, max(lengths[i: i + args.batch_size]),
-                                                    args.max_new_tokens, args.cache_size))
+    method_capacity(cfg, params, method, max(lengths[i: i + args.batch_size]),
+                    args.max_new_tokens, args.cache_size)
   params = _with_draft(args, cfg, params, tok, method, calibration)
   result = run_bench(cfg, params, tok, prompts=args.prompts, num_prompts=args.num_prompts,
                      batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,

@@ -570,12 +570,18 @@ def test_a_capacity_the_blocks_do_not_tile_is_refused_before_prefill(stories, mo
   def no_generate(*args, **kwargs):
     raise AssertionError("bench ran a batch before the knobs were checked")
   monkeypatch.setattr(bench, "generate", no_generate)
-  # humaneval's first prompt plans a capacity of 384 (a multiple of 192), its second 640 (not)
   argv = ["bench", "--prompts", "humaneval", "--num-prompts", "2", "--max-new-tokens", "8",
           "--method", "fafo", "--block-size", "192", "--budget-blocks", "2"]
   with pytest.raises(InputError, match="cache capacity 640 is not a multiple of the policy's "
                                        "block_size 192"):
+    cli.cmd_bench(cli._parser().parse_args(argv + ["--cache-size", "640"]))
+  # Without --cache-size the CLI's check plans start's own capacities (whole 192-token blocks:
+  # 384 and 768): plain plan_capacity's 384 and 640 refused the second batch that start runs.
+  seen = []
+  monkeypatch.setattr(bench, "generate", lambda *args, **kwargs: seen.append(1) or no_generate())
+  with pytest.raises(AssertionError, match="bench ran a batch"):
     cli.cmd_bench(cli._parser().parse_args(argv))
+  assert seen == [1]
 
 
 def test_a_length_past_the_policys_max_commit_names_the_length_that_fits(capsys):

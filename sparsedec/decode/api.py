@@ -122,12 +122,20 @@ def plan_capacity(cfg: ModelConfig, max_prompt: int, max_new_tokens: int,
   return capacity
 
 
-def check_method(method: DecodeMethod, cfg: ModelConfig, params: Params, capacity: int) -> None:
-  """The method's own refusals of this model and cache capacity (its optional `check`), run
-  before prefill: a knob the run cannot take is named before anything is compiled."""
+def method_capacity(cfg: ModelConfig, params: Params, method: DecodeMethod, max_prompt: int,
+                    max_new_tokens: int, cache_size: int | None) -> int:
+  """The KV cache capacity `start` gives a run of `method` (plan_capacity with the method's
+  optional `capacity_multiple` and `max_capacity(cfg)`), after the method's optional
+  `check(cfg, params, capacity)`: what start refuses before prefill, for callers (the CLI) that
+  check a run before they build anything costly."""
+  max_capacity = getattr(method, "max_capacity", None)
+  capacity = plan_capacity(cfg, max_prompt, max_new_tokens, cache_size,
+                           multiple=getattr(method, "capacity_multiple", 1),
+                           limit=max_capacity(cfg) if max_capacity is not None else None)
   check = getattr(method, "check", None)
   if check is not None:
     check(cfg, params, capacity)
+  return capacity
 
 
 def _python(x):
@@ -202,11 +210,8 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
     if bad:
       raise InputError(f"stop token {bad[0]} outside the vocabulary [0, {cfg.vocab_size})")
   lengths = np.array([len(p) for p in rows], np.int32)
-  max_capacity = getattr(method, "max_capacity", None)
-  capacity = plan_capacity(cfg, int(lengths.max()), int(max_new_tokens), cache_size,
-                           multiple=getattr(method, "capacity_multiple", 1),
-                           limit=max_capacity(cfg) if max_capacity is not None else None)
-  check_method(method, cfg, params, capacity)
+  capacity = method_capacity(cfg, params, method, int(lengths.max()), int(max_new_tokens),
+                             cache_size)
   bucket = prompt_bucket(int(lengths.max()))
   padded = np.zeros((len(rows), bucket), np.int32)
   for i, p in enumerate(rows):
