@@ -344,3 +344,34 @@ def test_a_policy_state_without_a_batch_axis_is_named_with_batch_axes(stories):
                        match=r"\.extras\.policy_state \(" + shapes + r"\) has no batch axis 0: "
                              r".*SHARED_FIELDS.*BATCH_AXES"):
       insert_row(state, request, 1, replace_running=True)
+
+
+def test_params_of_another_dtype_than_the_config_are_refused_by_name(stories):
+  """generate / api.start / Run.advance ran float32 params under a bfloat16 config (the forward
+  cast them to bf16 each step) and bfloat16 params under a float32 config (fp32 compute on
+  bf16-rounded weights) without a word. Refused naming the tensor and both dtypes, before
+  anything compiles; a QuantSpec draft the params carry keeps its own dtypes."""
+  from sparsedec.model.gptq import with_draft
+  from sparsedec.model.params import cast_params
+  from sparsedec.model.quant_weights import quantize_params
+  cfg, params, _ = stories
+  cfg16, params16 = cfg.replace(dtype="bfloat16"), cast_params(params, "bfloat16")
+  kw = dict(max_new_tokens=4, cache_size=128)
+  for c, p, got, want in [(cfg16, params, "float32", "bfloat16"),
+                          (cfg, params16, "bfloat16", "float32"),
+                          (cfg16, cast_params(params, "float16"), "float16", "bfloat16")]:
+    with api.compile_timer() as compiled:
+      with pytest.raises(sparsedec.InputError,
+                         match=rf"tensor embed is {got}, the config's dtype is {want}: cast"):
+        sparsedec.generate(c, p, [[1, 2]], **kw)
+    assert compiled[0] == 0.0
+  mixed = {**params16, "final_norm": params["final_norm"]}
+  with pytest.raises(sparsedec.InputError, match="tensor final_norm is float32"):
+    api.start(cfg16, mixed, [[1, 2]], **kw)
+  # The draft's 4-bit linears (uint8 codes, fp16 scales) and its fp32 norms are not the model's.
+  draft = quantize_params(params, 32)["layers"]
+  state, run = api.start(cfg16, with_draft(params16, draft), [[1, 2]], **kw)
+  with pytest.raises(sparsedec.InputError,
+                     match=r"Run.advance's params: tensor embed is float32.*bfloat16"):
+    run.advance(params, state)
+  assert bool(run.advance(params16, state).done.all())

@@ -21,7 +21,7 @@ from sparsedec.decode.state import DecodeState, check_state
 from sparsedec.errors import InputError, is_int
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.gptq import without_draft
-from sparsedec.model.params import Params
+from sparsedec.model.params import Params, check_params_dtype
 
 MIN_BUCKET = 16
 CAPACITY_ALIGN = 128
@@ -203,6 +203,7 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
     raise InputError(f"prefill_chunk must be a power of two, got {prefill_chunk!r}")
   rows = _check_prompts(cfg, prompts)
   method = get_method(method)
+  check_params_dtype(cfg, without_draft(params))     # before prefill compiles anything
   stop_ids = stop_id_tuple(cfg.eos_token_ids if stop_tokens is None else stop_tokens,
                            "stop_tokens")
   if stop_tokens is not None:
@@ -267,6 +268,7 @@ class Run:
                        f"{cfg.dtype}[B, {cfg.num_kv_heads}, S, {cfg.head_dim}]: the state was "
                        f"started for another model; advance it with the Run that api.start "
                        f"returned with it")
+    check_params_dtype(cfg, without_draft(params), "Run.advance's params")
     if steps is None:
       if isinstance(state.done, jax.core.Tracer):
         raise InputError("Run.advance(params, state) inside jit cannot read the rows' token "

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparsedec.errors import CheckpointError
-from sparsedec.model.config import ModelConfig
+from sparsedec.errors import CheckpointError, InputError
+from sparsedec.model.config import DTYPES, ModelConfig
 
 Params = dict[str, Any]
 
@@ -106,6 +106,29 @@ def check_params(cfg: ModelConfig, params: Params) -> None:
       walk(exp[k], got[k], name(k))
 
   walk(expected, params, "")
+
+
+def check_params_dtype(cfg: ModelConfig, params: Params, what: str = "params") -> None:
+  """Raise InputError naming the first parameter array whose dtype is not cfg.dtype.
+
+  The forward computes and caches in cfg.dtype: float32 params under a bfloat16 config ran in
+  bf16 silently (each step casting them again, reading twice the bytes), bfloat16 params under
+  a float32 config ran fp32 on bf16-rounded weights. Arrays only: 4-bit linears (QuantWeight:
+  their own codes and fp16 scales) are not checked, and a QuantSpec draft the params carry
+  (`gptq.with_draft`) is for the caller to leave out (`gptq.without_draft`)."""
+  want = jnp.dtype(cfg.dtype)
+  leaves, _ = jax.tree_util.tree_flatten_with_path(
+      params, is_leaf=lambda x: not isinstance(x, (dict, list, tuple)))
+  for path, x in leaves:
+    if isinstance(x, (jax.Array, np.ndarray)) and jnp.dtype(x.dtype) != want:
+      name = jax.tree_util.keystr(path, simple=True, separator=".")
+      got = jnp.dtype(x.dtype).name
+      theirs = (f", or run a config of theirs (cfg.replace(dtype={got!r}))" if got in DTYPES
+                else "")
+      raise InputError(
+          f"{what}: tensor {name} is {got}, the config's dtype is {cfg.dtype}: cast the params "
+          f"(sparsedec.model.params.cast_params(params, {cfg.dtype!r})) or load them in that "
+          f"dtype (load_model(path, dtype={cfg.dtype!r})){theirs}")
 
 
 def init_random(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params:
