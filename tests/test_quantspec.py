@@ -188,6 +188,24 @@ def test_weight_quantization_round_trip_and_padding():
   np.testing.assert_allclose(np.asarray(linear(x, qw)), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("grid", ["minmax", "absmax"])
+def test_weights_past_fp16_range_saturate_instead_of_making_nan_groups(grid):
+  """The grids are stored in fp16: a weight past +-65504 made its group's zero and step infinite
+  and every weight of the group NaN once dequantized (a QuantSpec draft of NaN logits; its
+  sampled drafts were token 0, all accepted). Clipped as the KV quantizer's: the group is finite,
+  the big weights saturate at the range's end and the other groups are untouched."""
+  w = rand.normal(jax.random.key(0), (64, 8), jnp.float32)
+  big = w.at[3, 1].set(-1e5).at[40, 2].set(7e4).at[41, 2].set(-1e6)
+  q, ref = quantize_weight(big, group=32, grid=grid), quantize_weight(w, group=32, grid=grid)
+  got = np.asarray(q.dequantize())                                          # [64, 8]
+  assert np.isfinite(np.asarray(q.scale, np.float32)).all() and np.isfinite(got).all()
+  assert got[3, 1] <= -6e4 and (got[40, 2] >= 6e4 or got[41, 2] <= -6e4)
+  touched = np.zeros((2, 8), bool)
+  touched[0, 1] = touched[1, 2] = True                                     # the groups changed
+  keep = ~np.repeat(touched, 32, axis=0)
+  np.testing.assert_array_equal(got[keep], np.asarray(ref.dequantize())[keep])
+
+
 @pytest.mark.parametrize("qtype,grid", [("Q4_1", "minmax"), ("Q4_0", "absmax")])
 def test_group_32_reproduces_gguf_4bit_blocks_exactly(qtype, grid):
   """A Q4_1 weight (GGUF: blocks of 32 inputs, w = d q + m, d and m fp16) on the minmax grid and a

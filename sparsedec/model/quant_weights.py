@@ -55,7 +55,7 @@ from flax import struct
 # this module, so either may be first; the names are looked up at call time.
 import pallas_kernels.w4a16_gemv as w4a16
 import pallas_kernels.w4a8_gemv as w4a8
-from pallas_kernels.quant_attention import round_to_meta
+from pallas_kernels.quant_attention import META_MAX, round_to_meta
 from pallas_kernels.register_operand import unpack_words
 from sparsedec.errors import InputError, is_int
 
@@ -180,9 +180,12 @@ def group_grid(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
   lower when 15 times that still spans the group (the fp32 1/15 can push the quotient of an
   exact multiple over it: a Q4_1 block's grid is then reproduced exactly). The fp16 roundings
   are the KV quantizer's (`round_to_meta`), which XLA:GPU cannot skip: with `jnp.astype` alone a
-  jitted grid on an H200 came out one fp16 step off the same grid computed op by op."""
-  zero = round_to_meta(rows.min(-2), -1)
-  span = rows.max(-2) - zero.astype(jnp.float32)
+  jitted grid on an H200 came out one fp16 step off the same grid computed op by op. The extremes
+  are clipped to fp16's finite range (+-65504), as the KV quantizer's, and values beyond it are
+  coded as its end: a weight past it made the group's zero and step infinite and its 4-bit
+  weights NaN (a QuantSpec draft of NaN logits)."""
+  zero = round_to_meta(jnp.clip(rows.min(-2), -META_MAX, META_MAX), -1)
+  span = jnp.clip(rows.max(-2), -META_MAX, META_MAX) - zero.astype(jnp.float32)
   step = round_to_meta(span * jnp.float32(1 / 15), +1)
   lower = jnp.nextafter(step, jnp.zeros_like(step))
   step = jnp.where(lower.astype(jnp.float32) * 15 >= span, lower, step)
@@ -192,8 +195,9 @@ def group_grid(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
 def absmax_grid(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
   """rows [..., G, Out] (fp32) -> (zero, step) [..., Out] fp16 of GGUF Q4_0's symmetric grid: the
   group's largest-magnitude value m (the first, signed) at code 0, step d = -m / 8, so w ~ d (c -
-  8); step 1 for an all-zero group."""
+  8); step 1 for an all-zero group. m is clipped to fp16's finite range, as in `group_grid`."""
   m = jnp.take_along_axis(rows, jnp.abs(rows).argmax(-2)[..., None, :], axis=-2)[..., 0, :]
+  m = jnp.clip(m, -META_MAX, META_MAX)
   # The barriers make the fp16 roundings real under jit (XLA:GPU may keep fp16 values in fp32).
   zero = jax.lax.optimization_barrier(m.astype(META_DTYPE))
   step = (zero.astype(jnp.float32) * jnp.float32(-1 / 8)).astype(META_DTYPE)  # exact: a power of 2
