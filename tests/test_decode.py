@@ -216,6 +216,27 @@ def test_a_huge_temperature_is_uniform_over_the_top_k(stories):
   np.testing.assert_allclose(probs, want, rtol=1e-6)
 
 
+@pytest.mark.parametrize("knobs", [dict(temperature=1.0), dict(temperature=0.7, top_k=3),
+                                   dict(temperature=2.0, top_p=0.5)])
+def test_inf_logits_share_the_mass_in_the_speculative_methods_as_in_sample(knobs):
+  """+inf logits (a model whose logits overflowed float32): `sample` (dense decoding) draws the
+  inf tokens, but `probabilities` (what Lookahead, FAFO and QuantSpec verify and draw from) was
+  NaN everywhere (inf - inf), and their inverse-CDF draw then gave token 0, a token dense
+  sampling never gives. Now the inf tokens share the mass, softmax's limit, in both."""
+  from sparsedec.decode.sampling import probabilities, sample
+  from sparsedec.decode.verify import draw_from
+  sampling = sparsedec.SamplingConfig(**knobs)
+  logits = jnp.asarray([[1.0, jnp.inf, 2.0, 0.5, jnp.inf, -jnp.inf],
+                        [1.0, 3.0, 2.0, 0.5, 0.0, -1.0]])                  # [2, V]
+  probs = np.asarray(jax.jit(lambda x: probabilities(x, sampling))(logits))
+  np.testing.assert_array_equal(probs[0], [0, 0.5, 0, 0, 0.5, 0])
+  assert np.isfinite(probs[1]).all() and abs(probs[1].sum() - 1) < 1e-6 and probs[1, 1] > 0
+  assert int(draw_from(probs[:1], jnp.asarray([0.7]))[0]) == 4
+  drawn = {int(sample(logits[:1], jax.random.split(jax.random.key(i), 1), sampling)[0])
+           for i in range(40)}
+  assert drawn == {1, 4}
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(sampling_kw=dict(top_p=0.0)), "top_p"),
     (dict(sampling_kw=dict(top_p=1.5)), "top_p"),

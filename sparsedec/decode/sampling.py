@@ -76,7 +76,10 @@ def processed_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
   # multiply against a division), and at T ~ 1e-10 that difference alone overflows exp (the
   # softmax NaN, draws of token 0).
   top = jnp.max(x, axis=-1, keepdims=True)                              # [..., 1]
-  x = x - jnp.where(jnp.isfinite(top), top, 0.0)                        # the top one 0
+  # +inf logits (an overflowed model) share all the mass, softmax's limit: inf - inf made every
+  # probability NaN, and the speculative methods drew token 0 where `sample` drew the inf one.
+  x = jnp.where(top == jnp.inf, jnp.where(x == jnp.inf, 0.0, -jnp.inf),
+                x - jnp.where(jnp.isfinite(top), top, 0.0))             # the top one 0
   # Top-k and top-p choose their tokens by the unscaled logits: dividing by T keeps their order
   # but can round distinct ones to one value (a huge T: all of them 0, past float32's largest
   # T itself is inf), and a value test then kept every tied token (top_k=1 at T = 1e39 drew
