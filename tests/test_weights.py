@@ -78,6 +78,26 @@ def test_checkpoint_restore_does_not_read_source(stories_hf_dir, tmp_path):
   assert cfg16.dtype == "bfloat16" and params16["embed"].dtype == ml_dtypes.bfloat16
 
 
+def test_a_dtype_given_as_a_numpy_or_jax_dtype_is_stored_by_name(tmp_path):
+  """dtype=np.dtype("bfloat16") passed ModelConfig's check (a dtype equals its name) and was kept
+  as the object: the config then failed to save ('Object of type dtype[bfloat16] is not JSON
+  serializable', after the whole load). jnp.bfloat16 / np.float32 (scalar types, as
+  torch_dtype=torch.bfloat16 is in transformers) were refused. All are stored as the name now."""
+  import jax.numpy as jnp
+  stories = ROOT / "checkpoints" / "stories260K"
+  for dtype in (jnp.dtype("bfloat16"), jnp.bfloat16, ml_dtypes.bfloat16):
+    cfg, params, tok = load_model(stories, dtype=dtype)
+    assert cfg.dtype == "bfloat16" and isinstance(cfg.dtype, str)
+    assert params["embed"].dtype == jnp.bfloat16
+  assert hash(cfg) == hash(cfg.replace(dtype="bfloat16"))             # one jit cache entry
+  out = save_checkpoint(tmp_path / "bf16", cfg, params, tok)
+  assert load_checkpoint(out)[0].dtype == "bfloat16"
+  assert cfg.replace(dtype=np.float32).dtype == "float32"
+  for dtype in (np.float16, np.dtype("float16"), "bf16", None):
+    with pytest.raises(UnsupportedConfigError, match=r"dtype .* is not supported \(supported"):
+      cfg.replace(dtype=dtype)
+
+
 def test_embedded_default_checkpoint_matches_source(stories_hf_dir):
   cfg, params = load_hf(stories_hf_dir)
   cfg2, params2 = load_checkpoint(ROOT / "checkpoints" / "stories260K")

@@ -12,6 +12,9 @@ import math
 import os
 from typing import Any, Mapping
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: np.dtype(jnp.bfloat16))
+import numpy as np
+
 from sparsedec.errors import UnsupportedConfigError, read_json
 
 # HF architecture name -> our family name. The family decides which optional parts exist.
@@ -87,7 +90,8 @@ class ModelConfig:
   sliding_window: int | None = None  # keys with q_pos - k_pos >= window are not attended
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
-  dtype: str = "float32"           # parameter and activation dtype; softmax/norms in fp32
+  dtype: str = "float32"           # parameter and activation dtype; softmax/norms in fp32 (a
+                                   # numpy / jax dtype, e.g. jnp.bfloat16, is stored by name)
   # How `sparsedec.attention.attend` computes attention (a runtime choice, not part of the model:
   # not saved with checkpoints). "auto": the Pallas kernels on a GPU where they apply, the jnp
   # reference elsewhere; "reference": always jnp; "pallas": always the kernels (an error where
@@ -113,7 +117,15 @@ class ModelConfig:
     if factors and len(factors) != self.head_dim // 2:
       raise UnsupportedConfigError(f"rope_scaling has {len(factors)} freq_factors, head_dim "
                                    f"{self.head_dim} needs {self.head_dim // 2}")
-    if self.dtype not in DTYPES:
+    if self.dtype is not None and not isinstance(self.dtype, str):
+      # A numpy / jax dtype or scalar type (jnp.bfloat16) is stored as its name: a dtype object
+      # equals the name, so it passed the check below, and a checkpoint save then failed on
+      # 'Object of type dtype[bfloat16] is not JSON serializable'.
+      try:
+        object.__setattr__(self, "dtype", np.dtype(self.dtype).name)
+      except TypeError:
+        pass
+    if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
       raise UnsupportedConfigError(f"dtype {self.dtype!r} is not supported (supported: {DTYPES})")
     if self.sliding_window is not None and self.sliding_window <= 0:
       raise UnsupportedConfigError(f"sliding_window must be > 0, got {self.sliding_window}")
