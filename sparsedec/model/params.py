@@ -117,6 +117,8 @@ def check_params_dtype(cfg: ModelConfig, params: Params, what: str = "params") -
   their own codes and fp16 scales) are not checked, and a QuantSpec draft the params carry
   (`gptq.with_draft`) is for the caller to leave out (`gptq.without_draft`)."""
   want = jnp.dtype(cfg.dtype)
+  if all(getattr(x, "dtype", want) == want for x in jax.tree.leaves(params)):
+    return                   # the common case, without the paths (Run.advance calls this)
   leaves, _ = jax.tree_util.tree_flatten_with_path(
       params, is_leaf=lambda x: not isinstance(x, (dict, list, tuple)))
   for path, x in leaves:
