@@ -308,6 +308,26 @@ def test_prompt_longer_than_cache_is_an_error():
     sparsedec.generate(cfg, params, [list(range(90))] , max_new_tokens=500)
 
 
+def test_a_run_past_the_context_or_cache_says_what_fits():
+  """The refusal says how many new tokens the longest prompt leaves room for, or that the prompt
+  alone fills the context / cache (it named only the sum, and the CLI's default --max-new-tokens
+  128 left a user with a 401-token prompt on a 512-token model to do the arithmetic)."""
+  cfg = CONFIGS["llama3"]                                      # max_position_embeddings 512
+  params = init_random(cfg, jax.random.key(0))
+  with pytest.raises(sparsedec.InputError,
+                     match=r"= 529 exceeds .* 512 tokens .*: max_new_tokens of at most 111 fits"):
+    sparsedec.generate(cfg, params, [[5] * 30, [5] * 401], max_new_tokens=128)
+  with pytest.raises(sparsedec.InputError,
+                     match=r"the prompt alone fills the context \(600 >= 512 tokens\): shorten it"):
+    sparsedec.generate(cfg, params, [[5] * 600], max_new_tokens=1)
+  with pytest.raises(sparsedec.InputError,
+                     match=r"KV cache of 32 tokens: max_new_tokens of at most 2 fits, or pass "
+                           r"a larger cache_size \(--cache-size\)"):
+    sparsedec.generate(cfg, params, [list(range(30))], max_new_tokens=8, cache_size=32)
+  with pytest.raises(sparsedec.InputError, match=r"the prompt alone fills the cache \(40 >= 32"):
+    sparsedec.generate(cfg, params, [list(range(40))], max_new_tokens=8, cache_size=32)
+
+
 @pytest.mark.parametrize("prompts, message", [
     ([], "non-empty"),
     ([[]], "prompt 0 is empty"),

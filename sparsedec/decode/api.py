@@ -94,6 +94,13 @@ def prompt_bucket(length: int) -> int:
   return max(MIN_BUCKET, 1 << (max(length, 1) - 1).bit_length())
 
 
+def _what_fits(max_prompt: int, room: int, where: str) -> str:
+  """What a run of a `max_prompt`-token prompt can ask for in `room` tokens (context or cache)."""
+  if max_prompt >= room:
+    return f"the prompt alone fills {where} ({max_prompt} >= {room} tokens): shorten it"
+  return f"max_new_tokens of at most {room - max_prompt} fits"
+
+
 def plan_capacity(cfg: ModelConfig, max_prompt: int, max_new_tokens: int,
                   cache_size: int | None, multiple: int = 1, limit: int | None = None) -> int:
   """The KV cache capacity: cache_size as given, else the prompt bucket plus max_new_tokens
@@ -105,14 +112,17 @@ def plan_capacity(cfg: ModelConfig, max_prompt: int, max_new_tokens: int,
   if need > cfg.max_position_embeddings:
     raise InputError(
         f"prompt ({max_prompt} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds the "
-        f"model's context of {cfg.max_position_embeddings} tokens (max_position_embeddings)")
+        f"model's context of {cfg.max_position_embeddings} tokens (max_position_embeddings): "
+        f"{_what_fits(max_prompt, cfg.max_position_embeddings, 'the context')}")
   if cache_size is not None:
     if not is_int(cache_size) or cache_size <= 0:
       raise InputError(f"cache_size must be an integer > 0, got {cache_size!r}")
     if need > cache_size:
       raise InputError(
           f"prompt ({max_prompt} tokens) + max_new_tokens ({max_new_tokens}) = {need} does not "
-          f"fit in the KV cache of {cache_size} tokens")
+          f"fit in the KV cache of {cache_size} tokens: "
+          f"{_what_fits(max_prompt, cache_size, 'the cache')}, or pass a larger cache_size "
+          f"(--cache-size)")
     return cache_size
   bucket = prompt_bucket(max_prompt)
   align = math.lcm(CAPACITY_ALIGN, multiple)
