@@ -368,6 +368,32 @@ def test_mistral_sliding_window_defaults_like_transformers():
   assert ModelConfig.from_hf(dict(mistral, sliding_window=16)).sliding_window == 16
 
 
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_qwen_use_sliding_window_on_every_layer_or_none_loads_like_transformers(arch):
+  """transformers' Qwen2 / Qwen3 put the window on the layers from max_window_layers (default 28)
+  on, or on those layer_types names "sliding_attention": with use_sliding_window=true a window
+  on every layer, or on none, is one plain attention (checked against transformers 5.24's
+  generate: greedy tokens equal for dense, Lookahead and FAFO, logits within 2.4e-6); both were
+  refused as 'per-layer windows'. A window on some layers only still is."""
+  from sparsedec.errors import UnsupportedConfigError
+  from sparsedec.model.config import ModelConfig
+  n = LLAMA_HF_CONFIG["num_hidden_layers"]
+  qwen = dict(LLAMA_HF_CONFIG, architectures=[arch], use_sliding_window=True, sliding_window=8)
+  assert ModelConfig.from_hf(dict(qwen, max_window_layers=0)).sliding_window == 8
+  assert ModelConfig.from_hf(dict(qwen, max_window_layers=n)).sliding_window is None
+  assert ModelConfig.from_hf(dict(qwen, max_window_layers=0, sliding_window=None)
+                             ).sliding_window is None
+  # transformers 5 saves layer_types, which then decide (max_window_layers aside).
+  assert ModelConfig.from_hf(dict(qwen, max_window_layers=n,
+                                  layer_types=["sliding_attention"] * n)).sliding_window == 8
+  assert ModelConfig.from_hf(dict(qwen, layer_types=["full_attention"] * n)).sliding_window is None
+  assert ModelConfig.from_hf(dict(qwen, use_sliding_window=False,
+                                  max_window_layers=0)).sliding_window is None
+  with pytest.raises(UnsupportedConfigError, match=r"window on some layers only .* "
+                     r"max_window_layers=1 .* \(per-layer windows\)"):
+    ModelConfig.from_hf(dict(qwen, max_window_layers=1))
+
+
 def test_llama_sliding_window_is_refused_with_the_reason():
   """A Llama config.json with a window: transformers attends to the whole prompt in its forward
   but its generation cache keeps only the last window - 1 tokens (checked against transformers

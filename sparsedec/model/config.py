@@ -273,8 +273,24 @@ def _sliding_window(family: str, hf: Mapping[str, Any]) -> int | None:
   layer_types = hf.get("layer_types")
   if family in ("qwen2", "qwen3"):
     if hf.get("use_sliding_window", False):
+      # transformers' Qwen: the window (4096 unless given; null: none) on the layers from
+      # max_window_layers (default 28) on, or on those layer_types names "sliding_attention".
+      # One window on every layer, or on none, is a plain config; a mix is refused.
+      window = hf.get("sliding_window", 4096)
+      if not window:
+        return None
+      if not layer_types:
+        first = _number("max_window_layers", hf.get("max_window_layers", 28))
+        layer_types = ["sliding_attention" if i >= first else "full_attention"
+                       for i in range(_number("num_hidden_layers", hf["num_hidden_layers"]))]
+      if all(t == "full_attention" for t in layer_types):
+        return None
+      if all(t == "sliding_attention" for t in layer_types):
+        return _number("sliding_window", window)
       raise UnsupportedConfigError(
-          "use_sliding_window=true is not supported for Qwen models (per-layer windows)")
+          f"use_sliding_window=true with a window on some layers only (layer_types "
+          f"{list(layer_types)}, from max_window_layers={hf.get('max_window_layers', 28)} when "
+          f"not given) is not supported for Qwen models (per-layer windows)")
     if layer_types and any(t != "full_attention" for t in layer_types):
       raise UnsupportedConfigError(f"layer_types {sorted(set(layer_types))} is not supported")
     return None
