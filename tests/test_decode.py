@@ -308,6 +308,17 @@ def test_prompt_longer_than_cache_is_an_error():
     sparsedec.generate(cfg, params, [list(range(90))] , max_new_tokens=500)
 
 
+def test_generate_s_docstring_names_every_keyword():
+  """help(sparsedec.generate) says what each keyword does: method, cache_size, prefill_chunk and
+  return_state were named nowhere (prefill_chunk nowhere user-facing: what it is, which values it
+  takes, whether the output depends on it)."""
+  import inspect
+  doc = sparsedec.generate.__doc__
+  for name in list(inspect.signature(sparsedec.generate).parameters)[3:]:
+    assert f"`{name}`" in doc, f"generate's docstring does not name `{name}`"
+  assert "power of two" in doc and "do not depend on it" in doc
+
+
 def test_a_run_past_the_context_or_cache_says_what_fits():
   """The refusal says how many new tokens the longest prompt leaves room for, or that the prompt
   alone fills the context / cache (it named only the sum, and the CLI's default --max-new-tokens

@@ -201,7 +201,8 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
           seed: int | Sequence[int] = 0, stop_tokens: Sequence[int] | None = None,
           method: str | DecodeMethod = "dense", cache_size: int | None = None,
           prefill_chunk: int = 256) -> tuple[DecodeState, "Run"]:
-  """Validate, prefill and attach the method: the state the decode loop starts from."""
+  """Validate, prefill and attach the method: the state the decode loop starts from (the
+  keywords are `generate`'s)."""
   if sampling is not None and not isinstance(sampling, SamplingConfig):
     raise InputError(f"sampling must be a SamplingConfig (or None: greedy), got "
                      f"{type(sampling).__name__} {sampling!r}")
@@ -318,8 +319,16 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
   """Generate up to `max_new_tokens` per prompt (a batch of any size, any prompt lengths).
 
   Greedy unless `sampling` has a temperature > 0. `seed`: one int for all rows or one per row.
-  `stop_tokens` default to the model's EOS ids; pass () to never stop early. Everything after
-  prefill runs in one jitted while_loop.
+  `stop_tokens` default to the model's EOS ids; pass () to never stop early. `method`: a name
+  ("dense", "lookahead", "fafo", "quantspec") or a method object
+  (`sparsedec.decode.methods.get_method(name, **knobs)`).
+  `cache_size`: the KV cache capacity in tokens (default: the padded prompt length plus
+  max_new_tokens, rounded up); it must hold the longest prompt plus max_new_tokens.
+  `prefill_chunk`: the prompts are prefilled in forwards of this many tokens (a power of two; at
+  most the padded prompt length, the next power of two >= 16): a smaller chunk lowers prefill's
+  peak memory on long prompts; outputs do not depend on it beyond floating-point rounding.
+  `return_state`: keep the final DecodeState in the result (`.state`). Everything after prefill
+  runs in one jitted while_loop.
   """
   with compile_timer() as prefill_compile:
     t0 = time.perf_counter()
