@@ -51,12 +51,25 @@ def compile_timer():
 
 @dataclasses.dataclass
 class GenerationResult:
+  """What `generate` returns (and `stream`, as its generator's return value).
+
+  Each row's first token comes from prefill; every later one from a loop step (one iteration:
+  one forward of the model over the step's tokens, plus QuantSpec's gamma draft forwards).
+  Timings are wall time with tracing and compiling left out; the first call of a compiled
+  program still pays the runtime's one-time start (on the CPU tens of ms, more than a short
+  stories260K decode itself: `sparsedec bench` times after a warm-up run).
+  Sampling: a row's tokens depend on its prompt, its seed and the run's settings, not on the
+  other rows of the batch, and the same seed gives the same tokens run to run. One int seed
+  gives every row that seed, so equal prompts in one batch give equal tokens: pass one seed per
+  row (e.g. list(range(B))) for independent samples."""
   tokens: list[list[int]]          # generated tokens per row (a final stop token included)
-  prompt_lengths: list[int]
+  prompt_lengths: list[int]        # each row's prompt tokens
   stopped: list[bool]              # row ended on a stop token (not on max_new_tokens)
-  steps: int                       # loop iterations (forwards after prefill)
+  steps: int                       # loop iterations of the batch (its longest-running row's)
   active_steps: list[int]          # iterations each row was still generating in
-  prefill_seconds: float            # wall time of prefill, compilation excluded
+  prefill_seconds: float            # wall time of prefill and the method's init (QuantSpec's
+                                    #   quantizes the cache and, unless the params carry a
+                                    #   draft, the draft's weights), compilation excluded
   decode_seconds: float             # wall time of the decode loop, compilation excluded
   compile_seconds: float = 0.0      # tracing + compiling during this call (first calls only)
   state: DecodeState | None = None  # the final decode state, when asked for
@@ -64,6 +77,7 @@ class GenerationResult:
 
   @property
   def num_generated(self) -> int:
+    """Tokens generated over all rows, each row's first (prefill's) included."""
     return sum(len(t) for t in self.tokens)
 
   @property
@@ -80,6 +94,9 @@ class GenerationResult:
     return made / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
   def stats(self) -> dict:
+    """The figures above as a JSON-ready dict (what the CLI prints): generated_tokens is
+    num_generated (prefill's first tokens included, as tau and tokens_per_second leave them
+    out), then the method's own figures (method_stats)."""
     return {"generated_tokens": self.num_generated, "steps": self.steps,
             "tau": round(self.tau, 4), "prefill_seconds": round(self.prefill_seconds, 6),
             "decode_seconds": round(self.decode_seconds, 6),
@@ -335,7 +352,8 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
              prefill_chunk: int = 256, return_state: bool = False) -> GenerationResult:
   """Generate up to `max_new_tokens` per prompt (a batch of any size, any prompt lengths).
 
-  Greedy unless `sampling` has a temperature > 0. `seed`: one int for all rows or one per row.
+  Greedy unless `sampling` has a temperature > 0. `seed`: one int for all rows (each row
+  gets it: equal prompts give equal samples) or one per row.
   `stop_tokens` default to the model's EOS ids; pass () to never stop early. `method`: a name
   ("dense", "lookahead", "fafo", "quantspec") or a method object
   (`sparsedec.decode.methods.get_method(name, **knobs)`).
@@ -380,8 +398,11 @@ def _result(state: DecodeState, run: Run, *, prefill_seconds: float, decode_seco
 def stream(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
            interval: int = 8, return_state: bool = False,
            **kwargs) -> Generator[list[list[int]], None, GenerationResult]:
-  """Like `generate` (the same arguments), yielding each row's newly generated tokens every
-  `interval` loop steps (the loop runs on device in slices; no host round trip inside a slice).
+  """Like `generate` (the same arguments), yielding each row's newly generated tokens: first
+  prefill's token, then after every `interval` loop steps (the loop runs on device in slices; no
+  host round trip inside a slice); a row with nothing new gets []. A row's yielded lists joined
+  are generate's tokens for the same call. Nothing runs before the first next(), and nothing
+  after a consumer stops (a break, close()): the run ends there, without a result.
   The generator's return value (`StopIteration.value`, or `result = yield from stream(...)`) is
   the run's GenerationResult; its decode_seconds time the slices only, not what the caller does
   between them."""
