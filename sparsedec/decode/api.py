@@ -217,24 +217,14 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
           max_new_tokens: int = 128, sampling: SamplingConfig | None = None,
           seed: int | Sequence[int] = 0, stop_tokens: Sequence[int] | None = None,
           method: str | DecodeMethod = "dense", cache_size: int | None = None,
-          prefill_chunk: int = 256) -> tuple[DecodeState, "Run"]:
+          prefill_chunk: int = 256, wait_for_prefill: bool = False
+          ) -> tuple[DecodeState, "Run"]:
   """Validate, prefill and attach the method: the state the decode loop starts from (the
-  keywords are `generate`'s). Nothing waits for the device (a caller may queue it behind slices
-  of a running batch)."""
-  return _start(cfg, params, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                seed=seed, stop_tokens=stop_tokens, method=method, cache_size=cache_size,
-                prefill_chunk=prefill_chunk, timed=False)
-
-
-def _start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
-           max_new_tokens: int = 128, sampling: SamplingConfig | None = None,
-           seed: int | Sequence[int] = 0, stop_tokens: Sequence[int] | None = None,
-           method: str | DecodeMethod = "dense", cache_size: int | None = None,
-           prefill_chunk: int = 256, timed: bool) -> tuple[DecodeState, "Run"]:
-  """`start`; timed (generate, stream): the prefill is waited for before the method's init,
-  whose first call compiles, so that compilation does not run beside it (the compile time is
-  taken off the wall time in full: a first call of a method reported a fraction of its prefill,
-  0.02 s for a 0.24 s prefill)."""
+  keywords are `generate`'s). By default nothing waits for the device (a caller may queue it
+  behind slices of a running batch); `wait_for_prefill` blocks until the prefill has run before
+  the method's init, whose first call compiles: generate and stream do, so that compile does not
+  overlap the prefill they time (its whole compile time is taken off the wall time: a first call
+  of a method reported 0.02 s for a 0.24 s prefill)."""
   if sampling is not None and not isinstance(sampling, SamplingConfig):
     raise InputError(f"sampling must be a SamplingConfig (or None: greedy), got "
                      f"{type(sampling).__name__} {sampling!r}")
@@ -269,7 +259,7 @@ def _start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *
                   np.full((b,), max_new_tokens, np.int32), _seeds(seed, b),
                   chunk=min(prefill_chunk, bucket),
                   sampling=sampling, stop_ids=stop_ids)
-  if timed:
+  if wait_for_prefill:
     jax.block_until_ready(state)
   state = init_method(cfg, params, state, method=method, ctx=ctx)
   return state, Run(cfg, method, ctx, method.max_steps(int(max_new_tokens)))
@@ -367,9 +357,9 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
   """
   with compile_timer() as prefill_compile:
     t0 = time.perf_counter()
-    state, run = _start(cfg, params, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                        seed=seed, stop_tokens=stop_tokens, method=method, cache_size=cache_size,
-                        prefill_chunk=prefill_chunk, timed=True)
+    state, run = start(cfg, params, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                       seed=seed, stop_tokens=stop_tokens, method=method, cache_size=cache_size,
+                       prefill_chunk=prefill_chunk, wait_for_prefill=True)
     jax.block_until_ready(state)
     t1 = time.perf_counter()
   with compile_timer() as decode_compile:
@@ -410,7 +400,7 @@ def stream(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *
     raise InputError(f"interval must be an integer >= 1, got {interval!r}")
   with compile_timer() as prefill_compile:
     t0 = time.perf_counter()
-    state, run = _start(cfg, params, prompts, timed=True, **kwargs)
+    state, run = start(cfg, params, prompts, wait_for_prefill=True, **kwargs)
     jax.block_until_ready(state)
     prefill_seconds = time.perf_counter() - t0 - prefill_compile[0]
   decode_seconds, compile_seconds = 0.0, prefill_compile[0]

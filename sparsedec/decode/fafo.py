@@ -247,10 +247,7 @@ class Fafo:
       is_stop = jnp.isin(new_tokens, jnp.asarray(ctx.stop_ids, jnp.int32))
       fill = context_tokens(row_salt(state, _FUMBLE_SEED), state.tokens, state.num_tokens, (n,))
       guess = guess.at[:, :, -1].set(jnp.where(is_stop, fill, new_tokens))
-    # A step the token budget or a stop token cut short appended fewer tokens than the verdict
-    # holds, all of them guessed (they come first): each appended one counts as accepted. (An
-    # inactive row appends nothing, so it counts 0.)
-    accepted = jnp.where(appended < verdict.num_tokens, appended, verdict.accepted)
+    accepted = verdict.accepted_of(appended)
     keep = active[:, None, None]
     extras = x.replace(
         fumble=jnp.where(keep, guess, x.fumble),

@@ -199,10 +199,7 @@ class Lookahead:
       fill = context_tokens(row_salt(state, _WINDOW_SEED), state.tokens, state.num_tokens, (w,))
       new_level = jnp.where(is_stop, fill, new_level)
     moved = jnp.concatenate([window[:, 1:], new_level[:, None]], axis=1)  # [B, N-1, W]
-    # A step the token budget or a stop token cut short appended fewer tokens than the verdict
-    # holds, all of them guessed (they come first): each appended one counts as accepted. (An
-    # inactive row appends nothing, so it counts 0.)
-    accepted = jnp.where(n < verdict.num_tokens, n, verdict.accepted)
+    accepted = verdict.accepted_of(n)
     extras = x.replace(
         window=jnp.where(active[:, None, None], moved, x.window),
         window_age=x.window_age + active,

@@ -53,6 +53,12 @@ class Verdict:
   accepted: jax.Array     # [B] int32: guessed tokens accepted, 0..L
   candidate: jax.Array    # [B] int32: a candidate whose first `accepted` tokens were accepted
 
+  def accepted_of(self, appended: jax.Array) -> jax.Array:
+    """[B] guessed tokens accepted among the `appended` ([B]) the step kept of `tokens`: a step
+    the token budget or a stop token cut short kept fewer than num_tokens, all of them guessed
+    (they come first), so each kept one counts; an inactive row (0 appended) counts 0."""
+    return jnp.where(appended < self.num_tokens, appended, self.accepted)
+
 
 def _emit(cand_tokens: jax.Array, best: jax.Array, accepted: jax.Array,
           last: jax.Array) -> Verdict:
