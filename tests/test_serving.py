@@ -375,3 +375,25 @@ def test_params_of_another_dtype_than_the_config_are_refused_by_name(stories):
                      match=r"Run.advance's params: tensor embed is float32.*bfloat16"):
     run.advance(params, state)
   assert bool(run.advance(params16, state).done.all())
+
+
+def test_a_quantspec_int8_serving_state_saves_and_restores_with_orbax(stories, tmp_path):
+  """A serving state checkpointed with orbax mid-run, restored and advanced to the end, gives the
+  tokens of the run that was not interrupted. QuantSpec's int8 state held its dropped dense cache
+  as zero-capacity arrays, which orbax refuses ('Cannot save arrays with zero size')."""
+  import orbax.checkpoint as ocp
+  from sparsedec.decode.quantspec import QuantSpec
+  cfg, params, tok = stories
+  method = QuantSpec(gamma=3, quant_group=16, weight_group=32)          # verify_precision="int8"
+  state, run = api.start(cfg, params, [tok.encode("Once upon a time")], max_new_tokens=24,
+                         stop_tokens=(), cache_size=128, method=method)
+  state = run.advance(params, state, 2)
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "state", state)
+  checkpointer.wait_until_finished()
+  want, _ = api.collect(run.advance(params, state), ())                 # donates state
+  restored = checkpointer.restore(tmp_path / "state", abstract)
+  restored = run.advance(params, restored)
+  assert api.collect(restored, ())[0] == want
+  assert run.method.stats(restored)["dense_cache_bytes"] == 0

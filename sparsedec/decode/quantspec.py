@@ -45,7 +45,8 @@ Choices where the paper leaves one:
   * The lm_head, embeddings and norms of the draft stay full precision (see quant_weights): they
     are the target's params, which the step has; the state holds only the draft's 4-bit linears.
   * Prefill fills a dense cache in chunks, then quantizes it (`from_dense`); in "int8" mode the
-    dense cache is then dropped (replaced by a zero-capacity one that only carries lengths).
+    dense cache is then dropped (replaced by a placeholder of one unread slot that carries the
+    lengths: `PLACEHOLDER_SLOTS`).
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ from sparsedec.model.quant_weights import (GRIDS, LAYOUTS, QUANTIZED_LINEARS, pa
                                            quantize_params, weights_bytes)
 
 VERIFY_PRECISIONS = ("int8", "full")
+# Slots of the dense cache an int8 state keeps (the codes replace it; nothing reads them): one,
+# not zero, so the state has no zero-size arrays, which orbax refuses to save ("Cannot save
+# arrays with zero size": a serving state could not be checkpointed).
+PLACEHOLDER_SLOTS = 1
 DRAFT_SAMPLINGS = ("sample", "argmax")
 
 
@@ -227,8 +232,8 @@ class QuantSpec:
     qcache = qkv.from_dense(state.cache, self.quant_group)
     cache = state.cache
     if self.verify_precision == "int8":      # the codes replace the dense cache
-      empty = tuple(x[:, :, :0] for x in cache.k)
-      cache = KVCache(k=empty, v=tuple(x[:, :, :0] for x in cache.v), lengths=cache.lengths)
+      cache = KVCache(k=tuple(x[:, :, :PLACEHOLDER_SLOTS] for x in cache.k),
+                      v=tuple(x[:, :, :PLACEHOLDER_SLOTS] for x in cache.v), lengths=cache.lengths)
     draft = self._draft_params(params)
     # Two arrays, not one shared leaf: a state whose leaves alias cannot be donated.
     return state.replace(cache=cache, extras=QuantSpecExtras(
@@ -351,6 +356,8 @@ class QuantSpec:
     capacity = state.tokens.shape[1] - 1
     dense_equiv = sum(2 * k.shape[0] * k.shape[1] * capacity * k.shape[3] * k.dtype.itemsize
                       for k in qc.buf_k)
+    # int8: the dense cache's placeholder slot holds no cache (PLACEHOLDER_SLOTS).
+    dense_bytes = state.cache.num_bytes() if self.verify_precision == "full" else 0
     return {
         "acceptance_rate": round(int(np.sum(accepted)) / proposed, 4) if proposed else 0.0,
         "accepted_drafts_per_step": round(int(np.sum(accepted)) / steps, 4) if steps else 0.0,
@@ -359,8 +366,8 @@ class QuantSpec:
         "draft_sampling": self.draft_sampling,
         "quant_group": self.quant_group,
         "quantized_cache_bytes": qc.num_bytes(),
-        "dense_cache_bytes": state.cache.num_bytes(),
-        "cache_bytes": qc.num_bytes() + state.cache.num_bytes(),
+        "dense_cache_bytes": dense_bytes,
+        "cache_bytes": qc.num_bytes() + dense_bytes,
         "dense_equivalent_cache_bytes": dense_equiv,
         "draft_weight_bytes": weights_bytes(x.draft_params) if x.draft_params is not None else 0,
     }
