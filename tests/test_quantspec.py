@@ -488,6 +488,31 @@ def test_numpy_integer_knobs_build_the_same_draft(stories):
                quantize_weight(w, 32, "int4_t"))
 
 
+def test_draft_sampling_does_not_recompile_the_init(stories):
+  """The init does not read draft_sampling (only the step does): a run that changes only it
+  compiles no new init (the jitted init took the whole method as its static key: 2-5 s of
+  compile on stories260K for a knob it never read). The state and run keep the run's method."""
+  from sparsedec.decode import api
+  cfg, params, tok = stories
+  kw = dict(max_new_tokens=4, stop_tokens=(), cache_size=128,
+            sampling=SamplingConfig(temperature=1.0))
+  api.start(cfg, params, [tok.encode("Once upon")], method=METHOD, **kw)
+  argmax = dataclasses.replace(METHOD, draft_sampling="argmax")
+  compiles = []
+
+  def listener(event: str, duration: float, **kwargs) -> None:
+    if "backend_compile" in event:
+      compiles.append(kwargs.get("fun_name"))
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    state, run = api.start(cfg, params, [tok.encode("Once upon")], method=argmax, **kw)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert compiles == [], f"recompiled: {compiles}"
+  assert state.built_for[0] == run.method == argmax
+
+
 def test_cli_knobs(capsys):
   from sparsedec import cli
   assert cli.main(["generate", "--prompt", "Once", "--gamma", "2"]) == 2

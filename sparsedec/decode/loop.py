@@ -10,6 +10,10 @@ A method is a frozen (hashable) object with
   check(cfg, params, capacity) -> None         # optional: refuse knobs this model or cache
                                                #   capacity cannot take (api.start calls it
                                                #   before prefill; init checks them again)
+  init_key() -> method (optional)              # the method init is compiled for: this one
+                                               #   with the knobs its init does not read at
+                                               #   their defaults (runs differing only in those
+                                               #   share the init's compile)
 A step may append several tokens per row: `append_tokens` clips them at the row's stop token and
 token limit, and the step commits K/V only for the tokens it appended, so a multi-token step
 never overflows the token buffer or the cache (plan_capacity needs no slack per method).
@@ -98,17 +102,19 @@ def init_method(cfg: ModelConfig, params: Params, state: DecodeState, *, method:
 
   The result records (method, ctx) in its static `built_for`, which `Run.advance` and
   `serving.insert_row` check. The jitted init does not take ctx (no method's init reads it), so
-  runs that differ only in sampling or stop tokens share its compile."""
+  runs that differ only in sampling or stop tokens share its compile; nor, for a method with an
+  `init_key`, the knobs its init does not read (QuantSpec's draft_sampling: ~2-5 s a compile)."""
   if not isinstance(ctx, StepContext):
     raise InputError(f"ctx must be a StepContext (the sampling and stop tokens the state will be "
                      f"decoded with), got {type(ctx).__name__} {ctx!r:.80}")
-  if not drops_donated_buffers(cfg, params, state, method=method):
-    state = _init_method(cfg, params, state, method=method)
+  init_key = method.init_key() if hasattr(method, "init_key") else method
+  if not drops_donated_buffers(cfg, params, state, method=init_key):
+    state = _init_method(cfg, params, state, method=init_key)
   else:
     with warnings.catch_warnings():
       warnings.filterwarnings("ignore", message="Some donated buffers were not usable",
                               category=UserWarning)
-      state = _init_method(cfg, params, state, method=method)
+      state = _init_method(cfg, params, state, method=init_key)
   return state.replace(built_for=(method, ctx))
 
 

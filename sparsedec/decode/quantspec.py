@@ -226,6 +226,11 @@ class QuantSpec:
         raise InputError(f"the params' draft ({DRAFT_KEY!r}) has weight groups {groups}, "
                          f"quantspec weight_group is {self.weight_group}")
 
+  def init_key(self) -> "QuantSpec":
+    """The method init is compiled for (loop.init_method): draft_sampling, which only the step
+    reads, at its default, so runs that differ only in it share the init's compile."""
+    return dataclasses.replace(self, draft_sampling=DRAFT_SAMPLINGS[0])
+
   def init(self, cfg: ModelConfig, params: Params, state: DecodeState) -> DecodeState:
     self.check(cfg, params, state.cache.capacity)
     b = state.batch_size
