@@ -310,7 +310,8 @@ def test_rope_scaling_wins_over_rope_parameters_like_transformers():
 @pytest.mark.parametrize("rope", [
     {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4,
                          "partial_rotary_factor": 0.5}},
-    {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "partial_rotary_factor": 0.25}},
+    {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "partial_rotary_factor": 0.25}},
     {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
                          "partial_rotary_factor": 0.5}},
 ], ids=["linear-parameters", "llama3-scaling", "default-parameters"])
@@ -356,6 +357,33 @@ def test_llama3_rope_without_original_max_position_embeddings():
     assert cfg.rope_scaling.original_max_position_embeddings == 1024
     np.testing.assert_allclose(inverse_frequencies(cfg),
                                hf_llama3_inv_freq(500000.0, 64, 8.0, 1.0, 4.0, 1024), rtol=1e-5)
+
+
+@pytest.mark.parametrize("drop", [("low_freq_factor",), ("low_freq_factor", "high_freq_factor"),
+                                  ("factor",)])
+def test_a_llama3_rope_without_a_key_transformers_requires_is_refused_by_name(drop):
+  """transformers 5.24 refuses a llama3 rope_scaling / rope_parameters without factor,
+  low_freq_factor or high_freq_factor ('Missing required keys'); the two frequency factors were
+  taken as Llama 3.1's 1.0 / 4.0, loading a model transformers does not, and a missing factor
+  was named as 'a required attribute of a Llama-family config'. A missing
+  original_max_position_embeddings is max_position_embeddings, the family's default where that
+  is absent too (transformers' standardize_rope_params); a null one is named."""
+  from sparsedec.errors import UnsupportedConfigError
+  from sparsedec.model.config import ModelConfig
+  scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+             "high_freq_factor": 4.0}
+  rope = {k: v for k, v in scaling.items() if k not in drop}
+  with pytest.raises(UnsupportedConfigError,
+                     match=rf"rope_type 'llama3' has no {', '.join(sorted(drop))} \("):
+    ModelConfig.from_hf(dict(LLAMA_HF_CONFIG, rope_scaling=rope))
+  with pytest.raises(UnsupportedConfigError, match=r"rope_type 'llama3' has no"):
+    ModelConfig.from_hf(dict(LLAMA_HF_CONFIG, rope_parameters=dict(rope, rope_theta=1e4)))
+  mistral = {k: v for k, v in LLAMA_HF_CONFIG.items() if k != "max_position_embeddings"}
+  cfg = ModelConfig.from_hf(dict(mistral, architectures=["MistralForCausalLM"],
+                                 rope_scaling=scaling))
+  assert cfg.rope_scaling.original_max_position_embeddings == 131072 == cfg.max_position_embeddings
+  with pytest.raises(UnsupportedConfigError, match="^max_position_embeddings must be"):
+    ModelConfig.from_hf(dict(LLAMA_HF_CONFIG, max_position_embeddings=None, rope_scaling=scaling))
 
 
 def test_mistral_sliding_window_defaults_like_transformers():

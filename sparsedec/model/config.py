@@ -219,6 +219,12 @@ def _family(hf: Mapping[str, Any]) -> str:
       f"unsupported model_type {model_type!r} (supported: {sorted(FAMILIES)})")
 
 
+# The keys transformers requires in a rope_scaling / rope_parameters of each type we implement
+# (original_max_position_embeddings, which 5.x defaults to max_position_embeddings, is not).
+ROPE_REQUIRED_KEYS = {"linear": ("factor",),
+                      "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+
+
 def _rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
   # transformers >= 5 keeps theta and scaling together in `rope_parameters`. A config that has
   # both takes `rope_scaling` (theta beside it, not rope_parameters') as transformers 4.x (which
@@ -251,18 +257,27 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
   kind = scaling.get("rope_type", scaling.get("type", "default"))
   if kind == "default":
     return theta, None
+  # transformers (5.24's validate_rope) refuses a scaling without these keys; low_freq_factor /
+  # high_freq_factor were taken as Llama 3.1's 1.0 / 4.0, loading a model transformers refuses.
+  missing = sorted(set(ROPE_REQUIRED_KEYS.get(kind, ())) - set(scaling))
+  if missing:
+    raise UnsupportedConfigError(
+        f"rope_scaling / rope_parameters of rope_type {kind!r} has no {', '.join(missing)} "
+        f"(required: {', '.join(ROPE_REQUIRED_KEYS[kind])}; transformers refuses it too)")
   if kind == "linear":
     return theta, RopeScaling("linear", _number("rope_scaling factor", scaling["factor"], float))
   if kind == "llama3":
     return theta, RopeScaling(
         "llama3",
         _number("rope_scaling factor", scaling["factor"], float),
-        _number("rope_scaling low_freq_factor", scaling.get("low_freq_factor", 1.0), float),
-        _number("rope_scaling high_freq_factor", scaling.get("high_freq_factor", 4.0), float),
-        # transformers (>= 5) falls back to max_position_embeddings, as here.
+        _number("rope_scaling low_freq_factor", scaling["low_freq_factor"], float),
+        _number("rope_scaling high_freq_factor", scaling["high_freq_factor"], float),
+        # transformers (>= 5) falls back to max_position_embeddings (the family's default
+        # where absent: _from_hf has filled it in), as here.
         _number("rope_scaling original_max_position_embeddings",
-                scaling.get("original_max_position_embeddings",
-                            hf.get("max_position_embeddings", 2048))),
+                scaling["original_max_position_embeddings"])
+        if "original_max_position_embeddings" in scaling else
+        _number("max_position_embeddings", hf["max_position_embeddings"]),
     )
   raise UnsupportedConfigError(
       f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
