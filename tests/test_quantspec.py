@@ -686,6 +686,29 @@ def test_accept_residual_step_reproduces_the_target_exactly():
   assert all(np.abs(w - p).max() > 1e-2 for w in wrong)
 
 
+def test_a_nan_draft_distribution_rejects_its_token_and_the_token_comes_from_the_target():
+  """A draft of NaN weights (a user's draft layers with a NaN scale, `gptq.with_draft`) gives a
+  NaN q: draw_from picks token 0 from it, and speculative_accept took q(0) = NaN as 0 and
+  accepted it (probability 1 where p(0) > 0): QuantSpec sampling emitted token 0 gamma times a
+  step, acceptance rate 1.0, where dense sampling draws from p. Now the token is rejected and
+  the emitted one drawn from p, whatever the draft token."""
+  p, _ = _toy_pairs()[0]
+  v = len(p)
+  q = np.full((v, v), np.nan, np.float32)
+  q[1:, 1:] = _toy_pairs()[0][1][1:] / _toy_pairs()[0][1][1:].sum()   # one NaN in rows 1..
+  alpha, residual = speculative_accept(jnp.asarray(np.tile(p, (v, 1)), jnp.float32),
+                                       jnp.asarray(q), jnp.arange(v))
+  np.testing.assert_array_equal(np.asarray(alpha), np.zeros(v))
+  np.testing.assert_allclose(np.asarray(residual), np.tile(p, (v, 1)), rtol=1e-6)
+  # A chain of 2 NaN drafts: nothing accepted, the token drawn from p_1 by its inverse CDF.
+  target = jnp.asarray(np.tile(p, (1, 3, 1)), jnp.float32)                    # [1, 3, V]
+  verdict = verify_drafted(target, jnp.zeros((1, 2), jnp.int32),
+                           jnp.full((1, 2, v), jnp.nan, jnp.float32), jnp.ones((1,), bool),
+                           jnp.asarray([[0.0, 0.0, 0.999]], jnp.float32))
+  assert int(verdict.num_tokens[0]) == 1 and int(verdict.accepted[0]) == 0
+  assert int(verdict.tokens[0, 0]) == int(np.argmax(np.cumsum(p) > 0.999 * p.sum()))
+
+
 @jax.jit
 def _speculate_toy_chain(p, q, key, accept_all):
   """The first 3 tokens of 3 speculative steps (gamma 3) of a toy Markov target P [V, V] with a

@@ -174,14 +174,20 @@ def speculative_accept(p: jax.Array, q: jax.Array, token: jax.Array
 
   Returns the acceptance probability min(1, p(t) / q(t)) [...] (1 where q(t) = 0 < p(t), 0 where
   both are 0) and the residual norm(max(0, p - q)) [..., V], which is p where p - q has no positive
-  mass (then p == q and a rejection has probability 0)."""
+  mass (then p == q and a rejection has probability 0). A q holding a NaN is no distribution (a
+  draft of NaN weights: its token is drawn from nothing, token 0): its token is rejected and the
+  residual is p, so the emitted token is still drawn from p (a NaN q(t) was taken as 0 and the
+  token accepted: a NaN draft's token 0, every time)."""
   pt = jnp.take_along_axis(p, token[..., None], axis=-1)[..., 0]
   qt = jnp.take_along_axis(q, token[..., None], axis=-1)[..., 0]
+  broken = jnp.isnan(q).any(axis=-1)                                              # [...]
   alpha = jnp.where(qt > 0, jnp.minimum(1.0, pt / jnp.where(qt > 0, qt, 1.0)),
                     (pt > 0).astype(p.dtype))
+  alpha = jnp.where(broken, 0.0, alpha)
   excess = jnp.maximum(p - q, 0.0)
   total = jnp.sum(excess, axis=-1, keepdims=True)
-  residual = jnp.where(total > 0, excess / jnp.where(total > 0, total, 1.0), p)
+  residual = jnp.where((total > 0) & ~broken[..., None],
+                       excess / jnp.where(total > 0, total, 1.0), p)
   return alpha, residual
 
 
