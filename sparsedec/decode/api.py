@@ -59,9 +59,15 @@ class GenerationResult:
   program still pays the runtime's one-time start (on the CPU tens of ms, more than a short
   stories260K decode itself: `sparsedec bench` times after a warm-up run).
   Sampling: a row's tokens depend on its prompt, its seed and the run's settings, not on the
-  other rows of the batch, and the same seed gives the same tokens run to run. One int seed
-  gives every row that seed, so equal prompts in one batch give equal tokens: pass one seed per
-  row (e.g. list(range(B))) for independent samples."""
+  other rows of the batch, and the same seed gives the same tokens run to run. Up to
+  floating-point rounding: the batch's size sets the shapes the backend computes a row in, and
+  XLA:CPU rounds a row's sums differently in the last bits alone and in a batch (stories260K
+  fp32: the same prompt's cached keys up to 4e-6 apart alone and beside any other row, itself
+  included), so a near-tie, greedy or sampled, can go the other way (none did: stories260K's
+  rows, greedy and sampled, every method, and SmolLM2's dense greedy rows gave the same tokens
+  alone and in batches).
+  One int seed gives every row that seed, so equal prompts in one batch give equal tokens: pass
+  one seed per row (e.g. list(range(B))) for independent samples."""
   tokens: list[list[int]]          # generated tokens per row (a final stop token included)
   prompt_lengths: list[int]        # each row's prompt tokens
   stopped: list[bool]              # row ended on a stop token (not on max_new_tokens)
