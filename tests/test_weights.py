@@ -5,6 +5,7 @@ import os
 import pathlib
 import shutil
 import subprocess
+import sys
 
 import jax
 import ml_dtypes
@@ -112,6 +113,38 @@ def test_load_model_accepts_each_kind(stories_hf_dir):
     load_model("/nonexistent/model")
   with pytest.raises(CheckpointError, match="not found"):
     load_checkpoint("/nonexistent/ckpt")
+
+
+# Run with four host devices (the flag must be set before jax starts: a subprocess).
+ON_THE_DEFAULT_DEVICE = """
+import jax
+from sparsedec.weights.checkpoint import load_model
+devices = jax.devices()
+assert len(devices) == 4, devices
+for dtype in (None, "bfloat16"):
+  with jax.default_device(devices[2]):
+    cfg, params, tok = load_model(CHECKPOINT, dtype=dtype)
+  placed = {d for x in jax.tree.leaves(params) for d in x.devices()}
+  assert placed == {devices[2]}, (dtype, placed)
+with jax.default_device("cpu"):            # a platform name: its first device
+  cfg, params, tok = load_model(CHECKPOINT)
+assert {d for x in jax.tree.leaves(params) for d in x.devices()} == {devices[0]}
+print("ok")
+"""
+
+
+def test_a_checkpoint_loads_onto_the_default_device():
+  """load_model / load_checkpoint under `jax.default_device(d)` restore onto d, as a GGUF or HF
+  load does (the restore committed every array to jax.devices()[0], whatever the caller's
+  default device: the model then ran on device 0)."""
+  env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
+                                     + " --xla_force_host_platform_device_count=4").strip(),
+         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+  script = ON_THE_DEFAULT_DEVICE.replace("CHECKPOINT", repr(str(ROOT / "checkpoints" /
+                                                                 "stories260K")))
+  proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                        timeout=300, check=False)
+  assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
 
 
 def test_sharded_safetensors_load_identically(stories_hf_dir, hf_copy):

@@ -197,9 +197,20 @@ def _check_stored_shapes(path: str, cfg: ModelConfig) -> None:
                           f"edited?)") from None
 
 
+def default_device() -> jax.Device:
+  """The device jax puts new arrays on: the one `jax.default_device(...)` names (a device or a
+  platform name) where a caller set one, else the default backend's first device."""
+  device = jax.config.jax_default_device
+  if device is None:
+    return jax.devices()[0]
+  return jax.devices(device)[0] if isinstance(device, str) else device
+
+
 def load_checkpoint(path: str | os.PathLike, dtype: str | None = None
                     ) -> tuple[ModelConfig, Params]:
-  """Restore (cfg, params as jax arrays) from a checkpoint directory; dtype casts on restore."""
+  """Restore (cfg, params as jax arrays) from a checkpoint directory; dtype casts on restore.
+  The params are committed to the default device (`jax.default_device(...)` where a caller
+  sets one, as a GGUF or HF load's arrays are made there; `jax.device_put` them elsewhere)."""
   path = os.path.abspath(os.fspath(path))
   if not os.path.isdir(path):
     raise CheckpointError(f"checkpoint directory not found: {path}")
@@ -209,7 +220,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None
     raise CheckpointError(f"checkpoint {path} has no {PARAMS_DIR}/ directory")
   _check_stored_shapes(path, cfg)
   stored = abstract_params(cfg)
-  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  sharding = jax.sharding.SingleDeviceSharding(default_device())
   target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
                         stored)
   try:
