@@ -272,6 +272,27 @@ def test_advance_traced_without_steps_is_refused_by_name(stories):
   assert bool(state.done.all())
 
 
+def test_a_warm_serving_loop_copies_nothing_implicitly(stories):
+  """A warm serving loop runs under jax.transfer_guard("disallow"), as a serving stack checks
+  that nothing is copied behind its back: advance's bound and insert_row's row were numpy /
+  eager scalars, an implicit host-to-device copy on every call (refused there), and
+  insert_row's done check an implicit read. They are explicit now, put beside the state."""
+  cfg, params, tok = stories
+  kw = dict(max_new_tokens=8, stop_tokens=(), cache_size=128)
+  state, run = api.start(cfg, params, [tok.encode("Once upon a time"), [1, 5]], **kw)
+  requests = [api.start(cfg, params, [tok.encode("The little dog")], **kw)[0] for _ in range(2)]
+  state = insert_row(run.advance(params, run.advance(params, state, 2)), requests[0], 0)
+  jax.block_until_ready(state)                                   # every program compiled
+  with jax.transfer_guard("disallow"):
+    state = run.advance(params, state, 2)
+    state = run.advance(params, state)
+    state = insert_row(state, requests[1], 1)
+    state = run.advance(params, state)
+    tokens, _ = api.collect(state, ())
+  assert tokens[1] == sparsedec.generate(cfg, params, [tok.encode("The little dog")],
+                                         **kw).tokens[0]
+
+
 def test_advance_keeps_decoding_past_int32_steps(stories):
   """A serving state's step is one counter for the batch that inserts leave as it is; a server
   that had run 2**31 - 1 loop iterations got an absolute bound saturated at int32's top, and

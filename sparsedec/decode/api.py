@@ -323,6 +323,10 @@ class Run:
     # with `steps` given, nothing is read back, so a caller can queue several slices without
     # waiting for the first.
     count = np.int32(min(budget, np.iinfo(np.int32).max))
+    if not isinstance(state.step, jax.core.Tracer):
+      # Put where the state's counter lives, explicitly: passed as numpy it was an implicit
+      # host-to-device copy every call, refused under jax.transfer_guard("disallow").
+      count = jax.device_put(count, state.step.sharding)
     return decode(self.cfg, without_draft(params), state, count, method=self.method,
                   ctx=self.ctx)
 

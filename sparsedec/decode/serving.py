@@ -24,7 +24,6 @@ import functools
 import operator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from sparsedec.decode.loop import describe_build
@@ -135,8 +134,14 @@ def insert_row(state: DecodeState, request: DecodeState, row: int, *,
                        f"{one.dtype}{list(one.shape)}, the running state's "
                        f"{big.dtype}{list(big.shape)} (batch axis {axis}): start both with the "
                        f"same model (config, dtype), cache_size and method")
-  if not replace_running and not bool(state.done[row]):
+  # Explicit transfers (a read of done, the row put beside the state's counter): implicit
+  # ones are refused under jax.transfer_guard("disallow"), and the row was made on the default
+  # device, then copied to a state placed elsewhere.
+  if not replace_running and not bool(jax.device_get(state.done)[row]):
     raise InputError(f"row {row} is still decoding (state.done[{row}] is False): insert into a "
                      f"finished row, e.g. the first of numpy.flatnonzero(state.done), or pass "
                      f"replace_running=True to drop its request")
-  return _insert(state, request, jnp.int32(row))
+  row_index = np.int32(row)
+  if not isinstance(state.step, jax.core.Tracer):
+    row_index = jax.device_put(row_index, state.step.sharding)
+  return _insert(state, request, row_index)
