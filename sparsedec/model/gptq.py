@@ -241,7 +241,8 @@ def gptq_quantize_weight(w, hessian, group: int = 128, layout: str = "packed",
   """w [In, Out] -> QuantWeight by GPTQ against hessian [In, In] (sum of x x^T of its inputs; a
   numpy or device array, used in fp32). act_order: rows by decreasing H_ii on RTN's (static)
   grids, else in index order on grids fixed as each group is reached (module docstring). Runs as
-  one jitted computation (`_gptq_codes`) on the default device."""
+  one jitted computation (`_gptq_codes`) where w is (the default device for a numpy w; sharded
+  as w is over several devices)."""
   if getattr(w, "ndim", None) != 2:
     raise InputError(f"a weight to quantize must be [In, Out], got shape {np.shape(w)}")
   n_in, n_out = w.shape
