@@ -325,8 +325,9 @@ class Run:
     count = np.int32(min(budget, np.iinfo(np.int32).max))
     if not isinstance(state.step, jax.core.Tracer):
       # Put where the state's counter lives, explicitly: passed as numpy it was an implicit
-      # host-to-device copy every call, refused under jax.transfer_guard("disallow").
-      count = jax.device_put(count, state.step.sharding)
+      # host-to-device copy every call, refused under jax.transfer_guard("disallow"). Committed
+      # only where the state is (a committed bound commits the outputs: the next call compiles).
+      count = jax.device_put(count, state.step.sharding if state.step.committed else None)
     return decode(self.cfg, without_draft(params), state, count, method=self.method,
                   ctx=self.ctx)
 

@@ -143,5 +143,5 @@ def insert_row(state: DecodeState, request: DecodeState, row: int, *,
                      f"replace_running=True to drop its request")
   row_index = np.int32(row)
   if not isinstance(state.step, jax.core.Tracer):
-    row_index = jax.device_put(row_index, state.step.sharding)
+    row_index = jax.device_put(row_index, state.step.sharding if state.step.committed else None)
   return _insert(state, request, row_index)
