@@ -710,3 +710,46 @@ def test_generate_and_stream_wait_for_the_prefill_before_the_method_init(stories
   sparsedec.generate(cfg, params, prompts, **kw)
   next(api.stream(cfg, params, prompts, **kw))
   assert ready == [True, True]
+
+
+# Run with four host devices (the flag must be set before jax starts: a subprocess).
+ON_THE_PARAMS_DEVICE = """
+import jax
+import sparsedec
+from sparsedec.decode import api
+from sparsedec.weights.checkpoint import load_model
+made_on = []
+def recorded(*args, **kwargs):
+  cache = empty_cache(*args, **kwargs)
+  made_on.append({d for x in jax.tree.leaves(cache) for d in x.devices()})
+  return cache
+empty_cache, api.empty_cache = api.empty_cache, recorded
+cfg, params, tok = load_model(CHECKPOINT)
+prompts = [tok.encode("Once upon a time"), tok.encode("The little dog")]
+alone = sparsedec.generate(cfg, params, prompts, max_new_tokens=8).tokens
+device = jax.devices()[1]
+out = sparsedec.generate(cfg, jax.device_put(params, device), prompts, max_new_tokens=8,
+                         return_state=True)
+assert made_on[-1] == {device}, made_on
+assert out.state.tokens.devices() == {device} and out.tokens == alone, out.tokens
+print("ok")
+"""
+
+
+def test_the_cache_is_made_on_the_params_device():
+  """api.start makes the empty cache on the device its params are committed to: it was made on
+  the default device and copied by the prefill's call (every request of a model on device 1
+  held a whole cache on device 0 for a while). The tokens are the single-device run's."""
+  import os
+  import pathlib
+  import subprocess
+  import sys
+  root = pathlib.Path(__file__).resolve().parent.parent
+  env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
+                                     + " --xla_force_host_platform_device_count=4").strip(),
+         "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+  script = ON_THE_PARAMS_DEVICE.replace("CHECKPOINT",
+                                        repr(str(root / "checkpoints" / "stories260K")))
+  proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                        timeout=300, check=False)
+  assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]

@@ -17,8 +17,19 @@ from sparsedec.model.params import Params
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def empty_cache(cfg: ModelConfig, batch_size: int, capacity: int) -> KVCache:
+def _empty_cache(cfg: ModelConfig, batch_size: int, capacity: int) -> KVCache:
   return init_cache(cfg, batch_size, capacity)
+
+
+def empty_cache(cfg: ModelConfig, batch_size: int, capacity: int, like=None) -> KVCache:
+  """An empty cache for `prefill`, made on the one device `like` (a params array) is committed
+  to: made on the default device, it was copied to params placed elsewhere by the prefill's call
+  (a whole cache held on device 0 for a model on device 1). Else on the default device."""
+  if (not isinstance(like, jax.Array) or isinstance(like, jax.core.Tracer)
+      or not like.committed or len(like.sharding.device_set) != 1):
+    return _empty_cache(cfg, batch_size, capacity)
+  with jax.default_device(next(iter(like.sharding.device_set))):
+    return _empty_cache(cfg, batch_size, capacity)
 
 
 def prefill_cache(cfg: ModelConfig, params: Params, prompts: jax.Array, prompt_lengths: jax.Array,
