@@ -46,6 +46,8 @@ model's bytes and the most sensitive to rounding).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,11 +97,8 @@ class QuantWeight:
     return codes.astype(jnp.int32) + CODE_OFFSET
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
-    """[In, Out] in `dtype` (computed in fp32)."""
-    scale = jnp.repeat(self.scale.astype(jnp.float32), self.group, axis=0)
-    zero = jnp.repeat(self.zero.astype(jnp.float32), self.group, axis=0)
-    w = self.unsigned_codes().astype(jnp.float32) * scale + zero
-    return w[: self.in_features].astype(dtype)
+    """[In, Out] in `dtype` (computed in fp32; one jitted program per layout and shape)."""
+    return _dequantize(self, jnp.dtype(dtype))
 
   def to_layout(self, layout: str) -> "QuantWeight":
     """The same quantized weight stored as `layout` (exact)."""
@@ -108,9 +107,7 @@ class QuantWeight:
       return self
     if layout in _INT4_KN and self.layout in _INT4_KN:   # the same arrays
       return self.replace(layout=layout)
-    c, scale, zero = _whole_chunks(self.unsigned_codes(), self.scale, self.zero, self.group,
-                                   layout)
-    return self.replace(codes=_store_codes(c, layout), scale=scale, zero=zero, layout=layout)
+    return _convert_layout(self, layout)
 
   def num_bytes(self) -> int:
     return sum(array_bytes(x) for x in (self.codes, self.scale, self.zero))
@@ -121,6 +118,22 @@ def array_bytes(x) -> int:
   bits = 4 if jnp.dtype(x.dtype) in (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4)) else \
       8 * jnp.dtype(x.dtype).itemsize
   return -(-int(np.prod(x.shape)) * bits // 8)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _dequantize(w: QuantWeight, dtype) -> jax.Array:
+  """QuantWeight.dequantize (jitted: op by op, each operation compiled on its own per shape)."""
+  scale = jnp.repeat(w.scale.astype(jnp.float32), w.group, axis=0)
+  zero = jnp.repeat(w.zero.astype(jnp.float32), w.group, axis=0)
+  dense = w.unsigned_codes().astype(jnp.float32) * scale + zero
+  return dense[: w.in_features].astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _convert_layout(w: QuantWeight, layout: str) -> QuantWeight:
+  """QuantWeight.to_layout's re-storage of the codes (jitted, as `_dequantize`)."""
+  c, scale, zero = _whole_chunks(w.unsigned_codes(), w.scale, w.zero, w.group, layout)
+  return w.replace(codes=_store_codes(c, layout), scale=scale, zero=zero, layout=layout)
 
 
 def _check_layout(layout: str, group: int) -> None:
@@ -250,6 +263,15 @@ def quantize_weight(w: jax.Array, group: int = 128, layout: str = "packed",
     raise InputError(f"a weight to quantize must be [In, Out], got shape {w.shape}")
   check_group_layout(group, layout)
   check_grid(grid)
+  return _quantize_weight(w, group, layout, grid)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _quantize_weight(w: jax.Array, group: int, layout: str, grid: str) -> QuantWeight:
+  """quantize_weight's computation, as one program per (shape, dtype, group, layout, grid): run
+  op by op (the params of a draft quantized outside a jit, GPTQ's grids, the tests) each of its
+  ~40 operations compiled on its own for every weight shape (SmolLM2's draft: 376 compiles, 16 s
+  on a CPU core). Under a caller's jit (QuantSpec's init) it is inlined as before."""
   wf = padded_rows(w, group)
   grouped = wf.reshape(-1, group, w.shape[1])                              # [In_pad/G, G, Out]
   zero, step = (group_grid if grid == "minmax" else absmax_grid)(grouped)
