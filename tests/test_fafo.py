@@ -18,12 +18,25 @@ from sparsedec import prompts as prompt_sets
 from sparsedec import testing
 from sparsedec.attention import BlockListView
 from sparsedec.compress import Quest, SnapKV, StreamingLLM
+from sparsedec.compress.base import prompt_window_queries
 from sparsedec.decode import api
 from sparsedec.decode.fafo import Fafo, fafo_layout
 from sparsedec.decode.sampling import SamplingConfig
 from sparsedec.errors import InputError
 from sparsedec.kv.dense import KVCache
 from sparsedec.model.forward import forward
+
+
+# Library functions these tests call outside a decode loop, jitted: run op by op, each of their
+# operations was compiled on its own for every shape (a forward or a SnapKV init: 100-260
+# compiles, 5-20 s of a test on a CPU core).
+_forward = jax.jit(forward, static_argnums=0)
+_window_queries = jax.jit(prompt_window_queries, static_argnums=(0, 3))
+
+
+def _policy_init(policy, cfg, params, state):
+  return jax.jit(policy.init, static_argnums=0)(cfg, params, state)
+
 
 # Small blocks and budgets so the compressed view is much smaller than the cache in every test.
 POLICIES = {
@@ -165,8 +178,8 @@ def test_fumble_tokens_read_only_the_compressed_view(stories, policy):
     noise_v = [jnp.where(inside[i][..., None], cache.v[i], noise.astype(cache.v[i].dtype))
                for i in range(cfg.num_layers)]
     poisoned = KVCache(k=tuple(noise_k), v=tuple(noise_v), lengths=cache.lengths)
-  clean_logits, _ = forward(cfg, params, tokens, positions, cache, plan)
-  dirty_logits, _ = forward(cfg, params, tokens, positions, poisoned, plan)
+  clean_logits, _ = _forward(cfg, params, tokens, positions, cache, plan)
+  dirty_logits, _ = _forward(cfg, params, tokens, positions, poisoned, plan)
   f = n * k
   np.testing.assert_array_equal(np.asarray(dirty_logits[:, :f]), np.asarray(clean_logits[:, :f]))
   assert np.abs(np.asarray(dirty_logits[:, f:] - clean_logits[:, f:])).max() > 1e-2
@@ -238,7 +251,6 @@ def test_observation_window_longer_than_the_prompt_gives_the_prompts_own_queries
   token at position 0, which every later query attended to as well (the first token weighed
   9 times in a 6-token row with a 13-token window): every query but the first was wrong from
   layer 1 on, so SnapKV selected from wrong scores for every prompt shorter than its window."""
-  from sparsedec.compress.base import prompt_window_queries
   from sparsedec.decode.api import start
   cfg, params, tok = stories
   prompt = tok.encode("Once upon a time, there was a little girl")
@@ -246,11 +258,11 @@ def test_observation_window_longer_than_the_prompt_gives_the_prompts_own_queries
   lengths = [int(n) for n in state.num_tokens]                   # 6 and 10: with the first token
   exact = {}
   for row, n in enumerate(lengths):                              # each row's own length
-    q, pos, valid = prompt_window_queries(cfg, params, state, n)
+    q, pos, valid = _window_queries(cfg, params, state, n)
     for layer, ql in enumerate(q):
       for i in np.flatnonzero(np.asarray(valid[row])):
         exact[row, layer, int(pos[row, i])] = np.asarray(ql[row, i])
-  q, pos, valid = prompt_window_queries(cfg, params, state, 13)
+  q, pos, valid = _window_queries(cfg, params, state, 13)
   for row, n in enumerate(lengths):
     assert sorted(int(p) for p in np.asarray(pos[row])[np.asarray(valid[row])]) == list(range(n))
     for layer, ql in enumerate(q):
@@ -263,12 +275,11 @@ def test_an_observation_window_past_the_token_buffer_is_cut_to_it(stories):
   """SnapKV's window is a static width: one past the token buffer (every token a row can hold)
   only added invalid queries to the init forward, and 2**40 failed at run time. It is cut to the
   buffer: the same selection, so FAFO with it is still dense greedy."""
-  from sparsedec.compress.base import prompt_window_queries
   from sparsedec.decode.api import start
   cfg, params, tok = stories
   prompt = tok.encode("Once upon a time, there was a little girl")
   state, _ = start(cfg, params, [prompt], max_new_tokens=8)
-  q, pos, valid = prompt_window_queries(cfg, params, state, 2 ** 40)
+  q, pos, valid = _window_queries(cfg, params, state, 2 ** 40)
   assert pos.shape == valid.shape == (1, state.tokens.shape[1])
   assert q[0].shape[1] == state.tokens.shape[1] and int(valid.sum()) == len(prompt) + 1
   method = Fafo(subsequences=2, length=3, candidates=2,
@@ -503,7 +514,7 @@ def test_a_budget_past_the_cache_lists_every_block_in_tables_the_cache_s_length(
   listed = {}
   for budget in (8, 10 ** 5):
     policy = policy_type(budget_blocks=budget, block_size=8, **knobs)
-    view = policy.view(policy.init(cfg, params, state), state.cache)
+    view = policy.view(_policy_init(policy, cfg, params, state), state.cache)
     assert view.tables.shape[-1] == 8, (budget, view.tables.shape)
     lv = view.at_layer(0)
     listed[budget] = [sorted(np.asarray(lv.tables[0, h, : int(lv.counts[0, h])]).tolist())

@@ -66,9 +66,16 @@ def _int8_reference(x, axis):
 def _kv(seed, b, hkv, s, d, dtype, spread):
   k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
   # Per-channel outliers in K (the reason keys are grouped per channel), a per-token offset in V.
-  k = rand.normal(k1, (b, hkv, s, d)) * jnp.exp(spread * rand.normal(k3, (d,)))
-  v = rand.normal(k2, (b, hkv, s, d)) + spread * rand.normal(k3, (s, 1))
-  return k.astype(dtype), v.astype(dtype)
+  # Combined in numpy (fp32): as jnp operations each new shape compiled each of them.
+  normal = lambda key, shape: np.asarray(rand.normal(key, shape))          # noqa: E731
+  k = normal(k1, (b, hkv, s, d)) * np.exp(np.float32(spread) * normal(k3, (d,)))
+  v = normal(k2, (b, hkv, s, d)) + np.float32(spread) * normal(k3, (s, 1))
+  return jnp.asarray(k).astype(dtype), jnp.asarray(v).astype(dtype)
+
+
+# Inspection helpers jitted (one program per shape, not one per operation and shape).
+_codes8 = jax.jit(codes8)
+_unpack_words = jax.jit(unpack_words)
 
 
 @settings(max_examples=10, deadline=None, derandomize=True)
@@ -79,7 +86,7 @@ def test_int8_code_is_16_upper_plus_lower_bit_for_bit(seed, s_groups, d, group, 
   b, hkv, s = 1, 2, s_groups * group
   k, v = _kv(seed, b, hkv, s, d, dtype, spread)
   qkv = quantize_kv(k, v, group=group)
-  k8, v8 = codes8(qkv)
+  k8, v8 = _codes8(qkv)
   kx = np.asarray(k, np.float32).reshape(b, hkv, s_groups, group, d)
   ref_k, ref_kz, ref_ks = _int8_reference(kx, axis=3)
   ref_v, ref_vz, ref_vs = _int8_reference(np.asarray(v, np.float32), axis=3)
@@ -93,8 +100,8 @@ def test_int8_code_is_16_upper_plus_lower_bit_for_bit(seed, s_groups, d, group, 
   # (64-channel chunks), V in channel-major token tiles [.., plane, S/T, D, T], each row of codes
   # stored as words of 8 (`pack_words`). upper = nearest multiple of 16 of c8 (ties up).
   assert qkv.k_codes.dtype == jnp.uint32 and qkv.v_codes.dtype == jnp.uint32
-  kc = np.asarray(unpack_words(qkv.k_codes))
-  vc = np.asarray(unpack_words(qkv.v_codes))
+  kc = np.asarray(_unpack_words(qkv.k_codes))
+  vc = np.asarray(_unpack_words(qkv.v_codes))
   k_planes = np.moveaxis(kc, 3, 4).reshape(b, hkv, 2, s, d)                 # [B, Hkv, 2, S, D]
   v_planes = np.swapaxes(vc, -1, -2).reshape(b, hkv, 2, s, d)             # [B, Hkv, 2, S, D]
   for planes, c8 in ((k_planes, ref_k.reshape(b, hkv, s, d)), (v_planes, ref_v)):
@@ -116,7 +123,7 @@ def test_values_beyond_fp16_range_saturate_instead_of_poisoning_their_group():
   qkv = quantize_kv(k_big, v_big, group=32)
   for x in (qkv.k_scale, qkv.k_zero, qkv.v_scale, qkv.v_zero):
     assert np.isfinite(np.asarray(x, np.float32)).all()
-  k8, v8 = codes8(qkv)
+  k8, v8 = _codes8(qkv)
   ref_k = _int8_reference(np.asarray(k_big, np.float32).reshape(1, 2, 2, 32, 64), axis=3)[0]
   np.testing.assert_array_equal(np.asarray(k8), ref_k.reshape(1, 2, 64, 64))
   np.testing.assert_array_equal(np.asarray(v8), _int8_reference(np.asarray(v_big, np.float32),
@@ -147,7 +154,7 @@ def test_a_group_spanning_fp16s_range_dequantizes_to_finite_fp16():
   top = lambda z, st: z.astype(np.float32) + 15 * st.astype(np.float32)
   assert top(np.asarray(qkv.k_zero), np.asarray(qkv.k_scale)).max() <= 65504
   assert top(np.asarray(qkv.v_zero), np.asarray(qkv.v_scale)).max() <= 65504
-  k8, v8 = codes8(qkv)
+  k8, v8 = _codes8(qkv)
   np.testing.assert_array_equal(np.asarray(v8), _int8_reference(np.asarray(v, np.float32), 3)[0])
   np.testing.assert_array_equal(np.asarray(k8), _int8_reference(np.asarray(k, np.float32), 2)[0])
   for bits in (4, 8):
