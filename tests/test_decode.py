@@ -745,7 +745,9 @@ def test_the_cache_is_made_on_the_params_device():
   import subprocess
   import sys
   root = pathlib.Path(__file__).resolve().parent.parent
-  env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
+  # The host platform's 4 devices (JAX_PLATFORMS=cpu: on a GPU machine the default backend
+  # is the GPU, with its own device count).
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
                                      + " --xla_force_host_platform_device_count=4").strip(),
          "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
   script = ON_THE_PARAMS_DEVICE.replace("CHECKPOINT",

@@ -137,7 +137,9 @@ def test_a_checkpoint_loads_onto_the_default_device():
   """load_model / load_checkpoint under `jax.default_device(d)` restore onto d, as a GGUF or HF
   load does (the restore committed every array to jax.devices()[0], whatever the caller's
   default device: the model then ran on device 0)."""
-  env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
+  # The host platform's 4 devices (JAX_PLATFORMS=cpu: on a GPU machine the default backend
+  # is the GPU, with its own device count).
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
                                      + " --xla_force_host_platform_device_count=4").strip(),
          "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
   script = ON_THE_DEFAULT_DEVICE.replace("CHECKPOINT", repr(str(ROOT / "checkpoints" /
