@@ -740,18 +740,5 @@ def test_the_cache_is_made_on_the_params_device():
   """api.start makes the empty cache on the device its params are committed to: it was made on
   the default device and copied by the prefill's call (every request of a model on device 1
   held a whole cache on device 0 for a while). The tokens are the single-device run's."""
-  import os
-  import pathlib
-  import subprocess
-  import sys
-  root = pathlib.Path(__file__).resolve().parent.parent
-  # The host platform's 4 devices (JAX_PLATFORMS=cpu: on a GPU machine the default backend
-  # is the GPU, with its own device count).
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
-                                     + " --xla_force_host_platform_device_count=4").strip(),
-         "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-  script = ON_THE_PARAMS_DEVICE.replace("CHECKPOINT",
-                                        repr(str(root / "checkpoints" / "stories260K")))
-  proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                        timeout=300, check=False)
-  assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+  from host_devices import run_script
+  run_script(ON_THE_PARAMS_DEVICE)

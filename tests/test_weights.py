@@ -137,16 +137,8 @@ def test_a_checkpoint_loads_onto_the_default_device():
   """load_model / load_checkpoint under `jax.default_device(d)` restore onto d, as a GGUF or HF
   load does (the restore committed every array to jax.devices()[0], whatever the caller's
   default device: the model then ran on device 0)."""
-  # The host platform's 4 devices (JAX_PLATFORMS=cpu: on a GPU machine the default backend
-  # is the GPU, with its own device count).
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
-                                     + " --xla_force_host_platform_device_count=4").strip(),
-         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-  script = ON_THE_DEFAULT_DEVICE.replace("CHECKPOINT", repr(str(ROOT / "checkpoints" /
-                                                                 "stories260K")))
-  proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                        timeout=300, check=False)
-  assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+  from host_devices import run_script
+  run_script(ON_THE_DEFAULT_DEVICE)
 
 
 def test_sharded_safetensors_load_identically(stories_hf_dir, hf_copy):

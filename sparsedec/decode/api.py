@@ -17,7 +17,7 @@ from sparsedec.decode.loop import (DecodeMethod, StepContext, decode, describe_b
 from sparsedec.decode.methods import get_method
 from sparsedec.decode.prefill import empty_cache, prefill
 from sparsedec.decode.sampling import SamplingConfig
-from sparsedec.decode.state import DecodeState, check_state
+from sparsedec.decode.state import DecodeState, beside_step, check_state
 from sparsedec.errors import InputError, is_int
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.gptq import without_draft
@@ -324,13 +324,8 @@ class Run:
     # with `steps` given, nothing is read back, so a caller can queue several slices without
     # waiting for the first.
     count = np.int32(min(budget, np.iinfo(np.int32).max))
-    if not isinstance(state.step, jax.core.Tracer):
-      # Put where the state's counter lives, explicitly: passed as numpy it was an implicit
-      # host-to-device copy every call, refused under jax.transfer_guard("disallow"). Committed
-      # only where the state is (a committed bound commits the outputs: the next call compiles).
-      count = jax.device_put(count, state.step.sharding if state.step.committed else None)
-    return decode(self.cfg, without_draft(params), state, count, method=self.method,
-                  ctx=self.ctx)
+    return decode(self.cfg, without_draft(params), state, beside_step(state, count),
+                  method=self.method, ctx=self.ctx)
 
 
 def collect(state: DecodeState, stop_ids: tuple[int, ...]) -> tuple[list[list[int]], list[bool]]:

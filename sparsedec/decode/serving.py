@@ -28,7 +28,7 @@ import numpy as np
 
 from sparsedec.decode.loop import describe_build
 from sparsedec.decode.quantspec import QuantSpecExtras
-from sparsedec.decode.state import DecodeState, check_state
+from sparsedec.decode.state import DecodeState, beside_step, check_state
 from sparsedec.errors import InputError
 from sparsedec.model import gptq
 from sparsedec.model.params import Params
@@ -134,14 +134,9 @@ def insert_row(state: DecodeState, request: DecodeState, row: int, *,
                        f"{one.dtype}{list(one.shape)}, the running state's "
                        f"{big.dtype}{list(big.shape)} (batch axis {axis}): start both with the "
                        f"same model (config, dtype), cache_size and method")
-  # Explicit transfers (a read of done, the row put beside the state's counter): implicit
-  # ones are refused under jax.transfer_guard("disallow"), and the row was made on the default
-  # device, then copied to a state placed elsewhere.
+  # done read explicitly (an implicit read is refused under jax.transfer_guard("disallow")).
   if not replace_running and not bool(jax.device_get(state.done)[row]):
     raise InputError(f"row {row} is still decoding (state.done[{row}] is False): insert into a "
                      f"finished row, e.g. the first of numpy.flatnonzero(state.done), or pass "
                      f"replace_running=True to drop its request")
-  row_index = np.int32(row)
-  if not isinstance(state.step, jax.core.Tracer):
-    row_index = jax.device_put(row_index, state.step.sharding if state.step.committed else None)
-  return _insert(state, request, row_index)
+  return _insert(state, request, beside_step(state, np.int32(row)))

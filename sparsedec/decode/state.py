@@ -79,6 +79,17 @@ def method_extras(state: DecodeState, cls: type, method_name: str) -> Any:
   return state.extras
 
 
+def beside_step(state: DecodeState, value):
+  """A host scalar put where the state's step counter is, for a jitted call on the state:
+  explicitly (an implicit host-to-device copy is refused under jax.transfer_guard("disallow"),
+  and one made on the default device was copied again to a state placed elsewhere), committed
+  only where the state is (a committed argument commits the call's outputs: the next call on
+  them compiles again). Under a caller's trace, value as it is."""
+  if isinstance(state.step, jax.core.Tracer):
+    return value
+  return jax.device_put(value, state.step.sharding if state.step.committed else None)
+
+
 def append_tokens(state: DecodeState, new_tokens: jax.Array, count: jax.Array,
                   stop_ids: tuple[int, ...]) -> tuple[DecodeState, jax.Array]:
   """Append up to count[b] of new_tokens[b] ([B, A]) to each row that is not done.
