@@ -71,7 +71,7 @@ from sparsedec.kv.dense import KVCache, commit
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.forward import forward
 from sparsedec.model.params import Params
-from sparsedec.model.gptq import DRAFT_KEY
+from sparsedec.model.gptq import DRAFT_KEY, with_draft
 from sparsedec.model.quant_weights import (GRIDS, LAYOUTS, QUANTIZED_LINEARS, params_to_layout,
                                            quantize_params, weights_bytes)
 
@@ -130,6 +130,12 @@ class QuantSpecExtras:
   drafted: jax.Array           # [B] int32: draft tokens proposed, summed over steps (a step cut
                                # short by the budget or a stop token: its appended drafts only)
   accepted_drafts: jax.Array   # [B] int32: draft tokens accepted (and appended)
+
+  def request_params(self, params: Params) -> Params:
+    """`serving.request_params`: params carrying this batch's 4-bit draft (`gptq.with_draft`),
+    which a request's init takes instead of quantizing every linear again."""
+    return params if self.draft_params is None else with_draft(params,
+                                                               self.draft_params["layers"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,7 +350,11 @@ class QuantSpec:
     extras = x.replace(qcache=qkv.commit(x.qcache, kv, appended),
                        drafted=x.drafted + proposed,
                        accepted_drafts=x.accepted_drafts + accepted)
-    return state.replace(cache=commit(state.cache, kv, appended), extras=extras)
+    if self.verify_precision == "full":
+      cache = commit(state.cache, kv, appended)
+    else:      # the placeholder slot holds nothing: only the lengths move (no scatter per layer)
+      cache = state.cache.replace(lengths=state.cache.lengths + appended.astype(jnp.int32))
+    return state.replace(cache=cache, extras=extras)
 
   def stats(self, state: DecodeState) -> dict:
     """Host-side figures: acceptance (acceptance_rate: accepted drafts / drafted tokens, summed

@@ -27,10 +27,8 @@ import jax
 import numpy as np
 
 from sparsedec.decode.loop import describe_build
-from sparsedec.decode.quantspec import QuantSpecExtras
 from sparsedec.decode.state import DecodeState, beside_step, check_state
 from sparsedec.errors import InputError
-from sparsedec.model import gptq
 from sparsedec.model.params import Params
 
 
@@ -41,10 +39,8 @@ def request_params(params: Params, state: DecodeState) -> Params:
   insert_row to drop the result (SmolLM2-135M on a CPU: api.start 1.7 -> 0.4 s a request);
   params as they are otherwise. The same params advance the batch (the loop ignores the draft)."""
   check_state(state, "request_params' state")
-  extras = state.extras
-  if isinstance(extras, QuantSpecExtras) and extras.draft_params is not None:
-    return gptq.with_draft(params, extras.draft_params["layers"])
-  return params
+  reuse = getattr(state.extras, "request_params", None)   # a method's extras may define it
+  return params if reuse is None else reuse(params)
 
 
 def _batch_axes(state: DecodeState) -> list[int | None]:

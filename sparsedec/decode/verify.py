@@ -180,14 +180,13 @@ def speculative_accept(p: jax.Array, q: jax.Array, token: jax.Array
   token accepted: a NaN draft's token 0, every time)."""
   pt = jnp.take_along_axis(p, token[..., None], axis=-1)[..., 0]
   qt = jnp.take_along_axis(q, token[..., None], axis=-1)[..., 0]
-  broken = jnp.isnan(q).any(axis=-1)                                              # [...]
+  excess = jnp.maximum(p - q, 0.0)                       # a NaN in q stays NaN (jnp.maximum)
+  total = jnp.sum(excess, axis=-1, keepdims=True)
+  broken = jnp.isnan(total)                               # [..., 1]: q held a NaN
   alpha = jnp.where(qt > 0, jnp.minimum(1.0, pt / jnp.where(qt > 0, qt, 1.0)),
                     (pt > 0).astype(p.dtype))
-  alpha = jnp.where(broken, 0.0, alpha)
-  excess = jnp.maximum(p - q, 0.0)
-  total = jnp.sum(excess, axis=-1, keepdims=True)
-  residual = jnp.where((total > 0) & ~broken[..., None],
-                       excess / jnp.where(total > 0, total, 1.0), p)
+  alpha = jnp.where(broken[..., 0], 0.0, alpha)
+  residual = jnp.where((total > 0) & ~broken, excess / jnp.where(total > 0, total, 1.0), p)
   return alpha, residual
 
 
