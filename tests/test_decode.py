@@ -84,9 +84,46 @@ def test_stop_token_ends_row_and_is_kept():
   stop = free.tokens[0][5]
   first = free.tokens[0].index(stop)
   stopped = sparsedec.generate(cfg, params, [[1, 2, 3], [4, 5]], max_new_tokens=16,
-                               stop_tokens=(stop,))
+                               stop_tokens=(stop,), return_state=True)
   assert stopped.tokens[0] == free.tokens[0][: first + 1]
   assert stopped.stopped[0]
+  # A finished row's cache stops growing: it holds every token but the last (not yet forwarded),
+  # not the forwards the loop ran for the other row after it stopped.
+  state = stopped.state
+  assert len(stopped.tokens[0]) < len(stopped.tokens[1])
+  np.testing.assert_array_equal(np.asarray(state.cache.lengths), np.asarray(state.num_tokens) - 1)
+
+
+def test_a_prompt_ending_on_a_chunks_first_token_draws_from_its_logits():
+  """Prompts of 1, 5 and 9 tokens prefilled in chunks of 4: each one's last token is the first of
+  a chunk, where the first new token's logits are taken (a `>` for `>=` there drew every such
+  row's first token from zero logits: token 0)."""
+  cfg = CONFIGS["llama3"]
+  params = init_random(cfg, jax.random.key(3), scale=0.3)
+  prompts = [[7], [5, 6, 7, 8, 9], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
+  padded = jnp.asarray([p + [0] * (9 - len(p)) for p in prompts])
+  logits, _ = jax.jit(forward, static_argnums=0)(
+      cfg, params, padded, jnp.broadcast_to(jnp.arange(9), (3, 9)), init_cache(cfg, 3, 1),
+      causal_plan(9))
+  want = [int(jnp.argmax(logits[i, len(p) - 1])) for i, p in enumerate(prompts)]
+  assert 0 not in want          # else zero logits' argmax would pass
+  got = sparsedec.generate(cfg, params, prompts, max_new_tokens=1, stop_tokens=(),
+                           prefill_chunk=4)
+  assert [t[0] for t in got.tokens] == want
+
+
+def test_bf16_rope_tables_take_the_angles_in_fp32():
+  """cos / sin for a bf16 model are the fp32 tables rounded to bf16: angles from bf16 positions
+  (8 significant bits: position 4097 is 4096) rotate long-context keys by the wrong angle."""
+  from sparsedec.model.rope import rope_tables
+  cfg = CONFIGS["llama3"]
+  positions = jnp.asarray([[0, 1, 257, 4097, 30001, 131071]], jnp.int32)
+  want = [np.asarray(t.astype(jnp.bfloat16), np.float32)
+          for t in rope_tables(cfg, positions, jnp.float32)]
+  got = [np.asarray(t, np.float32)
+         for t in rope_tables(cfg.replace(dtype="bfloat16"), positions, jnp.bfloat16)]
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
 
 
 def test_second_prompt_in_same_bucket_does_not_recompile(stories):
