@@ -462,6 +462,22 @@ def test_llama_sliding_window_is_refused_with_the_reason():
     ModelConfig.from_hf(dict(LLAMA_HF_CONFIG, sliding_window=8))
 
 
+@pytest.mark.parametrize("arch, want", [
+    ("LlamaForCausalLM", {False: (False, False), True: (True, True)}),
+    ("Qwen3ForCausalLM", {False: (False, False), True: (True, True)}),
+    ("Qwen2ForCausalLM", {False: (True, False), True: (True, False)}),
+    ("MistralForCausalLM", {False: (False, False), True: (False, False)})])
+def test_attention_bias_per_family_like_transformers(arch, want):
+  """(qkv_bias, o_bias) for attention_bias false / true, as transformers 5.24's attention
+  modules build their projections: Llama and Qwen3 put the flag on q, k, v and o; Qwen2 always
+  has q/k/v biases and never an o bias; Mistral has none (it ignores the key)."""
+  from sparsedec.model.config import ModelConfig
+  for flag, (qkv, o) in want.items():
+    cfg = ModelConfig.from_hf(dict(LLAMA_HF_CONFIG, architectures=[arch], attention_bias=flag))
+    assert (cfg.qkv_bias, cfg.o_bias) == (qkv, o), (arch, flag)
+    assert cfg.qk_norm == (arch == "Qwen3ForCausalLM")
+
+
 def test_qwen3_head_dim_defaults_like_transformers():
   """Qwen3Config's head_dim defaults to 128 (transformers 4.x and 5.x), not hidden/heads; Llama
   and Qwen2 configs without it still derive hidden/heads."""
