@@ -588,6 +588,26 @@ def test_qwen2_gguf_params_equal_hf(qwen_files):
   assert tok.eos_ids == (byte_level_vocab().index("<|im_end|>"),) and not tok.add_bos
 
 
+@pytest.mark.parametrize("flag", [None, True, False])
+def test_gguf_add_bos_token_flag_and_its_default_per_tokenizer_model(stories_gguf, qwen_files,
+                                                                     flag):
+  """encode adds BOS as transformers 5.24's AutoTokenizer(gguf_file=...) does (probed on these
+  two files with the flag removed): tokenizer.ggml.add_bos_token where the file has it, else on
+  for a sentencepiece ("llama") vocabulary and off for a byte-level ("gpt2") one, which has a
+  bos_token_id here (Qwen's <|endoftext|>) but no BOS in its prompts."""
+  from sparsedec.weights.gguf_file import _reader, read_metadata, tokenizer_from_metadata
+  for path, default in ((stories_gguf[0], True), (qwen_files[1], False)):
+    meta = read_metadata(_reader(str(path)))
+    meta.pop("tokenizer.ggml.add_bos_token", None)
+    if flag is not None:
+      meta["tokenizer.ggml.add_bos_token"] = flag
+    tok = tokenizer_from_metadata(meta)
+    plain = tok.encode("Once upon", add_bos=False)
+    assert tok.bos_id is not None and tok.bos_id not in plain
+    want = default if flag is None else flag
+    assert tok.encode("Once upon") == ([tok.bos_id] if want else []) + plain, (path.name, flag)
+
+
 def test_exact_4bit_grid_reads_the_linears_types(stories_gguf, smollm2_gguf, tmp_path):
   """(32, "minmax") when every linear is Q4_1 (the SmolLM2 file), (32, "absmax") when every one
   is Q4_0, None for mixed types (the written stories260K file) or a 16-bit linear, a named error

@@ -285,6 +285,13 @@ def test_bos_from_the_post_processor_when_the_config_has_no_add_bos_token():
   backend.post_processor = processors.TemplateProcessing(
       single="$A <|end_of_text|>", special_tokens=[("<|end_of_text|>", eos)])
   assert Tokenizer(backend, config).encode("Once upon") == plain + [eos]
+  # One token for both BOS and EOS (GPT-2 style), put first: it is a BOS, not also an EOS
+  # appended to every prompt.
+  backend.post_processor = processors.TemplateProcessing(
+      single="<|end_of_text|> $A", special_tokens=[("<|end_of_text|>", eos)])
+  same = Tokenizer(backend, {"bos_token": "<|end_of_text|>", "eos_token": "<|end_of_text|>"})
+  assert (same.add_bos, same.add_eos) == (True, False)
+  assert same.encode("Once upon") == [eos] + plain
 
 
 def test_chat_template_file_wins_over_the_config_entry(stories_hf_dir, tmp_path):
