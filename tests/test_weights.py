@@ -505,6 +505,11 @@ def test_absent_context_and_kv_heads_default_like_transformers(arch, context, kv
   assert (cfg.max_position_embeddings, cfg.num_kv_heads) == (context, kv_heads)
   assert ModelConfig.from_hf(dict(hf, num_key_value_heads=None)).num_kv_heads == 32
   assert ModelConfig.from_hf(dict(hf, max_position_embeddings=64)).max_position_embeddings == 64
+  # The defaults every family's config class shares (transformers 5.24): rms_norm_eps 1e-6,
+  # rope theta 10000 (default_theta), untied embeddings.
+  assert "rms_norm_eps" not in hf and "tie_word_embeddings" not in hf
+  assert (cfg.rms_norm_eps, cfg.tie_word_embeddings) == (1e-6, False)
+  assert ModelConfig.from_hf({k: v for k, v in hf.items() if k != "rope_theta"}).rope_theta == 1e4
   if not arch.startswith("Qwen"):
     return
   with pytest.raises(UnsupportedConfigError, match="no num_key_value_heads.*default of 32: not "
