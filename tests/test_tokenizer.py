@@ -245,6 +245,20 @@ def test_stream_decoder_never_emits_partial_characters(stories_tok, smol_tok, da
     assert all("\ufffd" not in piece for piece in pieces)
 
 
+def test_stream_decoder_holds_a_run_of_byte_tokens_a_later_byte_can_change(stories_tok):
+  """The byte-fallback decoder decodes a run of byte tokens together, and a run that is no valid
+  UTF-8 becomes one U+FFFD per byte: "é" (C3 A9) turns into three U+FFFD when another A9
+  follows, and "A" (a byte token 41) into two when A9 does. So text ending in a byte token is held
+  even when it decodes cleanly (fed one id at a time, "é" was emitted, then the run's rest)."""
+  byte = lambda b: 3 + b                  # noqa: E731 (stories260K: <0x00> is id 3)
+  assert stories_tok.decode([byte(0x41)]) == "A"
+  for seq in ([0xC3, 0xA9, 0xA9], [0xC3, 0xA9, 0x41], [0x41, 0xA9], [0xE2, 0x82, 0xAC, 0xAC]):
+    ids = [byte(b) for b in seq]
+    dec = stories_tok.stream_decoder()
+    pieces = [dec.feed(i) for i in ids] + [dec.finish()]
+    assert "".join(pieces) == stories_tok.decode(ids), (seq, pieces)
+
+
 def test_stream_decoder_takes_ids_from_arrays(stories_tok):
   """Elements of a numpy or JAX id array are fed as single ids (a numpy integer raised "not
   iterable", a 0-d array "iteration over a 0-d array"), and a whole array as ids."""
