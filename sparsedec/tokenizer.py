@@ -59,11 +59,16 @@ class Tokenizer:
         ([eos] if eos is not None else []) + [int(i) for i in extra_eos_ids]))
     # The config's add_bos_token / add_eos_token where it has them; else what tokenizer.json's
     # post-processor adds (Llama 3 ships no add_bos_token: its TemplateProcessing puts
-    # <|begin_of_text|> first, and transformers' encode runs it).
+    # <|begin_of_text|> first, and transformers' encode runs it). What it puts before a text and
+    # what after is read around a probe text's ids: from "" alone a token that is both BOS and
+    # EOS could not be placed, and "$A <eos>" was taken for a BOS (prepended; transformers
+    # appends it).
+    frame = _post_processor_frame(backend)
     added = backend.encode("", add_special_tokens=True).ids
-    post_bos = self.bos_id is not None and added[:1] == [self.bos_id]
-    post_eos = bool(self.eos_ids) and added[-1:] == [self.eos_ids[0]] and (
-        len(added) > 1 or not post_bos)
+    head, tail = frame if frame is not None else (added, added)
+    post_bos = self.bos_id is not None and head[:1] == [self.bos_id]
+    post_eos = bool(self.eos_ids) and tail[-1:] == [self.eos_ids[0]] and (
+        frame is not None or len(added) > 1 or not post_bos)
     self.add_bos = bool(self.config.get("add_bos_token", post_bos))
     self.add_eos = bool(self.config.get("add_eos_token", post_eos))
     self.chat_template: str | None = self.config.get("chat_template")
@@ -205,6 +210,21 @@ class Tokenizer:
     if self.chat_template is not None and os.path.isfile(template_file):   # it would win on load
       with open(template_file, "w", encoding="utf-8") as f:
         f.write(self.chat_template)
+
+
+def _post_processor_frame(backend: BackendTokenizer) -> tuple[list[int], list[int]] | None:
+  """(ids the post-processor puts before a text, ids it puts after), found around a probe
+  text's ids; None where no probe has ids that the framed encoding holds whole."""
+  added = len(backend.encode("", add_special_tokens=True).ids)
+  for probe in ("a", "Hello"):
+    plain = backend.encode(probe, add_special_tokens=False).ids
+    framed = backend.encode(probe, add_special_tokens=True).ids
+    n = len(plain)
+    if n and len(framed) == n + added:
+      for i in range(added + 1):
+        if framed[i:i + n] == plain:
+          return framed[:i], framed[i + n:]
+  return None
 
 
 class StreamDecoder:

@@ -306,6 +306,12 @@ def test_bos_from_the_post_processor_when_the_config_has_no_add_bos_token():
   same = Tokenizer(backend, {"bos_token": "<|end_of_text|>", "eos_token": "<|end_of_text|>"})
   assert (same.add_bos, same.add_eos) == (True, False)
   assert same.encode("Once upon") == [eos] + plain
+  # ... and put last it is an EOS, appended as transformers' encode does (it was prepended).
+  backend.post_processor = processors.TemplateProcessing(
+      single="$A <|end_of_text|>", special_tokens=[("<|end_of_text|>", eos)])
+  same = Tokenizer(backend, {"bos_token": "<|end_of_text|>", "eos_token": "<|end_of_text|>"})
+  assert (same.add_bos, same.add_eos) == (False, True)
+  assert same.encode("Once upon") == plain + [eos]
 
 
 def test_chat_template_file_wins_over_the_config_entry(stories_hf_dir, tmp_path):
