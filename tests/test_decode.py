@@ -207,6 +207,23 @@ def test_sampling_first_token_distribution_matches_processed_probs(stories):
   assert stats.chisquare(observed, expected).pvalue > 1e-3
 
 
+def test_each_sampled_token_draws_with_a_fresh_key():
+  """Near-uniform logits (a near-zero model) at T = 1: consecutive tokens of a row are
+  independent draws, equal about 1 / V of the time. A step reusing its row's key (prefill's or
+  the previous step's) draws every token with the same Gumbel noise: the same token again."""
+  cfg = CONFIGS["llama3"]
+  params = init_random(cfg, jax.random.key(4), scale=1e-4)
+  n = 200
+  result = sparsedec.generate(cfg, params, [[1, 2, 3]] * n, max_new_tokens=4, stop_tokens=(),
+                              sampling=sparsedec.SamplingConfig(temperature=1.0),
+                              seed=list(range(n)))
+  toks = np.array(result.tokens)                                          # [n, 4]
+  assert len(set(toks[:, 0])) > 50                  # spread over the vocabulary, per-row seeds
+  for j in range(3):
+    same = float((toks[:, j] == toks[:, j + 1]).mean())
+    assert same < 0.1, f"tokens {j} and {j + 1} equal in {same:.0%} of rows"
+
+
 @pytest.mark.parametrize("temperature", [1e-10, 1e-30])
 def test_tiny_temperatures_give_the_argmax_under_jit(stories, temperature):
   """At T -> 0 the distribution is the argmax one-hot. Computed as l / T - max(l / T) under jit,
