@@ -608,6 +608,26 @@ def test_gguf_add_bos_token_flag_and_its_default_per_tokenizer_model(stories_ggu
     assert tok.encode("Once upon") == ([tok.bos_id] if want else []) + plain, (path.name, flag)
 
 
+def test_gguf_user_defined_tokens_are_added_but_not_special(qwen_files):
+  """tokenizer.ggml.token_type USER_DEFINED (4) tokens are added whole but not special, CONTROL
+  (3) ones special, as transformers 5.24's add_gguf_special_tokens does: decoding with
+  skip_special_tokens drops <|im_end|> and keeps a user-defined "in" (no written file had one)."""
+  from sparsedec.weights.gguf_file import _reader, read_metadata, tokenizer_from_metadata
+  meta = read_metadata(_reader(str(qwen_files[1])))
+  tokens = meta["tokenizer.ggml.tokens"]
+  user, control = tokens.index("in"), tokens.index("<|im_end|>")
+  types = list(meta["tokenizer.ggml.token_type"])
+  assert (types[user], types[control]) == (1, 3)
+  types[user] = 4
+  tok = tokenizer_from_metadata(dict(meta, **{"tokenizer.ggml.token_type": types}))
+  added = tok.backend.get_added_tokens_decoder()
+  assert user in added and not added[user].special and added[control].special
+  assert user not in tok.special_ids and control in tok.special_ids
+  assert tok.decode([user, control], skip_special_tokens=True) == "in"
+  assert tok.decode([user, control]) == "in<|im_end|>"
+  assert user in tok.encode("think", add_bos=False)          # matched whole, before the BPE
+
+
 def test_exact_4bit_grid_reads_the_linears_types(stories_gguf, smollm2_gguf, tmp_path):
   """(32, "minmax") when every linear is Q4_1 (the SmolLM2 file), (32, "absmax") when every one
   is Q4_0, None for mixed types (the written stories260K file) or a 16-bit linear, a named error
