@@ -628,6 +628,21 @@ def test_gguf_user_defined_tokens_are_added_but_not_special(qwen_files):
   assert user in tok.encode("think", add_bos=False)          # matched whole, before the BPE
 
 
+def test_gguf_byte_level_control_token_outside_the_byte_alphabet_is_skipped(qwen_files):
+  """A byte-level vocabulary spells every token in GPT-2's byte alphabet; a CONTROL token with
+  another character (a llama.cpp mislabel) is skipped as transformers 5.24 skips it: added as a
+  special token it got an id past the vocabulary (more ids than the model has logits)."""
+  from sparsedec.weights.gguf_file import _reader, read_metadata, tokenizer_from_metadata
+  meta = read_metadata(_reader(str(qwen_files[1])))
+  tokens = list(meta["tokenizer.ggml.tokens"]) + ["a b"]               # " " is not in it
+  types = list(meta["tokenizer.ggml.token_type"]) + [3]
+  tok = tokenizer_from_metadata(dict(meta, **{"tokenizer.ggml.tokens": tokens,
+                                              "tokenizer.ggml.token_type": types}))
+  assert tok.vocab_size == len(tokens)
+  assert len(tokens) - 1 not in tok.special_ids
+  assert tok.special_ids == {tokens.index(t) for t in QWEN_SPECIAL}
+
+
 def test_exact_4bit_grid_reads_the_linears_types(stories_gguf, smollm2_gguf, tmp_path):
   """(32, "minmax") when every linear is Q4_1 (the SmolLM2 file), (32, "absmax") when every one
   is Q4_0, None for mixed types (the written stories260K file) or a 16-bit linear, a named error
