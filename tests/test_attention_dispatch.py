@@ -224,3 +224,68 @@ def test_attend_checks_shapes_and_dtypes_before_either_path():
   got = attend(q, kv, kv, lengths, new, new, pos, full(plan.inflight_mask.astype(jnp.int32)),
                impl="reference")
   assert got.shape == q.shape
+
+
+def _brute_attention(q, kc, vc, kn, vn, visible_cache, visible_new):
+  """Softmax attention written out (float64): visible_cache [B, Hkv, T, S], visible_new
+  [B, T, U]; a query that sees nothing gives 0."""
+  b, t, hq, d = q.shape
+  hkv = kc.shape[1]
+  out = np.zeros((b, t, hq, d))
+  for row in range(b):
+    for i in range(t):
+      for h in range(hq):
+        kh = h // (hq // hkv)
+        keys = np.concatenate([kc[row, kh], kn[row, :, kh]]).astype(np.float64)
+        vals = np.concatenate([vc[row, kh], vn[row, :, kh]]).astype(np.float64)
+        seen = np.concatenate([visible_cache[row, kh, i], visible_new[row, i]])
+        if not seen.any():
+          continue
+        sc = keys[seen] @ q[row, i, h] / np.sqrt(d)
+        p = np.exp(sc - sc.max())
+        out[row, i, h] = (p / p.sum()) @ vals[seen]
+  return out
+
+
+@pytest.mark.parametrize("window", [None, 2, 6])
+def test_reference_attend_against_written_out_masks(window):
+  """The reference path's masks, pinned one slot at a time against a written-out softmax: ragged
+  lengths (an empty row), a query whose in-flight row is all False over an empty cache (output 0,
+  not NaN), a block list with an entry past its count (not read), and a sliding window at its edge
+  (a key window - 1 positions back is seen, one window back is not)."""
+  from sparsedec.attention import AttentionPlan, BlockListView, FullView, Segment
+  b, t, hq, hkv, d, s = 3, 3, 4, 2, 8, 16
+  rng = np.random.default_rng(0)
+  q, kn, vn = (rng.normal(size=shape).astype(np.float32)
+               for shape in [(b, t, hq, d), (b, t, hkv, d), (b, t, hkv, d)])
+  kc, vc = (rng.normal(size=(b, hkv, s, d)).astype(np.float32) for _ in range(2))
+  lengths = np.array([0, 5, 13], np.int32)
+  q_pos = lengths[:, None] + np.arange(t, dtype=np.int32)[None]
+  mask = np.array([[False, False, False], [True, True, False], [True, True, True]])
+  # Query 0 reads blocks of 4 from its list (block 3 of row 2, head 1, listed past the count).
+  tables = np.array([[[0, 1], [1, 0]], [[1, 0], [0, 1]], [[0, 2], [2, 3]]], np.int32)
+  counts = np.array([[2, 1], [2, 1], [2, 1]], np.int32)
+  plan = AttentionPlan(jnp.asarray(mask), (
+      Segment(BlockListView(jnp.asarray(tables), jnp.asarray(counts), 4), 0, 1),
+      Segment(FullView(), 1, t)))
+  slots = np.arange(s)
+  vis_cache = np.broadcast_to(slots < lengths[:, None, None, None], (b, hkv, t, s)).copy()
+  for row in range(b):
+    for h in range(hkv):
+      listed = tables[row, h, : counts[row, h]]
+      vis_cache[row, h, 0] &= np.isin(slots // 4, listed)
+  vis_new = np.broadcast_to(mask, (b, t, t)).copy()
+  if window is not None:
+    vis_cache &= (q_pos[:, None, :, None] - slots) < window
+    vis_new &= (q_pos[:, :, None] - q_pos[:, None, :]) < window
+    # The edges are really in play: row 2's last query (position 15) sees slot 10, not 9 (window
+    # 6); in flight, it sees position 14, not 13 (window 2).
+    if window == 6:
+      assert vis_cache[2, 0, 2, 10] and not vis_cache[2, 0, 2, 9]
+    else:
+      assert vis_new[2, 2, 1] and not vis_new[2, 2, 0] and vis_cache[1, 0, 0, 4]
+  got = attend(*(jnp.asarray(x) for x in (q, kc, vc, lengths, kn, vn, q_pos)), plan,
+               window=window, impl="reference")
+  want = _brute_attention(q, kc, vc, kn, vn, vis_cache, vis_new)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+  assert np.all(np.asarray(got)[0, 0] == 0)                  # sees nothing: 0, not NaN

@@ -605,3 +605,160 @@ def test_a_length_past_the_policys_max_commit_names_the_length_that_fits(capsys)
   assert "length + 1 = 65 entries per step; the policy's max_commit is 64: a length " \
          "(--fafo-length) of at most 63, or a policy with max_commit >= 65" in err, err
   Fafo(length=63, policy=Quest())                   # the largest it takes
+
+
+# Which blocks each policy lists, pinned on small hand-made inputs (no model: the tests above hold
+# whatever the lists say, FAFO being lossless whatever its fumbles read).
+
+def test_streaming_lists_the_sink_blocks_then_the_newest_blocks():
+  """Sinks + the newest blocks, exactly: the boundary between them, a partial newest block, a row
+  exactly budget_blocks long, a short row (all its blocks) and an empty row."""
+  from sparsedec.compress.streaming import streaming_tables
+  lengths = jnp.asarray([77, 24, 33, 32, 0], jnp.int32)          # blocks of 8: 10, 3, 5, 4, 0
+  want = {1: [[0, 7, 8, 9], [0, 1, 2], [0, 2, 3, 4], [0, 1, 2, 3], []],
+          2: [[0, 1, 8, 9], [0, 1, 2], [0, 1, 3, 4], [0, 1, 2, 3], []],
+          0: [[6, 7, 8, 9], [0, 1, 2], [1, 2, 3, 4], [0, 1, 2, 3], []]}
+  for sinks, rows in want.items():
+    tables, counts = streaming_tables(lengths, 2, block_size=8, budget_blocks=4, sink_blocks=sinks)
+    assert tables.shape == (5, 2, 4) and counts.shape == (5, 2)
+    for b, row in enumerate(rows):
+      for h in range(2):
+        got = np.asarray(tables[b, h, : int(counts[b, h])]).tolist()
+        assert got == row, (sinks, b, h, got, row)
+
+
+def _quest_bound(q, page_min, page_max):
+  """Quest's page score, written out: per (row, KV head, page) the sum over the KV head's query
+  heads and the channels of max(q * min, q * max). q [B, Hq, D]; bounds [B, Hkv, P, D]."""
+  b, hq, d = q.shape
+  hkv = page_min.shape[1]
+  qg = q.reshape(b, hkv, hq // hkv, 1, d)
+  return np.maximum(qg * page_min[:, :, None], qg * page_max[:, :, None]).sum(axis=(2, 4))
+
+
+def test_quest_page_bounds_are_per_channel_min_and_max_of_the_valid_slots():
+  from sparsedec.compress.quest import _page_bounds
+  rng = np.random.default_rng(0)
+  k = rng.normal(size=(2, 2, 24, 3)).astype(np.float32)           # 3 pages of 8
+  k[:, :, 20:] = 50.0                                              # past row 0's length: not read
+  lengths = jnp.asarray([20, 5], jnp.int32)
+  lo, hi = _page_bounds(jnp.asarray(k), lengths, 8)
+  for b, n in enumerate([20, 5]):
+    for p in range(3):
+      slots = [s for s in range(p * 8, p * 8 + 8) if s < n]
+      want_lo = k[b, :, slots].min(0) if slots else np.zeros((2, 3))
+      want_hi = k[b, :, slots].max(0) if slots else np.zeros((2, 3))
+      np.testing.assert_array_equal(np.asarray(lo[b, :, p]), want_lo, err_msg=f"{b} {p}")
+      np.testing.assert_array_equal(np.asarray(hi[b, :, p]), want_hi, err_msg=f"{b} {p}")
+
+
+def test_quest_selects_the_top_bound_pages_and_always_the_newest():
+  """The budget_blocks pages of highest bound (summed over a KV head's query heads), the newest
+  page whatever its bound, no page past the row's length; GQA 2:1, ragged rows, bounds that are
+  not symmetric (min and max read apart)."""
+  from sparsedec.compress.quest import _select
+  rng = np.random.default_rng(1)
+  b, hq, hkv, p, d = 2, 4, 2, 8, 5
+  q = rng.normal(size=(b, hq, d)).astype(np.float32)
+  page_min = rng.normal(size=(b, hkv, p, d)).astype(np.float32)
+  page_max = page_min + rng.uniform(0, 2, size=(b, hkv, p, d)).astype(np.float32)
+  lengths = np.array([8 * 7 - 2, 8 * 3], np.int32)               # 7 and 3 pages in use
+  for row, used in enumerate([7, 3]):       # the newest page scores lowest: listed as the newest
+    qsum = q[row].reshape(hkv, hq // hkv, d).sum(1)                   # [Hkv, D]
+    page_min[row, :, used - 1] = page_max[row, :, used - 1] = -100.0 * np.sign(qsum)
+  bound = _quest_bound(q, page_min, page_max)
+  tables, counts = _select(jnp.asarray(q), jnp.asarray(page_min), jnp.asarray(page_max),
+                           jnp.asarray(lengths), 8, 3)
+  assert tables.shape == (b, hkv, 3)
+  for row, used in enumerate([7, 3]):
+    assert bound[row, :, used - 1].max() < bound[row, :, : used - 1].min()
+    for h in range(hkv):
+      got = sorted(np.asarray(tables[row, h, : int(counts[row, h])]).tolist())
+      rest = sorted(range(used - 1), key=lambda pg: -bound[row, h, pg])[:2]
+      assert got == sorted([used - 1, *rest]), (row, h, got, bound[row, h, :used])
+
+
+def test_quest_update_refreshes_every_page_the_commit_touched():
+  """After a commit of up to max_commit entries from `seen` on (here 12 entries across three
+  pages of 8), every page's bounds are those of the cache as it is now, and the pages before
+  untouched."""
+  from sparsedec.compress.quest import QuestState, _page_bounds
+  rng = np.random.default_rng(2)
+  k = jnp.asarray(rng.normal(size=(2, 2, 32, 4)).astype(np.float32))   # 4 pages of 8
+  seen = jnp.asarray([7, 16], jnp.int32)
+  now = jnp.asarray([19, 16], jnp.int32)                              # row 1 committed nothing
+  old = jnp.where(jnp.arange(32)[None, None, :, None] < seen[:, None, None, None], k, 0.0)
+  lo, hi = _page_bounds(old, seen, 8)
+  policy = Quest(budget_blocks=2, block_size=8, max_commit=12)
+  st = QuestState(lo[None], hi[None], jnp.zeros((1, 2, 2, 2), jnp.int32),
+                  jnp.zeros((1, 2, 2), jnp.int32), seen)
+  cache = KVCache(k=(k,), v=(k,), lengths=now)
+  queries = [jnp.asarray(rng.normal(size=(2, 4, 4)).astype(np.float32))]
+  new = jax.jit(policy.update)(st, cache, queries)
+  want_lo, want_hi = _page_bounds(k, now, 8)
+  np.testing.assert_array_equal(np.asarray(new.page_min[0]), np.asarray(want_lo))
+  np.testing.assert_array_equal(np.asarray(new.page_max[0]), np.asarray(want_hi))
+  assert np.asarray(new.seen).tolist() == [19, 16]
+
+
+def _snapkv_selection(q, pos, valid, k, lengths, bs, pool, keep, recent):
+  """SnapKV's choice written out in numpy (float64): each valid window query's softmax over the
+  slots it sees (<= its position, < the length), summed over the window and the KV head's query
+  heads, averaged over `pool` neighbouring slots (zero past the ends), summed per block; the
+  `keep` best blocks before the `recent` newest. -> per (row, KV head) the sorted block list."""
+  b, w, hq, d = q.shape
+  hkv, s = k.shape[1], k.shape[2]
+  out = {}
+  for row in range(b):
+    used = -(-int(lengths[row]) // bs)
+    for h in range(hkv):
+      mass = np.zeros(s)
+      for i in range(w):
+        if not valid[row, i]:
+          continue
+        for g in range(hq // hkv):
+          sc = k[row, h].astype(np.float64) @ q[row, i, h * (hq // hkv) + g] / np.sqrt(d)
+          ok = (np.arange(s) <= pos[row, i]) & (np.arange(s) < lengths[row])
+          e = np.where(ok, np.exp(sc - sc[ok].max()), 0.0)
+          mass += e / e.sum()
+      padded = np.concatenate([np.zeros(pool // 2), mass, np.zeros(pool - 1 - pool // 2)])
+      pooled = np.array([padded[j:j + pool].sum() / pool for j in range(s)])
+      block = pooled.reshape(s // bs, bs).sum(1)
+      cands = max(used - recent, 0)
+      out[row, h] = sorted(sorted(range(cands), key=lambda j: -block[j])[:keep])
+  return out
+
+
+def test_snapkv_keeps_the_blocks_of_most_pooled_window_attention(monkeypatch):
+  """SnapKV's init asks for its `window` last queries, scores the blocks before the recent ones
+  by pooled (width `pool`) window attention and keeps the best budget_blocks - recent_blocks;
+  its view lists them, then the newest blocks. Written-out numpy selection, ragged rows (one
+  with fewer candidates than the budget), an invalid window entry, GQA 2:1."""
+  import types
+  from sparsedec.compress import snapkv as snapkv_module
+  from sparsedec.compress.snapkv import SnapKV
+  rng = np.random.default_rng(21)
+  b, w, hq, hkv, d, s, bs = 2, 3, 4, 2, 4, 64, 8
+  lengths = np.array([45, 20], np.int32)                       # 6 and 3 blocks in use
+  k = rng.normal(size=(b, hkv, s, d)).astype(np.float32) * 2
+  q = rng.normal(size=(b, w, hq, d)).astype(np.float32) * 2
+  pos = np.array([[42, 43, 44], [18, 19, 20]], np.int32)
+  valid = np.array([[True, True, True], [True, True, False]])
+  asked = []
+
+  def window_queries(cfg, params, state, window):
+    asked.append(window)
+    return (jnp.asarray(q),), jnp.asarray(pos), jnp.asarray(valid)
+  monkeypatch.setattr(snapkv_module, "prompt_window_queries", window_queries)
+  policy = SnapKV(budget_blocks=4, block_size=bs, recent_blocks=1, window=w, pool=3)
+  cache = KVCache(k=(jnp.asarray(k),), v=(jnp.asarray(k),), lengths=jnp.asarray(lengths))
+  st = policy.init(None, None, types.SimpleNamespace(cache=cache))
+  assert asked == [w]
+  want = _snapkv_selection(q, pos, valid, k, lengths, bs, 3, 3, 1)
+  unpooled = _snapkv_selection(q, pos, valid, k, lengths, bs, 1, 3, 1)
+  assert want != unpooled                                       # the pooling decides here
+  view = policy.view(st, cache).at_layer(0)
+  for (row, h), chosen in want.items():
+    listed = np.asarray(view.tables[row, h, : int(view.counts[row, h])]).tolist()
+    newest = [5] if row == 0 else [2]          # row 1: 2 candidates, both kept; then block 2
+    assert sorted(listed[:-1]) == chosen and listed[-1:] == newest, (row, h, listed, chosen)
