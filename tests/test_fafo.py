@@ -657,11 +657,20 @@ def test_quest_selects_the_top_bound_pages_and_always_the_newest():
   page whatever its bound, no page past the row's length; GQA 2:1, ragged rows, bounds that are
   not symmetric (min and max read apart)."""
   from sparsedec.compress.quest import _select
-  rng = np.random.default_rng(1)
+  rng = np.random.default_rng(0)
   b, hq, hkv, p, d = 2, 4, 2, 8, 5
   q = rng.normal(size=(b, hq, d)).astype(np.float32)
   page_min = rng.normal(size=(b, hkv, p, d)).astype(np.float32)
-  page_max = page_min + rng.uniform(0, 2, size=(b, hkv, p, d)).astype(np.float32)
+  page_max = page_min + rng.uniform(0, 6, size=(b, hkv, p, d)).astype(np.float32)
+  top = lambda lo, hi: [sorted(np.argsort(-_quest_bound(q, lo, hi)[0, h, :6])[:2].tolist())  # noqa
+                        for h in range(hkv)]
+  # Both bounds decide here (the min alone or the max alone would pick other pages), and so does
+  # the sum over the query heads (their largest bound would).
+  g = q.reshape(b, hkv, hq // hkv, 1, d)
+  by_max_head = np.maximum(g * page_min[:, :, None], g * page_max[:, :, None]).sum(4).max(2)
+  assert top(page_min, page_max) not in (top(page_min, page_min), top(page_max, page_max),
+                                         [sorted(np.argsort(-by_max_head[0, h, :6])[:2].tolist())
+                                          for h in range(hkv)])
   lengths = np.array([8 * 7 - 2, 8 * 3], np.int32)               # 7 and 3 pages in use
   for row, used in enumerate([7, 3]):       # the newest page scores lowest: listed as the newest
     qsum = q[row].reshape(hkv, hq // hkv, d).sum(1)                   # [Hkv, D]
@@ -743,7 +752,7 @@ def test_snapkv_keeps_the_blocks_of_most_pooled_window_attention(monkeypatch):
   k = rng.normal(size=(b, hkv, s, d)).astype(np.float32) * 2
   q = rng.normal(size=(b, w, hq, d)).astype(np.float32) * 2
   pos = np.array([[42, 43, 44], [18, 19, 20]], np.int32)
-  valid = np.array([[True, True, True], [True, True, False]])
+  valid = np.array([[True, True, False], [True, True, False]])   # the last: not a window query
   asked = []
 
   def window_queries(cfg, params, state, window):
@@ -756,7 +765,8 @@ def test_snapkv_keeps_the_blocks_of_most_pooled_window_attention(monkeypatch):
   assert asked == [w]
   want = _snapkv_selection(q, pos, valid, k, lengths, bs, 3, 3, 1)
   unpooled = _snapkv_selection(q, pos, valid, k, lengths, bs, 1, 3, 1)
-  assert want != unpooled                                       # the pooling decides here
+  counted = _snapkv_selection(q, pos, np.ones_like(valid), k, lengths, bs, 3, 3, 1)
+  assert want != unpooled and want != counted    # the pooling and the invalid entry decide here
   view = policy.view(st, cache).at_layer(0)
   for (row, h), chosen in want.items():
     listed = np.asarray(view.tables[row, h, : int(view.counts[row, h])]).tolist()
