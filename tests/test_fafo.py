@@ -772,3 +772,88 @@ def test_snapkv_keeps_the_blocks_of_most_pooled_window_attention(monkeypatch):
     listed = np.asarray(view.tables[row, h, : int(view.counts[row, h])]).tolist()
     newest = [5] if row == 0 else [2]          # row 1: 2 candidates, both kept; then block 2
     assert sorted(listed[:-1]) == chosen and listed[-1:] == newest, (row, h, listed, chosen)
+
+
+def _items_insert(pool, items):
+  """ngram_pool.insert of [(key tuple, value tuple)] into row 0 of a one-row pool, in order."""
+  from sparsedec.ngram import pool as ngram_pool
+  c = pool.config
+  m = max(len(items), 1)
+  keys = np.full((1, m, c.key_len), -1, np.int32)
+  lens = np.ones((1, m), np.int32)
+  values = np.zeros((1, m, c.value_len), np.int32)
+  valid = np.zeros((1, m), bool)
+  for i, (key, value) in enumerate(items):
+    keys[0, i, : len(key)], lens[0, i], values[0, i], valid[0, i] = key, len(key), value, True
+  return jax.jit(ngram_pool.insert)(pool, keys, lens, values, valid)
+
+
+def test_each_step_s_fumbles_pool_and_candidates_follow_the_algorithm_by_hand(stories):
+  """Lossless output does not show how well FAFO guesses: a fumble fed the wrong tokens, a guess
+  stored under the wrong key or a lookup under a shorter suffix only lower tau. Step by step, from
+  the state before it, recomputed here with plain calls:
+  * each subsequence's new token is the model's argmax after its own k tokens, placed at
+    p + 1 + j .. p + j + k, reading C(kv) and nothing else in flight (one small forward per
+    subsequence); the subsequence drops its oldest token into the discarded buffer;
+  * the pool afterwards equals the pool before plus, in order, each subsequence's new guess under
+    every suffix of its discarded buffer (longest first, as many tokens as active steps, at most
+    k), then the k-token spans ending at each appended token under up to k tokens before them;
+  * the step's candidates are the pool's lookup under the last k decoded tokens: the step counts
+    them (guesses, hit_steps) and appends 1 + the longest prefix of one that dense greedy takes."""
+  from sparsedec.attention import AttentionPlan, Segment
+  from sparsedec.ngram import pool as ngram_pool
+  cfg, params, tok = stories
+  method = Fafo(subsequences=8, length=4, candidates=5, policy=POLICIES["streaming"])
+  n, k, m = method.subsequences, method.length, method.candidates
+  prompt = tok.encode("Once upon a time, there was a little girl named Lily. She liked to")
+  truth = sparsedec.generate(cfg, params, [prompt], max_new_tokens=64, stop_tokens=(),
+                             return_state=True).state
+  truth = np.asarray(truth.tokens[0, : int(truth.num_tokens[0])]).tolist()
+  state, run = api.start(cfg, params, [prompt], max_new_tokens=64, stop_tokens=(), method=method)
+  causal = AttentionPlan(jnp.asarray(np.tril(np.ones((k, k), bool))), ())
+  lookup = jax.jit(ngram_pool.lookup, static_argnames="num")
+  hits, sizes = 0, []
+  for step in range(12):
+    x = jax.tree.map(np.array, state.extras)        # (advance donates the state's buffers)
+    num = int(state.num_tokens[0])
+    seq = np.asarray(state.tokens[0, :num]).tolist()
+    cands, ok = lookup(x.pool, jnp.asarray([seq[-k:]], jnp.int32), jnp.asarray([min(num, k)]),
+                       num=m)
+    cands = np.asarray(cands[0])[np.asarray(ok[0])].tolist()
+    view = method.policy.view(x.policy_state, state.cache)
+    plan = causal.replace(segments=(Segment(view, 0, k),))
+    fumble = np.asarray(x.fumble[0]).tolist()
+    new = []
+    for j in range(n):
+      positions = state.cache.lengths[:, None] + 1 + j + jnp.arange(k)[None]
+      logits, _ = _forward(cfg, params, jnp.asarray([fumble[j]], jnp.int32), positions,
+                           state.cache, plan)
+      new.append(int(jnp.argmax(logits[0, -1])))
+
+    after = run.advance(params, state, 1)
+    y = after.extras
+    appended = int(after.num_tokens[0]) - num
+    assert seq + np.asarray(after.tokens[0, num: num + appended]).tolist() == truth[:num + appended]
+    longest = max([next((i for i in range(k) if c[i] != truth[num + i]), k) for c in cands],
+                  default=0)
+    assert appended == 1 + longest, (step, appended, cands, truth[num: num + k])
+    assert int(y.guesses[0] - x.guesses[0]) == len(cands), step
+    assert int(y.hit_steps[0] - x.hit_steps[0]) == int(bool(cands)), step
+    hits, sizes = hits + bool(cands), sizes + [appended]
+    guess = [f[1:] + [t] for f, t in zip(fumble, new)]
+    discarded = [d[1:] + [f[0]] for d, f in zip(np.asarray(x.discarded[0]).tolist(), fumble)]
+    assert np.asarray(y.fumble[0]).tolist() == guess, step
+    assert np.asarray(y.discarded[0]).tolist() == discarded, step
+    real = min(step + 1, k)                                  # discarded tokens so far
+    items = [(tuple(d[k - length:]), tuple(g)) for d, g in zip(discarded, guess)
+             for length in range(real, 0, -1)]
+    full = seq + np.asarray(after.tokens[0, num: num + appended]).tolist()
+    for last in range(num, num + appended):                   # output n-grams
+      start = last - k + 1
+      items += [(tuple(full[start - length: start]), tuple(full[start: last + 1]))
+                for length in range(min(start, k), 0, -1)]
+    want = _items_insert(x.pool, items)
+    np.testing.assert_array_equal(np.asarray(y.pool.keys), np.asarray(want.keys), str(step))
+    np.testing.assert_array_equal(np.asarray(y.pool.entries), np.asarray(want.entries), str(step))
+    state = after
+  assert hits >= 4 and max(sizes) >= 3, (hits, sizes)      # lookups hit, guesses were taken

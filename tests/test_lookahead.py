@@ -363,3 +363,97 @@ def test_cli_generate_lookahead_equals_dense_and_reports_stats(capsys, dense):
   code = cli.main(["generate", "--prompt", "Once", "--ngram", "3"])
   _, err = capsys.readouterr()
   assert code == 2 and "--ngram does not apply to --method dense" in err
+
+
+# ---------------------------------------------------------------- one step by hand
+
+def _insert_items(pool, rows):
+  """ngram_pool.insert of rows[b] = [(key tuple, value tuple)], in order."""
+  from sparsedec.ngram import pool as ngram_pool
+  c = pool.config
+  m = max(1, max(len(items) for items in rows))
+  keys = np.full((len(rows), m, c.key_len), -1, np.int32)
+  lens = np.ones((len(rows), m), np.int32)
+  values = np.zeros((len(rows), m, c.value_len), np.int32)
+  valid = np.zeros((len(rows), m), bool)
+  for r, items in enumerate(rows):
+    for i, (key, value) in enumerate(items):
+      keys[r, i, : len(key)], lens[r, i], values[r, i], valid[r, i] = key, len(key), value, True
+  return jax.jit(ngram_pool.insert)(pool, keys, lens, values, valid)
+
+
+def test_each_step_s_window_pool_and_candidates_follow_the_algorithm_by_hand(stories, dense):
+  """Lossless output does not show how well Lookahead guesses (a window column fed the wrong
+  tokens, an n-gram stored from the wrong level or during warm-up only lower tau). Step by step,
+  from the state before it, recomputed with plain calls:
+  * column j's new token is dense greedy's next token after the context, level 0 tokens 0..j and
+    levels 1..N-2 of column j (a causal forward over the full cache); the window moves up a level;
+  * the pool afterwards equals the pool before plus, in order, each column's n-gram (level 0 token
+    -> the levels above and the new token) once levels 1.. came from the model (N-2 steps), then
+    the N-gram ending at each appended token;
+  * the candidates are the pool's lookup under the current token: the step counts them and
+    appends 1 + the longest prefix of one that dense greedy takes."""
+  from sparsedec.attention import AttentionPlan, FullView, Segment
+  from sparsedec.model.forward import forward as model_forward
+  from sparsedec.ngram import pool as ngram_pool
+  cfg, params, prompts = stories
+  w, n, g = METHOD.window, METHOD.ngram, METHOD.guesses
+  lv = n - 1
+  state, run = api.start(cfg, params, prompts, max_new_tokens=NEW, stop_tokens=(),
+                         method=METHOD, cache_size=CACHE)
+  b = len(prompts)
+  truth = [np.asarray(state.tokens[r, : int(state.prompt_lengths[r])]).tolist() + list(dense[r])
+           for r in range(b)]
+  width = w + lv - 1                                  # the longest column run, padded to it
+  plan = AttentionPlan(jnp.asarray(np.tril(np.ones((width, width), bool))),
+                       (Segment(FullView(), 0, width),))
+  forward = jax.jit(model_forward, static_argnums=0)
+  lookup = jax.jit(ngram_pool.lookup, static_argnames="num")
+  hits, sizes = 0, []
+  for step in range(8):
+    x = jax.tree.map(np.array, state.extras)           # (advance donates the state's buffers)
+    num = np.asarray(state.num_tokens).tolist()
+    seqs = [np.asarray(state.tokens[r, : num[r]]).tolist() for r in range(b)]
+    cands, ok = lookup(x.pool, jnp.asarray([[s[-1]] for s in seqs], jnp.int32),
+                       jnp.ones((b,), jnp.int32), num=g)
+    cands = [np.asarray(cands[r])[np.asarray(ok[r])].tolist() for r in range(b)]
+    window = x.window.copy()
+    window[:, 0, 0] = [s[-1] for s in seqs]
+    new = np.zeros((b, w), np.int64)
+    for j in range(w):
+      run_j = np.concatenate([window[:, 0, : j + 1], window[:, 1:, j]], axis=1)   # [B, j + lv]
+      padded = np.pad(run_j, ((0, 0), (0, width - run_j.shape[1])))
+      positions = state.cache.lengths[:, None] + jnp.arange(width)[None]
+      logits, _ = forward(cfg, params, jnp.asarray(padded, jnp.int32), positions, state.cache,
+                          plan)
+      new[:, j] = np.asarray(jnp.argmax(logits[:, j + lv - 1], axis=-1))
+
+    after = run.advance(params, state, 1)
+    y = after.extras
+    rows = []
+    for r in range(b):
+      appended = int(after.num_tokens[r]) - num[r]
+      full = seqs[r] + np.asarray(after.tokens[r, num[r]: num[r] + appended]).tolist()
+      assert full == truth[r][: len(full)], (step, r)
+      longest = max([next((i for i in range(lv) if c[i] != truth[r][num[r] + i]), lv)
+                     for c in cands[r]], default=0)
+      assert appended == 1 + longest, (step, r, appended, cands[r])
+      assert int(y.guesses[r] - x.guesses[r]) == len(cands[r]), (step, r)
+      assert int(y.hit_steps[r] - x.hit_steps[r]) == int(bool(cands[r])), (step, r)
+      assert int(y.accept_steps[r] - x.accept_steps[r]) == int(longest > 0), (step, r)
+      hits, sizes = hits + bool(cands[r]), sizes + [appended]
+      items = []
+      if step >= lv - 1:
+        items += [((int(window[r, 0, j]),), tuple(window[r, 1:, j].tolist()) + (int(new[r, j]),))
+                  for j in range(w)]
+      for end in range(num[r], num[r] + appended):
+        if end - lv >= 0:
+          items.append(((full[end - lv],), tuple(full[end - lv + 1: end + 1])))
+      rows.append(items)
+    moved = np.concatenate([window[:, 1:], new[:, None]], axis=1)
+    np.testing.assert_array_equal(np.asarray(y.window), moved, str(step))
+    want = _insert_items(x.pool, rows)
+    np.testing.assert_array_equal(np.asarray(y.pool.keys), np.asarray(want.keys), str(step))
+    np.testing.assert_array_equal(np.asarray(y.pool.entries), np.asarray(want.entries), str(step))
+    state = after
+  assert hits >= 3 and max(sizes) >= 3, (hits, sizes)     # lookups hit, guesses were taken

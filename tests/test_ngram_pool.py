@@ -297,3 +297,15 @@ def test_bad_config_and_shapes_are_errors():
   with pytest.raises(InputError, match="values must have shape"):
     ngram_pool.insert(pool, jnp.zeros((1, 1, 1), jnp.int32), jnp.ones((1, 1), jnp.int32),
                       jnp.zeros((1, 1, 3), jnp.int32), jnp.ones((1, 1), bool))
+
+
+def test_lookup_tries_only_keys_within_the_suffix_length():
+  """suffix_len says how many of the suffix's last tokens are real: a longer key made of the
+  tokens before them (FAFO's suffix at the start of a row repeats token 0 there) is not tried."""
+  items = [((8, 9), (3, 3)), ((9,), (4, 4)), ((7, 8, 9), (5, 5))]
+  pool = device_insert(ngram_pool.init_pool(WIDE, ROWS), items, items)
+  suffix = np.asarray([[7, 8, 9], [7, 8, 9]], np.int32)
+  cands, ok = jitted_lookup(NUM)(pool, suffix, np.asarray([1, 2], np.int32))
+  cands, ok = np.asarray(cands), np.asarray(ok)
+  assert cands[0][ok[0]].tolist() == [[4, 4]]
+  assert cands[1][ok[1]].tolist() == [[3, 3], [4, 4]]
