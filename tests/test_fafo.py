@@ -857,3 +857,28 @@ def test_each_step_s_fumbles_pool_and_candidates_follow_the_algorithm_by_hand(st
     np.testing.assert_array_equal(np.asarray(y.pool.entries), np.asarray(want.entries), str(step))
     state = after
   assert hits >= 4 and max(sizes) >= 3, (hits, sizes)      # lookups hit, guesses were taken
+
+
+def test_candidates_come_from_the_longest_suffix_key_first(stories):
+  """The step looks candidates up under the last k decoded tokens, longest key first: a pool whose
+  k-token key holds the right continuation and whose 1-token key holds more (newer) wrong ones
+  than there are candidate slots accepts all k guessed tokens. Under one-token keys only, the
+  same text came out (lossless) with fewer tokens per step: no equality test saw it."""
+  cfg, params, tok = stories
+  method = Fafo(subsequences=8, length=4, candidates=5, policy=POLICIES["streaming"])
+  k, m = method.length, method.candidates
+  prompt = tok.encode("Once upon a time, there was a little girl named Lily. She liked to")
+  truth = sparsedec.generate(cfg, params, [prompt], max_new_tokens=8, stop_tokens=(),
+                             return_state=True).state
+  truth = np.asarray(truth.tokens[0, : int(truth.num_tokens[0])]).tolist()
+  state, run = api.start(cfg, params, [prompt], max_new_tokens=64, stop_tokens=(), method=method)
+  num = int(state.num_tokens[0])
+  wrong = [t for t in range(3, 100) if t != truth[num]][: m + 1]
+  items = [(tuple(truth[num - k: num]), tuple(truth[num: num + k]))]
+  items += [((truth[num - 1],), (t,) * k) for t in wrong]           # newer, shorter key, wrong
+  pool = _items_insert(jax.tree.map(np.array, state.extras.pool), items)
+  state = state.replace(extras=state.extras.replace(pool=pool))
+  after = run.advance(params, state, 1)
+  assert int(after.num_tokens[0]) - num == k + 1
+  assert np.asarray(after.tokens[0, num: num + k + 1]).tolist() == truth[num: num + k + 1]
+  assert int(after.extras.accepted_guesses[0]) == k

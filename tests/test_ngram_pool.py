@@ -309,3 +309,15 @@ def test_lookup_tries_only_keys_within_the_suffix_length():
   cands, ok = np.asarray(cands), np.asarray(ok)
   assert cands[0][ok[0]].tolist() == [[4, 4]]
   assert cands[1][ok[1]].tolist() == [[3, 3], [4, 4]]
+
+
+def test_insert_under_suffixes_inserts_shorter_keys_last():
+  """Shorter keys are inserted last (most recent), so in a full bucket the longest key is the one
+  the next insert evicts: one bucket of 2 ways, a 3-token suffix -> the two shortest keys stay."""
+  cfg = PoolConfig(key_len=3, value_len=1, entries_per_key=1, num_buckets=1, bucket_ways=2)
+  pool = jax.jit(ngram_pool.insert_under_suffixes)(
+      ngram_pool.init_pool(cfg, ROWS), jnp.asarray([[1, 2, 3]] * ROWS), jnp.asarray([3] * ROWS),
+      jnp.asarray([[7]] * ROWS), jnp.ones((ROWS,), bool))
+  held = sorted(tuple(int(t) for t in key[:n]) for key, n in
+                zip(np.asarray(pool.key_tokens)[0, 0], np.asarray(pool.key_lens)[0, 0]))
+  assert held == [(2, 3), (3,)]
