@@ -451,7 +451,10 @@ def test_a_stop_token_fumble_is_stored_as_the_model_guessed_it(stories):
   values = np.asarray(state.extras.pool.values)           # [B, NB, A, E, V]
   stamps = np.asarray(state.extras.pool.value_stamps)
   assert (values[stamps > 0][:, -1] == stop).any()        # stored with the model's token
-  assert stop not in np.asarray(state.extras.fumble)      # replaced in the subsequences
+  fumble = np.asarray(state.extras.fumble[0, :, -1])
+  assert stop not in fumble                                # replaced in the subsequences ...
+  kept = guessed != stop                                   # ... and only where it was guessed
+  assert kept.any() and (fumble[kept] == guessed[kept]).all(), (fumble, guessed)
 
 
 def _snapkv_scores_whole_window(q, q_pos, q_valid, k, lengths, block_size, pool):

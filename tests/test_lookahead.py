@@ -457,3 +457,18 @@ def test_each_step_s_window_pool_and_candidates_follow_the_algorithm_by_hand(sto
     np.testing.assert_array_equal(np.asarray(y.pool.entries), np.asarray(want.entries), str(step))
     state = after
   assert hits >= 3 and max(sizes) >= 3, (hits, sizes)     # lookups hit, guesses were taken
+
+
+def test_a_stop_token_in_the_new_level_is_replaced_there_only(stories):
+  """A stop token the last level produces is replaced by a context token as the window moves (it
+  would fill with end-of-text); the level's other new tokens are the model's, kept as they are."""
+  cfg, params, prompts = stories
+  kw = dict(max_new_tokens=8, method=METHOD, cache_size=CACHE)
+  state, run = api.start(cfg, params, prompts, stop_tokens=(), **kw)
+  made = np.asarray(run.advance(params, state, 1).extras.window[:, -1])        # [B, W]
+  stop = next(int(t) for t in made[0] if int(t) not in prompts[0])
+  state, run = api.start(cfg, params, prompts, stop_tokens=(stop,), **kw)
+  window = np.asarray(run.advance(params, state, 1).extras.window[:, -1])
+  assert stop not in window
+  kept = made != stop
+  assert (~kept).any() and (window[kept] == made[kept]).all(), (window, made)
