@@ -1003,3 +1003,42 @@ def test_a_head_dim_the_codes_cannot_hold_is_refused_before_prefill(monkeypatch)
     with pytest.raises(InputError, match=f"quantspec needs a head_dim that is a multiple of 8 .*"
                                          f"got {head_dim}"):
       sparsedec.generate(cfg, params, [[1, 2, 3]], max_new_tokens=2, method=METHOD)
+
+
+def test_the_draft_reads_the_4bit_view_with_its_4bit_weights(stories):
+  """The step's draft distributions q are those of the 4-bit-weight draft reading the 4-bit view
+  (teacher-forced over the drafted chain in one forward), and differ from a draft reading the
+  8-bit view or using the full-precision weights. The output is lossless whatever the draft reads
+  (only the acceptance moves), so the method-level tests cannot tell; this one can."""
+  from sparsedec.attention import AttentionPlan, QuantView, Segment, causal_plan
+  from sparsedec.decode.api import start
+  from sparsedec.decode.quantspec import draft_model
+  from sparsedec.decode.sampling import probabilities
+  cfg, params, tok = stories
+  sampling = SamplingConfig(temperature=1.0)
+  prompts = [tok.encode("Once upon a time, there was a little girl named Lily. She liked to play "
+                        "with her toys in the park."), tok.encode("The dog ran to the big tree. The cat sat on the mat and looked "
+                                                     "at the bird.")]
+  state, _ = start(cfg, params, prompts, max_new_tokens=8, stop_tokens=(), method=METHOD,
+                   sampling=sampling)
+  qc, g = state.extras.qcache, METHOD.gamma
+  assert (np.asarray(qc.quant_len) > 0).all()            # the two views differ somewhere
+  uniforms = rand.uniform(jax.random.key(7), (len(prompts), g))
+  drafts, q = jax.jit(lambda p, s, u: METHOD._draft(cfg, p, s, sampling, u))(params, state,
+                                                                              uniforms)
+  chain = jnp.concatenate([state.last_tokens(), drafts[:, :-1]], axis=1)    # [B, gamma]
+  positions = qc.lengths[:, None] + jnp.arange(g)[None]
+  mask = causal_plan(g).inflight_mask
+
+  @jax.jit
+  def teacher_forced(p, qc, bits_view):
+    plan = AttentionPlan(mask, (Segment(bits_view, 0, g),))
+    logits, _ = forward(cfg, p, chain, positions, state.cache, plan)
+    return probabilities(logits, sampling)
+
+  draft = draft_model(params, state.extras.draft_params)
+  want = teacher_forced(draft, qc, QuantView(qc, bits=4))
+  np.testing.assert_allclose(np.asarray(q), np.asarray(want), atol=2e-5)
+  for other in (teacher_forced(draft, qc, QuantView(qc, bits=8)),       # the 8-bit view
+                teacher_forced(params, qc, QuantView(qc, bits=4))):     # full weights
+    assert np.abs(np.asarray(other) - np.asarray(want)).max() > 1e-3
