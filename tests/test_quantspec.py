@@ -108,6 +108,12 @@ def test_prefill_quantizes_whole_groups_bit_identical_to_quantize_kv():
   k, v = _tokens_kv(0)
   lengths = [13, 30]
   cache = qkv.from_dense(_dense(k, v, lengths), G)
+  # Slots past a row's length hold whatever the dense cache has there (here other tokens' K/V,
+  # not zeros): the buffer still holds exactly the row's own tokens, zeros after them.
+  stale = qkv.from_dense(KVCache(k=tuple(map(jnp.asarray, k)), v=tuple(map(jnp.asarray, v)),
+                                 lengths=jnp.asarray(lengths, jnp.int32)), G)
+  for got, want in zip(stale.buf_k + stale.buf_v, cache.buf_k + cache.buf_v):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   np.testing.assert_array_equal(np.asarray(cache.quant_len), [8, 24])      # recent: 5 and 6
   direct = quantize_kv(jnp.asarray(k[0]), jnp.asarray(v[0]), group=G)
   for row, n in enumerate(lengths):
