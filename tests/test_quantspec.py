@@ -340,6 +340,13 @@ def test_dense_equivalent_bytes_are_the_runs_dense_cache(stories):
                        method=method, cache_size=cache_size)
       assert state.extras.qcache.quant_capacity > state.tokens.shape[1] - 1   # rounded up
       figures.append(method.stats(state))
+      # Each cache counted once: the codes + buffer, plus the dense cache only where "full"
+      # keeps one (int8's one placeholder slot is no cache).
+      stats = figures[-1]
+      assert stats["quantized_cache_bytes"] == state.extras.qcache.num_bytes()
+      held = state.cache.num_bytes() if method.verify_precision == "full" else 0
+      assert stats["dense_cache_bytes"] == held
+      assert stats["cache_bytes"] == stats["quantized_cache_bytes"] + held
     assert figures[0]["dense_equivalent_cache_bytes"] == figures[0]["dense_cache_bytes"] > 0
     assert figures[1]["dense_equivalent_cache_bytes"] == figures[0]["dense_cache_bytes"]
 
