@@ -1055,3 +1055,41 @@ def test_the_draft_reads_the_4bit_view_with_its_4bit_weights(stories):
   for other in (teacher_forced(draft, qc, QuantView(qc, bits=8)),       # the 8-bit view
                 teacher_forced(params, qc, QuantView(qc, bits=4))):     # full weights
     assert np.abs(np.asarray(other) - np.asarray(want)).max() > 1e-3
+
+
+def test_the_drafts_uniforms_are_not_the_acceptance_tests(stories, monkeypatch):
+  """One PRNG draw per row and step gives the gamma draft uniforms, the gamma acceptance tests and
+  the last token's uniform: they must be distinct draws. Testing d_i with the uniform it was
+  drawn with (d_i = inverse CDF of q_i at u, accepted when u < p_i(d_i) / q_i(d_i)) biases the
+  law, but only by a little where the draft is good (the chi-square tests above do not see it),
+  so the uniforms the step hands to the draft and to `verify_drafted` are recorded and compared."""
+  from sparsedec.decode import quantspec
+  seen = {"draft": [], "verify": []}
+
+  def record(name):
+    return lambda u: seen[name].append(np.asarray(u))
+
+  draw, drafted = quantspec.draw_from, quantspec.verify_drafted
+
+  def draw_from(probs, u):
+    jax.debug.callback(record("draft"), u)
+    return draw(probs, u)
+
+  def verify_drafted(target, drafts, q, valid, uniforms):
+    jax.debug.callback(record("verify"), uniforms)
+    return drafted(target, drafts, q, valid, uniforms)
+
+  monkeypatch.setattr(quantspec, "draw_from", draw_from)
+  monkeypatch.setattr(quantspec, "verify_drafted", verify_drafted)
+  cfg, params, tok = stories
+  method = QuantSpec(gamma=2, quant_group=8, weight_bits=None)    # a config no other test traces
+  sparsedec.generate(cfg, params, [tok.encode("Once upon"), tok.encode("The dog")],
+                     max_new_tokens=2, sampling=SamplingConfig(temperature=1.0), stop_tokens=(),
+                     method=method, cache_size=40)
+  assert len(seen["draft"]) == 2 and len(seen["verify"]) == 1            # one step
+  draft_u = np.stack(seen["draft"], axis=1)                                # [B, gamma]
+  verify_u = seen["verify"][0]                                             # [B, gamma + 1]
+  assert draft_u.shape == (2, 2) and verify_u.shape == (2, 3)
+  every = np.concatenate([draft_u, verify_u], axis=1)                      # [B, 2 gamma + 1]
+  for row in every:
+    assert len(set(row.tolist())) == row.size, every                      # 2 gamma + 1 draws
