@@ -777,6 +777,21 @@ def test_verify_drafted_chain_has_the_target_law_on_a_toy_markov_model():
   assert pvalues[0] > 1e-3 and pvalues[1] < 1e-6, pvalues
 
 
+def test_all_drafts_accepted_draws_the_bonus_token_from_the_last_target_row():
+  """When every draft is accepted the last token is drawn from p_{L+1} (the target after the last
+  draft), not p_L: the toy chain test above looks at the first 3 tokens only, where no bonus token
+  of a gamma 3 step lands. q = p (every draft accepted with probability 1), each p_i a point mass
+  on its own token."""
+  v, length = 8, 3
+  p = jnp.asarray(np.eye(v)[[1, 2, 3, 5]][None], jnp.float32)              # [1, L + 1, V]
+  drafts = jnp.asarray([[1, 2, 3]], jnp.int32)
+  for u in (0.0, 0.5, 0.999):
+    verdict = verify_drafted(p, drafts, p[:, :length], jnp.ones((1,), bool),
+                             jnp.full((1, length + 1), u, jnp.float32))
+    assert int(verdict.accepted[0]) == length and int(verdict.num_tokens[0]) == length + 1
+    assert np.asarray(verdict.tokens)[0].tolist() == [1, 2, 3, 5]
+
+
 # ------------------------------------------------------------------------------------------------
 # Sampling on stories260K: QuantSpec ("full") vs dense.
 # ------------------------------------------------------------------------------------------------
