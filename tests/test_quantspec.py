@@ -194,6 +194,28 @@ def test_weight_quantization_round_trip_and_padding():
   np.testing.assert_allclose(np.asarray(linear(x, qw)), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+def test_weight_grids_ignore_the_padding_and_ties_round_to_the_even_code():
+  """A last group padded to `group` rows has the grid of its real rows (the padded rows copy the
+  last real row: zero rows would widen a group of positive weights down to 0, a coarser step);
+  and a weight exactly halfway between two codes, on a step with no exact fp32 reciprocal
+  (fp16 steps near 2.9), gets the even code (round half to even, as numpy's rint of the exact quotient)."""
+  from sparsedec.model.quant_weights import group_grid
+  w = 2.0 + jnp.abs(rand.normal(jax.random.key(2), (172, 24), jnp.float32))   # all positive
+  qw = quantize_weight(w, group=128)
+  zero, step = group_grid(w[None, 128:])                                   # the 44 real rows
+  np.testing.assert_array_equal(np.asarray(qw.zero[1]), np.asarray(zero[0]))
+  np.testing.assert_array_equal(np.asarray(qw.scale[1]), np.asarray(step[0]))
+  steps = np.float16(2.9 + 0.037 * np.arange(24)).astype(np.float32)     # [Out] fp16 steps
+  halves = (np.arange(15, dtype=np.float32)[:, None] + np.float32(0.5)) * steps   # exact
+  ties = np.zeros((32, 24), np.float32)
+  ties[1] = 15 * steps                                                     # the grid: 0 + s c
+  ties[2:17], ties[17:] = halves, halves[::-1][:15]
+  q = quantize_weight(jnp.asarray(ties), group=32)
+  np.testing.assert_array_equal(np.asarray(q.scale, np.float32)[0], steps)
+  codes = np.rint(ties.astype(np.float64) / steps).astype(np.int32)        # half to even
+  np.testing.assert_array_equal(np.asarray(q.dequantize()), codes * steps)
+
+
 @pytest.mark.parametrize("grid", ["minmax", "absmax"])
 def test_weights_past_fp16_range_saturate_instead_of_making_nan_groups(grid):
   """The grids are stored in fp16: a weight past +-65504 made its group's zero and step infinite
