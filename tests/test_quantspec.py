@@ -1120,9 +1120,15 @@ def test_the_drafts_uniforms_are_not_the_acceptance_tests(stories, monkeypatch):
   monkeypatch.setattr(quantspec, "verify_drafted", verify_drafted)
   cfg, params, tok = stories
   method = QuantSpec(gamma=2, quant_group=8, weight_bits=None)    # a config no other test traces
-  sparsedec.generate(cfg, params, [tok.encode("Once upon"), tok.encode("The dog")],
-                     max_new_tokens=2, sampling=SamplingConfig(temperature=1.0), stop_tokens=(),
-                     method=method, cache_size=40)
+  run = sparsedec.generate(cfg, params, [tok.encode("Once upon"), tok.encode("The dog")],
+                           max_new_tokens=2, sampling=SamplingConfig(temperature=1.0),
+                           stop_tokens=(), method=method, cache_size=40, return_state=True)
+  # The state's invariant holds for the int8 state's placeholder cache too (its lengths move
+  # with the codes': cache.lengths == num_tokens - 1).
+  state = run.state
+  np.testing.assert_array_equal(np.asarray(state.cache.lengths),
+                                np.asarray(state.extras.qcache.lengths))
+  np.testing.assert_array_equal(np.asarray(state.cache.lengths), np.asarray(state.num_tokens) - 1)
   assert len(seen["draft"]) == 2 and len(seen["verify"]) == 1            # one step
   draft_u = np.stack(seen["draft"], axis=1)                                # [B, gamma]
   verify_u = seen["verify"][0]                                             # [B, gamma + 1]
