@@ -1087,8 +1087,14 @@ def test_the_draft_reads_the_4bit_view_with_its_4bit_weights(stories):
     return probabilities(logits, sampling)
 
   draft = draft_model(params, state.extras.draft_params)
+  # draft_sampling="argmax" (and greedy runs) take the argmax instead of drawing from q
+  assert METHOD.samples_drafts(sampling) and not METHOD.samples_drafts(SamplingConfig())
+  assert not dataclasses.replace(METHOD, draft_sampling="argmax").samples_drafts(sampling)
   want = teacher_forced(draft, qc, QuantView(qc, bits=4))
   np.testing.assert_allclose(np.asarray(q), np.asarray(want), atol=2e-5)
+  for i in range(g):      # d_i drawn from q_i with the step's i-th draft uniform (inverse CDF)
+    np.testing.assert_array_equal(np.asarray(drafts[:, i]),
+                                  np.asarray(draw_from(q[:, i], uniforms[:, i])))
   for other in (teacher_forced(draft, qc, QuantView(qc, bits=8)),       # the 8-bit view
                 teacher_forced(params, qc, QuantView(qc, bits=4))):     # full weights
     assert np.abs(np.asarray(other) - np.asarray(want)).max() > 1e-3
