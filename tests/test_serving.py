@@ -428,6 +428,30 @@ def test_params_of_another_dtype_than_the_config_are_refused_by_name(stories):
   assert bool(run.advance(params16, state).done.all())
 
 
+def test_hand_built_params_missing_or_misshapen_are_refused_by_name(stories):
+  """Params that do not fit the config (built by hand: the loaders check theirs) ended in a bare
+  KeyError: 'embed' or a shape error inside the forward's trace. Refused before anything
+  compiles, naming the tensor; 4-bit linears (their shape is the weight's) and a draft the params
+  carry still pass."""
+  from sparsedec.model.gptq import with_draft
+  from sparsedec.model.quant_weights import quantize_params
+  cfg, params, _ = stories
+  kw = dict(max_new_tokens=2, cache_size=64)
+  no_embed = {k: v for k, v in params.items() if k != "embed"}
+  layers = [dict(layer) for layer in params["layers"]]
+  layers[1]["wo"] = layers[1]["wo"][:, :-1]
+  for bad, match in [(no_embed, r"missing tensor embed \(expected shape"),
+                     ({**params, "layers": layers[:-1]}, rf"layers: expected {cfg.num_layers} layers"),
+                     ({**params, "layers": layers}, r"tensor layers\[1\]\.wo has shape")]:
+    with api.compile_timer() as compiled:
+      with pytest.raises(sparsedec.InputError, match="params do not fit the config: " + match):
+        sparsedec.generate(cfg, bad, [[1, 2]], **kw)
+    assert compiled[0] == 0.0
+  quantized = quantize_params(params, 32)
+  state, _ = api.start(cfg, with_draft(quantized, quantized["layers"]), [[1, 2]], **kw)
+  assert state.tokens.shape[0] == 1
+
+
 def test_a_quantspec_int8_serving_state_saves_and_restores_with_orbax(stories, tmp_path):
   """A serving state checkpointed with orbax mid-run, restored and advanced to the end, gives the
   tokens of the run that was not interrupted. QuantSpec's int8 state held its dropped dense cache

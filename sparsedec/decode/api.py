@@ -18,10 +18,10 @@ from sparsedec.decode.methods import get_method
 from sparsedec.decode.prefill import empty_cache, prefill
 from sparsedec.decode.sampling import SamplingConfig
 from sparsedec.decode.state import DecodeState, beside_step, check_state
-from sparsedec.errors import InputError, is_int
+from sparsedec.errors import CheckpointError, InputError, is_int
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.gptq import without_draft
-from sparsedec.model.params import Params, check_params_dtype
+from sparsedec.model.params import Params, check_params, check_params_dtype
 
 MIN_BUCKET = 16
 CAPACITY_ALIGN = 128
@@ -242,7 +242,12 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
     raise InputError(f"prefill_chunk must be a power of two, got {prefill_chunk!r}")
   rows = _check_prompts(cfg, prompts)
   method = get_method(method)
-  check_params_dtype(cfg, without_draft(params))     # before prefill compiles anything
+  own = without_draft(params)
+  try:                            # hand-built params: a missing or misshapen tensor by name
+    check_params(cfg, own)
+  except CheckpointError as e:
+    raise InputError(f"params do not fit the config: {e}") from None
+  check_params_dtype(cfg, own)                       # before prefill compiles anything
   stop_ids = stop_id_tuple(cfg.eos_token_ids if stop_tokens is None else stop_tokens,
                            "stop_tokens")
   if stop_tokens is not None:
