@@ -472,3 +472,61 @@ def test_a_quantspec_int8_serving_state_saves_and_restores_with_orbax(stories, t
   restored = run.advance(params, restored)
   assert api.collect(restored, ())[0] == want
   assert run.method.stats(restored)["dense_cache_bytes"] == 0
+
+
+def test_insert_writes_every_per_row_leaf_of_that_row_only(stories):
+  """Continuous batching, leaf by leaf: with row 0 still decoding and row 1 done, an insert into
+  row 0 is refused (the done check read another row's flag) and one into row 1 writes the
+  request's entry of every per-row leaf there (tokens, cache and its lengths, limits, keys,
+  Lookahead's n-gram pool and counters: only the loop counter is shared, a pool wrongly marked
+  SHARED kept the old row's), leaves row 0's and the step as they were, and restarts that row's
+  active_steps alone. A row that is done then counts no more steps while the other decodes, and
+  the inserted row counts the steps of its run alone."""
+  import numpy as np
+  from sparsedec.decode.lookahead import Lookahead
+  from sparsedec.decode.serving import _batch_axes
+  cfg, params, tok = stories
+  kw = dict(stop_tokens=(), cache_size=128, method=Lookahead())
+  state, run = api.start(cfg, params, [tok.encode("Once upon a time"), tok.encode("The dog")],
+                         max_new_tokens=4, **kw)
+  state = run.advance(params, state)
+  prompt = tok.encode("Lily and Tom went to the park to play")
+  long_request, _ = api.start(cfg, params, [prompt], max_new_tokens=64, **kw)
+  state = run.advance(params, insert_row(state, long_request, 0), 2)
+  assert jax.device_get(state.done).tolist() == [False, True]
+  request, _ = api.start(cfg, params, [tok.encode("One day")], max_new_tokens=6, **kw)
+  with pytest.raises(sparsedec.InputError, match="row 0 is still decoding"):
+    insert_row(state, request, 0)
+
+  def host(tree):                               # PRNG keys as their data, to compare on the host
+    return jax.tree.map(lambda x: np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(
+        x.dtype, jax.dtypes.prng_key) else x), tree)
+
+  before, want = host(state), host(request)
+  state = insert_row(state, request, 1)
+  after = host(state)
+  axes = _batch_axes(state)
+  paths = jax.tree_util.tree_flatten_with_path(after)[0]
+  assert [jax.tree_util.keystr(p) for (p, _), a in zip(paths, axes) if a is None] == [".step"]
+  assert len(paths) == len(axes) > 10
+  for (path, got), old, new, axis in zip(paths, jax.tree.leaves(before), jax.tree.leaves(want),
+                                         axes):
+    name = jax.tree_util.keystr(path)
+    if axis is None:
+      np.testing.assert_array_equal(got, old, err_msg=name)
+      continue
+    np.testing.assert_array_equal(np.take(got, [1], axis), np.take(new, [0], axis), err_msg=name)
+    np.testing.assert_array_equal(np.take(got, [0], axis), np.take(old, [0], axis), err_msg=name)
+  assert after.active_steps.tolist() == [before.active_steps[0], 0]
+  assert not np.array_equal(before.extras.pool.keys[1], want.extras.pool.keys[0])  # a real copy
+  state = run.advance(params, state, 1)
+  assert jax.device_get(state.active_steps).tolist() == [before.active_steps[0] + 1, 1]
+  while not bool(state.done[1]):
+    state = run.advance(params, state, 1)
+  assert not bool(state.done[0])              # the long row goes on without the finished one
+  finished = int(state.active_steps[1])
+  state = run.advance(params, state)
+  assert bool(state.done.all()) and int(state.active_steps[1]) == finished
+  alone = sparsedec.generate(cfg, params, [tok.encode("One day")], max_new_tokens=6, **kw)
+  assert api.collect(state, ())[0][1] == alone.tokens[0]
+  assert finished == alone.active_steps[0]
