@@ -92,6 +92,32 @@ def test_stop_token_ends_row_and_is_kept():
   state = stopped.state
   assert len(stopped.tokens[0]) < len(stopped.tokens[1])
   np.testing.assert_array_equal(np.asarray(state.cache.lengths), np.asarray(state.num_tokens) - 1)
+  # Row 1 ran to max_new_tokens, not onto the stop token: stopped says which row ended how, and
+  # a finished row is not counted in the steps after it stopped (dense: one token a step).
+  assert len(stopped.tokens[1]) == 16 and stop not in stopped.tokens[1]
+  assert stopped.stopped == [True, False]
+  assert stopped.active_steps == [len(t) - 1 for t in stopped.tokens] and stopped.steps == 15
+  assert stopped.tau == 1.0
+  assert stopped.stats()["generated_tokens"] == first + 1 + 16
+  # stream, in slices of 3 steps: prefill's token first, then at most 3 tokens a row a slice, []
+  # for the stopped row, until the longer row ends (not when the first row does); the slices
+  # joined are generate's tokens, no token yielded twice or skipped at a slice's edge.
+  from sparsedec.decode.api import stream
+  slices = stream(cfg, params, [[1, 2, 3], [4, 5]], max_new_tokens=16,
+                  stop_tokens=(stop,), interval=3)
+  got, sizes = [[], []], []
+  while True:
+    try:
+      new = next(slices)
+    except StopIteration as end:
+      result = end.value
+      break
+    sizes.append([len(t) for t in new])
+    for row, tokens in zip(got, new):
+      row.extend(tokens)
+  assert got == result.tokens == stopped.tokens and result.stopped == [True, False]
+  assert sizes[0] == [1, 1] and len(sizes) == 6 and all(n[1] == 3 for n in sizes[1:])
+  assert sizes[-1][0] == 0 and result.active_steps == stopped.active_steps
 
 
 def test_a_prompt_ending_on_a_chunks_first_token_draws_from_its_logits():
