@@ -444,6 +444,13 @@ def test_divergence_report_names_position_tokens_and_margin(stories):
   text = str(err.value)
   assert "position 4" in text and f"got {tampered[4]}, dense gave {dense[4]}" in text
   assert "margin" in text
+  # dense gave its argmax there: its margin over the tampered token is positive and at least the
+  # top-2 margin (a sign swapped in the report read as the output winning).
+  (div,) = testing.find_divergences([tampered], [dense], cfg, params, [prompt])
+  assert (div.row, div.position, div.actual, div.expected) == (0, 4, tampered[4], dense[4])
+  assert div.margin >= div.top2_margin > 0
+  there = testing.dense_logits(cfg, params, prompt + dense[:4])[-1]     # the logits of position 4
+  assert div.margin == pytest.approx(float(there[dense[4]] - there[tampered[4]]))
   testing.assert_tokens_equal([dense], [dense])  # equal: no error
 
 
@@ -460,6 +467,40 @@ def test_divergence_report_says_which_output_ended(stories):
     testing.assert_tokens_equal([dense], [dense[:5]], cfg=cfg, params=params, prompts=[prompt])
   assert f"position 5: got {dense[5]}, dense had ended after 5 tokens" in str(err.value)
   assert "None" not in str(err.value)
+
+
+def test_assert_matches_dense_fails_a_method_that_differs_and_counts_every_row(stories):
+  """assert_matches_dense against its own dense run (no `expected`) fails a method whose tokens
+  differ from dense's, naming the row and position; a row missing from the output (or one too
+  many) fails too, where zip alone compared the rows both had."""
+  import dataclasses
+
+  from sparsedec.decode.dense import Dense
+  cfg, params, tok = stories
+
+  @dataclasses.dataclass(frozen=True)
+  class OffByOne(Dense):                      # dense, with every loop token moved one id on
+    name: str = "off_by_one"
+
+    def step(self, cfg, params, state, ctx):
+      new = super().step(cfg, params, state, ctx)
+      rows, last = jnp.arange(new.batch_size), new.num_tokens - 1
+      grew = new.num_tokens > state.num_tokens
+      tokens = new.tokens.at[rows, last].set(
+          jnp.where(grew, (new.tokens[rows, last] + 1) % cfg.vocab_size, new.tokens[rows, last]))
+      return new.replace(tokens=tokens)
+
+  prompts = [tok.encode("Once upon a time"), tok.encode("Lily")]
+  with pytest.raises(AssertionError,
+                     match=r"off_by_one output differs from dense decoding in 2 of 2 rows:"
+                           r"\n  row 0: first divergence at generated position 1: .*\n  row 1: "):
+    testing.assert_matches_dense(cfg, params, prompts, method=OffByOne(), max_new_tokens=4,
+                                 stop_tokens=())
+  dense = sparsedec.generate(cfg, params, prompts, max_new_tokens=4, stop_tokens=()).tokens
+  for actual, expected in (([dense[0]], dense), (dense, [dense[0]])):
+    with pytest.raises(AssertionError, match=f"{len(actual)} rows of output against "
+                                             f"{len(expected)} expected"):
+      testing.assert_tokens_equal(actual, expected)
 
 
 def test_forward_assertion_refuses_a_forward_returning_logits_and_cache(stories):
