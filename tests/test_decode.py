@@ -769,6 +769,28 @@ def test_append_tokens_clips_a_count_outside_the_tokens_given():
   assert state.tokens[0, :6].tolist() == [7, 7, 7, 11, 12, 13]
 
 
+def test_append_tokens_stops_only_on_an_appended_stop_token():
+  """A stop token among a step's tokens past its count (a rejected guess) or given to a row that
+  is already done neither ends the row nor appends anything to it; one within the count is kept
+  and ends the row there, and a row reaching its limit is done."""
+  from sparsedec.decode.state import DecodeState, append_tokens
+  from sparsedec.kv.dense import KVCache
+  b = 4
+  state = DecodeState(
+      tokens=jnp.zeros((b, 12), jnp.int32).at[:, :3].set(7), num_tokens=jnp.full((b,), 3),
+      prompt_lengths=jnp.full((b,), 3), limits=jnp.asarray([11, 11, 11, 5]),
+      done=jnp.asarray([False, True, False, False]),
+      cache=KVCache(k=(), v=(), lengths=jnp.full((b,), 2)),
+      keys=jax.random.split(jax.random.key(0), b), step=jnp.int32(0),
+      active_steps=jnp.zeros((b,), jnp.int32))
+  new = jnp.asarray([[11, 2, 13], [2, 22, 23], [31, 2, 33], [41, 42, 43]], jnp.int32)
+  state, appended = append_tokens(state, new, jnp.asarray([1, 3, 3, 2]), (2,))
+  assert appended.tolist() == [1, 0, 2, 2]
+  assert state.num_tokens.tolist() == [4, 3, 5, 5]
+  assert state.done.tolist() == [False, True, True, True]
+  assert state.tokens[:, 3:6].tolist() == [[11, 0, 0], [0, 0, 0], [31, 2, 0], [41, 42, 0]]
+
+
 def test_a_hand_built_step_context_is_checked_and_its_stops_normalised():
   """StepContext(sampling=None) failed in the trace ("'NoneType' object has no attribute
   'greedy'"), stop_ids=[2] with jax's non-hashable static argument error, stop_ids=(2.5,) never
