@@ -250,6 +250,21 @@ def test_each_sampled_token_draws_with_a_fresh_key():
     assert same < 0.1, f"tokens {j} and {j + 1} equal in {same:.0%} of rows"
 
 
+def test_each_row_samples_with_its_own_seed():
+  """seed=[a, b]: row 0 draws with a and row 1 with b, as each prompt alone with its seed (the
+  seeds given to the rows in another order passed every test of sampled distributions, whose
+  rows had equal prompts)."""
+  cfg = CONFIGS["llama3"]
+  params = init_random(cfg, jax.random.key(4), scale=1e-4)
+  kw = dict(max_new_tokens=6, stop_tokens=(), sampling=sparsedec.SamplingConfig(temperature=1.0))
+  prompts = [[1, 2, 3], [4, 5]]
+  both = sparsedec.generate(cfg, params, prompts, seed=[5, 9], **kw).tokens
+  alone = [sparsedec.generate(cfg, params, [p], seed=s, **kw).tokens[0]
+           for p, s in zip(prompts, (5, 9))]
+  assert both == alone
+  assert sparsedec.generate(cfg, params, prompts, seed=[9, 5], **kw).tokens != both
+
+
 @pytest.mark.parametrize("temperature", [1e-10, 1e-30])
 def test_tiny_temperatures_give_the_argmax_under_jit(stories, temperature):
   """At T -> 0 the distribution is the argmax one-hot. Computed as l / T - max(l / T) under jit,
