@@ -403,6 +403,25 @@ def test_prompt_longer_than_cache_is_an_error():
     sparsedec.generate(cfg, params, [list(range(90))] , max_new_tokens=500)
 
 
+def test_max_new_tokens_and_cache_size_at_their_bounds():
+  """A prompt plus max_new_tokens filling the cache exactly is taken and decodes as with the
+  default capacity; one token more is refused; max_new_tokens 0 is refused (it would run and give
+  empty rows under a check of < 0), 1 gives prefill's token alone."""
+  cfg = CONFIGS["llama3"]
+  params = init_random(cfg, jax.random.key(0), scale=0.3)
+  prompt = list(range(1, 25))
+  kw = dict(stop_tokens=())
+  full = sparsedec.generate(cfg, params, [prompt], max_new_tokens=8, cache_size=32, **kw)
+  assert full.tokens == sparsedec.generate(cfg, params, [prompt], max_new_tokens=8, **kw).tokens
+  assert len(full.tokens[0]) == 8
+  with pytest.raises(sparsedec.InputError, match="= 33 does not fit in the KV cache of 32"):
+    sparsedec.generate(cfg, params, [prompt], max_new_tokens=9, cache_size=32, **kw)
+  with pytest.raises(sparsedec.InputError, match="max_new_tokens must be an integer >= 1"):
+    sparsedec.generate(cfg, params, [prompt], max_new_tokens=0, **kw)
+  one = sparsedec.generate(cfg, params, [prompt], max_new_tokens=1, **kw)
+  assert one.tokens == [full.tokens[0][:1]] and one.steps == 0
+
+
 def test_generate_s_docstring_names_every_keyword():
   """help(sparsedec.generate) says what each keyword does: method, cache_size, prefill_chunk and
   return_state were named nowhere (prefill_chunk nowhere user-facing: what it is, which values it
