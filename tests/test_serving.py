@@ -456,6 +456,7 @@ def test_a_quantspec_int8_serving_state_saves_and_restores_with_orbax(stories, t
   """A serving state checkpointed with orbax mid-run, restored and advanced to the end, gives the
   tokens of the run that was not interrupted. QuantSpec's int8 state held its dropped dense cache
   as zero-capacity arrays, which orbax refuses ('Cannot save arrays with zero size')."""
+  import numpy as np
   import orbax.checkpoint as ocp
   from sparsedec.decode.quantspec import QuantSpec
   cfg, params, tok = stories
@@ -467,11 +468,22 @@ def test_a_quantspec_int8_serving_state_saves_and_restores_with_orbax(stories, t
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(tmp_path / "state", state)
   checkpointer.wait_until_finished()
-  want, _ = api.collect(run.advance(params, state), ())                 # donates state
+  host = lambda tree: [np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(
+      x.dtype, jax.dtypes.prng_key) else x) for x in jax.tree.leaves(tree)]
+  saved = host(state)
+  final = run.advance(params, state)                                    # donates state
+  want, want_stats = api.collect(final, ())[0], run.method.stats(final)
   restored = checkpointer.restore(tmp_path / "state", abstract)
+  # Every field comes back as saved (keys, counters, extras: a field dropped or left at its
+  # initial value would not change these greedy tokens), with the state's static build.
+  assert restored.built_for == final.built_for
+  for path_leaf, got, old in zip(jax.tree_util.tree_flatten_with_path(restored)[0],
+                                 host(restored), saved):
+    np.testing.assert_array_equal(got, old, err_msg=jax.tree_util.keystr(path_leaf[0]))
   restored = run.advance(params, restored)
   assert api.collect(restored, ())[0] == want
-  assert run.method.stats(restored)["dense_cache_bytes"] == 0
+  assert run.method.stats(restored) == want_stats and want_stats["dense_cache_bytes"] == 0
+  np.testing.assert_array_equal(restored.active_steps, final.active_steps)
 
 
 def test_insert_writes_every_per_row_leaf_of_that_row_only(stories):
