@@ -458,6 +458,8 @@ def test_a_run_past_the_context_or_cache_says_what_fits():
     ([[]], "prompt 0 is empty"),
     ([1, 2, 3], "flat list"),
     ([[1, 2, 500]], "token id 500 outside the vocabulary"),
+    ([[1, 2, 97]], "token id 97 outside the vocabulary"),       # vocab_size itself
+    ([[3, -1]], "token id -1 outside the vocabulary"),
     ([[1, 2.7, 3]], "prompt 0 must be a list of integer token ids"),    # was truncated to 2
     (["hello"], "prompt 0 must be a list of integer token ids"),
 ])
@@ -683,6 +685,7 @@ def test_stop_tokens_from_a_one_pass_iterable_stop_the_row():
     (dict(seed=(s for s in [True, 2])), "seed must be an int"),
     (dict(stop_tokens=[2 ** 40]), "stop token 1099511627776 outside the vocabulary"),  # OverflowError
     (dict(stop_tokens=[97]), "stop token 97 outside the vocabulary"),
+    (dict(stop_tokens=[5, -1]), "stop token -1 outside the vocabulary"),
 ])
 def test_bad_seeds_and_stop_tokens(kwargs, message):
   cfg = CONFIGS["llama3"]
