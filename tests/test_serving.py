@@ -46,8 +46,9 @@ def test_insert_rejects_mismatched_states(stories):
   with pytest.raises(sparsedec.InputError, match="batch size 1"):
     insert_row(state, two, 0)
   one, _ = api.start(cfg, params, [[5]], max_new_tokens=4, cache_size=128)
-  with pytest.raises(sparsedec.InputError, match="row 2 is outside"):
-    insert_row(state, one, 2)
+  for row in (2, -1):           # -1 is no Python-style last row: the write would clamp to row 0
+    with pytest.raises(sparsedec.InputError, match=f"row {row} is outside"):
+      insert_row(state, one, row, replace_running=True)
   # Both rows are still decoding: inserting would drop a running request unless asked to.
   assert not bool(state.done.any())
   with pytest.raises(sparsedec.InputError, match=r"row 1 is still decoding.*replace_running"):
