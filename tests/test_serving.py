@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import re
 
 import jax
@@ -543,3 +544,26 @@ def test_insert_writes_every_per_row_leaf_of_that_row_only(stories):
   alone = sparsedec.generate(cfg, params, [tok.encode("One day")], max_new_tokens=6, **kw)
   assert api.collect(state, ())[0][1] == alone.tokens[0]
   assert finished == alone.active_steps[0]
+
+
+def test_a_request_advanced_before_insert_keeps_its_counters(stories):
+  """insert_row copies the request's row whole: one advanced alone before it is inserted keeps
+  its step count beside its method's counters (active_steps was reset to 0 while Lookahead's
+  guess counters came along), so the row finishes with the counts of the run alone."""
+  from sparsedec.decode.lookahead import Lookahead
+  cfg, params, tok = stories
+  kw = dict(stop_tokens=(), cache_size=128, method=Lookahead())
+  state, run = api.start(cfg, params, [tok.encode("Once upon a time"), tok.encode("The dog")],
+                         max_new_tokens=2, **kw)
+  state = run.advance(params, state)
+  request, request_run = api.start(cfg, params, [tok.encode("One day")], max_new_tokens=12, **kw)
+  request = request_run.advance(params, request, 3)
+  assert int(request.active_steps[0]) == 3
+  state = run.advance(params, insert_row(state, request, 0))
+  alone = sparsedec.generate(cfg, params, [tok.encode("One day")], max_new_tokens=12,
+                            return_state=True, **kw).state
+  assert api.collect(state, ())[0][0] == api.collect(alone, ())[0][0]
+  for name in ("active_steps", "extras.guesses", "extras.hit_steps", "extras.accept_steps",
+               "extras.accepted_guesses"):
+    got, want = (operator.attrgetter(name)(s) for s in (state, alone))
+    assert int(got[0]) == int(want[0]), name

@@ -72,12 +72,12 @@ def _put_row(big: jax.Array, one: jax.Array, row: jax.Array, axis: int | None) -
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def _insert(state: DecodeState, request: DecodeState, row: jax.Array) -> DecodeState:
+  # Every per-row leaf is the request's, its counters included (a request advanced before it is
+  # inserted keeps its step count beside its method's counters, which it carries too).
   leaves, treedef = jax.tree.flatten(state)
-  merged = jax.tree.unflatten(treedef, [
+  return jax.tree.unflatten(treedef, [
       _put_row(big, one, row, axis)
       for big, one, axis in zip(leaves, jax.tree.leaves(request), _batch_axes(state))])
-  # The inserted row's counters restart.
-  return merged.replace(active_steps=merged.active_steps.at[row].set(0))
 
 
 def insert_row(state: DecodeState, request: DecodeState, row: int, *,
