@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -123,6 +124,10 @@ def test_bench_tau_weights_each_run_by_its_steps(monkeypatch, stories):
   result = bench.run_bench(cfg, params, tok, num_prompts=2, max_new_tokens=8)
   assert [r["tau"] for r in result["runs"]] == [4.0, 1.0]
   assert result["tau"] == 3.0 and result["mean_tau"] == 2.5
+  # Tokens per second of the decode loop: each row's first token is prefill's, not the loop's
+  # (8 and 1 loop tokens in 1 s each: 4.5 a second, not 11 / 2).
+  assert [r["tokens_per_second"] for r in result["runs"]] == [8.0, 1.0]
+  assert result["tokens_per_second"] == 4.5 and result["median_tokens_per_second"] == 4.5
 
 
 def test_bench_refuses_no_prompts_and_empty_batches(capsys, tmp_path):
@@ -438,3 +443,143 @@ def test_a_run_that_cannot_fit_is_refused_before_the_gptq_draft(capsys, monkeypa
        "does not fit in the KV cache of 8 tokens")):
     code, out, err = run_cli(capsys, *argv, *quantspec)
     assert code == 2 and out == "" and message in err, (argv, err)
+
+
+# ------------------------------------------ round 14: a flag parsed must reach what it sets
+
+def test_every_method_knob_reaches_the_method():
+  """Each method flag, set away from its default, lands in its own field of the method object
+  (a knob dropped from cli._METHOD_KNOBS was parsed, then silently ignored: the run was lossless
+  either way, so no output test saw it)."""
+  from sparsedec.compress import SnapKV, StreamingLLM
+  from sparsedec.decode.fafo import Fafo
+  from sparsedec.decode.lookahead import Lookahead
+  from sparsedec.decode.quantspec import QuantSpec
+
+  def parse(*args):
+    return cli._method(cli._parser().parse_args(["generate", "--prompt", "x", *args]))
+  qs = QuantSpec(gamma=2, verify_precision="full", quant_group=16, weight_group=64,
+                 weight_grid="absmax", draft_sampling="argmax")
+  assert parse("--method", "quantspec", "--gamma", "2", "--verify-precision", "full",
+               "--quant-group", "16", "--draft-weight-group", "64", "--draft-weight-grid",
+               "absmax", "--draft-sampling", "argmax") == qs
+  la = Lookahead(window=4, ngram=3, guesses=2)
+  assert parse("--method", "lookahead", "--lookahead-window", "4", "--ngram", "3",
+               "--guesses", "2") == la
+  fa = Fafo(subsequences=6, length=3, candidates=4,
+            policy=StreamingLLM(budget_blocks=3, block_size=8, sink_blocks=2))
+  assert parse("--method", "fafo", "--subsequences", "6", "--fafo-length", "3", "--candidates",
+               "4", "--budget-blocks", "3", "--block-size", "8", "--sink-blocks", "2") == fa
+  snap = parse("--method", "fafo", "--policy", "snapkv", "--budget-blocks", "5", "--block-size",
+               "16", "--recent-blocks", "1").policy
+  assert snap == SnapKV(budget_blocks=5, block_size=16, recent_blocks=1)
+  # Not vacuous: every field set above differs from its default.
+  for got, default, fields in (
+      (qs, QuantSpec(), ("gamma", "verify_precision", "quant_group", "weight_group",
+                         "weight_grid", "draft_sampling")),
+      (la, Lookahead(), ("window", "ngram", "guesses")),
+      (fa, Fafo(), ("subsequences", "length", "candidates")),
+      (fa.policy, StreamingLLM(), ("budget_blocks", "block_size", "sink_blocks")),
+      (snap, SnapKV(), ("budget_blocks", "block_size", "recent_blocks"))):
+    assert all(getattr(got, f) != getattr(default, f) for f in fields), (got, default)
+  # Every method flag the parser has is one of cli._METHOD_KNOBS (a new flag is wired there).
+  import argparse
+  parser = argparse.ArgumentParser()
+  cli._add_generation_args(parser)
+  groups = [g for g in parser._action_groups
+            if g.title and g.title.split(" ")[0] in cli._METHOD_KNOBS]
+  flags = {a.dest for g in groups for a in g._group_actions} - {
+      "draft_calibration", "draft_calibration_prompts", "draft_calibration_tokens"}
+  assert flags == {k for knobs in cli._METHOD_KNOBS.values() for k in knobs}
+
+
+def test_generate_passes_its_flags_to_the_library(capsys, monkeypatch):
+  """--temperature / --top-k / --top-p / --seed / --cache-size / --ignore-eos / --max-new-tokens
+  reach generate as given (a flag read but not passed on, or a temperature taken as 1.0, gave a
+  run of the wrong settings with exit code 0)."""
+  from sparsedec.decode import api
+  from sparsedec.decode.sampling import SamplingConfig
+  calls = []
+  real = api.generate
+
+  def spy(cfg, params, prompts, **kw):
+    calls.append(kw)
+    return real(cfg, params, prompts, **kw)
+  monkeypatch.setattr(api, "generate", spy)
+  code, _, _ = run_cli(capsys, "generate", "--prompt", "Lily", "--max-new-tokens", "5",
+                       "--temperature", "0.7", "--top-k", "20", "--top-p", "0.9", "--seed", "3",
+                       "--cache-size", "96", "--ignore-eos", "--json")
+  assert code == 0
+  (kw,) = calls
+  assert kw["sampling"] == SamplingConfig(temperature=0.7, top_k=20, top_p=0.9)
+  assert (kw["seed"], kw["cache_size"], kw["max_new_tokens"], kw["stop_tokens"]) == (3, 96, 5, ())
+  assert kw["method"] == "dense" or getattr(kw["method"], "name", None) == "dense"
+  calls.clear()
+  assert run_cli(capsys, "generate", "--prompt", "Lily", "--max-new-tokens", "5")[0] == 0
+  assert calls[0]["stop_tokens"] is None and calls[0]["cache_size"] is None
+
+
+def test_bench_passes_its_flags_to_run_bench_and_generate(capsys, monkeypatch, stories):
+  """bench's flags reach run_bench, and run_bench's reach every generate call (warm-up and timed
+  runs alike), chat_template through encode_prompts."""
+  from types import SimpleNamespace
+  from sparsedec import bench
+  from sparsedec.decode.api import GenerationResult
+  from sparsedec.decode.sampling import SamplingConfig
+  seen = []
+  monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: seen.append(kw) or {"ok": 1})
+  code, _, _ = run_cli(capsys, "bench", "--num-prompts", "3", "--batch-size", "2",
+                       "--max-new-tokens", "4", "--temperature", "0.5", "--top-k", "7",
+                       "--seed", "9", "--ignore-eos", "--cache-size", "200",
+                       "--method", "lookahead", "--guesses", "3")
+  assert code == 0
+  (kw,) = seen
+  assert {k: kw[k] for k in ("num_prompts", "batch_size", "max_new_tokens", "seed",
+                             "ignore_eos", "cache_size", "chat_template", "prompts")} == {
+      "num_prompts": 3, "batch_size": 2, "max_new_tokens": 4, "seed": 9, "ignore_eos": True,
+      "cache_size": 200, "chat_template": False, "prompts": "mt_bench"}
+  assert kw["sampling"] == SamplingConfig(temperature=0.5, top_k=7)
+  assert kw["method"].name == "lookahead" and kw["method"].guesses == 3
+  cfg, params, _ = stories                  # stories260K has no chat template: a tokenizer that has
+  chat_tok = SimpleNamespace(chat_template="{{ x }}", encode_chat=lambda messages: [1, 2])
+  monkeypatch.setattr(cli, "_load", lambda args, flag=None: (cfg, params, chat_tok))
+  assert run_cli(capsys, "bench", "--num-prompts", "1", "--max-new-tokens", "4",
+                 "--chat-template")[0] == 0
+  assert seen[-1]["chat_template"] is True
+  monkeypatch.undo()
+
+  calls = []
+
+  def fake_generate(cfg, params, ids, **kw):
+    calls.append((ids, kw))
+    return GenerationResult(tokens=[[5, 6]] * len(ids), prompt_lengths=[len(i) for i in ids],
+                            stopped=[False] * len(ids), steps=1, active_steps=[1] * len(ids),
+                            prefill_seconds=0.1, decode_seconds=1.0)
+  monkeypatch.setattr(bench, "generate", fake_generate)
+  tok = SimpleNamespace(encode=lambda t: [1, 2],
+                        encode_chat=lambda messages: [3, len(messages[0]["content"])])
+  cfg, params, _ = stories
+  sampling = SamplingConfig(temperature=0.5)
+  bench.run_bench(cfg, params, tok, num_prompts=2, batch_size=2, max_new_tokens=4,
+                  sampling=sampling, seed=9, method="dense", chat_template=True, ignore_eos=True,
+                  cache_size=64)
+  texts = bench.bench_prompts("mt_bench", 2, 2)
+  assert len(calls) == 2                                         # warm-up, then the timed run
+  for ids, kw in calls:
+    assert ids == [[3, len(t)] for t in texts]                  # the chat template's encoding
+    assert kw == dict(max_new_tokens=4, sampling=sampling, seed=9, method="dense",
+                      stop_tokens=(), cache_size=64)
+
+
+def test_prompt_sets_read_the_question_and_prompt_fields():
+  """MT-Bench's turn 1 is each question's turns[0] and turn 2 its turns[1] (swapped turns were
+  two lists of 80 distinct prompts, as the turn test checked); HumanEval's prompt is the
+  function's signature and docstring (its "prompt"), not the canonical solution or the tests."""
+  from sparsedec import prompts
+  first, second = prompts.mt_bench(1), prompts.mt_bench(2)
+  assert first[0].startswith("Compose an engaging travel blog post about a recent trip to Hawaii")
+  assert second[0].startswith("Rewrite your previous response. Start every sentence with")
+  he = prompts.humaneval()
+  assert len(he) == 164
+  assert he[0].startswith("from typing import List") and "def has_close_elements(" in he[0]
+  assert all(p.rstrip().endswith('"""') or p.rstrip().endswith("'''") for p in he[:20])
