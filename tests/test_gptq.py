@@ -80,6 +80,17 @@ def test_act_order_keeps_rtn_grids_and_beats_rtn_on_correlated_inputs():
   assert _output_error(got, w, h) < 0.7 * _output_error(rtn, w, h)
 
 
+def test_inputs_never_seen_get_rtn_codes():
+  """An input that is always zero (H_ii = 0) gets H_ii = 1: a Hessian of zeros (a linear whose
+  calibration inputs were all zero) is the identity, so GPTQ is RTN bit for bit, in either row
+  order (left at 0, the damped diagonal was 0 too and the factorization failed)."""
+  w = np.random.default_rng(4).normal(size=(128, 64)).astype(np.float32)
+  ref = quantize_weight(jnp.asarray(w), 64)
+  for act_order in (False, True):
+    got = gptq.gptq_quantize_weight(w, np.zeros((128, 128)), group=64, act_order=act_order)
+    np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(ref.codes))
+
+
 def _textbook_gptq(w, h, group, act_order, damp=0.01):
   """Frantar et al.'s algorithm as written, float64, no lazy blocks: every row's error moves all
   later rows at once. Same grids and code rounding as the library (static RTN grids under
@@ -233,6 +244,28 @@ def test_layer_calibration_matches_whole_forwards_and_sequential_feeds_the_draft
   fed = {**params, "layers": [seq[0]] + list(params["layers"][1:])}
   _assert_hessians_close(h1, gptq.linear_input_hessians(cfg, fed, ids, chunk=64, layers=[1])[0])
   assert not np.allclose(h1["wqkv"], whole[1]["wqkv"], rtol=1e-3)
+
+
+def test_quantize_params_passes_damp_and_act_order_to_each_weight(stories):
+  """gptq_quantize_params' damp and act_order reach every weight's GPTQ (its layer 0 is GPTQ on
+  the embeddings' Hessians with them), and with_draft refuses layers that are not 4-bit."""
+  cfg, params, tok = stories
+  ids = _calibration(tok, 64)
+  got = gptq.gptq_quantize_params(cfg, params, ids, group=32, chunk=64, damp=1.0,
+                                  act_order=False, sequential=False)
+  h0 = gptq.LayerCalibration(cfg, params, ids, chunk=64).hessians(params["layers"][0])
+  differs = set()
+  for name in QUANTIZED_LINEARS:
+    w = params["layers"][0][name]
+    want = gptq.gptq_quantize_weight(w, h0[name], 32, damp=1.0, act_order=False)
+    np.testing.assert_array_equal(np.asarray(got[0][name].codes), np.asarray(want.codes))
+    for other in (dict(damp=gptq.DEFAULT_DAMP, act_order=False), dict(damp=1.0, act_order=True)):
+      if not np.array_equal(np.asarray(gptq.gptq_quantize_weight(w, h0[name], 32, **other).codes),
+                            np.asarray(want.codes)):
+        differs.add(tuple(other.items()))
+  assert len(differs) == 2, differs              # each setting changes some weight's codes
+  with pytest.raises(InputError, match="no 4-bit wqkv"):
+    gptq.with_draft(params, list(params["layers"]))
 
 
 def test_true_sequential_calibrates_each_linear_on_the_layer_with_its_earlier_linears_quantized(
@@ -438,3 +471,58 @@ def test_cli_draft_calibration(tmp_path, capsys):
   dense = ["generate", "--prompt", "Once", "--draft-calibration", str(text)]
   assert cli.main(dense) == 2
   assert "does not apply to --method dense" in capsys.readouterr()[1]
+
+
+def test_cli_draft_is_gptq_on_the_files_and_answers_it_was_given(tmp_path, capsys, monkeypatch,
+                                                                 stories):
+  """--draft-calibration / --draft-calibration-prompts / --draft-calibration-tokens /
+  --draft-weight-group reach GPTQ: the first N tokens of each file, then the model's answers to
+  the prompts (up to N tokens), at the method's weight group and layout; and the run decodes
+  with that draft (the output is lossless whatever the draft, so test_cli_draft_calibration
+  could not tell a draft built and then dropped, or files read whole). GPTQ, the answers and
+  the decoding are stand-ins here: what is checked is what the CLI hands them."""
+  from sparsedec import cli
+  from sparsedec.decode import api
+  from sparsedec.decode.api import GenerationResult
+  cfg, params, tok = stories
+  text = tmp_path / "calibration.txt"
+  text.write_text(prompt_sets.book()[20000:22000])
+  chat = tmp_path / "chat.txt"
+  chat.write_text("Tom and Lily went to the park.")
+  questions = tmp_path / "prompts.txt"
+  questions.write_text("Once upon a time\n\nThe little bird\n")
+  seen = {}
+  answers = [np.arange(1, 9, dtype=np.int32), np.arange(20, 25, dtype=np.int32)]
+
+  def quantize(cfg, params, seqs, **kw):
+    seen["seqs"], seen["kw"] = [np.asarray(s).tolist() for s in seqs], kw
+    seen["draft"] = [{**lp, **{name: quantize_weight(lp[name], kw["group"], kw["layout"])
+                               for name in QUANTIZED_LINEARS}} for lp in params["layers"]]
+    return seen["draft"]
+
+  def self_generated(cfg, params, prompts, **kw):
+    seen["prompts"], seen["max_tokens"] = prompts, kw.get("max_tokens")
+    return answers
+
+  def generate(cfg, params, prompts, **kw):
+    seen["ran_with"], seen["method"] = params.get(gptq.DRAFT_KEY), kw["method"]
+    return GenerationResult(tokens=[[5]], prompt_lengths=[len(prompts[0])], stopped=[False],
+                            steps=0, active_steps=[0], prefill_seconds=0.0, decode_seconds=0.0)
+  monkeypatch.setattr(gptq, "gptq_quantize_params", quantize)
+  monkeypatch.setattr(gptq, "self_generated_calibration", self_generated)
+  monkeypatch.setattr(api, "generate", generate)
+  assert cli.main(["generate", "--prompt", "Once upon a time", "--method", "quantspec",
+                   "--quant-group", "8", "--draft-weight-group", "32", "--max-new-tokens", "4",
+                   "--json", "--draft-calibration", str(text), str(chat),
+                   "--draft-calibration-prompts", str(questions),
+                   "--draft-calibration-tokens", "100"]) == 0
+  book_ids = tok.encode(text.read_text())
+  assert len(book_ids) > 100
+  assert seen["prompts"] == [tok.encode("Once upon a time"), tok.encode("The little bird")]
+  assert seen["max_tokens"] == 100
+  assert seen["seqs"] == [book_ids[:100], tok.encode(chat.read_text())] + [
+      a.tolist() for a in answers]
+  assert (seen["kw"]["group"], seen["kw"]["layout"]) == (
+      32, seen["method"].resolved_weight_layout())
+  assert seen["method"].weight_group == 32
+  assert seen["ran_with"] is seen["draft"]
