@@ -90,6 +90,23 @@ def test_targets_on_synthetic_measurements():
   assert len(format_targets(targets)) == len(summary) + len(targets["checks"])
 
 
+def test_a_kernel_that_did_not_match_fails_its_targets_and_none_measured_is_not_passed():
+  """A kernel whose output did not match its reference (ok False) fails every target it is
+  measured on however fast it is, with a note; a target with no measurement is not all_passed."""
+  ms = synthetic_measurements()
+  for m in ms:
+    if m["kernel"] == "quant" and m["role"] == "kernel" and m["bits"] == 4:
+      m["ok"] = False
+  targets = compute_targets(ms)
+  quant4 = [c for c in targets["checks"] if c["target"] == "quant4_vs_decode"]
+  assert quant4 and all(c["ratio"] > 3.5 and not c["passed"] for c in quant4)
+  assert all(c["note"] == "kernel output did not match its reference" for c in quant4)
+  assert not targets["summary"]["quant4_vs_decode"]["all_passed"]
+  assert targets["summary"]["quant8_vs_decode"]["all_passed"]
+  none = compute_targets([m for m in ms if m["kernel"] != "sparse"])["summary"]
+  assert none["sparse_vs_decode"]["measured"] == 0 and not none["sparse_vs_decode"]["all_passed"]
+
+
 def test_targets_read_the_chosen_time_key():
   ms = synthetic_measurements()
   assert compute_targets(ms, "device_us_per_call")["checks"] == []     # none has a device time
