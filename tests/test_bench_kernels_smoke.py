@@ -185,6 +185,13 @@ def test_helpers():
                        max_loop_seconds=1.0) == 5
   assert max_abs_err(np.array([1.0, -np.inf]), np.array([1.5, -np.inf])) == 0.5
   assert max_abs_err(np.array([np.nan]), np.array([0.0])) == np.inf
+  # An infinity where the reference has a finite value or the other infinity is a mismatch.
+  assert max_abs_err(np.array([1.0, np.inf]), np.array([1.0, 2.0])) == np.inf
+  assert max_abs_err(np.array([2.0]), np.array([-np.inf])) == np.inf
+  assert max_abs_err(np.array([np.inf]), np.array([-np.inf])) == np.inf
+  # A loop of calls slower than max_loop_seconds still times 3 of them (not 0).
+  assert num_calls_for(4e9, 2.0, target_bytes=4e9, min_calls=20, max_calls=2000,
+                       max_loop_seconds=1.0) == 3
 
 
 def test_random_table_sets_cover_the_cache_with_distinct_blocks():
