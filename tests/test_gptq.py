@@ -435,6 +435,15 @@ def test_bad_inputs_are_refused_by_name(stories):
                        method=dataclasses.replace(METHOD, weight_bits=None))
 
 
+def test_calibration_takes_a_whole_context_and_the_last_token_id(stories):
+  """The limits are inclusive: max_position_embeddings tokens, and ids up to vocab_size - 1, are
+  a valid calibration (one more of either is refused, test_bad_inputs_are_refused_by_name)."""
+  cfg, params, _ = stories
+  ids = np.full(cfg.max_position_embeddings, cfg.vocab_size - 1, np.int32)
+  cal = gptq.LayerCalibration(cfg, params, ids, chunk=cfg.max_position_embeddings)
+  assert [lengths.tolist() for lengths, _ in cal.batches] == [[cfg.max_position_embeddings]]
+
+
 def test_cli_draft_calibration(tmp_path, capsys):
   from sparsedec import cli
   text = tmp_path / "calibration.txt"
