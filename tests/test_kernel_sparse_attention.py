@@ -355,6 +355,20 @@ def test_score_queries_probs_in_both_segments():
          score_queries=(3, 1, 0))
 
 
+def test_score_queries_probs_zero_from_the_length_at_a_tile_boundary():
+  """Length 128, a multiple of the 64-key tile: no split of either segment visits slot 128 (its
+  score is never written), so the wrapper's read mask must stop before the length for the
+  full-cache query (1) as for the listed one (0): probs 0 from slot 128 on."""
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      11, batch=1, num_queries=2, num_q_heads=2, num_kv_heads=1, head_dim=64, capacity=256,
+      dtype=jnp.bfloat16)
+  _check(q, k_cache, v_cache, jnp.array([[[1, 0]]], jnp.int32), jnp.array([[2]], jnp.int32),
+         jnp.array([128], jnp.int32), k_new, v_new, jnp.tril(jnp.ones((2, 2), bool)),
+         block_size=64, sparse_queries=1,
+         config=SparseConfig(block_kv=64, num_splits=1, num_splits_full=2),
+         score_queries=(1, 0))
+
+
 def test_score_queries_take_any_sequence_of_ints():
   """score_queries as a list or a numpy array equals the tuple (a list raised JAX's
   'Non-hashable static arguments are not supported' at the jit boundary)."""
