@@ -134,6 +134,23 @@ def test_tile_lists_visit_seen_tiles_fully_seen_first():
   assert np.asarray(tiles)[1].tolist() == [0, 1]
 
 
+def test_a_fully_seen_tile_after_a_partly_seen_one_is_listed_first():
+  """Keys 0..63 partly seen (query 5 does not see key 3), keys 64..127 seen by every query: the
+  list must put tile 1 first (counts (1, 2): the kernel skips the bias on the first count[0]
+  tiles), not keep index order, where tile 0 read without its bias let query 5 see key 3. The
+  kernel's partials equal the reference's."""
+  mask = np.ones((128, 128), bool)
+  mask[5, 3] = False
+  q, k_new, v_new, _ = _case(7, 1, 1, 1, 128, 64, 1.0, jnp.bfloat16)
+  q_rows, row_query = _rows(q, 1)
+  masks = mask_bias(jnp.asarray(mask), row_query)
+  assert np.asarray(masks.counts).tolist() == [[1, 2], [2, 2]]
+  assert np.asarray(masks.tiles).tolist() == [[1, 0], [0, 1]]
+  args = (q_rows, pack_keys(k_new), pack_keys(v_new), masks)
+  _compare(inflight_partials(*args, rows_out=BLOCK_M, interpret=INTERPRET),
+           _reference(*args, rows_out=BLOCK_M), 2e-2)
+
+
 @pytest.mark.parametrize("num_queries", [1, 7])
 @pytest.mark.parametrize("inflight", ["merged", "kernel", "jnp"])
 def test_wrappers_match_reference_with_either_inflight_path(num_queries, inflight):
