@@ -60,6 +60,57 @@ def test_elementwise_and_reduced_forms_agree(seed, b, hkv, group, tq, ns, keys, 
     assert np.all(np.asarray(out)[:, -1] == 0) and np.all(np.asarray(lse)[:, -1] == -np.inf)
 
 
+def _float64_combine(acc, m2, l, q, key_set, group):
+  """combine_partials in numpy float64, term by term: every split's partial (m2 in log2 units)
+  and every exact key the row's query sees, weighted by exp(m - max) over all of them."""
+  acc, m2, l, q = (np.asarray(x, np.float64) for x in (acc, m2, l, q))
+  k, v, mask = (np.asarray(x) for x in key_set)
+  b, tq, hq, d = q.shape
+  hkv, ns = acc.shape[1], acc.shape[3]
+  out, lse = np.zeros((b, tq, hq, d)), np.full((b, tq, hq), -np.inf)
+  for row, t, head in np.ndindex(b, tq, hq):
+    h, r = head // group, t * group + head % group
+    terms = [(m2[row, h, 0, i, r] * np.log(2.0), l[row, h, 0, i, r], acc[row, h, 0, i, r])
+             for i in range(ns)]
+    terms += [(q[row, t, head] @ k[row, u, h].astype(np.float64) / np.sqrt(d), 1.0,
+               v[row, u, h].astype(np.float64))
+              for u in range(k.shape[1]) if mask[0, t, u]]
+    top = max(m for m, _, _ in terms)
+    if top == -np.inf:
+      continue                                   # sees nothing: out 0, lse -inf
+    w = [np.exp(m - top) for m, _, _ in terms]
+    denom = sum(wi * li for wi, (_, li, _) in zip(w, terms))
+    out[row, t, head] = sum(wi * a for wi, (_, _, a) in zip(w, terms)) / denom
+    lse[row, t, head] = top + np.log(denom)
+  return out, lse
+
+
+@pytest.mark.parametrize("max_partials", [10 ** 6, 0], ids=["elementwise", "reduced"])
+@pytest.mark.parametrize("seed, tq, keys", [(1, 1, 1), (2, 3, 4)])
+def test_combine_equals_a_float64_merge_at_large_logits(max_partials, seed, tq, keys):
+  """Both forms against an independent float64 merge, with row maxima near 100 (natural log):
+  exp(m) alone overflows fp32 there, so a merge that weighted the partials by exp(m_i) and
+  divided by exp(m) afterwards (no rescale by exp(m_i - m) first) gives inf / NaN. Empty splits
+  and (at 3 queries) a row that sees nothing included."""
+  group = 2
+  empty = [tq - 1] if tq > 1 else []
+  (acc, m2, l, q), (k, v, mask) = _inputs(seed, 2, 2, group, tq, 5, 16, keys, empty)
+  m2 = m2 + 150.0                                # log2 units: ~104 natural; -inf stays -inf
+  q = q * 60.0                                   # exact-key scores (std 60) as large
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(combine, "UNROLL_MAX_PARTIALS", max_partials)
+    out, lse = jax.jit(lambda *a: combine_partials(*a[:4], [a[4:]], group=group))(
+        acc, m2, l, q, k, v, mask)
+  want_out, want_lse = _float64_combine(acc, m2, l, q, (k, v, mask), group)
+  out, lse = np.asarray(out), np.asarray(lse)
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+  assert np.isneginf(want_lse).any() == bool(empty)
+  live = np.isfinite(want_lse)
+  assert np.abs(want_lse[live]).max() > 90       # the overflow regime is exercised
+  np.testing.assert_allclose(lse[live], want_lse[live], rtol=1e-6, atol=1e-4)
+  np.testing.assert_allclose(out, want_out, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("ns, keys, expect", [(8, 1, "_combine_elementwise"),
                                               (combine.UNROLL_MAX_PARTIALS + 1, 1,
                                                "_combine_reduced"),
