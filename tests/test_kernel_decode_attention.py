@@ -172,6 +172,10 @@ def test_score_queries_are_checked():
     decode_attention(*args, score_queries=(1, 1))
   with pytest.raises(ValueError, match="more than 64"):
     decode_attention(*args, score_queries=tuple(range(9)))
+  # 8 queries x G = 8 = 64 rows: exactly one q block, taken (traced only).
+  out, probs = jax.eval_shape(
+      lambda *a: decode_attention(*a, score_queries=tuple(range(8)), interpret=INTERPRET), *args)
+  assert out.shape == q.shape and probs.shape == (1, 8, 8, 128)
 
 
 def test_score_queries_take_any_sequence_of_ints():
