@@ -11,6 +11,7 @@ from pallas_kernels.split_plan import makespan, split_counts, split_tiles
 def test_split_tiles_shares_out_like_the_kernels():
   assert split_tiles(10, 3) == [4, 4, 2]
   assert split_tiles(4, 3) == [2, 2, 0]          # cdiv per split: the last split gets nothing
+  assert split_tiles(5, 4) == [2, 2, 1, 0]       # never a negative count (a fixed split count)
   assert split_tiles(7, 1) == [7]
 
 
@@ -56,6 +57,8 @@ def test_one_query_block_fills_one_wave():
   assert split_counts(((1, 512, None),), copies=64, slots=132, min_tiles=2) == (2,)
   # Never fewer than min_tiles tiles per split.
   assert split_counts(((1, 6, None),), copies=1, slots=132, min_tiles=2) == (3,)
+  # 7 tiles: 3 splits (7 // 2), not 4 of [2, 2, 2, 1] (1.75 tiles on average, a shorter makespan).
+  assert split_counts(((1, 7, None),), copies=1, slots=132, min_tiles=2) == (3,)
 
 
 def test_long_full_segment_beside_short_list_gets_the_splits():
