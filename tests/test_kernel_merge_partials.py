@@ -61,6 +61,15 @@ def _check(got, want, tol=1e-5):
   np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("ns, n", [(1, 8), (7, 24)])
+def test_reference_equals_the_float64_merge(ns, n):
+  """The jnp reference alone (no kernel: fast) against the float64 merge, empty splits and
+  columns included: an exp for exp2, or lse in log2 units, shows here in a second (through the
+  kernel test, 2.5 minutes of interpreter and hypothesis shrinking)."""
+  args = _partials(11, b=2, hkv=2, qb=2, ns=ns, d=64, n=n)
+  _check(jax.jit(merge_partials_reference)(*args), _float64_merge(*args))
+
+
 @settings(max_examples=4, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2 ** 16), b=st.integers(1, 2), hkv=st.integers(1, 2),
