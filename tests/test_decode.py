@@ -77,6 +77,21 @@ def test_stories_chunked_prefill_equals_one_chunk(stories):
   assert one.tokens == chunked.tokens
 
 
+def _drain(slices):
+  """A stream run to its end: (each row's tokens joined, each slice's sizes per row, the
+  generator's return value)."""
+  got, sizes = None, []
+  while True:
+    try:
+      new = next(slices)
+    except StopIteration as end:
+      return got, sizes, end.value
+    got = got or [[] for _ in new]
+    sizes.append([len(t) for t in new])
+    for row, tokens in zip(got, new):
+      row.extend(tokens)
+
+
 def test_stop_token_ends_row_and_is_kept():
   cfg = CONFIGS["llama3"]
   params = init_random(cfg, jax.random.key(2), scale=0.3)
@@ -105,16 +120,7 @@ def test_stop_token_ends_row_and_is_kept():
   from sparsedec.decode.api import stream
   slices = stream(cfg, params, [[1, 2, 3], [4, 5]], max_new_tokens=16,
                   stop_tokens=(stop,), interval=3)
-  got, sizes = [[], []], []
-  while True:
-    try:
-      new = next(slices)
-    except StopIteration as end:
-      result = end.value
-      break
-    sizes.append([len(t) for t in new])
-    for row, tokens in zip(got, new):
-      row.extend(tokens)
+  got, sizes, result = _drain(slices)
   assert got == result.tokens == stopped.tokens and result.stopped == [True, False]
   assert sizes[0] == [1, 1] and len(sizes) == 6 and all(n[1] == 3 for n in sizes[1:])
   assert sizes[-1][0] == 0 and result.active_steps == stopped.active_steps
@@ -190,15 +196,7 @@ def test_stream_takes_generate_arguments(stories):
   kw = dict(max_new_tokens=12, stop_tokens=(), return_state=True)
   want = sparsedec.generate(cfg, params, prompts, **kw)
   slices = api.stream(cfg, params, prompts, interval=5, **kw)
-  got = [[], []]
-  while True:
-    try:
-      new = next(slices)
-    except StopIteration as end:
-      result = end.value
-      break
-    for row, tokens in zip(got, new):
-      row.extend(tokens)
+  got, _, result = _drain(slices)
   assert got == result.tokens == want.tokens
   assert result.state is not None
   np.testing.assert_array_equal(result.state.tokens, want.state.tokens)
