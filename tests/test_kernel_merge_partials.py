@@ -98,6 +98,20 @@ def test_chunks_beyond_the_slots_and_a_partial_last_chunk():
   assert np.abs(np.asarray(bumped - got[0])[..., live]).max() > 1e-3
 
 
+@pytest.mark.parametrize("top", [0, 3])
+def test_the_row_max_covers_every_chunk(top):
+  """The merge's reference max covers every split, those of the full chunks and of the last,
+  partial one: here split `top`'s max lies 200 (log2 units) above the others, so weighing it
+  against a max taken without it overflows exp2 (2**197: inf, then NaN; the merge is otherwise
+  exact for any reference, so moderate maxima do not show it). 4 splits at N = 64: a chunk of 3
+  (split 0 in it) and a partial chunk of 1 (split 3)."""
+  n, d, ns = 64, 64, 4
+  assert splits_per_chunk(ns, n) == 3
+  acc, m2, l = _partials(7, b=1, hkv=1, qb=1, ns=ns, d=d, n=n)
+  m2 = m2.at[:, :, :, top].add(200.0)
+  _check(merge_partials(acc, m2, l, interpret=INTERPRET), _float64_merge(acc, m2, l))
+
+
 @pytest.mark.parametrize("ranges", [1, 3, 4])
 def test_merged_in_ranges_equals_one_merge(ranges):
   """12 splits merged in ranges (two launches) equal the float64 merge; with 3 ranges, range 1
