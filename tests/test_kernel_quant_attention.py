@@ -492,6 +492,22 @@ def test_stage_sizes(block_kv, group, capacity, num_queries, bits):
          score_queries=(0,) if num_queries > 1 else ())
 
 
+def test_stage_max_covers_every_key_tile_of_the_stage():
+  """One online-softmax update per stage: its max is over all of the stage's key tiles, not
+  only its first. Slot 100 (tile 1 of a 128-key stage) holds 12 q, a score ~138 log2 units
+  above tile 0's: weighed against tile 0's max alone its p overflowed (inf, then NaN); the
+  random cases' scores are too close for the reference max to matter."""
+  d, capacity = 64, 128
+  q, qkv, k_full, v_full, k_new, v_new = _inputs(
+      23, batch=1, num_queries=1, num_q_heads=2, num_kv_heads=1, head_dim=d, capacity=capacity,
+      full_capacity=8, group=64, dtype=jnp.bfloat16)
+  k, v = _kv(24, 1, 1, capacity, d, jnp.bfloat16, 1.0)
+  k = k.at[0, 0, 100].set((12 * q[0, 0, 0].astype(jnp.float32)).astype(jnp.bfloat16))
+  _check(q, quantize_kv(k, v, group=64), 8, jnp.array([capacity], jnp.int32), k_full, v_full,
+         jnp.array([0], jnp.int32), k_new, v_new, jnp.ones((1, 1), bool),
+         QuantAttentionConfig(block_kv=128, num_splits=1))
+
+
 def test_auto_stage_size():
   """block_kv=None: 256 keys for batched 4-bit decode steps (N <= 8, B >= 2), 128 for other
   narrow steps where the capacity and key group allow, else 64; narrow is N <= 40 (the widest
