@@ -276,6 +276,28 @@ def test_merged_columns_split_over_blocks_give_the_same_output(monkeypatch):
     np.testing.assert_allclose(lse, np.asarray(ref[1]), atol=2e-3)
 
 
+def test_merged_fold_max_covers_every_partial_of_a_step():
+  """The merged epilogue folds several split partials a step (`merge_fold_width`): the step's
+  max is over all of them. Split 3 of 4 holds a cache key 12 q (a score ~96, i.e. ~138 log2
+  units, above the rest), folded in the same step as split 0: weighed against split 0's max
+  alone it overflowed exp2 (inf, then NaN); random partials are too close for it to show."""
+  tq, g, d, s = 4, 4, 64, 256
+  q, k_new, v_new, mask = _case(8, 1, 1, g, tq, d, "causal", jnp.bfloat16)
+  keys = jax.random.split(jax.random.key(9), 2)
+  k_cache = rand.normal(keys[0], (1, 1, s, d), jnp.bfloat16)
+  v_cache = rand.normal(keys[1], (1, 1, s, d), jnp.bfloat16)
+  k_cache = k_cache.at[0, 0, 200].set((12 * q[0, 0, 0].astype(jnp.float32)).astype(jnp.bfloat16))
+  lengths, mask = jnp.array([s], jnp.int32), jnp.asarray(mask)
+  out, lse = decode_attention(q, k_cache, v_cache, lengths, k_new, v_new, mask, return_lse=True,
+                              config=DecodeConfig(block_kv=64, num_splits=4, inflight="merged"),
+                              interpret=INTERPRET)
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  ref_out, ref_lse = decode_attention_reference(f32(q), f32(k_cache), f32(v_cache), lengths,
+                                                f32(k_new), f32(v_new), mask, return_lse=True)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out), atol=3e-2)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=2e-3, rtol=1e-4)
+
+
 def test_merged_segments_take_any_sequence():
   """inflight_merged's segments as a list (of MergeSegment or of 6-tuples) equal the tuple (a
   list raised JAX's 'Non-hashable static arguments are not supported'); none is refused by name
