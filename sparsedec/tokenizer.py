@@ -63,8 +63,8 @@ class Tokenizer:
     # what after is read around a probe text's ids: from "" alone a token that is both BOS and
     # EOS could not be placed, and "$A <eos>" was taken for a BOS (prepended; transformers
     # appends it).
-    frame = _post_processor_frame(backend)
     added = backend.encode("", add_special_tokens=True).ids
+    frame = _post_processor_frame(backend, len(added))
     head, tail = frame if frame is not None else (added, added)
     post_bos = self.bos_id is not None and head[:1] == [self.bos_id]
     post_eos = bool(self.eos_ids) and tail[-1:] == [self.eos_ids[0]] and (
@@ -212,10 +212,11 @@ class Tokenizer:
         f.write(self.chat_template)
 
 
-def _post_processor_frame(backend: BackendTokenizer) -> tuple[list[int], list[int]] | None:
-  """(ids the post-processor puts before a text, ids it puts after), found around a probe
-  text's ids; None where no probe has ids that the framed encoding holds whole."""
-  added = len(backend.encode("", add_special_tokens=True).ids)
+def _post_processor_frame(backend: BackendTokenizer,
+                          added: int) -> tuple[list[int], list[int]] | None:
+  """(ids the post-processor puts before a text, ids it puts after: `added` in all, as many as
+  it adds to ""), found around a probe text's ids; None where no probe has ids that the framed
+  encoding holds whole."""
   for probe in ("a", "Hello"):
     plain = backend.encode(probe, add_special_tokens=False).ids
     framed = backend.encode(probe, add_special_tokens=True).ids
