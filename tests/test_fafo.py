@@ -26,6 +26,8 @@ from sparsedec.errors import InputError
 from sparsedec.kv.dense import KVCache
 from sparsedec.model.forward import forward
 
+from pool_items import assert_pools_equal, insert_items
+
 
 # Library functions these tests call outside a decode loop, jitted: run op by op, each of their
 # operations was compiled on its own for every shape (a forward or a SnapKV init: 100-260
@@ -777,20 +779,6 @@ def test_snapkv_keeps_the_blocks_of_most_pooled_window_attention(monkeypatch):
     assert sorted(listed[:-1]) == chosen and listed[-1:] == newest, (row, h, listed, chosen)
 
 
-def _items_insert(pool, items):
-  """ngram_pool.insert of [(key tuple, value tuple)] into row 0 of a one-row pool, in order."""
-  from sparsedec.ngram import pool as ngram_pool
-  c = pool.config
-  m = max(len(items), 1)
-  keys = np.full((1, m, c.key_len), -1, np.int32)
-  lens = np.ones((1, m), np.int32)
-  values = np.zeros((1, m, c.value_len), np.int32)
-  valid = np.zeros((1, m), bool)
-  for i, (key, value) in enumerate(items):
-    keys[0, i, : len(key)], lens[0, i], values[0, i], valid[0, i] = key, len(key), value, True
-  return jax.jit(ngram_pool.insert)(pool, keys, lens, values, valid)
-
-
 def test_each_step_s_fumbles_pool_and_candidates_follow_the_algorithm_by_hand(stories):
   """Lossless output does not show how well FAFO guesses: a fumble fed the wrong tokens, a guess
   stored under the wrong key or a lookup under a shorter suffix only lower tau. Step by step, from
@@ -855,9 +843,7 @@ def test_each_step_s_fumbles_pool_and_candidates_follow_the_algorithm_by_hand(st
       start = last - k + 1
       items += [(tuple(full[start - length: start]), tuple(full[start: last + 1]))
                 for length in range(min(start, k), 0, -1)]
-    want = _items_insert(x.pool, items)
-    np.testing.assert_array_equal(np.asarray(y.pool.keys), np.asarray(want.keys), str(step))
-    np.testing.assert_array_equal(np.asarray(y.pool.entries), np.asarray(want.entries), str(step))
+    assert_pools_equal(y.pool, insert_items(x.pool, items), str(step))
     state = after
   assert hits >= 4 and max(sizes) >= 3, (hits, sizes)      # lookups hit, guesses were taken
 
@@ -879,7 +865,7 @@ def test_candidates_come_from_the_longest_suffix_key_first(stories):
   wrong = [t for t in range(3, 100) if t != truth[num]][: m + 1]
   items = [(tuple(truth[num - k: num]), tuple(truth[num: num + k]))]
   items += [((truth[num - 1],), (t,) * k) for t in wrong]           # newer, shorter key, wrong
-  pool = _items_insert(jax.tree.map(np.array, state.extras.pool), items)
+  pool = insert_items(jax.tree.map(np.array, state.extras.pool), items)
   state = state.replace(extras=state.extras.replace(pool=pool))
   after = run.advance(params, state, 1)
   assert int(after.num_tokens[0]) - num == k + 1

@@ -20,6 +20,8 @@ from sparsedec.decode.sampling import SamplingConfig, probabilities
 from sparsedec.decode.verify import draw_from, verify, verify_greedy, verify_sampled
 from sparsedec.weights.checkpoint import load_model
 
+from pool_items import assert_pools_equal, insert_items
+
 # One method, batch and cache capacity for every stories test, so they share compiled functions.
 METHOD = Lookahead()                      # the defaults: W=7, N=5, G=7
 CACHE = 384
@@ -367,21 +369,6 @@ def test_cli_generate_lookahead_equals_dense_and_reports_stats(capsys, dense):
 
 # ---------------------------------------------------------------- one step by hand
 
-def _insert_items(pool, rows):
-  """ngram_pool.insert of rows[b] = [(key tuple, value tuple)], in order."""
-  from sparsedec.ngram import pool as ngram_pool
-  c = pool.config
-  m = max(1, max(len(items) for items in rows))
-  keys = np.full((len(rows), m, c.key_len), -1, np.int32)
-  lens = np.ones((len(rows), m), np.int32)
-  values = np.zeros((len(rows), m, c.value_len), np.int32)
-  valid = np.zeros((len(rows), m), bool)
-  for r, items in enumerate(rows):
-    for i, (key, value) in enumerate(items):
-      keys[r, i, : len(key)], lens[r, i], values[r, i], valid[r, i] = key, len(key), value, True
-  return jax.jit(ngram_pool.insert)(pool, keys, lens, values, valid)
-
-
 def test_each_step_s_window_pool_and_candidates_follow_the_algorithm_by_hand(stories, dense):
   """Lossless output does not show how well Lookahead guesses (a window column fed the wrong
   tokens, an n-gram stored from the wrong level or during warm-up only lower tau). Step by step,
@@ -452,9 +439,7 @@ def test_each_step_s_window_pool_and_candidates_follow_the_algorithm_by_hand(sto
       rows.append(items)
     moved = np.concatenate([window[:, 1:], new[:, None]], axis=1)
     np.testing.assert_array_equal(np.asarray(y.window), moved, str(step))
-    want = _insert_items(x.pool, rows)
-    np.testing.assert_array_equal(np.asarray(y.pool.keys), np.asarray(want.keys), str(step))
-    np.testing.assert_array_equal(np.asarray(y.pool.entries), np.asarray(want.entries), str(step))
+    assert_pools_equal(y.pool, insert_items(x.pool, *rows), str(step))
     state = after
   assert hits >= 3 and max(sizes) >= 3, (hits, sizes)     # lookups hit, guesses were taken
 

@@ -15,6 +15,8 @@ from sparsedec.errors import InputError
 from sparsedec.ngram import pool as ngram_pool
 from sparsedec.ngram.pool import PoolConfig
 
+from pool_items import insert_items
+
 MASK32 = 0xFFFFFFFF
 
 
@@ -82,27 +84,9 @@ def jitted_lookup(num: int):
   return jax.jit(functools.partial(ngram_pool.lookup, num=num))
 
 
-_insert = jax.jit(ngram_pool.insert)
-
-
 def device_insert(pool, *rows: list[tuple[tuple, tuple] | None]):
   """rows[b]: the items (key, value) or None (invalid) for row b; missing rows get none."""
-  cfg = pool.config
-  b, m = pool.batch_size, INSERT_WIDTH
-  keys = np.full((b, m, cfg.key_len), -1, np.int32)
-  lens = np.ones((b, m), np.int32)
-  values = np.zeros((b, m, cfg.value_len), np.int32)
-  valid = np.zeros((b, m), bool)
-  for r, items in enumerate(rows):
-    for i, item in enumerate(items):
-      if item is None:
-        continue
-      key, value = item
-      keys[r, i, : len(key)] = key
-      lens[r, i] = len(key)
-      values[r, i] = value
-      valid[r, i] = True
-  return _insert(pool, keys, lens, values, valid)
+  return insert_items(pool, *rows, width=INSERT_WIDTH)
 
 
 def device_lookup(pool, *suffixes: tuple, num: int = NUM, width: int | None = None
