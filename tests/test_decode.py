@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -399,6 +401,56 @@ def test_prompt_longer_than_cache_is_an_error():
     sparsedec.generate(cfg, params, [list(range(30))], max_new_tokens=8, cache_size=32)
   with pytest.raises(sparsedec.InputError, match="max_position_embeddings"):
     sparsedec.generate(cfg, params, [list(range(90))] , max_new_tokens=500)
+
+
+@pytest.mark.parametrize("method", [sparsedec.decode.methods.get_method("lookahead", window=100000),
+                                    sparsedec.decode.methods.get_method("fafo", subsequences=100000)],
+                         ids=["lookahead", "fafo"])
+def test_a_step_that_cannot_fit_in_memory_is_refused_before_prefill(method, monkeypatch):
+  """A Lookahead window or FAFO subsequence count of 100000 (T = 400028 tokens a forward) ran
+  prefill, then died inside the step's trace with a bare MemoryError (its [T, T] mask); now
+  api.start refuses it by name before prefill runs."""
+  from sparsedec.decode import api
+  cfg = CONFIGS["llama3"]
+  params = init_random(cfg, jax.random.key(0))
+  monkeypatch.setattr(api, "prefill", lambda *a, **k: pytest.fail("prefill ran"))
+  with pytest.raises(sparsedec.InputError,
+                     match=r"cannot fit in memory.*\[40002[89], 40002[89]\] in-flight mask"):
+    sparsedec.generate(cfg, params, [[1, 2, 3]], max_new_tokens=8, method=method)
+
+
+def test_memory_bounds_count_the_cache_and_the_reference_scores_against_the_device(monkeypatch):
+  """A device reporting its allocator (a GPU) offers its limit less what is in use; a CPU device
+  the host's memory; one that reports neither is not checked. The KV cache always counts, the
+  reference path's scores only where that path is certain (not with attention="interpret")."""
+  from sparsedec.decode import fits
+
+  class Device:
+    def __init__(self, platform, stats):
+      self.platform, self._stats = platform, stats
+
+    def memory_stats(self):
+      return self._stats
+
+  monkeypatch.setattr(fits, "host_memory_bytes", lambda: 5000)
+  assert fits.device_memory_bytes(Device("gpu", {"bytes_limit": 10, "bytes_in_use": 4})) == 6
+  assert fits.device_memory_bytes(Device("cpu", None)) == 5000
+  assert fits.device_memory_bytes(Device("tpu", {})) is None
+  cfg = CONFIGS["llama3"]   # 2 layers, 2 KV heads, head_dim 8, fp32: 256 bytes a cache slot
+  params = init_random(cfg, jax.random.key(0))
+  # 4 rows x 128 slots: a 131072-byte cache, over the 5000 bytes the "host" has.
+  with pytest.raises(sparsedec.InputError, match=r"the KV cache \(4 rows x 128 slots\) 0.125 MiB"
+                     r".*attention scores \[4, 4, 1, 129\]"):
+    sparsedec.generate(cfg, params, [[1, 2, 3]] * 4, max_new_tokens=8)
+  need = fits.run_lower_bounds(cfg, 1, 4, 128, reference_path=False)
+  assert sum(need.values()) == 4 * 128 * 256 + 1 and not any("scores" in k for k in need)
+  monkeypatch.setattr(fits, "host_memory_bytes", lambda: 4 * 128 * 256 + 1 + 4 * 4 * 129 * 4)
+  interpret = fits.check_run_fits(dataclasses.replace(cfg, attention="interpret"),
+                                  sparsedec.decode.methods.get_method("dense"), 4, 128, None)
+  assert interpret is None                             # fits without the scores
+  fits.check_run_fits(cfg, sparsedec.decode.methods.get_method("dense"), 4, 128, None)  # exactly
+  with pytest.raises(sparsedec.InputError, match="cannot fit"):
+    fits.check_run_fits(cfg, sparsedec.decode.methods.get_method("dense"), 4, 129, None)
 
 
 def test_max_new_tokens_and_cache_size_at_their_bounds():

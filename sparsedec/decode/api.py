@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparsedec.decode.fits import check_run_fits
 from sparsedec.decode.loop import (DecodeMethod, StepContext, decode, describe_build,
                                    init_method, stop_id_tuple)
 from sparsedec.decode.methods import get_method
@@ -257,6 +258,7 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
   lengths = np.array([len(p) for p in rows], np.int32)
   capacity = method_capacity(cfg, params, method, int(lengths.max()), int(max_new_tokens),
                              cache_size)
+  check_run_fits(cfg, method, len(rows), capacity, like=params["embed"])
   bucket = prompt_bucket(int(lengths.max()))
   padded = np.zeros((len(rows), bucket), np.int32)
   for i, p in enumerate(rows):
