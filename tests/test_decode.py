@@ -436,6 +436,10 @@ def test_memory_bounds_count_the_cache_and_the_reference_scores_against_the_devi
   assert fits.device_memory_bytes(Device("gpu", {"bytes_limit": 10, "bytes_in_use": 4})) == 6
   assert fits.device_memory_bytes(Device("cpu", None)) == 5000
   assert fits.device_memory_bytes(Device("tpu", {})) is None
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device("cpu"):                  # a platform name, as jax.default_device takes
+    assert fits.run_devices(None) == {cpu}
+  assert fits.run_devices(jax.device_put(np.zeros(2), cpu)) == {cpu}
   cfg = CONFIGS["llama3"]   # 2 layers, 2 KV heads, head_dim 8, fp32: 256 bytes a cache slot
   params = init_random(cfg, jax.random.key(0))
   # 4 rows x 128 slots: a 131072-byte cache, over the 5000 bytes the "host" has.

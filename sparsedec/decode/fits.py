@@ -50,8 +50,10 @@ def run_devices(like) -> set:
   default device."""
   if isinstance(like, jax.Array) and not isinstance(like, jax.core.Tracer) and like.committed:
     return set(like.sharding.device_set)
-  default = jax.config.jax_default_device
-  return {default if isinstance(default, jax.Device) else jax.devices()[0]}
+  default = jax.config.jax_default_device            # a Device, a platform name or None
+  if isinstance(default, jax.Device):
+    return {default}
+  return {jax.devices(default)[0] if isinstance(default, str) else jax.devices()[0]}
 
 
 def run_lower_bounds(cfg: ModelConfig, tokens_per_forward: int, batch: int, capacity: int,
