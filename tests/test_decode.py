@@ -68,6 +68,53 @@ def test_stories_batch_rows_equal_single_rows(stories):
   assert all(len(t) == 64 for t in batched.tokens)
 
 
+def test_method_stats_refuses_bad_rows_by_name_and_a_stats_without_rows(stories):
+  """api.method_stats(method, state, rows): rows that are not integer indices of the batch,
+  repeated or none are refused naming the problem; a user method whose stats(state) takes no
+  rows still reports the batch (rows None, and generate's result, without per-row figures) and
+  is refused by name when rows are asked for. The previous test's batch (its compiles)."""
+  import dataclasses
+  from sparsedec.decode import api
+  from sparsedec.decode.dense import Dense
+  from sparsedec.errors import InputError
+  cfg, params, tok = stories
+  texts = ["Once upon a time", "The cat sat on the mat and looked at the big red ball", "Lily"]
+  prompts = [tok.encode(t) for t in texts]
+  result = sparsedec.generate(cfg, params, prompts, max_new_tokens=64, stop_tokens=(),
+                              return_state=True)
+  state, dense = result.state, Dense()
+  assert result.row_method_stats == [{}] * 3 and result.row_tau == [1.0] * 3
+  rows = result.stats(per_row=True)["rows"]
+  assert rows == [{"generated_tokens": 64, "active_steps": 63, "tau": 1.0}] * 3
+  assert "rows" not in result.stats()                        # what the CLI prints: unchanged
+  assert api.method_stats(dense, state, rows=np.array([2, 0])) == {}
+  for rows, match in [([3], "row 3 is outside the batch of 3"), ([-1], "row -1 is outside"),
+                      ([0.0], "integer row indices .* got 0.0"), (["1"], "integer row indices"),
+                      ([True], "integer row indices"), (1, "a sequence of row indices"),
+                      ("01", "a sequence of row indices"), ([], "rows is empty"),
+                      ([1, 0, 1], "row 1 is given twice")]:
+    with pytest.raises(InputError, match=match):
+      api.method_stats(dense, state, rows=rows)
+
+  @dataclasses.dataclass(frozen=True)
+  class OldStats(Dense):
+    name: str = "old_stats"
+
+    def stats(self, state):
+      return {"rows_seen": int(state.batch_size)}
+
+  old = OldStats()
+  assert api.method_stats(old, state) == {"rows_seen": 3}
+  with pytest.raises(InputError, match="method 'old_stats''s stats.state. takes no rows"):
+    api.method_stats(old, state, rows=[0])
+  with pytest.raises(InputError, match="row 3 is outside"):       # bad rows first, any method
+    api.method_stats(old, state, rows=[3])
+  run = api.Run(cfg, old, state.built_for[1], 64)
+  got = api._result(state, run, prefill_seconds=0.0, decode_seconds=0.0, compile_seconds=0.0)
+  assert got.method_stats == {"rows_seen": 3} and got.row_method_stats == []
+  assert "rows" in got.stats(per_row=True)
+
+
 def test_stories_chunked_prefill_equals_one_chunk(stories):
   cfg, params, tok = stories
   prompt = tok.encode("Once upon a time, there was a little girl named Lily. She loved to play "

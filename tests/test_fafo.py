@@ -27,6 +27,7 @@ from sparsedec.kv.dense import KVCache
 from sparsedec.model.forward import forward
 
 from pool_items import assert_pools_equal, insert_items
+import row_figures
 
 
 # Library functions these tests call outside a decode loop, jitted: run op by op, each of their
@@ -431,6 +432,21 @@ def test_a_step_cut_by_max_new_tokens_counts_its_appended_guesses(stories):
   expected = sum(size - 1 for size in sizes[:cut]) + 2
   assert int(result.state.extras.accepted_guesses[0]) == expected
   assert result.method_stats["accepted_guesses_per_step"] == round(expected / (cut + 1), 4)
+
+
+def test_each_rows_figures_are_its_prompt_decoded_alone(stories):
+  """A batch's per-row figures (row_tau, row_method_stats, api.method_stats(rows=[r])) are each
+  prompt's decoded alone, and they add up to the batch's: stats only summed every row, so one
+  request's tau or pool hit rate could not be read. The previous test's method and 64 tokens (its
+  B = 1 compile)."""
+  cfg, params, tok = stories
+  prompts = [tok.encode("Once upon a time, there was a little girl named Lily. She liked to"),
+             tok.encode("The dog")]
+  method = Fafo(subsequences=8, length=4, candidates=5, policy=POLICIES["streaming"])
+  row_figures.assert_rows_are_their_prompts_alone(
+      cfg, params, prompts, method, ("guesses_per_step", "pool_hit_rate",
+                                     "accepted_guesses_per_step"),
+      max_new_tokens=64, stop_tokens=())
 
 
 def test_a_stop_token_fumble_is_stored_as_the_model_guessed_it(stories):

@@ -21,6 +21,7 @@ from sparsedec.decode.verify import draw_from, verify, verify_greedy, verify_sam
 from sparsedec.weights.checkpoint import load_model
 
 from pool_items import assert_pools_equal, insert_items
+import row_figures
 
 # One method, batch and cache capacity for every stories test, so they share compiled functions.
 METHOD = Lookahead()                      # the defaults: W=7, N=5, G=7
@@ -126,6 +127,17 @@ def test_a_step_cut_by_max_new_tokens_counts_its_appended_guesses(stories, step_
   assert np.asarray(result.state.extras.accepted_guesses).tolist() == expected
   steps = sum(result.active_steps)
   assert result.method_stats["accepted_guesses_per_step"] == round(sum(expected) / steps, 4)
+
+
+def test_each_rows_figures_are_its_prompt_decoded_alone(stories, step_sizes):
+  """A batch's per-row figures (row_tau, row_method_stats, api.method_stats(rows=[r])) are each
+  prompt's decoded alone, and they add up to the batch's (stats only summed every row).
+  step_sizes' batch and 96 tokens (its compiles); alone, the two prompts of one bucket."""
+  cfg, params, prompts = stories
+  row_figures.assert_rows_are_their_prompts_alone(
+      cfg, params, prompts, METHOD, ("guesses_per_step", "pool_hit_rate", "accept_rate",
+                                     "accepted_guesses_per_step"),
+      alone_rows=(0, 2), max_new_tokens=96, stop_tokens=(), cache_size=CACHE)
 
 
 def test_stop_token_inside_a_multi_token_step(stories, dense, step_sizes):

@@ -101,6 +101,38 @@ def test_quantspec_insert_keeps_the_shared_draft_weights(stories):
     insert_row(state, other, 0)
 
 
+def test_each_rows_quantspec_figures_are_its_request_s_alone_before_and_after_an_insert(stories):
+  """Per-row figures (row_method_stats, api.method_stats(rows=[r]), row_tau) of a QuantSpec batch
+  of two prompts are each prompt's decoded alone and add up to the batch's (the drafted and
+  accepted counts exactly); stats only summed every row, so a serving stack could not report one
+  request's acceptance. A finished row's figures, read before its row is reused, are its
+  request's; after an insert that row reports the new request's, as it would alone, and the
+  other row's stay its own. The cache bytes stay the batch's. The previous test's method, cache
+  and 40 tokens (its compiles, B = 2 and 1)."""
+  from sparsedec.decode.quantspec import QuantSpec
+  import row_figures
+  cfg, params, tok = stories
+  method = QuantSpec(gamma=3, quant_group=16, weight_group=32)
+  kw = dict(max_new_tokens=40, stop_tokens=(), cache_size=128)
+  batch_wide = ("quantized_cache_bytes", "dense_cache_bytes", "cache_bytes",
+                "dense_equivalent_cache_bytes")
+  batch = row_figures.assert_rows_are_their_prompts_alone(
+      cfg, params, [tok.encode("Once upon a time"), tok.encode("The dog")], method,
+      ("accepted_drafts_per_step",), batch_wide=batch_wide, **kw)
+  for key in ("drafted_tokens", "accepted_drafts"):
+    assert sum(m[key] for m in batch.row_method_stats) == batch.method_stats[key], key
+  state = batch.state
+  prompt = tok.encode("Lily and Tom went to the park to play")
+  request, run = api.start(cfg, params, [prompt], method=method, **kw)
+  state = insert_row(state, request, 1)
+  state = run.advance(params, state)
+  alone = sparsedec.generate(cfg, params, [prompt], method=method, **kw)
+  own = lambda stats: {k: v for k, v in stats.items() if k not in batch_wide}  # noqa: E731
+  assert own(api.method_stats(method, state, rows=[1])) == own(alone.method_stats)
+  assert own(alone.method_stats) != own(batch.row_method_stats[1])   # the row's figures changed
+  assert api.method_stats(method, state, rows=[0]) == batch.row_method_stats[0]
+
+
 def test_a_quantspec_request_started_with_request_params_takes_the_batch_s_draft(stories,
                                                                                  monkeypatch):
   """Each QuantSpec request api.start-ed for serving quantized the draft weights again, which

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 import time
 from typing import Generator, Sequence
@@ -14,7 +15,7 @@ import numpy as np
 
 from sparsedec.decode.fits import check_run_fits
 from sparsedec.decode.loop import (DecodeMethod, StepContext, decode, describe_build,
-                                   init_method, stop_id_tuple)
+                                   init_method, row_index, stop_id_tuple)
 from sparsedec.decode.methods import get_method
 from sparsedec.decode.prefill import empty_cache, prefill
 from sparsedec.decode.sampling import SamplingConfig
@@ -68,7 +69,11 @@ class GenerationResult:
   rows, greedy and sampled, every method, and SmolLM2's dense greedy rows gave the same tokens
   alone and in batches).
   One int seed gives every row that seed, so equal prompts in one batch give equal tokens: pass
-  one seed per row (e.g. list(range(B))) for independent samples."""
+  one seed per row (e.g. list(range(B))) for independent samples.
+  Figures: tau and method_stats are the batch's (every row's counters summed, per-step figures
+  over every row's active steps), so they change with the batchmates; row_tau and
+  row_method_stats are each row's alone, which rows being independent are the figures of its
+  prompt decoded by itself (up to the rounding above)."""
   tokens: list[list[int]]          # generated tokens per row (a final stop token included)
   prompt_lengths: list[int]        # each row's prompt tokens
   stopped: list[bool]              # row ended on a stop token (not on max_new_tokens)
@@ -81,6 +86,9 @@ class GenerationResult:
   compile_seconds: float = 0.0      # tracing + compiling during this call (first calls only)
   state: DecodeState | None = None  # the final decode state, when asked for
   method_stats: dict = dataclasses.field(default_factory=dict)  # the method's own figures
+  row_method_stats: list[dict] = dataclasses.field(default_factory=list)
+  # ^ the method's figures of each row alone (`method_stats(method, state, rows=[r])`); [] for a
+  #   method whose stats takes no rows (a user method's), or a result built by hand
 
   @property
   def num_generated(self) -> int:
@@ -94,23 +102,39 @@ class GenerationResult:
     return (self.num_generated - len(self.tokens)) / steps if steps else 0.0
 
   @property
+  def row_tau(self) -> list[float]:
+    """Accepted tokens per step of each row alone: its generated tokens but prefill's first,
+    over its active steps (0.0 for a row that took no step). Derived from tokens and
+    active_steps, like tau, so it holds for a result built by hand too."""
+    return [(len(t) - 1) / a if a else 0.0 for t, a in zip(self.tokens, self.active_steps)]
+
+  @property
   def tokens_per_second(self) -> float:
     """Tokens the decode loop generated per second of it (each row's first token comes from
     prefill, which decode_seconds does not time)."""
     made = self.num_generated - len(self.tokens)
     return made / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
-  def stats(self) -> dict:
+  def stats(self, per_row: bool = False) -> dict:
     """The figures above as a JSON-ready dict (what the CLI prints): generated_tokens is
     num_generated (prefill's first tokens included, as tau and tokens_per_second leave them
-    out), then the method's own figures (method_stats)."""
-    return {"generated_tokens": self.num_generated, "steps": self.steps,
+    out), then the method's own figures (method_stats). per_row=True adds "rows": per row a
+    dict of its generated_tokens, active_steps, tau (row_tau) and the method's figures for it
+    alone (row_method_stats; those that are the batch's, as the knobs, repeat in every row).
+    Off by default: the CLI decodes one prompt, whose one row would repeat the batch's figures."""
+    out = {"generated_tokens": self.num_generated, "steps": self.steps,
             "tau": round(self.tau, 4), "prefill_seconds": round(self.prefill_seconds, 6),
             "decode_seconds": round(self.decode_seconds, 6),
             "compile_seconds": round(self.compile_seconds, 3),
             "tokens_per_second": round(self.tokens_per_second, 2),
             "stopped": self.stopped, "prompt_lengths": self.prompt_lengths,
             **self.method_stats}
+    if per_row:
+      methods = self.row_method_stats or [{}] * len(self.tokens)
+      out["rows"] = [{"generated_tokens": len(t), "active_steps": a, "tau": round(tau, 4), **m}
+                     for t, a, tau, m in zip(self.tokens, self.active_steps, self.row_tau,
+                                             methods)]
+    return out
 
 
 def prompt_bucket(length: int) -> int:
@@ -343,10 +367,39 @@ def collect(state: DecodeState, stop_ids: tuple[int, ...]) -> tuple[list[list[in
   return generated, [bool(g) and g[-1] in stop_ids for g in generated]
 
 
-def method_stats(method: DecodeMethod, state: DecodeState) -> dict:
-  """The method's figures (tau-like acceptance counters, ...), {} when it reports none."""
+def method_stats(method: DecodeMethod, state: DecodeState,
+                 rows: Sequence[int] | None = None) -> dict:
+  """The method's figures (tau-like acceptance counters, ...), {} when it reports none: of
+  every row (rows None), or of `rows` alone (distinct row indices of the state's batch), their
+  counters summed and per-step figures over their active steps. In a serving batch,
+  `rows=[r]` gives one request's figures: read them when the row finishes, before insert_row
+  reuses it (the new request's counters replace the row's). Figures that are the batch's
+  (knobs, QuantSpec's cache and draft weight bytes) are the same whatever the rows. Bad rows
+  (not integers, outside the batch, repeated, none) are refused by name; so are rows for a
+  user method whose stats(state) takes none (rows=None still calls it as stats(state))."""
   stats = getattr(method, "stats", None)
-  return dict(stats(state)) if stats is not None else {}
+  if rows is None:
+    return dict(stats(state)) if stats is not None else {}
+  rows = [int(r) for r in row_index(rows, state.batch_size)]        # bad rows, for any method
+  if stats is None:
+    return {}
+  if not stats_take_rows(method):
+    raise InputError(f"method {getattr(method, 'name', type(method).__name__)!r}'s stats(state) "
+                     f"takes no rows: it reports the whole batch only (pass rows=None, or give "
+                     f"its stats a rows=None parameter)")
+  return dict(stats(state, rows=rows))
+
+
+def stats_take_rows(method: DecodeMethod) -> bool:
+  """Whether the method's `stats` takes `rows` (a parameter of that name, or **kwargs): the
+  library's methods do; a user method written for stats(state) alone may not."""
+  stats = getattr(method, "stats", None)
+  try:
+    params = inspect.signature(stats).parameters.values()
+  except (TypeError, ValueError):        # no stats, or a callable without a signature
+    return False
+  return any((p.name == "rows" and p.kind != p.POSITIONAL_ONLY) or p.kind == p.VAR_KEYWORD
+             for p in params)
 
 
 def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
@@ -396,7 +449,9 @@ def _result(state: DecodeState, run: Run, *, prefill_seconds: float, decode_seco
       active_steps=[int(a) for a in jax.device_get(state.active_steps)],
       prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
       compile_seconds=compile_seconds, state=state if return_state else None,
-      method_stats=method_stats(run.method, state))
+      method_stats=method_stats(run.method, state),
+      row_method_stats=[method_stats(run.method, state, rows=[r])
+                        for r in range(state.batch_size)] if stats_take_rows(run.method) else [])
 
 
 def stream(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import jax.numpy as jnp
 
-from sparsedec.decode.loop import StepContext, finish_step
+from sparsedec.decode.loop import StepContext, finish_step, row_index
 from sparsedec.decode.sampling import sample, split_keys
 from sparsedec.decode.state import DecodeState, append_tokens
 from sparsedec.kv.dense import commit
@@ -25,7 +26,10 @@ class Dense:
   def max_steps(self, max_new_tokens: int) -> int:
     return max_new_tokens
 
-  def stats(self, state: DecodeState) -> dict:
+  def stats(self, state: DecodeState, rows: Sequence[int] | None = None) -> dict:
+    """No figures of its own (one token a step: tau is 1), for any rows (checked all the
+    same)."""
+    row_index(rows, state.batch_size)
     return {}
 
   def step(self, cfg: ModelConfig, params: Params, state: DecodeState,

@@ -48,7 +48,7 @@ Choices where the paper leaves one:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +58,7 @@ from flax import struct
 from sparsedec.attention import AttentionPlan, FullView, Segment
 from sparsedec.compress.base import check_budget, check_view
 from sparsedec.compress.streaming import StreamingLLM
-from sparsedec.decode.loop import StepContext, finish_step
+from sparsedec.decode.loop import StepContext, finish_step, row_index
 from sparsedec.decode.guesses import context_tokens, row_salt
 from sparsedec.decode.sampling import split_keys
 from sparsedec.decode.state import DecodeState, append_tokens, method_extras
@@ -290,14 +290,17 @@ class Fafo:
       values = jnp.concatenate([values, span_values.reshape(b, -1, k)], axis=1)
     return ngram_pool.insert(pool, keys, lens, values, ok)
 
-  def stats(self, state: DecodeState) -> dict:
-    """Host-side summary (sums over rows; per-step figures over active steps): guesses_per_step,
-    verification candidates checked per step (<= `candidates`, m); fumble_guesses_per_step, the
-    fumble subsequences (n); pool_hit_rate, the share of steps whose pool lookup found any;
-    accepted_guesses_per_step, guessed tokens accepted per step."""
+  def stats(self, state: DecodeState, rows: Sequence[int] | None = None) -> dict:
+    """Host-side summary of the counters of `rows` (row indices, `loop.row_index`; None: every
+    row), per-step figures over those rows' active steps: guesses_per_step, verification
+    candidates checked per step (<= `candidates`, m); pool_hit_rate, the share of steps whose
+    pool lookup found any; accepted_guesses_per_step, guessed tokens accepted per step. The
+    knobs (fumble_guesses_per_step, the fumble subsequences n; tokens_per_forward; policy) are
+    the batch's, the same for any rows."""
     x: FafoExtras = state.extras
-    active, guesses, hits, accepted = jax.device_get(
-        (state.active_steps, x.guesses, x.hit_steps, x.accepted_guesses))
+    pick = row_index(rows, state.batch_size)
+    active, guesses, hits, accepted = (np.asarray(v)[pick] for v in jax.device_get(
+        (state.active_steps, x.guesses, x.hit_steps, x.accepted_guesses)))
     steps = int(np.sum(active))
     per = (lambda v: round(float(np.sum(v)) / steps, 4) if steps else 0.0)  # noqa: E731
     return {"guesses_per_step": per(guesses), "fumble_guesses_per_step": float(self.subsequences),

@@ -38,15 +38,17 @@ Choices where the paper leaves one (following the authors' implementation unless
   so the latter are the most recent.
 * Logits are computed only where needed (current token, last level, candidates).
 
-Stats (per row in `LookaheadExtras`, summed over rows by `stats`): guesses per step (candidates
-verified), pool hit rate (steps whose lookup returned a candidate), accept rate (steps that
-accepted at least one guessed token), accepted guessed tokens per step.
+Stats (counters per row in `LookaheadExtras`; `stats` sums those of the rows asked for, every
+row by default): guesses per step (candidates verified), pool hit rate (steps whose lookup
+returned a candidate), accept rate (steps that accepted at least one guessed token), accepted
+guessed tokens per step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +57,7 @@ from flax import struct
 
 from sparsedec.attention import AttentionPlan, FullView, Segment
 from sparsedec.decode.guesses import context_tokens, row_salt
-from sparsedec.decode.loop import StepContext, finish_step
+from sparsedec.decode.loop import StepContext, finish_step, row_index
 from sparsedec.decode.sampling import split_keys
 from sparsedec.decode.state import DecodeState, append_tokens, method_extras
 from sparsedec.decode.verify import verify
@@ -232,15 +234,17 @@ class Lookahead:
       valid = jnp.concatenate([valid, (i < appended[:, None]) & (span[:, :, 0] >= 0)], axis=1)
     return ngram_pool.insert(pool, keys, jnp.ones(valid.shape, jnp.int32), values, valid)
 
-  def stats(self, state: DecodeState) -> dict:
-    """Host-side summary of the counters (sums over rows; per-step figures over active steps):
-    guesses_per_step, candidate n-grams verified per step (<= `guesses`, G); pool_hit_rate, the
-    share of steps whose pool lookup found any; accept_rate, the share of steps that accepted at
-    least one guessed token (not QuantSpec's acceptance_rate, a share of drafted tokens);
-    accepted_guesses_per_step, guessed tokens accepted per step."""
+  def stats(self, state: DecodeState, rows: Sequence[int] | None = None) -> dict:
+    """Host-side summary of the counters of `rows` (row indices, `loop.row_index`; None: every
+    row), per-step figures over those rows' active steps: guesses_per_step, candidate n-grams
+    verified per step (<= `guesses`, G); pool_hit_rate, the share of steps whose pool lookup
+    found any; accept_rate, the share of steps that accepted at least one guessed token (not
+    QuantSpec's acceptance_rate, a share of drafted tokens); accepted_guesses_per_step, guessed
+    tokens accepted per step."""
     x: LookaheadExtras = state.extras
-    active, guesses, hits, accepts, accepted = jax.device_get(
-        (state.active_steps, x.guesses, x.hit_steps, x.accept_steps, x.accepted_guesses))
+    pick = row_index(rows, state.batch_size)
+    active, guesses, hits, accepts, accepted = (np.asarray(v)[pick] for v in jax.device_get(
+        (state.active_steps, x.guesses, x.hit_steps, x.accept_steps, x.accepted_guesses)))
     steps = int(np.sum(active))
     def per(v):
       return round(float(np.sum(v)) / steps, 4) if steps else 0.0

@@ -4,7 +4,10 @@ A method is a frozen (hashable) object with
   init(cfg, params, state) -> state            # set state.extras (outside the loop, under jit)
   step(cfg, params, state, ctx) -> state       # one forward over T tokens, accept, commit
   max_steps(max_new_tokens) -> int             # worst-case iterations (dense: max_new_tokens)
-  stats(state) -> dict                         # host-side method figures for the result
+  stats(state, rows=None) -> dict              # host-side method figures for the result:
+                                               #   the counters of `rows` (row indices; None:
+                                               #   every row), per-step figures over those
+                                               #   rows' active steps (`row_index`)
   capacity_multiple: int (optional)            # the cache capacity must be a multiple of it
   max_capacity(cfg) -> int | None (optional)   # the largest cache capacity init takes
   check(cfg, params, capacity) -> None         # optional: refuse knobs this model or cache
@@ -27,10 +30,11 @@ import collections
 import dataclasses
 import functools
 import warnings
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sparsedec.decode.sampling import SamplingConfig
 from sparsedec.decode.state import DecodeState
@@ -49,6 +53,35 @@ def stop_id_tuple(stops, what: str) -> tuple[int, ...]:
   if not isinstance(ids, list) or not all(is_int(t) for t in ids):
     raise InputError(f"{what} must be a sequence of token ids (() for none), got {stops!r:.80}")
   return tuple(sorted({int(t) for t in ids}))
+
+
+def row_index(rows, batch: int) -> slice | np.ndarray:
+  """What a method's `stats` indexes its [B] counters with: every row (slice(None)) for None,
+  else `rows` (a sequence of distinct row indices of the batch of `batch`, numpy / jax arrays
+  too) as an int array. Anything else is refused naming the problem: not a sequence, an entry
+  that is not an integer, a row outside the batch, a row given twice (its counters would count
+  twice), no rows at all."""
+  if rows is None:
+    return slice(None)
+  ids = rows.tolist() if hasattr(rows, "tolist") else rows            # numpy / jax arrays
+  if is_int(ids) or isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
+    raise InputError(f"rows must be a sequence of row indices of the batch of {batch} (e.g. "
+                     f"[0]; None for every row), got {rows!r:.80}")
+  ids = list(ids)                      # once: a generator would be empty when read a second time
+  bad = [r for r in ids if not is_int(r)]
+  if bad:
+    raise InputError(f"rows must be integer row indices of the batch of {batch}, got {bad[0]!r} "
+                     f"in {rows!r:.80}")
+  if not ids:
+    raise InputError(f"rows is empty: name at least one row of the batch of {batch} (None for "
+                     f"every row)")
+  outside = [r for r in ids if not 0 <= r < batch]
+  if outside:
+    raise InputError(f"row {outside[0]} is outside the batch of {batch} (rows 0 to {batch - 1})")
+  twice = [r for i, r in enumerate(ids) if r in ids[:i]]
+  if twice:
+    raise InputError(f"row {twice[0]} is given twice in rows: its counters would count twice")
+  return np.asarray(ids, np.int64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +109,7 @@ class DecodeMethod(Protocol):
 
   def max_steps(self, max_new_tokens: int) -> int: ...
 
-  def stats(self, state: DecodeState) -> dict: ...
+  def stats(self, state: DecodeState, rows: Sequence[int] | None = None) -> dict: ...
 
 
 def describe_build(built_for: tuple["DecodeMethod", StepContext]) -> str:

@@ -52,7 +52,7 @@ Choices where the paper leaves one:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +61,7 @@ from flax import struct
 
 import pallas_kernels.w4a16_gemv as w4a16
 from sparsedec.attention import AttentionPlan, QuantView, Segment, causal_plan
-from sparsedec.decode.loop import StepContext, finish_step
+from sparsedec.decode.loop import StepContext, finish_step, row_index
 from sparsedec.decode.sampling import SamplingConfig, probabilities, split_keys
 from sparsedec.decode.state import DecodeState, append_tokens, method_extras
 from sparsedec.decode.verify import Verdict, draw_from, verify, verify_drafted
@@ -356,13 +356,19 @@ class QuantSpec:
       cache = state.cache.replace(lengths=state.cache.lengths + appended.astype(jnp.int32))
     return state.replace(cache=cache, extras=extras)
 
-  def stats(self, state: DecodeState) -> dict:
-    """Host-side figures: acceptance (acceptance_rate: accepted drafts / drafted tokens, summed
-    over rows and steps), memory (bytes of the caches actually held: quantized_cache_bytes the
-    codes and buffer, dense_cache_bytes the full-precision cache QuantSpec keeps beside them,
-    0 with int8 verification; dense_equivalent_cache_bytes what dense decoding's cache holds)."""
+  def stats(self, state: DecodeState, rows: Sequence[int] | None = None) -> dict:
+    """Host-side figures: acceptance over `rows` (row indices, `loop.row_index`; None: every
+    row): acceptance_rate, accepted drafts / drafted tokens, summed over those rows and their
+    steps; accepted_drafts_per_step over their active steps; drafted_tokens, accepted_drafts.
+    The rest are the batch's whatever the rows: the knobs, and memory (bytes of the caches
+    actually held, every row's: quantized_cache_bytes the codes and buffer, dense_cache_bytes
+    the full-precision cache QuantSpec keeps beside them, 0 with int8 verification;
+    dense_equivalent_cache_bytes what dense decoding's cache holds; draft_weight_bytes, the
+    draft every row shares)."""
     x: QuantSpecExtras = state.extras
-    active, drafted, accepted = jax.device_get((state.active_steps, x.drafted, x.accepted_drafts))
+    pick = row_index(rows, state.batch_size)
+    active, drafted, accepted = (np.asarray(v)[pick] for v in jax.device_get(
+        (state.active_steps, x.drafted, x.accepted_drafts)))
     steps, proposed = int(np.sum(active)), int(np.sum(drafted))
     qc = x.qcache
     # What dense decoding's cache holds for this run: the run's capacity (state.tokens holds
