@@ -123,12 +123,12 @@ class GenerationResult:
     alone (row_method_stats; those that are the batch's, as the knobs, repeat in every row).
     Off by default: the CLI decodes one prompt, whose one row would repeat the batch's figures."""
     out = {"generated_tokens": self.num_generated, "steps": self.steps,
-            "tau": round(self.tau, 4), "prefill_seconds": round(self.prefill_seconds, 6),
-            "decode_seconds": round(self.decode_seconds, 6),
-            "compile_seconds": round(self.compile_seconds, 3),
-            "tokens_per_second": round(self.tokens_per_second, 2),
-            "stopped": self.stopped, "prompt_lengths": self.prompt_lengths,
-            **self.method_stats}
+           "tau": round(self.tau, 4), "prefill_seconds": round(self.prefill_seconds, 6),
+           "decode_seconds": round(self.decode_seconds, 6),
+           "compile_seconds": round(self.compile_seconds, 3),
+           "tokens_per_second": round(self.tokens_per_second, 2),
+           "stopped": self.stopped, "prompt_lengths": self.prompt_lengths,
+           **self.method_stats}
     if per_row:
       methods = self.row_method_stats or [{}] * len(self.tokens)
       out["rows"] = [{"generated_tokens": len(t), "active_steps": a, "tau": round(tau, 4), **m}
