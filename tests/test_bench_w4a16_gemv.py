@@ -24,6 +24,7 @@ def test_interpret_run_writes_every_measurement(tmp_path):
       (m, impl) for m in (1, 4) for impl in bench.IMPLS if m == 1 or impl != "w4a8")
   for r in rows:
     assert r["us_per_call"] > 0 and r["copies"] == 2
+    assert r["num_calls"] == 2 and r["unroll"] == 1     # one call per copy (not unrolled 8 times)
     assert r["max_abs_err"] <= 2 ** -7 * r["ref_max_abs"]           # bf16 output rounding
     want = bench.w4_bytes(r["M"], 200, 256, 128) if r["impl"] != "dense_bf16" else \
         bench.dense_bytes(r["M"], 200, 256)
