@@ -19,11 +19,12 @@ from conftest import STORIES  # noqa: E402  (the embedded stories260K)
 
 def test_figure1_rows_and_plot(tmp_path, monkeypatch):
   # The first two HumanEval prompts (250 and 329 tokens) fall in two prompt buckets (256, 512):
-  # every --speed row compiled its decode loop twice. Cut to their first 100 tokens they share
-  # one bucket (128), so each row compiles once (prompt_ids itself still runs).
+  # every --speed row compiled its decode loop twice. Cut to their first 100 and 120 tokens they
+  # share one bucket (128), still of unequal lengths, so each row compiles once (prompt_ids itself
+  # still runs).
   real_prompt_ids = ngram_decoding.prompt_ids
   monkeypatch.setattr(ngram_decoding, "prompt_ids", lambda tok, name, num: [
-      p[:100] for p in real_prompt_ids(tok, name, num)])
+      p[: 100 + 20 * i] for i, p in enumerate(real_prompt_ids(tok, name, num))])
   out = tmp_path / "ngram.json"
   result = ngram_decoding.main([
       "--gguf", str(STORIES), "--dtype", "float32", "--prompt-sets", "humaneval",
