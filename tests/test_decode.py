@@ -487,21 +487,28 @@ def test_memory_bounds_count_the_cache_and_the_reference_scores_against_the_devi
   with jax.default_device("cpu"):                  # a platform name, as jax.default_device takes
     assert fits.run_devices(None) == {cpu}
   assert fits.run_devices(jax.device_put(np.zeros(2), cpu)) == {cpu}
-  cfg = CONFIGS["llama3"]   # 2 layers, 2 KV heads, head_dim 8, fp32: 256 bytes a cache slot
+  # 2 layers, 2 KV heads, head_dim 8, fp32: 256 bytes a cache slot; the jnp reference path.
+  cfg = dataclasses.replace(CONFIGS["llama3"], attention="reference")
   params = init_random(cfg, jax.random.key(0))
-  # 4 rows x 128 slots: a 131072-byte cache, over the 5000 bytes the "host" has.
+  monkeypatch.setattr(fits, "device_memory_bytes", lambda device: 5000)
+  # 4 rows x 128 slots: a 131072-byte cache, over the 5000 bytes the device has.
   with pytest.raises(sparsedec.InputError, match=r"the KV cache \(4 rows x 128 slots\) 0.125 MiB"
                      r".*attention scores \[4, 4, 1, 129\]"):
     sparsedec.generate(cfg, params, [[1, 2, 3]] * 4, max_new_tokens=8)
   need = fits.run_lower_bounds(cfg, 1, 4, 128, reference_path=False)
   assert sum(need.values()) == 4 * 128 * 256 + 1 and not any("scores" in k for k in need)
-  monkeypatch.setattr(fits, "host_memory_bytes", lambda: 4 * 128 * 256 + 1 + 4 * 4 * 129 * 4)
-  interpret = fits.check_run_fits(dataclasses.replace(cfg, attention="interpret"),
-                                  sparsedec.decode.methods.get_method("dense"), 4, 128, None)
-  assert interpret is None                             # fits without the scores
-  fits.check_run_fits(cfg, sparsedec.decode.methods.get_method("dense"), 4, 128, None)  # exactly
+  dense = sparsedec.decode.methods.get_method("dense")
+  exact = 4 * 128 * 256 + 1 + 4 * 4 * 129 * 4          # cache, [1, 1] mask, scores
+  monkeypatch.setattr(fits, "device_memory_bytes", lambda device: exact)
+  fits.check_run_fits(cfg, dense, 4, 128, None)                       # fits exactly
   with pytest.raises(sparsedec.InputError, match="cannot fit"):
-    fits.check_run_fits(cfg, sparsedec.decode.methods.get_method("dense"), 4, 129, None)
+    fits.check_run_fits(cfg, dense, 4, 129, None)
+  # "auto" on a CPU device counts the scores (the reference is its only path there);
+  # "interpret" runs the kernel, which holds no scores.
+  on_cpu = jax.device_put(np.zeros(2), cpu)
+  with pytest.raises(sparsedec.InputError, match="cannot fit"):
+    fits.check_run_fits(dataclasses.replace(cfg, attention="auto"), dense, 4, 129, on_cpu)
+  fits.check_run_fits(dataclasses.replace(cfg, attention="interpret"), dense, 4, 129, on_cpu)
 
 
 def test_max_new_tokens_and_cache_size_at_their_bounds():
