@@ -58,7 +58,7 @@ from flax import struct
 from sparsedec.attention import AttentionPlan, FullView, Segment
 from sparsedec.compress.base import check_budget, check_view
 from sparsedec.compress.streaming import StreamingLLM
-from sparsedec.decode.loop import StepContext, finish_step, row_index
+from sparsedec.decode.loop import StepContext, finish_step, row_counters
 from sparsedec.decode.guesses import context_tokens, row_salt
 from sparsedec.decode.sampling import split_keys
 from sparsedec.decode.state import DecodeState, append_tokens, method_extras
@@ -298,9 +298,8 @@ class Fafo:
     knobs (fumble_guesses_per_step, the fumble subsequences n; tokens_per_forward; policy) are
     the batch's, the same for any rows."""
     x: FafoExtras = state.extras
-    pick = row_index(rows, state.batch_size)
-    active, guesses, hits, accepted = (np.asarray(v)[pick] for v in jax.device_get(
-        (state.active_steps, x.guesses, x.hit_steps, x.accepted_guesses)))
+    active, guesses, hits, accepted = row_counters(state, rows, x.guesses, x.hit_steps,
+                                                   x.accepted_guesses)
     steps = int(np.sum(active))
     per = (lambda v: round(float(np.sum(v)) / steps, 4) if steps else 0.0)  # noqa: E731
     return {"guesses_per_step": per(guesses), "fumble_guesses_per_step": float(self.subsequences),

@@ -16,6 +16,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from sparsedec.decode.prefill import committed_devices
 from sparsedec.errors import InputError
 from sparsedec.model.config import ModelConfig
 
@@ -48,8 +49,9 @@ def device_memory_bytes(device) -> int | None:
 def run_devices(like) -> set:
   """The devices a run's arrays go to: those `like` (a params array) is committed to, else the
   default device."""
-  if isinstance(like, jax.Array) and not isinstance(like, jax.core.Tracer) and like.committed:
-    return set(like.sharding.device_set)
+  devices = committed_devices(like)
+  if devices:
+    return devices
   default = jax.config.jax_default_device            # a Device, a platform name or None
   if isinstance(default, jax.Device):
     return {default}

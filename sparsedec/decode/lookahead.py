@@ -57,7 +57,7 @@ from flax import struct
 
 from sparsedec.attention import AttentionPlan, FullView, Segment
 from sparsedec.decode.guesses import context_tokens, row_salt
-from sparsedec.decode.loop import StepContext, finish_step, row_index
+from sparsedec.decode.loop import StepContext, finish_step, row_counters
 from sparsedec.decode.sampling import split_keys
 from sparsedec.decode.state import DecodeState, append_tokens, method_extras
 from sparsedec.decode.verify import verify
@@ -242,9 +242,8 @@ class Lookahead:
     QuantSpec's acceptance_rate, a share of drafted tokens); accepted_guesses_per_step, guessed
     tokens accepted per step."""
     x: LookaheadExtras = state.extras
-    pick = row_index(rows, state.batch_size)
-    active, guesses, hits, accepts, accepted = (np.asarray(v)[pick] for v in jax.device_get(
-        (state.active_steps, x.guesses, x.hit_steps, x.accept_steps, x.accepted_guesses)))
+    active, guesses, hits, accepts, accepted = row_counters(
+        state, rows, x.guesses, x.hit_steps, x.accept_steps, x.accepted_guesses)
     steps = int(np.sum(active))
     def per(v):
       return round(float(np.sum(v)) / steps, 4) if steps else 0.0

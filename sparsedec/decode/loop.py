@@ -84,6 +84,14 @@ def row_index(rows, batch: int) -> slice | np.ndarray:
   return np.asarray(ids, np.int64)
 
 
+def row_counters(state: DecodeState, rows, *counters: jax.Array) -> tuple[np.ndarray, ...]:
+  """What a method's `stats` sums: the state's active_steps, then each of `counters` (per-row
+  [B] arrays of its extras), read from the device in one transfer and taken at `rows`
+  (`row_index`: None for every row)."""
+  pick = row_index(rows, state.batch_size)
+  return tuple(np.asarray(v)[pick] for v in jax.device_get((state.active_steps, *counters)))
+
+
 @dataclasses.dataclass(frozen=True)
 class StepContext:
   """Static settings every step needs. stop_ids: any integer token ids, stored sorted without

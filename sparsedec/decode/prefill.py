@@ -21,14 +21,22 @@ def _empty_cache(cfg: ModelConfig, batch_size: int, capacity: int) -> KVCache:
   return init_cache(cfg, batch_size, capacity)
 
 
+def committed_devices(like) -> set | None:
+  """The devices `like` (a params array) is committed to; None for anything else (an
+  uncommitted or host array, a tracer): a run on such params goes to the default device."""
+  if isinstance(like, jax.Array) and not isinstance(like, jax.core.Tracer) and like.committed:
+    return set(like.sharding.device_set)
+  return None
+
+
 def empty_cache(cfg: ModelConfig, batch_size: int, capacity: int, like=None) -> KVCache:
   """An empty cache for `prefill`, made on the one device `like` (a params array) is committed
   to: made on the default device, it was copied to params placed elsewhere by the prefill's call
   (a whole cache held on device 0 for a model on device 1). Else on the default device."""
-  if (not isinstance(like, jax.Array) or isinstance(like, jax.core.Tracer)
-      or not like.committed or len(like.sharding.device_set) != 1):
+  devices = committed_devices(like)
+  if devices is None or len(devices) != 1:
     return _empty_cache(cfg, batch_size, capacity)
-  with jax.default_device(next(iter(like.sharding.device_set))):
+  with jax.default_device(next(iter(devices))):
     return _empty_cache(cfg, batch_size, capacity)
 
 

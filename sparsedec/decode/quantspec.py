@@ -61,7 +61,7 @@ from flax import struct
 
 import pallas_kernels.w4a16_gemv as w4a16
 from sparsedec.attention import AttentionPlan, QuantView, Segment, causal_plan
-from sparsedec.decode.loop import StepContext, finish_step, row_index
+from sparsedec.decode.loop import StepContext, finish_step, row_counters
 from sparsedec.decode.sampling import SamplingConfig, probabilities, split_keys
 from sparsedec.decode.state import DecodeState, append_tokens, method_extras
 from sparsedec.decode.verify import Verdict, draw_from, verify, verify_drafted
@@ -366,9 +366,7 @@ class QuantSpec:
     dense_equivalent_cache_bytes what dense decoding's cache holds; draft_weight_bytes, the
     draft every row shares)."""
     x: QuantSpecExtras = state.extras
-    pick = row_index(rows, state.batch_size)
-    active, drafted, accepted = (np.asarray(v)[pick] for v in jax.device_get(
-        (state.active_steps, x.drafted, x.accepted_drafts)))
+    active, drafted, accepted = row_counters(state, rows, x.drafted, x.accepted_drafts)
     steps, proposed = int(np.sum(active)), int(np.sum(drafted))
     qc = x.qcache
     # What dense decoding's cache holds for this run: the run's capacity (state.tokens holds
