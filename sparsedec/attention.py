@@ -167,13 +167,15 @@ def _cache_mask(view, lengths: jax.Array, q_pos: jax.Array, capacity: int,
 
 
 def _f32_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-  """einsum with fp32 accumulation. XLA:CPU cannot run bf16 x bf16 -> f32 dots, so there the
-  operands are upcast (the same result; GPUs accumulate bf16 products in fp32 natively). fp32
-  operands are multiplied at full fp32 precision, as `linear` does (jax's default precision
-  computes fp32 dots in TF32 on recent GPUs)."""
-  if jax.default_backend() == "cpu" and (a.dtype != jnp.float32 or b.dtype != jnp.float32):
-    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-  return f32_einsum(spec, a, b)
+  """einsum with fp32 accumulation. XLA:CPU cannot run bf16 x bf16 -> f32 dots, so where the call
+  is lowered for a CPU the operands are upcast (the same result; GPUs accumulate bf16 products in
+  fp32 natively). fp32 operands are multiplied at full fp32 precision, as `linear` does (jax's
+  default precision computes fp32 dots in TF32 on recent GPUs)."""
+  if a.dtype == jnp.float32 and b.dtype == jnp.float32:
+    return f32_einsum(spec, a, b)
+  f32 = lambda x: x.astype(jnp.float32)
+  return jax.lax.platform_dependent(cpu=lambda: f32_einsum(spec, f32(a), f32(b)),
+                                    default=lambda: f32_einsum(spec, a, b))
 
 
 def reference_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
@@ -520,12 +522,14 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Ar
   k_cache, v_cache [B, Hkv, S, D] with lengths [B]; k_new, v_new [B, T, Hkv, D]. In-flight key u
   has position q_pos[:, u]. Returns [B, T, Hq, D].
 
-  impl (`ModelConfig.attention`): "auto" runs a Pallas kernel on a GPU when one applies
+  impl (`ModelConfig.attention`): "auto" runs a Pallas kernel where the call is lowered for a
+  CUDA GPU (the platform of the arrays' devices, not the default backend) and one applies
   (`kernel_choice`: decode_attention when every segment reads FullView; sparse_attention for a
   block-list segment followed by an optional full-cache one; quant_attention when every segment
   is a QuantView; bf16/fp16, head_dim % 64 == 0 (64 or 128 for quant_attention), capacity a
   multiple of the kernel's tile or block size, quant group a multiple of 64, no effective sliding
-  window) and the jnp reference otherwise (on a GPU with a warning naming why, once per reason);
+  window) and the jnp reference otherwise (where no kernel applies, with a warning naming why,
+  once per reason, when the default backend is a GPU);
   "reference" always the jnp reference; "pallas" always the kernel (raises
   UnsupportedConfigError naming why where none applies); "interpret" the kernel in the Mosaic GPU
   interpreter (for CPU tests; raises like "pallas").
@@ -534,17 +538,31 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Ar
     raise UnsupportedConfigError(f"attention impl {impl!r} is not one of {ATTENTION_IMPLS}")
   _check_attend_inputs(q, k_cache, v_cache, lengths, k_new, v_new, q_pos, plan)
   check_segments(plan, q.shape[1])
-  if impl != "reference":
-    kind, blocker = _kernel_choice(q, k_cache, plan, window)
-    if impl in ("pallas", "interpret") and kind is None:
-      raise UnsupportedConfigError(f"attention={impl!r}: no Pallas kernel applies: {blocker}")
-    on_gpu = jax.default_backend() == "gpu"
-    if kind is not None and (impl != "auto" or on_gpu):
-      return _kernel_attention(kind, q, k_cache, v_cache, lengths, k_new, v_new, q_pos, plan,
-                               impl)
-    if on_gpu:
+  reference = lambda: _reference_attend(q, k_cache, v_cache, lengths, k_new, v_new, q_pos, plan,
+                                        window)
+  if impl == "reference":
+    return reference()
+  kind, blocker = _kernel_choice(q, k_cache, plan, window)
+  if impl in ("pallas", "interpret") and kind is None:
+    raise UnsupportedConfigError(f"attention={impl!r}: no Pallas kernel applies: {blocker}")
+  kernel = lambda: _kernel_attention(kind, q, k_cache, v_cache, lengths, k_new, v_new, q_pos,
+                                     plan, impl)
+  if impl != "auto":
+    return kernel()
+  if kind is None:
+    if jax.default_backend() == "gpu":
       warnings.warn(f"attention='auto' runs the jnp reference on this GPU: {blocker}",
                     stacklevel=2)
+    return reference()
+  # The platform the call is lowered for picks the branch (the other is traced, not lowered):
+  # the Mosaic GPU kernels on CUDA, the reference elsewhere, whatever the default backend is
+  # (arrays on a CPU device of a GPU host, user-written jits lowered for another platform).
+  return jax.lax.platform_dependent(cuda=kernel, default=reference)
+
+
+def _reference_attend(q, k_cache, v_cache, lengths, k_new, v_new, q_pos, plan: AttentionPlan,
+                      window: int | None) -> jax.Array:
+  """`attend`'s jnp reference path (its arguments, checked)."""
   b, t = q.shape[:2]
   capacity = k_cache.shape[2]
   inflight = jnp.broadcast_to(plan.inflight_mask, (b, t, t))

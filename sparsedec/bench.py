@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from sparsedec.decode.api import generate
+from sparsedec.decode.fits import run_devices
 from sparsedec.decode.loop import DecodeMethod
 from sparsedec.decode.methods import method_config
 from sparsedec.decode.sampling import SamplingConfig
@@ -33,17 +34,19 @@ def log(msg: str) -> None:
   print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
 
 
-def device_description() -> dict:
-  dev = jax.devices()[0]
+def device_description(device: jax.Device | None = None) -> dict:
+  """The device a run used (default: the default backend's first) and the host."""
+  dev = device or jax.devices()[0]
   return {"platform": dev.platform, "device_kind": dev.device_kind,
-          "num_devices": jax.device_count(), "cpu_count": os.cpu_count(),
+          "num_devices": jax.device_count(dev.platform), "cpu_count": os.cpu_count(),
           "host": platform.node(), "jax": jax.__version__}
 
 
-def peak_memory_bytes() -> dict:
-  """Peak device memory (accelerators) and peak host RSS."""
+def peak_memory_bytes(device: jax.Device | None = None) -> dict:
+  """Peak memory of `device` (accelerators; default: the default backend's first) and peak host
+  RSS."""
   out = {"host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-  stats = jax.devices()[0].memory_stats() or {}
+  stats = (device or jax.devices()[0]).memory_stats() or {}
   if "peak_bytes_in_use" in stats:
     out["device_peak_bytes"] = int(stats["peak_bytes_in_use"])
   return out
@@ -100,6 +103,7 @@ def run_bench(cfg: ModelConfig, params: Params, tok: Tokenizer, *, prompts: str 
               model_name: str = "", cache_size: int | None = None) -> dict:
   texts = bench_prompts(prompts, num_prompts, batch_size)
   ids = encode_prompts(tok, texts, chat_template)
+  device = min(run_devices(params["embed"]), key=lambda d: d.id)   # where the run's arrays go
   stop = () if ignore_eos else None
   kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, method=method,
             stop_tokens=stop, cache_size=cache_size)
@@ -135,6 +139,6 @@ def run_bench(cfg: ModelConfig, params: Params, tok: Tokenizer, *, prompts: str 
       "tau": ((gen - sum(len(r["prompt_tokens"]) for r in runs))
               / max(sum(r["active_steps"] for r in runs), 1)),
       "mean_tau": float(np.mean([r["tau"] for r in runs])),
-      "warmup_seconds": compile_seconds, "memory": peak_memory_bytes(),
-      "device": device_description(), "runs": runs,
+      "warmup_seconds": compile_seconds, "memory": peak_memory_bytes(device),
+      "device": device_description(device), "runs": runs,
   }

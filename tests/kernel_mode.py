@@ -13,6 +13,7 @@ KERNEL = "pallas" if jax.default_backend() == "gpu" else "interpret"
 
 def cuda_text(fn, *args) -> str:
   """The StableHLO text of jit(fn) lowered for the cuda platform (works on a CPU-only machine;
-  the Mosaic GPU kernels appear as custom calls) at args' shapes and dtypes."""
+  the Mosaic GPU kernels appear as custom calls) at the shapes and dtypes of args (pytrees)."""
   sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-  return jax.jit(fn).trace(*map(sds, args)).lower(lowering_platforms=("cuda",)).as_text()
+  return jax.jit(fn).trace(*jax.tree.map(sds, args)).lower(
+      lowering_platforms=("cuda",)).as_text()

@@ -97,6 +97,28 @@ def test_unaligned_capacity_is_refused_when_forced_and_falls_back_in_auto():
   np.testing.assert_allclose(np.asarray(out, np.float32), 1.0)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_auto_picks_the_kernel_by_the_platform_it_is_lowered_for(num_tokens):
+  """attention="auto" is decided where the call is lowered, not by the default backend: lowered
+  for cuda the model forward's attention is the decode kernel (a Mosaic GPU custom call), lowered
+  for the CPU the jnp reference (no custom call), and it runs on a CPU device whatever the default
+  backend is (a GPU host's CPU device ran the kernel before and failed)."""
+  cfg = KERNEL_SHAPED
+  params = cast_params(init_random(cfg, jax.random.key(0), scale=0.5), cfg.dtype)
+  cache = init_cache(cfg, 2, 128)
+  tokens = jnp.ones((2, num_tokens), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(num_tokens), (2, num_tokens))
+  call = lambda p, x, pos, c: forward(cfg, p, x, pos, c)[0]
+  assert cuda_text(call, params, tokens, positions, cache).count("@mosaic_gpu") == 1
+  cpu_text = jax.jit(call).trace(params, tokens, positions, cache).lower(
+      lowering_platforms=("cpu",)).as_text()
+  assert "custom_call" not in cpu_text
+  on_cpu = jax.device_put((params, tokens, positions, cache), jax.devices("cpu")[0])
+  ref_cfg = cfg.replace(attention="reference")
+  want = jax.jit(lambda p, x, pos, c: forward(ref_cfg, p, x, pos, c)[0])(*on_cpu)
+  np.testing.assert_array_equal(np.asarray(jax.jit(call)(*on_cpu)), np.asarray(want))
+
+
 def test_a_block_list_over_a_capacity_not_a_multiple_of_its_block_size():
   """The sparse kernel refuses it by name; "auto" falls back to the reference, which reads the
   listed blocks, the last one partial (it failed on a [.., 16] vs [.., 20] broadcast)."""

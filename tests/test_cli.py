@@ -130,6 +130,28 @@ def test_bench_tau_weights_each_run_by_its_steps(monkeypatch, stories):
   assert result["tokens_per_second"] == 4.5 and result["median_tokens_per_second"] == 4.5
 
 
+def test_bench_reports_the_device_the_params_are_on(monkeypatch, stories):
+  """bench read the device and its peak memory from jax.devices()[0], whatever device the params
+  (and so the run) were on."""
+  from sparsedec import bench
+  from sparsedec.decode.api import GenerationResult
+
+  class Device:                      # where run_devices says the params are
+    platform, device_kind, id = "cpu", "the params' device", 7
+    memory_stats = staticmethod(lambda: {"peak_bytes_in_use": 1234})
+
+  cfg, params, tok = stories
+  asked = []
+  monkeypatch.setattr(bench, "run_devices", lambda like: asked.append(like) or {Device()})
+  monkeypatch.setattr(bench, "generate", lambda cfg, params, ids, **kw: GenerationResult(
+      tokens=[[5, 5]], prompt_lengths=[len(ids[0])], stopped=[False], steps=1,
+      active_steps=[1], prefill_seconds=0.1, decode_seconds=1.0))
+  result = bench.run_bench(cfg, params, tok, num_prompts=1, max_new_tokens=2)
+  assert asked == [params["embed"]]
+  assert result["device"]["device_kind"] == "the params' device"
+  assert result["memory"]["device_peak_bytes"] == 1234
+
+
 def test_bench_refuses_no_prompts_and_empty_batches(capsys, tmp_path):
   """A negative count sliced the set from the end, 0 prompts wrote NaN into the JSON and a batch
   size of 0 crashed: each is refused by name."""

@@ -8,6 +8,8 @@ verification forwards that lower for cuda with the kernel in them."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -277,27 +279,25 @@ def test_weight_layouts_hold_the_same_quantized_weight(layout):
     check_layout_product(layout, n_out)
 
 
-@pytest.fixture
-def int4_gpu_path(monkeypatch):
-  """quant_weights' GPU paths on any backend; no trace of `linear` from either side leaks
-  through jax's caches into the other."""
-  jax.clear_caches()
-  monkeypatch.setattr(quant_weights, "_on_gpu", lambda: True)
-  yield
-  jax.clear_caches()
+def dot_widths(fn, *args, platform: str) -> list[int]:
+  """The output widths of the dot_generals of jit(fn)(*args) lowered for `platform`."""
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+  return [int(m) for m in re.findall(r"stablehlo\.dot_general.*x(\d+)x\w+>$", text, re.M)]
 
 
-def test_narrow_int4_products_are_padded_on_a_gpu(int4_gpu_path):
-  """The GPU path of the "int4" product multiplies narrow weights padded to INT4_MIN_OUT columns
-  (the same values; the padded dot may sum in another order)."""
+def test_narrow_int4_products_are_padded_for_cuda():
+  """Lowered for CUDA (whatever the default backend), the "int4" product multiplies a narrow weight
+  padded to INT4_MIN_OUT columns; lowered for the CPU, unpadded. The padded product has the same
+  values (the padded dot may sum in another order)."""
   w = rand.normal(jax.random.key(0), (172, 24), jnp.float32)
   qw = quantize_weight(w, group=64, layout="int4")
   x = rand.normal(jax.random.key(1), (2, 3, 172))
-  jaxpr = jax.make_jaxpr(linear)(x, qw)
-  widths = [e.invars[1].aval.shape[-1] for e in jaxpr.eqns if e.primitive.name == "dot_general"]
-  assert widths == [quant_weights.INT4_MIN_OUT]
+  assert dot_widths(linear, x, qw, platform="cuda") == [quant_weights.INT4_MIN_OUT]
+  assert dot_widths(linear, x, qw, platform="cpu") == [24]
   want = np.asarray(linear(x, quantize_weight(w, group=64)))
-  np.testing.assert_allclose(np.asarray(jax.jit(linear)(x, qw)), want, rtol=1e-5, atol=1e-4)
+  padded = jax.jit(quant_weights._int4_dequant_product, static_argnums=(2, 3))
+  np.testing.assert_allclose(np.asarray(padded(x, qw, None, quant_weights.INT4_MIN_OUT)), want,
+                             rtol=1e-5, atol=1e-4)
 
 
 def check_layout_product(layout: str, n_out: int) -> None:

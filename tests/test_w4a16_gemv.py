@@ -17,7 +17,6 @@ from pallas_kernels.register_operand import unpack_words
 from pallas_kernels.w4a16_gemv import (CODE_OFFSET, W4A16Config, dequantize, plan, w4a16_matmul,
                                        w4a16_reference)
 from sparsedec.errors import InputError
-from sparsedec.model import quant_weights as qw_mod
 from sparsedec.model.quant_weights import LAYOUTS, quant_matmul, quantize_weight
 
 
@@ -290,17 +289,17 @@ def test_int4_t_matmul_equals_the_int4_layout(group):
   np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-2 * np.abs(want).max())
 
 
-def test_quant_matmul_dispatches_int4_t_to_the_kernel_on_gpu(monkeypatch):
-  """With a GPU backend (pretended), quant_matmul on "int4_t" calls the one-row dp4a kernel
-  (w4a8_gemv) for one row, the W4A16 kernel for 2..64 bf16 rows (and for one row where the dp4a
-  kernel cannot: Out not a multiple of 128) and the jnp math otherwise; all lower for cuda."""
-  monkeypatch.setattr(qw_mod, "_on_gpu", lambda: True)
+def test_quant_matmul_dispatches_int4_t_to_the_kernel_on_gpu():
+  """Lowered for CUDA (whatever the default backend), quant_matmul on "int4_t" calls the one-row
+  dp4a kernel (w4a8_gemv) for one row, the W4A16 kernel for 2..64 bf16 rows (and for one row where
+  the dp4a kernel cannot: Out not a multiple of 128) and the jnp math otherwise; lowered for the
+  CPU, the jnp math always."""
   t = quantize_weight(jnp.ones((256, 128)), 128, "int4_t")
   sds = jax.ShapeDtypeStruct
 
-  def lowered(batch, rows, dtype=jnp.bfloat16, w=t):
+  def lowered(batch, rows, dtype=jnp.bfloat16, w=t, platform="cuda"):
     return jax.jit(quant_matmul).trace(sds((batch, rows, 256), dtype), w).lower(
-        lowering_platforms=("cuda",)).as_text()
+        lowering_platforms=(platform,)).as_text()
 
   kernels = lambda text: ("w4a8_gemv_kernel" in text, "w4a16_gemv_kernel" in text)
   assert kernels(lowered(1, 1)) == (True, False)        # one row: dp4a
@@ -309,12 +308,14 @@ def test_quant_matmul_dispatches_int4_t_to_the_kernel_on_gpu(monkeypatch):
   assert kernels(lowered(1, 1, jnp.float32)) == (False, False)
   t64 = quantize_weight(jnp.ones((256, 64)), 128, "int4_t")
   assert kernels(lowered(1, 1, w=t64)) == (False, True)  # Out = 64
+  assert kernels(lowered(1, 1, platform="cpu")) == (False, False)
+  assert kernels(lowered(2, 32, platform="cpu")) == (False, False)
 
 
-def test_forward_with_int4_t_draft_weights(monkeypatch):
+def test_forward_with_int4_t_draft_weights():
   """A forward with "int4_t" draft weights: the logits of the "int4" layout on the CPU (jnp
-  math), and with a GPU backend (pretended) all four quantized linears of the layer lower to
-  a Mosaic GPU kernel for cuda (the one-row dp4a kernel: one token)."""
+  math), and lowered for cuda all four quantized linears of the layer are a Mosaic GPU kernel
+  (the one-row dp4a kernel: one token)."""
   from sparsedec.kv.dense import init_cache
   from sparsedec.model.config import ModelConfig
   from sparsedec.model.forward import forward
@@ -334,7 +335,6 @@ def test_forward_with_int4_t_draft_weights(monkeypatch):
                init_cache(cfg, 1, 128))
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
 
-  monkeypatch.setattr(qw_mod, "_on_gpu", lambda: True)
   cfg = cfg.replace(dtype="bfloat16")
   draft = quantize_params(cast_params(params, cfg.dtype), 64, "int4_t")
   text = jax.jit(forward, static_argnums=0).trace(

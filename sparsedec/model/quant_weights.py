@@ -32,7 +32,7 @@ dequantized values are bit-identical, and `to_layout` converts between them exac
     Q4_0 / Q4_1 blocks), In_pad then padded with whole groups of zero weights to a multiple of
     64), the layout of the Mosaic GPU W4A16 GEMV kernel (`pallas_kernels.w4a16_gemv`: each
     [64 out, 64 in] tile is 2 KiB contiguous, its bytes per thread already a wgmma register
-    fragment). On a GPU, one row of x (bf16/fp16, groups a multiple of 32, Out a multiple of 128)
+    fragment). Lowered for a CUDA GPU, one row of x (bf16/fp16, groups a multiple of 32, Out a multiple of 128)
     goes through `pallas_kernels.w4a8_gemv` (the same codes on CUDA cores: x as two int8 planes
     per 32 inputs, within max|x| / 64516 of x, dotted by dp4a), up to 64 rows (Out a multiple of
     64) through the W4A16 kernel; anything else through the "int4_grouped" math in jnp on the
@@ -293,8 +293,17 @@ def _int4_dequant_matmul(x: jax.Array, w: QuantWeight, precision) -> jax.Array:
   XLA:GPU (jax 0.11.2) computed the jitted product wrong at 16-40 output columns, with cuBLAS and
   with Triton GEMMs alike; both failing programs dequantize the int4 operand in a Triton transpose
   fusion (H200, benchmarks/NOTES.md sessions 56-57)."""
+  n_out = w.scale.shape[1]
+  if n_out >= INT4_MIN_OUT:
+    return _int4_dequant_product(x, w, precision, n_out)
+  return jax.lax.platform_dependent(
+      cuda=lambda: _int4_dequant_product(x, w, precision, INT4_MIN_OUT),
+      default=lambda: _int4_dequant_product(x, w, precision, n_out))
+
+
+def _int4_dequant_product(x: jax.Array, w: QuantWeight, precision, width: int) -> jax.Array:
+  """`_int4_dequant_matmul` with the weight zero-padded to `width` >= Out columns."""
   n_groups, n_out = w.scale.shape
-  width = max(n_out, INT4_MIN_OUT) if _on_gpu() else n_out
   codes, scale, zero = w.codes, w.scale, w.zero
   if width > n_out:
     codes, scale, zero = (jnp.pad(a, ((0, 0), (0, width - n_out))) for a in (codes, scale, zero))
@@ -312,10 +321,7 @@ def _int4_grouped_matmul(x: jax.Array, w: QuantWeight, precision) -> jax.Array:
   lead = x.shape[:-1]
   xg = _pad_inputs(x, w).reshape(-1, n_groups, w.group)                    # [M, In/G, G]
   c = w.codes.reshape(n_groups, w.group, n_out).astype(x.dtype)           # [In/G, G, Out]
-  if jax.default_backend() == "cpu" and x.dtype != jnp.float32:
-    xg, c = xg.astype(jnp.float32), c.astype(jnp.float32)   # XLA:CPU: no bf16 x bf16 -> fp32
-  part = jnp.einsum("mgi,gio->gmo", xg, c, precision=precision,
-                    preferred_element_type=jnp.float32)                    # [In/G, M, Out]
+  part = _f32_products("mgi,gio->gmo", xg, c, precision)                   # [In/G, M, Out]
   xsum = xg.astype(jnp.float32).sum(-1)                                    # [M, In/G]
   return _scale_group_products(part, xsum, w, precision).astype(x.dtype).reshape(*lead, n_out)
 
@@ -329,9 +335,27 @@ def _scale_group_products(part: jax.Array, xsum: jax.Array, w: QuantWeight,
   return jnp.einsum("gmo,go->mo", part, scale) + jnp.dot(xsum, offset, precision=precision)
 
 
-def _on_gpu() -> bool:
-  """Whether the W4A16 kernel's backend is the default one (tests pretend it is)."""
-  return jax.default_backend() == "gpu"
+def _f32_products(spec: str, a: jax.Array, b: jax.Array, precision) -> jax.Array:
+  """einsum accumulating in fp32. XLA:CPU cannot run bf16 x bf16 -> f32 dots: where the call is
+  lowered for a CPU, 16-bit operands are upcast first (the same products, exact in fp32)."""
+  dot = lambda a, b: jnp.einsum(spec, a, b, precision=precision,
+                                preferred_element_type=jnp.float32)
+  if a.dtype == jnp.float32 and b.dtype == jnp.float32:
+    return dot(a, b)
+  f32 = lambda x: x.astype(jnp.float32)
+  return jax.lax.platform_dependent(cpu=lambda: dot(f32(a), f32(b)), default=lambda: dot(a, b))
+
+
+def _int4_t_kernel(x2: jax.Array, w: QuantWeight):
+  """The Mosaic GPU kernel computing x2 [M, In] @ w ("int4_t") on a CUDA GPU, as a thunk, or None
+  where neither takes these shapes: one row by `w4a8_gemv` (groups a multiple of 32, Out of
+  128), up to 64 rows by `w4a16_gemv`."""
+  n_out = w.scale.shape[1]
+  for kernel, matmul in ((w4a8, w4a8.w4a8_matmul), (w4a16, w4a16.w4a16_matmul)):
+    if kernel.unsupported_reason(x2.shape[0], n_out, w.group, x2.dtype) is None:
+      return lambda: matmul(x2, w.codes, w.scale, w.zero, in_features=w.in_features,
+                            group=w.group)
+  return None
 
 
 def _int4_t_matmul(x: jax.Array, w: QuantWeight, precision) -> jax.Array:
@@ -339,29 +363,28 @@ def _int4_t_matmul(x: jax.Array, w: QuantWeight, precision) -> jax.Array:
   32, Out of 128) by `w4a8_gemv` (x in two int8 planes per 32 inputs, within max|x| / 64516 of
   x; dp4a), up to 64 rows by `w4a16_gemv`; else the "int4_grouped" math in jnp on the chunked
   codes. fp32 accumulation; the result in x's dtype."""
-  n_groups, n_out = w.scale.shape
-  lead = x.shape[:-1]
+  n_out = w.scale.shape[1]
   x2 = x.reshape(-1, x.shape[-1])                                          # [M, In]
-  if _on_gpu() and w4a8.unsupported_reason(x2.shape[0], n_out, w.group, x.dtype) is None:
-    y = w4a8.w4a8_matmul(x2, w.codes, w.scale, w.zero, in_features=w.in_features, group=w.group)
-    return y.reshape(*lead, n_out)
-  if _on_gpu() and w4a16.unsupported_reason(x2.shape[0], n_out, w.group, x.dtype) is None:
-    y = w4a16.w4a16_matmul(x2, w.codes, w.scale, w.zero, in_features=w.in_features, group=w.group)
-    return y.reshape(*lead, n_out)
+  kernel = _int4_t_kernel(x2, w)
+  jnp_math = lambda: _int4_t_jnp_matmul(x2, w, precision)
+  y = jnp_math() if kernel is None else jax.lax.platform_dependent(cuda=kernel, default=jnp_math)
+  return y.reshape(*x.shape[:-1], n_out)
+
+
+def _int4_t_jnp_matmul(x2: jax.Array, w: QuantWeight, precision) -> jax.Array:
+  """x2 [M, In] @ w ("int4_t") in jnp: the "int4_grouped" math on the chunked codes."""
+  n_groups, n_out = w.scale.shape
   chunk = w4a16.CHUNK
   cpg = max(1, w.group // chunk)                               # whole chunks per group
   sub = min(w.group, chunk)                                    # inputs of a group in a chunk
   c = unpack_words(w.codes)                                    # [In_pad/64, Out, 64]
   if w.group < chunk:                                          # 64 / G groups a chunk
     c = c.reshape(c.shape[0], n_out, chunk // sub, sub).transpose(0, 2, 1, 3)
-  c = c.reshape(n_groups, cpg, n_out, sub).astype(x.dtype)                 # [In/G, cpg, Out, sub]
+  c = c.reshape(n_groups, cpg, n_out, sub).astype(x2.dtype)                # [In/G, cpg, Out, sub]
   xg = _pad_inputs(x2, w).reshape(-1, n_groups, cpg, sub)                  # [M, In/G, cpg, sub]
-  if jax.default_backend() == "cpu" and x.dtype != jnp.float32:
-    xg, c = xg.astype(jnp.float32), c.astype(jnp.float32)   # XLA:CPU: no bf16 x bf16 -> fp32
-  part = jnp.einsum("mgki,gkoi->gmo", xg, c, precision=precision,
-                    preferred_element_type=jnp.float32)                    # [In/G, M, Out]
+  part = _f32_products("mgki,gkoi->gmo", xg, c, precision)                 # [In/G, M, Out]
   xsum = xg.astype(jnp.float32).sum((-2, -1))                              # [M, In/G]
-  return _scale_group_products(part, xsum, w, precision).astype(x.dtype).reshape(*lead, n_out)
+  return _scale_group_products(part, xsum, w, precision).astype(x2.dtype)
 
 
 def _int4_reduce_matmul(x: jax.Array, w: QuantWeight, precision) -> jax.Array:
