@@ -296,8 +296,8 @@ def test_narrow_int4_products_are_padded_for_cuda():
   assert dot_widths(linear, x, qw, platform="cpu") == [24]
   want = np.asarray(linear(x, quantize_weight(w, group=64)))
   padded = jax.jit(quant_weights._int4_dequant_product, static_argnums=(2, 3))
-  np.testing.assert_allclose(np.asarray(padded(x, qw, None, quant_weights.INT4_MIN_OUT)), want,
-                             rtol=1e-5, atol=1e-4)
+  got = padded(x, qw, jax.lax.Precision.HIGHEST, quant_weights.INT4_MIN_OUT)   # as `linear`'s
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
 
 
 def check_layout_product(layout: str, n_out: int) -> None:
