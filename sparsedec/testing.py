@@ -3,14 +3,18 @@
   from sparsedec import testing
   testing.assert_matches_dense(cfg, params, prompts, method="dense", max_new_tokens=64)
   testing.assert_forward_matches_dense(cfg, params, tokens, my_forward, atol=1e-5)
+  testing.assert_sampling_matches_dense(cfg, params, prompt, method=..., sampling=...)
 
 On failure the message names, per row, the first divergent position, the two tokens and the
 dense model's logit margin between them there (a near-tie in bf16 shows as a tiny margin).
+Sampling is compared as a law: a chi-square test of homogeneity over many seeds (needs scipy,
+the `test` extra).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Callable, Sequence
 
 import chex
@@ -20,6 +24,7 @@ import numpy as np
 
 from sparsedec.attention import causal_plan
 from sparsedec.decode.api import GenerationResult, generate
+from sparsedec.decode.sampling import SamplingConfig
 from sparsedec.errors import InputError, is_int
 from sparsedec.kv.dense import init_cache
 from sparsedec.model.config import ModelConfig
@@ -135,7 +140,7 @@ def assert_matches_dense(cfg: ModelConfig, params: Params, prompts: Sequence[Seq
   Token identity is the claim of greedy decoding. With sampling, the lossless speculative
   methods (FAFO, Lookahead, QuantSpec) keep dense decoding's distribution but draw their random
   numbers differently, so the same seed gives other tokens: compare distributions over many
-  seeds instead (as tests/test_fafo.py's sampling test does)."""
+  seeds instead (`assert_sampling_matches_dense`)."""
   result = generate(cfg, params, prompts, method=method, max_new_tokens=max_new_tokens,
                     **generate_kwargs)
   if expected is None:
@@ -171,3 +176,89 @@ def assert_forward_matches_dense(cfg: ModelConfig, params: Params, tokens: np.nd
         f"logits differ from dense: worst at row {b}, position {t}, token {v}: "
         f"{actual[b, t, v]:.6g} vs {expected[b, t, v]:.6g} (|diff| {err_abs[b, t, v]:.3g}, "
         f"atol {atol}, rtol {rtol})\n{err}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingComparison:
+  """What `assert_sampling_matches_dense` compared: the method's run, the chi-square test's
+  p-value and its [2, C] table of counts (row 0 the method, row 1 dense) over the categories
+  (the first tokens of each row as a tuple; the last category, "rare", pools the tuples seen
+  fewer than `min_count` times in both samples together)."""
+  result: GenerationResult
+  pvalue: float
+  table: np.ndarray
+  categories: tuple
+
+
+def homogeneity_test(a: Sequence[tuple], b: Sequence[tuple], *,
+                     min_count: int = 10) -> tuple[float, np.ndarray, tuple]:
+  """Chi-square test of homogeneity of two samples of hashable outcomes (token tuples): (p-value,
+  [2, C] counts, categories). Outcomes seen fewer than `min_count` times in both samples together
+  share one "rare" bin (the chi-square approximation needs cells that are not tiny)."""
+  try:
+    from scipy import stats
+  except ImportError as err:
+    raise ImportError("the sampling comparison needs scipy (pip install 'sparsedec[test]')"
+                      ) from err
+  cats = sorted(set(a) | set(b))
+  counts = np.array([[list(a).count(c) for c in cats], [list(b).count(c) for c in cats]])
+  common = counts.sum(0) >= min_count
+  table = np.concatenate([counts[:, common], counts[:, ~common].sum(1, keepdims=True)], axis=1)
+  names = tuple(c for c, keep in zip(cats, common) if keep) + ("rare",)
+  filled = table.sum(0) > 0
+  table, names = table[:, filled], tuple(n for n, keep in zip(names, filled) if keep)
+  if table.shape[1] < 2:
+    raise InputError(f"both samples are one outcome ({names[0]!r}): a test of homogeneity "
+                     f"cannot tell two laws apart there (sample a spread-out law: a higher "
+                     f"temperature, more tokens or more rows)")
+  return float(stats.chi2_contingency(table).pvalue), table, names
+
+
+def assert_sampling_matches_dense(cfg: ModelConfig, params: Params, prompt: Sequence[int], *,
+                                  method, sampling: SamplingConfig, num_tokens: int = 3,
+                                  rows: int = 600, seed: int = 0, alpha: float = 1e-3,
+                                  min_count: int = 10,
+                                  expected: Sequence[Sequence[int]] | GenerationResult | None
+                                  = None, **generate_kwargs) -> SamplingComparison:
+  """Sample `num_tokens` tokens after `prompt` in `rows` rows (one batch, per-row seeds) with
+  `method` and with dense decoding, and assert that the joint law of those tokens is the same: a
+  chi-square test of homogeneity (`homogeneity_test`) fails at p < alpha. For a lossless method
+  this fails by chance with probability alpha (the false-alarm rate), for a biased one with a
+  probability that grows with `rows`.
+
+  The two runs draw from disjoint seeds (dense: seed .. seed + rows - 1, the method: seed + rows
+  .. seed + 2 rows - 1): a speculative method consumes its random numbers differently, so
+  equal seeds give unrelated tokens, and disjoint ones keep the samples independent. Pass
+  `expected` (dense's result or its tokens, sampled alike from other seeds) to reuse a dense
+  sample. generate_kwargs go to both runs (e.g. stop_tokens=(), so that rows are not cut short).
+  Returns the comparison (its table names what was seen)."""
+  if not isinstance(sampling, SamplingConfig) or sampling.greedy:
+    raise InputError(f"sampling must be a non-greedy SamplingConfig, got {sampling!r}: greedy "
+                     f"output is compared token by token (assert_matches_dense)")
+  for name, value, low in (("num_tokens", num_tokens, 1), ("rows", rows, 2),
+                           ("min_count", min_count, 1)):
+    if not is_int(value) or value < low:
+      raise InputError(f"{name} must be an integer >= {low}, got {value!r}")
+  if not (isinstance(alpha, numbers.Real) and 0.0 < alpha < 1.0):
+    raise InputError(f"alpha (the false-alarm rate) must be in (0, 1), got {alpha!r}")
+  run = lambda m, first: generate(cfg, params, [list(prompt)] * rows, method=m,  # noqa: E731
+                                  max_new_tokens=num_tokens, sampling=sampling,
+                                  seed=list(range(first, first + rows)), **generate_kwargs)
+  if expected is not None:
+    dense = expected.tokens if isinstance(expected, GenerationResult) else expected
+    if len(dense) != rows:
+      raise InputError(f"expected holds {len(dense)} rows, not rows={rows}")
+  result = run(method, seed + rows)
+  if expected is None:
+    dense = run("dense", seed).tokens
+  sample = lambda rows_: [tuple(int(t) for t in r[:num_tokens]) for r in rows_]  # noqa: E731
+  pvalue, table, cats = homogeneity_test(sample(result.tokens), sample(dense),
+                                         min_count=min_count)
+  comparison = SamplingComparison(result, pvalue, table, cats)
+  if pvalue < alpha:
+    name = method if isinstance(method, str) else getattr(method, "name", type(method).__name__)
+    cells = ", ".join(f"{c}: {m} vs {d}" for c, m, d in zip(cats, table[0], table[1]))
+    raise AssertionError(f"{name} sampling differs from dense sampling: chi-square p = "
+                         f"{pvalue:.3g} < alpha {alpha:g} over {rows} rows each (first "
+                         f"{num_tokens} tokens; method vs dense counts: {cells})")
+  return comparison

@@ -647,6 +647,46 @@ def test_assert_matches_dense_fails_a_method_that_differs_and_counts_every_row(s
       testing.assert_tokens_equal(actual, expected)
 
 
+def test_sampling_comparison_fails_a_biased_sampler_and_refuses_what_it_cannot_test(stories):
+  """assert_sampling_matches_dense fails a method that samples from another law (dense at a
+  higher temperature), naming the p-value and the counts; it refuses greedy sampling, bad knobs,
+  a dense sample of another size, and a law that is one outcome (nothing to tell apart)."""
+  from sparsedec.decode.dense import Dense
+  from sparsedec.decode.sampling import SamplingConfig
+  cfg, params, tok = stories
+  prompt = tok.encode("Lily and Tom went to the park. Lily and Tom went to the")
+  sampling = SamplingConfig(temperature=1.6, top_k=12)
+
+  @dataclasses.dataclass(frozen=True)
+  class Hotter(Dense):                       # dense, sampling at temperature 3 whatever is asked
+    name: str = "hotter"
+
+    def step(self, cfg, params, state, ctx):
+      hot = dataclasses.replace(ctx, sampling=SamplingConfig(temperature=3.0, top_k=12))
+      return super().step(cfg, params, state, hot)
+
+  dense = sparsedec.generate(cfg, params, [prompt] * 400, max_new_tokens=3, sampling=sampling,
+                             seed=list(range(400)), stop_tokens=())
+  with pytest.raises(AssertionError, match=r"hotter sampling differs from dense sampling: "
+                                           r"chi-square p = .* < alpha 0.001 over 400 rows"):
+    testing.assert_sampling_matches_dense(cfg, params, prompt, method=Hotter(),
+                                          sampling=sampling, rows=400, expected=dense,
+                                          stop_tokens=())
+  same = testing.assert_sampling_matches_dense(cfg, params, prompt, method=Dense(),
+                                               sampling=sampling, rows=400, expected=dense,
+                                               stop_tokens=())
+  assert same.pvalue > 1e-3 and same.table.sum() == 800 and same.table.shape[1] >= 5
+  for kwargs, message in ((dict(sampling=SamplingConfig()), "non-greedy SamplingConfig"),
+                          (dict(alpha=1.0), "alpha"), (dict(rows=1), "rows must be"),
+                          (dict(num_tokens=0), "num_tokens must be"),
+                          (dict(expected=dense.tokens[:10]), "expected holds 10 rows")):
+    with pytest.raises(sparsedec.InputError, match=message):
+      testing.assert_sampling_matches_dense(cfg, params, prompt, **{
+          "method": "dense", "sampling": sampling, "rows": 400, "stop_tokens": (), **kwargs})
+  with pytest.raises(sparsedec.InputError, match="one outcome"):
+    testing.homogeneity_test([(1, 2)] * 30, [(1, 2)] * 30)
+
+
 def test_forward_assertion_refuses_a_forward_returning_logits_and_cache(stories):
   """A forward_fn returning sparsedec's (logits, cache) raised numpy's "inhomogeneous shape"."""
   cfg, params, tok = stories

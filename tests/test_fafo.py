@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
 import rand
 import sparsedec
@@ -190,31 +189,18 @@ def test_fumble_tokens_read_only_the_compressed_view(stories, policy):
 
 def test_sampling_first_three_tokens_distributed_as_dense(stories):
   """Joint distribution of the first 3 sampled tokens over many per-row seeds: FAFO vs dense,
-  a chi-square test of homogeneity. False-alarm rate: alpha = 1e-3 (the test fails when the two
-  samples differ at p < 1e-3, which happens by chance once in a thousand runs)."""
+  a chi-square test of homogeneity (`testing.assert_sampling_matches_dense`). False-alarm rate:
+  alpha = 1e-3 (the test fails when the two samples differ at p < 1e-3, which happens by chance
+  once in a thousand runs)."""
   cfg, params, tok = stories
   prompt = tok.encode("Lily and Tom went to the park. Lily and Tom went to the")
-  rows = 600
-  sampling = SamplingConfig(temperature=1.6, top_k=12)
   method = Fafo(subsequences=6, length=3, candidates=6,
                 policy=StreamingLLM(budget_blocks=2, block_size=8))
-  seeds = list(range(rows))
-  dense = sparsedec.generate(cfg, params, [prompt] * rows, max_new_tokens=3, sampling=sampling,
-                             seed=seeds, stop_tokens=())
-  fafo = sparsedec.generate(cfg, params, [prompt] * rows, max_new_tokens=3, sampling=sampling,
-                            seed=[s + 10_000 for s in seeds], stop_tokens=(), method=method)
-  assert fafo.method_stats["accepted_guesses_per_step"] > 0.2   # guesses really were accepted
-  a = [tuple(t) for t in dense.tokens]
-  b = [tuple(t) for t in fafo.tokens]
-  cats = sorted(set(a) | set(b))
-  counts = np.array([[a.count(c) for c in cats], [b.count(c) for c in cats]])
-  # pool categories expected < 5 times into one "rare" bin (chi-square validity)
-  common = counts.sum(0) >= 10
-  table = np.concatenate([counts[:, common], counts[:, ~common].sum(1, keepdims=True)], axis=1)
-  table = table[:, table.sum(0) > 0]
-  p = stats.chi2_contingency(table).pvalue
-  assert table.shape[1] >= 5, table             # a real distribution, not a near-constant
-  assert p > 1e-3, (p, table)
+  got = testing.assert_sampling_matches_dense(
+      cfg, params, prompt, method=method, sampling=SamplingConfig(temperature=1.6, top_k=12),
+      rows=600, stop_tokens=())
+  assert got.result.method_stats["accepted_guesses_per_step"] > 0.2   # guesses were accepted
+  assert got.table.shape[1] >= 5, got.table     # a real distribution, not a near-constant
 
 
 @pytest.mark.parametrize("policy", [

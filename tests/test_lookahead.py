@@ -252,6 +252,20 @@ def _expected_sequences(root, table, sampling):
   return out
 
 
+def test_sampling_first_three_tokens_distributed_as_dense(stories):
+  """Joint law of the first 3 sampled tokens over many per-row seeds, Lookahead vs dense (the
+  verify-level tests below check the rule on toy laws; this one the whole method on the model):
+  chi-square test of homogeneity, false-alarm rate alpha = 1e-3, as FAFO's and QuantSpec's."""
+  cfg, params, _ = stories
+  tok = load_model(cli.default_model())[2]
+  prompt = tok.encode("Lily and Tom went to the park. Lily and Tom went to the")
+  got = testing.assert_sampling_matches_dense(
+      cfg, params, prompt, method=Lookahead(window=4, ngram=3, guesses=4),
+      sampling=SamplingConfig(temperature=1.6, top_k=12), rows=600, stop_tokens=())
+  assert got.result.method_stats["accepted_guesses_per_step"] > 0.2   # guesses were accepted
+  assert got.table.shape[1] >= 5, got.table
+
+
 def test_verify_sampled_emits_the_target_distribution():
   """Chi-square goodness of fit of the emitted sequences over 20000 keys (false-alarm rate 1e-3),
   against the exact law: first token ~ target, each next token ~ target given the ones before.
