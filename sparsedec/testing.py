@@ -13,6 +13,7 @@ the `test` extra).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import numbers
 from typing import Callable, Sequence
@@ -200,8 +201,9 @@ def homogeneity_test(a: Sequence[tuple], b: Sequence[tuple], *,
   except ImportError as err:
     raise ImportError("the sampling comparison needs scipy (pip install 'sparsedec[test]')"
                       ) from err
-  cats = sorted(set(a) | set(b))
-  counts = np.array([[list(a).count(c) for c in cats], [list(b).count(c) for c in cats]])
+  seen = collections.Counter(a), collections.Counter(b)
+  cats = sorted(set(seen[0]) | set(seen[1]))
+  counts = np.array([[s[c] for c in cats] for s in seen])                  # [2, C]
   common = counts.sum(0) >= min_count
   table = np.concatenate([counts[:, common], counts[:, ~common].sum(1, keepdims=True)], axis=1)
   names = tuple(c for c, keep in zip(cats, common) if keep) + ("rare",)
@@ -217,10 +219,10 @@ def homogeneity_test(a: Sequence[tuple], b: Sequence[tuple], *,
 def assert_sampling_matches_dense(cfg: ModelConfig, params: Params, prompt: Sequence[int], *,
                                   method, sampling: SamplingConfig, num_tokens: int = 3,
                                   rows: int = 600, seed: int = 0, alpha: float = 1e-3,
-                                  min_count: int = 10,
+                                  min_count: int = 10, batch_size: int | None = None,
                                   expected: Sequence[Sequence[int]] | GenerationResult | None
                                   = None, **generate_kwargs) -> SamplingComparison:
-  """Sample `num_tokens` tokens after `prompt` in `rows` rows (one batch, per-row seeds) with
+  """Sample `num_tokens` tokens after `prompt` in `rows` rows (per-row seeds) with
   `method` and with dense decoding, and assert that the joint law of those tokens is the same: a
   chi-square test of homogeneity (`homogeneity_test`) fails at p < alpha. For a lossless method
   this fails by chance with probability alpha (the false-alarm rate), for a biased one with a
@@ -230,29 +232,40 @@ def assert_sampling_matches_dense(cfg: ModelConfig, params: Params, prompt: Sequ
   .. seed + 2 rows - 1): a speculative method consumes its random numbers differently, so
   equal seeds give unrelated tokens, and disjoint ones keep the samples independent. Pass
   `expected` (dense's result or its tokens, sampled alike from other seeds) to reuse a dense
-  sample. generate_kwargs go to both runs (e.g. stop_tokens=(), so that rows are not cut short).
-  Returns the comparison (its table names what was seen)."""
+  sample. batch_size: rows per generate call (default: all `rows` in one batch; a model too big
+  for that many rows at once samples them in batches, the same seeds). generate_kwargs go to
+  both runs (e.g. stop_tokens=(), so that rows are not cut short). Returns the comparison (its
+  table names what was seen; `result` is the method's run, its last batch with batch_size)."""
   if not isinstance(sampling, SamplingConfig) or sampling.greedy:
     raise InputError(f"sampling must be a non-greedy SamplingConfig, got {sampling!r}: greedy "
                      f"output is compared token by token (assert_matches_dense)")
+  batch_size = rows if batch_size is None else batch_size
   for name, value, low in (("num_tokens", num_tokens, 1), ("rows", rows, 2),
-                           ("min_count", min_count, 1)):
+                           ("min_count", min_count, 1), ("batch_size", batch_size, 1)):
     if not is_int(value) or value < low:
       raise InputError(f"{name} must be an integer >= {low}, got {value!r}")
   if not (isinstance(alpha, numbers.Real) and 0.0 < alpha < 1.0):
     raise InputError(f"alpha (the false-alarm rate) must be in (0, 1), got {alpha!r}")
-  run = lambda m, first: generate(cfg, params, [list(prompt)] * rows, method=m,  # noqa: E731
-                                  max_new_tokens=num_tokens, sampling=sampling,
-                                  seed=list(range(first, first + rows)), **generate_kwargs)
+
+  def run(m, first: int) -> tuple[GenerationResult, list]:
+    """The rows sampled with method m from seeds first .. first + rows - 1: (last run, tokens)."""
+    tokens = []
+    for start in range(first, first + rows, batch_size):
+      n = min(batch_size, first + rows - start)
+      out = generate(cfg, params, [list(prompt)] * n, method=m, max_new_tokens=num_tokens,
+                     sampling=sampling, seed=list(range(start, start + n)), **generate_kwargs)
+      tokens += out.tokens
+    return out, tokens
+
   if expected is not None:
     dense = expected.tokens if isinstance(expected, GenerationResult) else expected
     if len(dense) != rows:
       raise InputError(f"expected holds {len(dense)} rows, not rows={rows}")
-  result = run(method, seed + rows)
+  result, tokens = run(method, seed + rows)
   if expected is None:
-    dense = run("dense", seed).tokens
+    dense = run("dense", seed)[1]
   sample = lambda rows_: [tuple(int(t) for t in r[:num_tokens]) for r in rows_]  # noqa: E731
-  pvalue, table, cats = homogeneity_test(sample(result.tokens), sample(dense),
+  pvalue, table, cats = homogeneity_test(sample(tokens), sample(dense),
                                          min_count=min_count)
   comparison = SamplingComparison(result, pvalue, table, cats)
   if pvalue < alpha:

@@ -676,9 +676,16 @@ def test_sampling_comparison_fails_a_biased_sampler_and_refuses_what_it_cannot_t
                                                sampling=sampling, rows=400, expected=dense,
                                                stop_tokens=())
   assert same.pvalue > 1e-3 and same.table.sum() == 800 and same.table.shape[1] >= 5
+  # In batches: the same seeds, so the same rows (dense sampling draws each row from its seed).
+  batched = testing.assert_sampling_matches_dense(cfg, params, prompt, method=Dense(),
+                                                  sampling=sampling, rows=400, batch_size=150,
+                                                  expected=dense, stop_tokens=())
+  np.testing.assert_array_equal(batched.table, same.table)
+  assert len(batched.result.tokens) == 100                      # the last of 150, 150, 100
   for kwargs, message in ((dict(sampling=SamplingConfig()), "non-greedy SamplingConfig"),
                           (dict(alpha=1.0), "alpha"), (dict(rows=1), "rows must be"),
                           (dict(num_tokens=0), "num_tokens must be"),
+                          (dict(batch_size=0), "batch_size must be"),
                           (dict(expected=dense.tokens[:10]), "expected holds 10 rows")):
     with pytest.raises(sparsedec.InputError, match=message):
       testing.assert_sampling_matches_dense(cfg, params, prompt, **{
