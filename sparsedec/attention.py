@@ -167,9 +167,9 @@ def _cache_mask(view, lengths: jax.Array, q_pos: jax.Array, capacity: int,
 
 
 def _f32_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-  """einsum with fp32 accumulation. XLA:CPU cannot run bf16 x bf16 -> f32 dots, so where the call
-  is lowered for a CPU the operands are upcast (the same result; GPUs accumulate bf16 products in
-  fp32 natively). fp32 operands are multiplied at full fp32 precision, as `linear` does (jax's
+  """einsum with fp32 accumulation. XLA:CPU does not run every bf16 x bf16 -> f32 dot (its
+  DotThunk refuses some, jax 0.11.2), so where the call is lowered for a CPU the operands are
+  upcast (the same products; GPUs accumulate bf16 products in fp32 natively). fp32 operands are multiplied at full fp32 precision, as `linear` does (jax's
   default precision computes fp32 dots in TF32 on recent GPUs)."""
   if a.dtype == jnp.float32 and b.dtype == jnp.float32:
     return f32_einsum(spec, a, b)

@@ -94,8 +94,9 @@ class ModelConfig:
                                    # numpy / jax dtype, e.g. jnp.bfloat16, is stored by name)
   # How `sparsedec.attention.attend` computes attention (a runtime choice, not part of the model:
   # not saved with checkpoints). "auto": the Pallas kernels where a call is lowered for a CUDA
-  # GPU and they apply, the jnp reference elsewhere; "reference": always jnp; "pallas": always the kernels (an error where
-  # they do not apply); "interpret": the kernels in the Mosaic GPU interpreter (CPU tests).
+  # GPU and they apply, the jnp reference elsewhere; "reference": always jnp; "pallas": always
+  # the kernels (an error where they do not apply); "interpret": the kernels in the Mosaic GPU
+  # interpreter (CPU tests).
   attention: str = "auto"
 
   def __post_init__(self):

@@ -32,11 +32,11 @@ dequantized values are bit-identical, and `to_layout` converts between them exac
     Q4_0 / Q4_1 blocks), In_pad then padded with whole groups of zero weights to a multiple of
     64), the layout of the Mosaic GPU W4A16 GEMV kernel (`pallas_kernels.w4a16_gemv`: each
     [64 out, 64 in] tile is 2 KiB contiguous, its bytes per thread already a wgmma register
-    fragment). Lowered for a CUDA GPU, one row of x (bf16/fp16, groups a multiple of 32, Out a multiple of 128)
-    goes through `pallas_kernels.w4a8_gemv` (the same codes on CUDA cores: x as two int8 planes
-    per 32 inputs, within max|x| / 64516 of x, dotted by dp4a), up to 64 rows (Out a multiple of
-    64) through the W4A16 kernel; anything else through the "int4_grouped" math in jnp on the
-    chunks (all: per-group fp32 products, scaled after).
+    fragment). Lowered for a CUDA GPU, one row of x (bf16/fp16, groups a multiple of 32, Out a
+    multiple of 128) goes through `pallas_kernels.w4a8_gemv` (the same codes on CUDA cores: x as
+    two int8 planes per 32 inputs, within max|x| / 64516 of x, dotted by dp4a), up to 64 rows (Out
+    a multiple of 64) through the W4A16 kernel; anything else through the "int4_grouped" math in
+    jnp on the chunks (all: per-group fp32 products, scaled after).
 
 A params pytree from `quantize_params` is a drop-in for the forward. Quantized: wqkv, wo,
 w_gate_up, w_down of every layer; embeddings, lm_head, norms and biases stay as they are (the paper
@@ -336,8 +336,9 @@ def _scale_group_products(part: jax.Array, xsum: jax.Array, w: QuantWeight,
 
 
 def _f32_products(spec: str, a: jax.Array, b: jax.Array, precision) -> jax.Array:
-  """einsum accumulating in fp32. XLA:CPU cannot run bf16 x bf16 -> f32 dots: where the call is
-  lowered for a CPU, 16-bit operands are upcast first (the same products, exact in fp32)."""
+  """einsum accumulating in fp32. XLA:CPU does not run every bf16 x bf16 -> f32 dot ("Unsupported
+  element type for DotThunk::Execute: BF16 x BF16 = F32", jax 0.11.2): where the call is lowered
+  for a CPU, 16-bit operands are upcast first (the same products, exact in fp32)."""
   dot = lambda a, b: jnp.einsum(spec, a, b, precision=precision,
                                 preferred_element_type=jnp.float32)
   if a.dtype == jnp.float32 and b.dtype == jnp.float32:
