@@ -4,8 +4,9 @@
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 root=$PWD; here=$root/benchmarks/results/s66
 rm -rf /tmp/old && mkdir /tmp/old && cp -r sparsedec pallas_kernels benchmarks /tmp/old/
-cp $here/old/attention.py /tmp/old/sparsedec/attention.py
-cp $here/old/quant_weights.py /tmp/old/sparsedec/model/quant_weights.py
+# The old files (72a0704's). The recorded run copied them whole from old/; that folder is now
+# this patch, which turns the final code's two files into byte-identical copies of them.
+patch -s -p1 -d /tmp/old < $here/old_dispatch.diff
 log=$OUT/gpu_call4_s66_h200.txt; nvidia-smi -L > $log
 for run in old new old2; do
   dir=$root; [ ${run:0:3} = old ] && dir=/tmp/old
