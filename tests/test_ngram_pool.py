@@ -157,6 +157,55 @@ def test_one_call_with_many_items_equals_one_call_per_item(items):
     assert device_lookup(batched, suffix) == [model.lookup(suffix, NUM)]
 
 
+# Three one-token keys of bucket 0 (two ways): drawn often, they evict each other within a call.
+busy_keys = st.sampled_from([(t,) for t in range(100)
+                             if py_hash((t,), SMALL.key_len) % SMALL.num_buckets == 0][:3])
+
+
+def pool_contents(pool, row: int) -> dict:
+  """Row `row` of a device pool as its meaning: {bucket: {key: (key stamp, [(value, stamp), ...]
+  most recent first)}} (positions inside a bucket and a key's entries carry no meaning)."""
+  c = pool.config
+  keys, entries = np.asarray(pool.keys[row]), np.asarray(pool.entries[row])
+  out = {}
+  for b in range(c.num_buckets):
+    for w in range(c.bucket_ways):
+      length, stamp = int(keys[b, w, c.key_len]), int(keys[b, w, c.key_len + 1])
+      if length == 0:
+        continue
+      held = sorted(((tuple(int(t) for t in e[:c.value_len]), int(e[c.value_len]))
+                     for e in entries[b, w] if e[c.value_len] > 0), key=lambda e: -e[1])
+      out.setdefault(b, {})[tuple(int(t) for t in keys[b, w, :length])] = (stamp, held)
+  return out
+
+
+def model_contents(model: ModelPool) -> dict:
+  return {b: {w[0]: (w[1], sorted((tuple(e) for e in w[2] if e is not None), key=lambda e: -e[1]))
+              for w in ways if w is not None}
+          for b, ways in enumerate(model.buckets) if any(w is not None for w in ways)}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(calls=st.lists(st.lists(st.one_of(st.tuples(st.one_of(keys, busy_keys), values), st.none()),
+                               min_size=1,
+                               max_size=INSERT_WIDTH), min_size=1, max_size=5))
+def test_calls_of_many_items_keep_the_stamps_of_one_by_one_inserts(calls):
+  """Calls of up to 8 items (invalid ones among them) into a 2x2-way table of 2-entry keys, many
+  under three keys of one bucket: keys are evicted and come back within one call (or stay, a key
+  inserted into twice in between counting once), old continuations survive or not. After each call
+  every key, its stamp and its continuations with their stamps equal those of the sequential
+  model; row 1 inserts nothing and stays empty."""
+  pool, model = ngram_pool.init_pool(SMALL, ROWS), ModelPool(SMALL)
+  for items in calls:
+    pool = device_insert(pool, items)
+    for item in items:
+      if item is not None:
+        model.insert(*item)
+    assert pool_contents(pool, 0) == model_contents(model)
+    assert pool_contents(pool, 1) == {}
+    np.testing.assert_array_equal(np.asarray(pool.clock), [model.clock, 0])
+
+
 def test_empty_pool_returns_nothing():
   pool = ngram_pool.init_pool(SMALL, ROWS)
   for suffix in [(0,), (1, 2), (2, 2, 2)]:

@@ -17,8 +17,9 @@ Layout (per row; every array has a leading batch axis B):
   * storage: one int32 record per key slot (tokens, length, stamp) and one per continuation
     (tokens, stamp): `NgramPool.keys` [B, NB, A, K+2] and `NgramPool.entries` [B, NB, A, E, V+1].
 
-`insert` takes M items per row and gives exactly the result of inserting them one by one, in
-rounds of parallel writes (one round per item of the busiest bucket, not one per item).
+`insert` takes M items per row and gives exactly the result of inserting them one by one (as
+lookups see it), in one pass: [M, M] comparisons find each item's earlier accesses, and the
+touched buckets are rewritten whole (keys and continuations most recent first).
 
 Lookups do not change the pool (they are pure reads: a guess that is retrieved but never
 re-inserted ages out). `lookup` tries the keys of a decoded suffix longest first (K down to 1),
@@ -151,38 +152,100 @@ def _row_arrays(pool: NgramPool) -> tuple[jax.Array, ...]:
   return (pool.keys, pool.entries, pool.clock)
 
 
-def _insert_round(config: PoolConfig, row: tuple, items: tuple) -> tuple:
-  """One row's (keys, entries) tables (no batch axis) after inserting the `active` items, which
-  lie in distinct buckets (so they do not interact and are written in parallel).
+def _insert_row(config: PoolConfig, row: tuple, items: tuple) -> tuple:
+  """One row's (keys, entries) tables (no batch axis) after inserting M items in order, in one
+  pass: no loop over the items or over rounds of them.
 
-  items: keys [M, K] normalized, lengths [M], values [M, V], active [M], buckets [M], stamps [M].
+  items: keys [M, K] normalized, lengths [M], values [M, V], valid [M], buckets [M], stamps [M]
+  (strictly increasing over the valid items).
+
+  A bucket is an LRU set of `bucket_ways` keys and a key an LRU set of `entries_per_key`
+  continuations, every insert an access of both, so after any sequence of inserts:
+    * a bucket holds the A most recently inserted-into of its keys, a key the E most recently
+      inserted of its continuations since the key last entered the bucket (its residency);
+    * a key is in the bucket just before an insert under it iff it was inserted into before and
+      fewer than A other keys of the bucket have been since (fewer than A keys more recent).
+  The table's contents (keys and stamps) stand for the accesses before this call. Positions
+  inside a bucket and inside a key's entries are not part of the pool's meaning (lookups compare
+  every way and order continuations by stamp): the written bucket holds its keys most recent
+  first, each key's continuations most recent first.
   """
   table, entry_table = row                                 # [NB, A, K+2], [NB, A, E, V+1]
-  key, length, value, active, bucket, now = items
-  kk, v, e = config.key_len, config.value_len, config.entries_per_key
-  records = table[bucket]                                  # [M, A, K+2]
-  b_lens, b_stamps = records[..., kk], records[..., kk + 1]                     # [M, A]
-  match = (b_lens == length[:, None]) & jnp.all(records[..., :kk] == key[:, None, :], axis=-1)
-  found = jnp.any(match, axis=-1)                                               # [M]
-  free = b_lens == 0
-  victim = jnp.where(jnp.any(free, axis=-1), jnp.argmax(free, axis=-1),
-                     jnp.argmin(b_stamps, axis=-1))       # a free way, else the LRU key
-  way = jnp.where(found, jnp.argmax(match, axis=-1), victim).astype(jnp.int32)  # [M]
-  empty_record = jnp.asarray(np.array([EMPTY] * v + [0], np.int32))
-  held = jnp.where(found[:, None, None], entry_table[bucket, way], empty_record)  # [M, E, V+1]
-  stamps = held[..., v]                                                          # [M, E]
-  same = (stamps > 0) & jnp.all(held[..., :v] == value[:, None, :], axis=-1)
-  empty = stamps == 0
-  slot = jnp.where(jnp.any(same, axis=-1), jnp.argmax(same, axis=-1),       # refresh, else a
-                   jnp.where(jnp.any(empty, axis=-1), jnp.argmax(empty, axis=-1),  # free entry,
-                             jnp.argmin(stamps, axis=-1)))                  # else the LRU one
-  entry = jnp.concatenate([value, now[:, None]], axis=-1)                        # [M, V+1]
-  at_slot = (jnp.arange(e)[None, :] == slot[:, None])[..., None]                 # [M, E, 1]
-  held = jnp.where(at_slot, entry[:, None, :], held)
-  key_record = jnp.concatenate([key, length[:, None], now[:, None]], axis=-1)    # [M, K+2]
-  target = jnp.where(active, bucket, config.num_buckets)   # inactive: out of range, dropped
-  return (table.at[target, way].set(key_record, mode="drop"),
-          entry_table.at[target, way].set(held, mode="drop"))
+  key, length, value, valid, bucket, now = items
+  kk, v = config.key_len, config.value_len
+  a, e, nb = config.bucket_ways, config.entries_per_key, config.num_buckets
+  m = key.shape[0]
+  after = jnp.asarray(np.triu(np.ones((m, m), bool), k=1))                     # [i, j]: j > i
+  before = after.T                                                             # [i, j]: j < i
+  same_bucket = valid[:, None] & valid[None, :] & (bucket[:, None] == bucket[None, :])  # [M, M]
+  same_key = (same_bucket & (length[:, None] == length[None, :])
+              & jnp.all(key[:, None, :] == key[None, :, :], axis=-1))          # [M, M]
+  same_value = same_key & jnp.all(value[:, None, :] == value[None, :, :], axis=-1)
+
+  # The item's bucket before the call, and its key there (if it is).
+  records, held = table[bucket], entry_table[bucket]       # [M, A, K+2], [M, A, E, V+1]
+  way_len, way_stamp = records[..., kk], records[..., kk + 1]                  # [M, A]
+  match = ((way_len == length[:, None]) & (way_len > 0)
+           & jnp.all(records[..., :kk] == key[:, None, :], axis=-1))           # [M, A]
+  in_table = jnp.any(match, axis=-1)                                           # [M]
+  # Previous access of the item's key: its last earlier item, else its stamp in the table (0:
+  # never), and whether the key is still in the bucket then (fewer than A other keys since).
+  prev = jnp.max(jnp.where(same_key & before, now[None, :], 0), axis=-1)
+  prev = jnp.where(prev > 0, prev, jnp.sum(jnp.where(match, way_stamp, 0), axis=-1))   # [M]
+  others = (jnp.sum(same_bucket & ~same_key & before & (now[None, :] > prev[:, None])
+                    & (prev[None, :] <= prev[:, None]), axis=-1)   # items first since prev
+            + jnp.sum((way_len > 0) & ~match & (way_stamp > prev[:, None]), axis=-1))
+  enters = valid & ((prev == 0) | (others >= a))           # the key (re)enters the bucket here
+  last_of_key = valid & ~jnp.any(same_key & after, axis=-1)
+  last_of_bucket = valid & ~jnp.any(same_bucket & after, axis=-1)
+  since = jnp.max(jnp.where(same_key & enters[None, :], now[None, :], 0), axis=-1)  # [M]: 0 =
+  #   the key's residency began before the call (its entries in the table stay candidates)
+
+  # Keys after the call, most recent first: the items' keys (their last items), then the ways
+  # no item inserted into.
+  newer = now[None, :] > now[:, None]                                          # [i, j]
+  key_rank = jnp.sum(same_bucket & last_of_key[None, :] & newer, axis=-1)      # [M]
+  item_keys = jnp.sum(same_bucket & last_of_key[None, :], axis=-1)             # [M]
+  refreshed_way = jnp.any(same_bucket[:, :, None] & match[None, :, :], axis=1)   # [M, A]
+  untouched = (way_len > 0) & ~refreshed_way
+  way_rank = item_keys[:, None] + jnp.sum(
+      untouched[:, None, :] & (way_stamp[:, None, :] > way_stamp[:, :, None]), axis=-1)  # [M, A]
+  final_way = jnp.sum(jnp.where(same_key & last_of_key[None, :], key_rank[None, :], 0), axis=-1)
+
+  # A key's continuations after the call, most recent first: its items' values since it entered
+  # (each value's last item), then (if it never left) its entries in the table not inserted again.
+  fresh = valid & ~jnp.any(same_value & after, axis=-1) & (now >= since)      # [M]
+  entry_rank = jnp.sum(same_key & fresh[None, :] & newer, axis=-1)             # [M]
+  fresh_count = jnp.sum(same_key & fresh[None, :], axis=-1)                    # [M]
+  old = held[jnp.arange(m), jnp.argmax(match, axis=-1)]                        # [M, E, V+1]
+  old_stamp = old[..., v]                                                      # [M, E]
+  inserted_again = jnp.any(same_key[:, :, None] & jnp.all(
+      old[:, None, :, :v] == value[None, :, None, :], axis=-1), axis=1)      # [M, E]
+  keep_old = (in_table & (since == 0))[:, None] & (old_stamp > 0) & ~inserted_again
+  old_rank = fresh_count[:, None] + jnp.sum(
+      keep_old[:, None, :] & (old_stamp[:, None, :] > old_stamp[:, :, None]), axis=-1)  # [M, E]
+
+  # Write: the touched buckets emptied, then every kept record at its rank. Each destination is
+  # written once (out-of-range buckets are dropped).
+  def where_bucket(ok):
+    return jnp.where(ok, jnp.broadcast_to(bucket.reshape(bucket.shape + (1,) * (ok.ndim - 1)),
+                                          ok.shape), nb)
+  empty_key = jnp.asarray(np.array([EMPTY] * kk + [0, 0], np.int32))
+  empty_entry = jnp.asarray(np.array([EMPTY] * v + [0], np.int32))
+  table = table.at[where_bucket(last_of_bucket)].set(empty_key, mode="drop")
+  entry_table = entry_table.at[where_bucket(last_of_bucket)].set(empty_entry, mode="drop")
+  moved = where_bucket(last_of_bucket[:, None] & untouched & (way_rank < a))    # [M, A]
+  table = table.at[moved, way_rank].set(records, mode="drop")
+  entry_table = entry_table.at[moved, way_rank].set(held, mode="drop")
+  key_record = jnp.concatenate([key, length[:, None], now[:, None]], axis=-1)  # [M, K+2]
+  table = table.at[where_bucket(last_of_key & (key_rank < a)), key_rank].set(key_record,
+                                                                             mode="drop")
+  entry = jnp.concatenate([value, now[:, None]], axis=-1)                      # [M, V+1]
+  entry_table = entry_table.at[where_bucket(fresh & (entry_rank < e) & (final_way < a)),
+                               final_way, entry_rank].set(entry, mode="drop")
+  kept = where_bucket(last_of_key[:, None] & keep_old & (old_rank < e) & (key_rank < a)[:, None])
+  entry_table = entry_table.at[kept, key_rank[:, None], old_rank].set(old, mode="drop")
+  return table, entry_table
 
 
 def insert(pool: NgramPool, keys: jax.Array, key_lens: jax.Array, values: jax.Array,
@@ -192,10 +255,9 @@ def insert(pool: NgramPool, keys: jax.Array, key_lens: jax.Array, values: jax.Ar
   keys [B, M, K'] left-aligned (K' <= K; tokens past key_lens are ignored), key_lens [B, M] in
   1..K', values [B, M, V] int32, valid [B, M] bool (invalid items change nothing).
 
-  The result is exactly that of inserting the items one after the other, computed in rounds:
-  items of different buckets do not interact (the stamps, which follow item order, are assigned
-  up front), so round r writes, in parallel, every item that is the r-th valid one of its bucket.
-  The loop runs as many rounds as the most items one bucket receives (usually 1 or 2), not M.
+  The result is exactly that of inserting the items one after the other (as lookups see it),
+  computed in one pass of [M, M] comparisons and scatters (`_insert_row`): no loop, so no
+  data-dependent trip count (which costs a device-to-host copy per iteration on a GPU).
   """
   c = pool.config
   b, m, kw = keys.shape
@@ -203,7 +265,7 @@ def insert(pool: NgramPool, keys: jax.Array, key_lens: jax.Array, values: jax.Ar
     raise InputError(f"keys of {kw} tokens do not fit a pool with key_len {c.key_len}")
   if values.shape != (b, m, c.value_len):
     raise InputError(f"values must have shape {(b, m, c.value_len)}, got {values.shape}")
-  if m == 0:                     # nothing to insert (jnp.max(rank) below has no identity)
+  if m == 0:                     # nothing to insert
     return pool
   if kw < c.key_len:
     keys = jnp.pad(keys, ((0, 0), (0, 0), (0, c.key_len - kw)), constant_values=EMPTY)
@@ -212,18 +274,9 @@ def insert(pool: NgramPool, keys: jax.Array, key_lens: jax.Array, values: jax.Ar
   keys = normalize_keys(keys, key_lens)
   buckets = bucket_index(c, keys, key_lens)                                    # [B, M]
   stamps = pool.clock[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32)    # [B, M]
-  earlier = jnp.asarray(np.tri(m, k=-1, dtype=bool))                           # [i, j]: j < i
-  same_bucket = (buckets[:, :, None] == buckets[:, None, :]) & valid[:, None, :] & earlier[None]
-  rank = jnp.where(valid, jnp.sum(same_bucket, axis=2, dtype=jnp.int32), -1)   # [B, M]
   values = values.astype(jnp.int32)
-  write = jax.vmap(lambda row, items: _insert_round(c, row, items))
-
-  def body(carry):
-    r, tables = carry
-    return r + 1, write(tables, (keys, key_lens, values, rank == r, buckets, stamps))
-
-  _, (table, entry_table) = jax.lax.while_loop(
-      lambda carry: carry[0] <= jnp.max(rank), body, (jnp.int32(0), (pool.keys, pool.entries)))
+  table, entry_table = jax.vmap(lambda row, items: _insert_row(c, row, items))(
+      (pool.keys, pool.entries), (keys, key_lens, values, valid, buckets, stamps))
   clock = pool.clock + jnp.sum(valid, axis=1, dtype=jnp.int32)
   return NgramPool(table, entry_table, clock, config=c)
 
