@@ -32,8 +32,6 @@ every suffix of a discarded-token buffer (`insert_under_suffixes`, key lengths 1
 from __future__ import annotations
 
 import dataclasses
-import functools
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -154,17 +152,6 @@ def _row_arrays(pool: NgramPool) -> tuple[jax.Array, ...]:
   return (pool.keys, pool.entries, pool.clock)
 
 
-def _group_ids(*columns: jax.Array) -> jax.Array:
-  """[M] int32 ids in [0, M), equal for two rows iff every column ([M] each) is, by one sort
-  (no [M, M, columns] comparison)."""
-  m = columns[0].shape[0]
-  *ordered, order = jax.lax.sort((*[c.astype(jnp.int32) for c in columns],
-                                  jnp.arange(m, dtype=jnp.int32)), num_keys=len(columns))
-  starts = functools.reduce(operator.or_, [c[1:] != c[:-1] for c in ordered])   # [M-1]
-  ids = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(starts, dtype=jnp.int32)])
-  return jnp.zeros((m,), jnp.int32).at[order].set(ids)
-
-
 def _insert_row(config: PoolConfig, row: tuple, items: tuple) -> tuple:
   """One row's (keys, entries) tables (no batch axis) after inserting M items in order, in one
   pass: no loop over the items or over rounds of them.
@@ -190,12 +177,10 @@ def _insert_row(config: PoolConfig, row: tuple, items: tuple) -> tuple:
   m = key.shape[0]
   after = jnp.asarray(np.triu(np.ones((m, m), bool), k=1))                     # [i, j]: j > i
   before = after.T                                                             # [i, j]: j < i
-  key_id = _group_ids(valid, length, *key.T)               # [M]: equal iff the same key
-  value_id = _group_ids(key_id, *value.T)                  # [M]: the same key and value
-  pair = valid[:, None] & valid[None, :]
-  same_bucket = pair & (bucket[:, None] == bucket[None, :])                    # [M, M]
-  same_key = pair & (key_id[:, None] == key_id[None, :])
-  same_value = pair & (value_id[:, None] == value_id[None, :])
+  same_bucket = valid[:, None] & valid[None, :] & (bucket[:, None] == bucket[None, :])  # [M, M]
+  same_key = (same_bucket & (length[:, None] == length[None, :])
+              & jnp.all(key[:, None, :] == key[None, :, :], axis=-1))          # [M, M]
+  same_value = same_key & jnp.all(value[:, None, :] == value[None, :, :], axis=-1)
 
   # The item's bucket before the call, and its key there (if it is).
   records, held = table[bucket], entry_table[bucket]       # [M, A, K+2], [M, A, E, V+1]
@@ -253,7 +238,7 @@ def _insert_row(config: PoolConfig, row: tuple, items: tuple) -> tuple:
   old_stamp = old[..., v]                                                      # [M, E]
   # Items of one key share its old entries: compare each item's value with its own key's.
   hits_old = jnp.all(old[..., :v] == value[:, None, :], axis=-1) & valid[:, None]  # [M, E]
-  inserted_again = jnp.zeros((m, e), bool).at[key_id].max(hits_old)[key_id]    # [M, E]
+  inserted_again = jnp.any(same_key[:, :, None] & hits_old[None, :, :], axis=1)  # [M, E]
   keep_old = resident[:, None] & (old_stamp > 0) & ~inserted_again
   free_slot = ~(keep_old & (fresh_count[:, None] + jnp.sum(
       keep_old[:, None, :] & (old_stamp[:, None, :] > old_stamp[:, :, None]), axis=-1) < e))
