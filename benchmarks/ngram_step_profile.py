@@ -4,8 +4,8 @@ costliest kernels with their time and launches per step (30 launches per step = 
 from a profiler trace of one 128-token decode of the first MT-Bench prompt.
 
 With --random-weights: SmolLM2-shaped random bf16 weights and a random 300-token prompt (no
-checkpoint needed). Random weights accept almost no guesses, so the pool inserts take more rounds
-than with the real model; the per-layer kernels are the same.
+checkpoint needed). Random weights accept almost no guesses, so the steps' taus and pool contents
+are not the real model's; the per-layer kernels are the same.
 
   python benchmarks/ngram_step_profile.py [--gguf PATH | --random-weights]
       ->  $OUT/ngram_step_profile.json

@@ -195,72 +195,57 @@ def _insert_row(config: PoolConfig, row: tuple, items: tuple) -> tuple:
   others = (jnp.sum(same_bucket & ~same_key & before & (now[None, :] > prev[:, None])
                     & (prev[None, :] <= prev[:, None]), axis=-1)   # items first since prev
             + jnp.sum((way_len > 0) & ~match & (way_stamp > prev[:, None]), axis=-1))
-  arrives = valid & ((prev == 0) | (others >= a))          # the key (re)enters the bucket here
+  enters = valid & ((prev == 0) | (others >= a))           # the key (re)enters the bucket here
   last_of_key = valid & ~jnp.any(same_key & after, axis=-1)
-  since = jnp.max(jnp.where(same_key & arrives[None, :], now[None, :], 0), axis=-1)  # [M]: 0 =
+  last_of_bucket = valid & ~jnp.any(same_bucket & after, axis=-1)
+  since = jnp.max(jnp.where(same_key & enters[None, :], now[None, :], 0), axis=-1)  # [M]: 0 =
   #   the key's residency began before the call (its entries in the table stay candidates)
 
-  # Keys after the call: the A most recently inserted into, i.e. the items' keys ranked at their
-  # last items, then the ways no item inserted into (older than every item). Ways keep their
-  # places: a key that stays without having left keeps its way (and its continuations that
-  # stay, in their slots); the entering keys take the other ways.
+  # Keys after the call, most recent first: the items' keys (their last items), then the ways
+  # no item inserted into.
   newer = now[None, :] > now[:, None]                                          # [i, j]
   key_rank = jnp.sum(same_bucket & last_of_key[None, :] & newer, axis=-1)      # [M]
-  stays = jnp.sum(jnp.where(same_key & last_of_key[None, :], key_rank[None, :], 0), axis=-1) < a
-  resident = in_table & (since == 0)                       # [M]: never left since the table
-  way_of = jnp.argmax(match, axis=-1)                      # [M]: its way, if in the table
+  item_keys = jnp.sum(same_bucket & last_of_key[None, :], axis=-1)             # [M]
+  refreshed_way = jnp.any(same_bucket[:, :, None] & match[None, :, :], axis=1)   # [M, A]
+  untouched = (way_len > 0) & ~refreshed_way
+  way_rank = item_keys[:, None] + jnp.sum(
+      untouched[:, None, :] & (way_stamp[:, None, :] > way_stamp[:, :, None]), axis=-1)  # [M, A]
+  final_way = jnp.sum(jnp.where(same_key & last_of_key[None, :], key_rank[None, :], 0), axis=-1)
 
-  def bucket_ways(flags):                                  # [M] -> [M, A]: the items' buckets'
-    marked = jnp.zeros((nb, a), bool).at[jnp.where(flags, bucket, nb), way_of].set(
-        True, mode="drop")                                 #   ways holding a flagged item's key
-    return marked[bucket]
-
-  untouched = (way_len > 0) & ~bucket_ways(valid & in_table)                   # [M, A]
-  untouched_stays = untouched & (
-      jnp.sum(same_bucket & last_of_key[None, :], axis=-1)[:, None]            # the item keys,
-      + jnp.sum(untouched[:, None, :] & (way_stamp[:, None, :] > way_stamp[:, :, None]), axis=-1)
-      < a)                                                                     # then by stamp
-  free_way = ~untouched_stays & ~bucket_ways(resident & stays)                 # [M, A]
-  entering = last_of_key & stays & ~resident
-  enter_rank = jnp.sum(same_bucket & entering[None, :] & newer, axis=-1)       # [M]
-  new_way = jnp.argmax(free_way & (jnp.cumsum(free_way, axis=-1) - 1 == enter_rank[:, None]),
-                       axis=-1)
-  final_way = jnp.sum(jnp.where(same_key & last_of_key[None, :],
-                                jnp.where(resident, way_of, new_way)[None, :], 0), axis=-1)  # [M]
-
-  # A key's continuations after the call: its items' values since it entered (each value's
-  # last item), then (if it never left) its entries in the table not inserted again, the E most
-  # recent. Old entries that stay keep their slots; the items' values take the others.
+  # A key's continuations after the call, most recent first: its items' values since it entered
+  # (each value's last item), then (if it never left) its entries in the table not inserted again.
   fresh = valid & ~jnp.any(same_value & after, axis=-1) & (now >= since)      # [M]
   entry_rank = jnp.sum(same_key & fresh[None, :] & newer, axis=-1)             # [M]
   fresh_count = jnp.sum(same_key & fresh[None, :], axis=-1)                    # [M]
-  old = held[jnp.arange(m), way_of]                                            # [M, E, V+1]
+  old = held[jnp.arange(m), jnp.argmax(match, axis=-1)]                        # [M, E, V+1]
   old_stamp = old[..., v]                                                      # [M, E]
   # Items of one key share its old entries: compare each item's value with its own key's.
-  hits_old = jnp.all(old[..., :v] == value[:, None, :], axis=-1) & valid[:, None]  # [M, E]
+  hits_old = jnp.all(old[..., :v] == value[:, None, :], axis=-1)               # [M, E]
   inserted_again = jnp.any(same_key[:, :, None] & hits_old[None, :, :], axis=1)  # [M, E]
-  keep_old = resident[:, None] & (old_stamp > 0) & ~inserted_again
-  free_slot = ~(keep_old & (fresh_count[:, None] + jnp.sum(
-      keep_old[:, None, :] & (old_stamp[:, None, :] > old_stamp[:, :, None]), axis=-1) < e))
-  slot = jnp.argmax(free_slot & (jnp.cumsum(free_slot, axis=-1) - 1 == entry_rank[:, None]),
-                    axis=-1)                                                   # [M]
+  keep_old = (in_table & (since == 0))[:, None] & (old_stamp > 0) & ~inserted_again
+  old_rank = fresh_count[:, None] + jnp.sum(
+      keep_old[:, None, :] & (old_stamp[:, None, :] > old_stamp[:, :, None]), axis=-1)  # [M, E]
 
-  # Write: clear what changes (dense selects over the table; the masks come from one item of
-  # each bucket / key), then the items' key records and values (each destination once).
-  writer = jnp.where(valid & ~jnp.any(same_bucket & after, axis=-1), bucket, nb)
-  clear_way = jnp.zeros((nb, a), bool).at[writer].set(free_way, mode="drop")   # [NB, A]
-  clear_slot = jnp.zeros((nb, a, e), bool).at[
-      jnp.where(last_of_key & resident & stays, bucket, nb), way_of].set(free_slot, mode="drop")
-  table = jnp.where(clear_way[..., None], jnp.asarray(np.array([EMPTY] * kk + [0, 0], np.int32)),
-                    table)
-  entry_table = jnp.where((clear_way[..., None] | clear_slot)[..., None],
-                          jnp.asarray(np.array([EMPTY] * v + [0], np.int32)), entry_table)
+  # Write: the touched buckets emptied, then every kept record at its rank. Each destination is
+  # written once (out-of-range buckets are dropped).
+  def where_bucket(ok):
+    return jnp.where(ok, jnp.broadcast_to(bucket.reshape(bucket.shape + (1,) * (ok.ndim - 1)),
+                                          ok.shape), nb)
+  empty_key = jnp.asarray(np.array([EMPTY] * kk + [0, 0], np.int32))
+  empty_entry = jnp.asarray(np.array([EMPTY] * v + [0], np.int32))
+  table = table.at[where_bucket(last_of_bucket)].set(empty_key, mode="drop")
+  entry_table = entry_table.at[where_bucket(last_of_bucket)].set(empty_entry, mode="drop")
+  moved = where_bucket(last_of_bucket[:, None] & untouched & (way_rank < a))    # [M, A]
+  table = table.at[moved, way_rank].set(records, mode="drop")
+  entry_table = entry_table.at[moved, way_rank].set(held, mode="drop")
   key_record = jnp.concatenate([key, length[:, None], now[:, None]], axis=-1)  # [M, K+2]
-  table = table.at[jnp.where(last_of_key & stays, bucket, nb), final_way].set(key_record,
-                                                                              mode="drop")
+  table = table.at[where_bucket(last_of_key & (key_rank < a)), key_rank].set(key_record,
+                                                                             mode="drop")
   entry = jnp.concatenate([value, now[:, None]], axis=-1)                      # [M, V+1]
-  entry_table = entry_table.at[jnp.where(fresh & stays & (entry_rank < e), bucket, nb),
-                               final_way, slot].set(entry, mode="drop")
+  entry_table = entry_table.at[where_bucket(fresh & (entry_rank < e) & (final_way < a)),
+                               final_way, entry_rank].set(entry, mode="drop")
+  kept = where_bucket(last_of_key[:, None] & keep_old & (old_rank < e) & (key_rank < a)[:, None])
+  entry_table = entry_table.at[kept, key_rank[:, None], old_rank].set(old, mode="drop")
   return table, entry_table
 
 
