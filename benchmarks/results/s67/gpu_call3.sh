@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Session 67, device call 3 (H200): the one-pass pool insert against the round-based one (the
-# "new" was 8b51d2a's pool.py (v1_pool.diff rebuilds it from the final one), "old" 7990ef8's; the
-# old_pool.diff applied then was v1 -> old; the committed one is final -> old (same old file).
-# tree with old_pool.diff applied), same machine: SmolLM2 step profiles (MT-Bench prompt 0,
-# 20 guesses) and issue 4's tokens/s (bf16, B 1, 5 prompts a set, 10 and 40 guesses).
+# Session 67, device call 3 (H200): the one-pass pool insert against the round-based one, same
+# machine: SmolLM2 step profiles (MT-Bench prompt 0, 20 guesses) and issue 4's tokens/s (bf16,
+# B 1, 5 prompts a set, 10 and 40 guesses). "new" was 8b51d2a's pool.py, "old" 7990ef8's (a
+# tree with the old_pool.diff of the time applied, v1 -> old; the committed old_pool.diff and
+# v1_pool.diff rebuild both from the final pool.py).
 set -x
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 cp .devcarry/gg/part_02 /root/smol/ && cat /root/smol/part_00 /root/smol/part_01 /root/smol/part_02 > /root/smol/smol.gguf

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# Session 67, device call 4 (H200, after call 3 on the same machine): HumanEval at 40 guesses,
-# "new" = 8b51d2a's pool.py, "old" = 7990ef8's (see gpu_call3.sh).
-# new and old pool insert (call 3 ran out of time there), then issue 4's 8B step at 4K (dense,
-# FAFO, Lookahead), new and old.
+# Session 67, device call 4 (H200, after call 3 on the same machine): HumanEval at 40 guesses
+# (call 3 ran out of time there), then issue 4's 8B step at 4K (dense, FAFO, Lookahead); "new"
+# = 8b51d2a's pool.py, "old" = 7990ef8's, as in gpu_call3.sh.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 root=$PWD; export SPARSEDEC_SHARED=$root/.devcarry/shared
 log=$OUT/gpu_call4_s67_h200.txt; nvidia-smi -L > $log
