@@ -2,7 +2,7 @@
 # Session 67, device call 8 (H200, a fresh machine; calls 6-7 brought GGUF parts 0-1 as calls
 # 1-2 did): the sort-based pool insert of 4c05b23 (v2_pool.diff rebuilds it from the final
 # pool.py) on issue 4's tokens/s and the step profile. Not kept: the final code is 8b51d2a's
-# (calls 3-4) with one comparison made smaller.
+# (calls 3-4) with one comparison made smaller. Its two JSONs were renamed *_v2_* afterwards.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 cp .devcarry/gg/part_02 /root/smol/ && cat /root/smol/part_00 /root/smol/part_01 /root/smol/part_02 > /root/smol/smol.gguf
 md5sum /root/smol/smol.gguf
