@@ -187,8 +187,7 @@ def model_contents(model: ModelPool) -> dict:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(calls=st.lists(st.lists(st.one_of(st.tuples(st.one_of(keys, busy_keys), values), st.none()),
-                               min_size=1,
-                               max_size=INSERT_WIDTH), min_size=1, max_size=5))
+                               min_size=1, max_size=INSERT_WIDTH), min_size=1, max_size=5))
 def test_calls_of_many_items_keep_the_stamps_of_one_by_one_inserts(calls):
   """Calls of up to 8 items (invalid ones among them) into a 2x2-way table of 2-entry keys, many
   under three keys of one bucket: keys are evicted and come back within one call (or stay, a key
