@@ -302,6 +302,30 @@ def test_insert_under_suffixes_and_sequence_ngrams():
   assert device_lookup(pool, (2,), (2,))[1] == []          # 2 3 then nothing: no full span
 
 
+def test_sequence_ngrams_in_calls_of_many_starts_equal_one_call_per_start():
+  """A 300-token text over 6 tokens (n-grams repeat, keys are evicted) stored 20 / 42 (the
+  default: SEED_ITEMS 128 items over 3-token keys) / 300 span starts a call: every key, stamp and
+  continuation equal the sequential model's, in both rows (the second 137 tokens long, its row
+  inserting nothing in the calls past its end)."""
+  rng = np.random.default_rng(3)
+  text = rng.integers(0, 6, (2, 300)).astype(np.int32)
+  lengths = np.array([300, 137], np.int32)
+  seed = jax.jit(ngram_pool.insert_sequence_ngrams, static_argnames="starts_per_call")
+  models = []
+  for row, n in zip(text, lengths):
+    model = ModelPool(WIDE)
+    for start in range(1, n - WIDE.value_len + 1):
+      for k in range(min(start, WIDE.key_len), 0, -1):
+        model.insert(tuple(int(t) for t in row[start - k: start]),
+                     tuple(int(t) for t in row[start: start + WIDE.value_len]))
+    models.append(model_contents(model))
+  for per_call in (20, None, 300):
+    pool = seed(ngram_pool.init_pool(WIDE, ROWS), text, lengths, starts_per_call=per_call)
+    assert [pool_contents(pool, r) for r in range(ROWS)] == models, per_call
+  with pytest.raises(InputError, match="starts_per_call"):
+    ngram_pool.insert_sequence_ngrams(ngram_pool.init_pool(WIDE, ROWS), text, lengths, 0)
+
+
 def test_inserting_no_items_leaves_the_pool_unchanged():
   """M = 0 items (and an empty suffix under insert_under_suffixes): a ValueError from a max
   over zero ranks before."""

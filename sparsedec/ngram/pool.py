@@ -354,20 +354,39 @@ def lookup(pool: NgramPool, suffix: jax.Array, suffix_len: jax.Array,
   return jax.vmap(one_row)(_row_arrays(pool), keys, lens, usable)
 
 
-def insert_sequence_ngrams(pool: NgramPool, tokens: jax.Array, num_tokens: jax.Array) -> NgramPool:
+SEED_ITEMS = 128   # items per insert call when storing a text's n-grams (span starts x keys)
+
+
+def insert_sequence_ngrams(pool: NgramPool, tokens: jax.Array, num_tokens: jax.Array,
+                           starts_per_call: int | None = None) -> NgramPool:
   """Store every n-gram of tokens[b, :num_tokens[b]] ([B, L], [B]): each V-token span is stored
   under every key (1..K tokens) that ends right before it, in text order (later n-grams are more
-  recent). One loop iteration per span start, up to the longest row."""
+  recent). One insert call takes `starts_per_call` consecutive span starts (default: SEED_ITEMS
+  items, SEED_ITEMS // K starts), exactly as one call per start would: a prompt of L tokens
+  takes about L / starts_per_call loop iterations."""
   c = pool.config
   b = tokens.shape[0]
   kk, v = c.key_len, c.value_len
-  padded = jnp.pad(tokens.astype(jnp.int32), ((0, 0), (kk, v)), constant_values=EMPTY)
+  per_call = max(1, SEED_ITEMS // kk) if starts_per_call is None else starts_per_call
+  if not is_int(per_call) or per_call < 1:
+    raise InputError(f"starts_per_call must be an integer >= 1, got {starts_per_call!r}")
+  # Padded so that a call's window never runs past the end (dynamic_slice would move it back).
+  padded = jnp.pad(tokens.astype(jnp.int32), ((0, 0), (kk, v + per_call)), constant_values=EMPTY)
+  span = np.arange(per_call)[:, None] + np.arange(kk + v)[None, :]            # [P, K+V]
 
-  def body(start, pool):           # the value span is tokens[:, start : start + V]
-    window = jax.lax.dynamic_slice_in_dim(padded, start, kk + v, axis=1)     # [B, K + V]
-    ok = start + v <= num_tokens
-    key_len = jnp.full((b,), jnp.minimum(start, kk), jnp.int32)
-    return insert_under_suffixes(pool, window[:, :kk], key_len, window[:, kk:], ok)
+  def body(i, pool):     # span starts first .. first + P - 1; span j's value is
+    first = 1 + i * per_call                      # tokens[:, first + j : first + j + V]
+    window = jax.lax.dynamic_slice_in_dim(padded, first, per_call + kk + v - 1, axis=1)
+    spans = window[:, span]                                                   # [B, P, K+V]
+    start = first + jnp.arange(per_call, dtype=jnp.int32)                     # [P]
+    key_len = jnp.broadcast_to(jnp.minimum(start, kk), (b, per_call))         # [B, P]
+    keys, lens, ok = jax.vmap(suffix_keys, in_axes=(1, 1, None), out_axes=1)(
+        spans[..., :kk], key_len, kk)                                         # [B, P, K, K], ...
+    ok &= (start[None, :] + v <= num_tokens[:, None])[..., None]
+    values = jnp.broadcast_to(spans[:, :, None, kk:], (b, per_call, kk, v))
+    m = per_call * kk
+    return insert(pool, keys.reshape(b, m, kk), lens.reshape(b, m), values.reshape(b, m, v),
+                  ok.reshape(b, m))
 
-  last = jnp.max(num_tokens) - v + 1                                          # exclusive bound
-  return jax.lax.fori_loop(1, jnp.maximum(last, 1), body, pool)
+  starts = jnp.maximum(jnp.max(num_tokens) - v, 0)          # span starts 1 .. last - V
+  return jax.lax.fori_loop(0, (starts + per_call - 1) // per_call, body, pool)
