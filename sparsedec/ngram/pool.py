@@ -8,11 +8,12 @@ Layout (per row; every array has a leading batch axis B):
     tokens, stored left-aligned (oldest first), padded with -1, together with its length; it hashes
     (`key_hash`, tokens and length) to one bucket and lives in one of that bucket's ways. Lookups
     compare the stored key tokens and length, so a hash collision never returns another key's
-    continuations. A new key takes the bucket's first free way, else evicts the way whose key was
-    inserted into least recently (with its continuations).
+    continuations. A new key takes a free way, else evicts the way whose key was inserted into
+    least recently (with its continuations).
   * each key slot holds up to `entries_per_key` continuations of `value_len` tokens with an LRU
     stamp each: inserting a continuation the key already holds refreshes its stamp; a new one takes
-    a free entry, else replaces the least recently used one.
+    a free entry, else replaces the least recently used one. (Which way or entry slot a key or
+    continuation occupies carries no meaning: `insert` rewrites a bucket most recent first.)
   * stamps come from a per-row clock that advances once per (valid) insert, so they are unique.
   * storage: one int32 record per key slot (tokens, length, stamp) and one per continuation
     (tokens, stamp): `NgramPool.keys` [B, NB, A, K+2] and `NgramPool.entries` [B, NB, A, E, V+1].
