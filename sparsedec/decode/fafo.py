@@ -266,12 +266,8 @@ class Fafo:
     buffer; then (output_ngrams) the k-token spans ending at each newly appended token, keyed by
     up to k tokens before them."""
     b, n, k = guess.shape
-    keys, lens, ok = jax.vmap(ngram_pool.suffix_keys, in_axes=(1, 1, None), out_axes=1)(
-        discarded, discarded_len, k)                                      # [B, n, k, k], [B,n,k]
-    ok &= (active[:, None] & (discarded_len > 0))[:, :, None]
-    values = jnp.broadcast_to(guess[:, :, None, :], (b, n, k, k))
-    keys, lens, ok = keys.reshape(b, n * k, k), lens.reshape(b, n * k), ok.reshape(b, n * k)
-    values = values.reshape(b, n * k, k)
+    items = ngram_pool.suffix_items(discarded, discarded_len, guess,
+                                    active[:, None] & (discarded_len > 0), k)
     if self.output_ngrams:
       a = jnp.arange(k + 1, dtype=jnp.int32)[None, :]                     # new token a
       last = state.num_tokens[:, None] - appended[:, None] + a            # [B, k+1] its index
@@ -280,15 +276,11 @@ class Fafo:
       before = start[:, :, None] - k + jnp.arange(k)[None, None, :]       # key, right-aligned
       gather = lambda idx: jnp.take_along_axis(                            # noqa: E731
           state.tokens, jnp.maximum(idx, 0).reshape(b, -1), axis=1).reshape(idx.shape)
-      span_keys, span_lens, span_ok = jax.vmap(ngram_pool.suffix_keys, in_axes=(1, 1, None),
-                                               out_axes=1)(gather(before), jnp.minimum(start, k), k)
-      span_ok &= ((a < appended[:, None]) & (start >= 1) & active[:, None])[:, :, None]
-      keys = jnp.concatenate([keys, span_keys.reshape(b, -1, k)], axis=1)
-      lens = jnp.concatenate([lens, span_lens.reshape(b, -1)], axis=1)
-      ok = jnp.concatenate([ok, span_ok.reshape(b, -1)], axis=1)
-      span_values = jnp.broadcast_to(gather(span)[:, :, None, :], (b, k + 1, k, k))
-      values = jnp.concatenate([values, span_values.reshape(b, -1, k)], axis=1)
-    return ngram_pool.insert(pool, keys, lens, values, ok)
+      span_items = ngram_pool.suffix_items(
+          gather(before), jnp.minimum(start, k), gather(span),
+          (a < appended[:, None]) & (start >= 1) & active[:, None], k)
+      items = [jnp.concatenate(pair, axis=1) for pair in zip(items, span_items)]
+    return ngram_pool.insert(pool, *items)
 
   def stats(self, state: DecodeState, rows: Sequence[int] | None = None) -> dict:
     """Host-side summary of the counters of `rows` (row indices, `loop.row_index`; None: every

@@ -301,14 +301,33 @@ def suffix_keys(suffix: jax.Array, suffix_len: jax.Array, max_len: int) -> tuple
   return keys.astype(jnp.int32), lens, lens <= suffix_len[:, None]
 
 
+def suffix_items(buffers: jax.Array, buffer_lens: jax.Array, values: jax.Array,
+                 valid: jax.Array, max_len: int) -> tuple[jax.Array, ...]:
+  """The insert items that store values[b, p] under every suffix key of buffers[b, p].
+
+  buffers [B, P, S] right-aligned with buffer_lens [B, P] valid tokens, values [B, P, V], valid
+  [B, P]. Returns `insert`'s keys [B, P*Kx, max_len], key_lens [B, P*Kx], values [B, P*Kx, V] and
+  valid [B, P*Kx], Kx = min(S, max_len): buffer after buffer, each buffer's longest key first (so
+  its shortest key is inserted last, most recent).
+  """
+  b, p, _ = buffers.shape
+  v = values.shape[-1]
+  keys, lens, ok = jax.vmap(suffix_keys, in_axes=(1, 1, None), out_axes=1)(
+      buffers, buffer_lens, max_len)                                          # [B, P, Kx, K], ...
+  kx = keys.shape[2]
+  ok &= valid[:, :, None]
+  spread = jnp.broadcast_to(values[:, :, None, :], (b, p, kx, v))
+  m = p * kx
+  return (keys.reshape(b, m, max_len), lens.reshape(b, m), spread.reshape(b, m, v),
+          ok.reshape(b, m))
+
+
 def insert_under_suffixes(pool: NgramPool, suffix: jax.Array, suffix_len: jax.Array,
                           value: jax.Array, valid: jax.Array) -> NgramPool:
   """Store value [B, V] under every suffix (lengths 1..min(S, K)) of suffix [B, S] (right-aligned,
   suffix_len [B] valid tokens), where valid [B]. Shorter keys are inserted last (most recent)."""
-  keys, lens, ok = suffix_keys(suffix, suffix_len, pool.config.key_len)
-  kx = keys.shape[1]
-  values = jnp.broadcast_to(value[:, None, :], (value.shape[0], kx, value.shape[-1]))
-  return insert(pool, keys, lens, values, ok & valid[:, None])
+  return insert(pool, *suffix_items(suffix[:, None], suffix_len[:, None], value[:, None],
+                                    valid[:, None], pool.config.key_len))
 
 
 def _lookup_one(config: PoolConfig, num: int, row: tuple, keys: jax.Array, lengths: jax.Array,
@@ -381,13 +400,8 @@ def insert_sequence_ngrams(pool: NgramPool, tokens: jax.Array, num_tokens: jax.A
     spans = window[:, span]                                                   # [B, P, K+V]
     start = first + jnp.arange(per_call, dtype=jnp.int32)                     # [P]
     key_len = jnp.broadcast_to(jnp.minimum(start, kk), (b, per_call))         # [B, P]
-    keys, lens, ok = jax.vmap(suffix_keys, in_axes=(1, 1, None), out_axes=1)(
-        spans[..., :kk], key_len, kk)                                         # [B, P, K, K], ...
-    ok &= (start[None, :] + v <= num_tokens[:, None])[..., None]
-    values = jnp.broadcast_to(spans[:, :, None, kk:], (b, per_call, kk, v))
-    m = per_call * kk
-    return insert(pool, keys.reshape(b, m, kk), lens.reshape(b, m), values.reshape(b, m, v),
-                  ok.reshape(b, m))
+    whole = start[None, :] + v <= num_tokens[:, None]                         # [B, P]
+    return insert(pool, *suffix_items(spans[..., :kk], key_len, spans[..., kk:], whole, kk))
 
   starts = jnp.maximum(jnp.max(num_tokens) - v, 0)          # span starts 1 .. last - V
   return jax.lax.fori_loop(0, (starts + per_call - 1) // per_call, body, pool)
