@@ -13,7 +13,8 @@ highest there (benchmarks/NOTES.md, session 45).
   --speed: tokens/s and tau at batch size 1, prompt by prompt, for dense (once per set) and for
            FAFO / Lookahead at each of --speed-guesses (default: --guesses); decode time only,
            compilation excluded. With every guess count this is the paper's Figure 1 (tau and
-           wall-clock speedup against guesses per step); `plot_ngram.py` draws it.
+           wall-clock speedup against guesses per step); `plot_ngram.py` draws it. Measured
+           first, every set's dense before any other loop (`speed_plan`), then the sweep.
 
   python benchmarks/ngram_decoding.py --gguf PATH --dtype bfloat16 --sweep --speed
 Writes $OUT/ngram_decoding.json (rewritten after every measurement).
@@ -66,6 +67,18 @@ def run(cfg, params, ids, method, max_new_tokens):
   return generate(cfg, params, ids, method=method, max_new_tokens=max_new_tokens, stop_tokens=())
 
 
+def speed_plan(set_names, methods, guesses) -> list[tuple[str, str, int]]:
+  """--speed's rows, (prompt set, method, guesses), in the order they are measured: dense for
+  every set first, before any other decode loop has run in the process; then each method at each
+  guess count, set after set; then dense again for every set ("dense_after"), to show drift. On
+  an H200 a dense loop measured after FAFO and Lookahead loops ran 15-17% slower in the same
+  process (sessions 38 and 68; not the clocks, and gone with XLA's command buffers off), which
+  made a later set's dense row, and so its speedups, depend on what ran before it."""
+  plan = [(s, "dense", 0) for s in set_names]
+  plan += [(s, m, g) for s in set_names for g in guesses for m in methods]
+  return plan + [(s, "dense_after", 0) for s in set_names]
+
+
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser()
   ap.add_argument("--gguf", default=DEFAULT_SMOLLM2_GGUF,
@@ -103,65 +116,64 @@ def main(argv=None) -> dict:
     with open(args.out, "w") as f:
       json.dump(result, f, indent=2)
 
-  for set_name in args.prompt_sets:
-    ids = prompt_ids(tok, set_name, args.num_prompts)
-    if args.sweep:
-      dense = run(cfg, params, ids, "dense", args.max_new_tokens)
-      result["sweep"].append({"prompt_set": set_name, "method": "dense", "guesses": 0, "tau": 1.0,
-                              "tokens_per_second": dense.tokens_per_second,
-                              "repeated_8gram_share": mean_repeated_ngram_share(dense.tokens)})
-      log(f"{set_name} dense: {dense.tokens_per_second:.1f} tokens/s (B={len(ids)})")
-      for guesses in args.guesses:
-        for name in args.methods:
-          res = run(cfg, params, ids, make_method(name, guesses, args), args.max_new_tokens)
-          same = sum(list(a) == list(b) for a, b in zip(res.tokens, dense.tokens))
-          row = {"prompt_set": set_name, "method": name, "guesses": guesses, "tau": res.tau,
-                 "tokens_per_second": res.tokens_per_second,
-                 "speedup_vs_dense_batched": res.tokens_per_second / dense.tokens_per_second,
-                 "identical_to_dense_rows": same, "rows": len(ids), **res.method_stats}
-          result["sweep"].append(row)
-          log(f"{set_name} {name} guesses={guesses}: tau {res.tau:.3f}, "
-              f"{res.tokens_per_second:.1f} tokens/s, identical {same}/{len(ids)}")
-          save()
-    if args.speed:
-      dense_tokens = None
-      speed_guesses = args.speed_guesses or args.guesses
-      # Dense first and once more last ("dense_after"): the two should agree (session 38 saw a
-      # dense loop measured after other methods run 14% slower in the same process).
-      plan = [(m, g) for g in speed_guesses for m in args.methods]
-      for name, guesses in [("dense", 0)] + plan + [("dense_after", 0)]:
-        method = make_method(name, guesses, args)
-        first = generate(cfg, params, ids[:1], method=method, max_new_tokens=args.max_new_tokens,
-                         stop_tokens=())                               # compile once
-        made, secs, steps, outputs = 0, 0.0, 0, []
-        for one in ids[: args.speed_prompts]:
-          res = generate(cfg, params, [one], method=method, max_new_tokens=args.max_new_tokens,
-                         stop_tokens=())
-          made += res.num_generated - 1          # the loop's tokens (the first is prefill's)
-          secs += res.decode_seconds
-          steps += sum(res.active_steps)
-          outputs.append(list(res.tokens[0]))
-        row = {"prompt_set": set_name, "method": name, "guesses": guesses, "batch_size": 1,
-               "tokens_per_second": made / secs, "tau": made / steps, "steps": steps,
-               "decode_seconds": secs, "compile_seconds": first.compile_seconds,
-               "prompts": len(outputs)}
-        if name == "dense":
-          dense_tokens = outputs
-          # How much of the greedy text (every lossless method's) loops: n-gram guesses are
-          # cheap to verify there, so tau over looping text overstates typical text's.
-          row["repeated_8gram_share"] = mean_repeated_ngram_share(outputs)
-        else:
-          # Where a prompt's output first differs from dense greedy, and the dense model's top-1
-          # minus top-2 logit there: a near-tie that another shape's rounding flips, or not.
-          divs = find_divergences(outputs, dense_tokens, cfg, params, ids[: len(outputs)])
-          row["identical_to_dense_prompts"] = len(outputs) - len(divs)
-          row["divergences"] = [{"prompt": d.row, "position": d.position,
-                                 "dense_top2_margin": d.top2_margin} for d in divs]
-        result["speed"].append(row)
-        log(f"{set_name} speed {name} guesses={guesses}: {row['tokens_per_second']:.1f} "
-            f"tokens/s, tau {row['tau']:.3f}, compile {first.compile_seconds:.1f} s"
-            + (f", identical to dense {row['identical_to_dense_prompts']}/{len(outputs)}"
-               if name != "dense" else ""))
+  ids_of = {name: prompt_ids(tok, name, args.num_prompts) for name in args.prompt_sets}
+  dense_tokens = {}
+  for set_name, name, guesses in (speed_plan(args.prompt_sets, args.methods,
+                                             args.speed_guesses or args.guesses)
+                                  if args.speed else []):
+    ids = ids_of[set_name]
+    method = make_method(name, guesses, args)
+    first = generate(cfg, params, ids[:1], method=method, max_new_tokens=args.max_new_tokens,
+                     stop_tokens=())                                   # compile once
+    made, secs, steps, outputs = 0, 0.0, 0, []
+    for one in ids[: args.speed_prompts]:
+      res = generate(cfg, params, [one], method=method, max_new_tokens=args.max_new_tokens,
+                     stop_tokens=())
+      made += res.num_generated - 1          # the loop's tokens (the first is prefill's)
+      secs += res.decode_seconds
+      steps += sum(res.active_steps)
+      outputs.append(list(res.tokens[0]))
+    row = {"prompt_set": set_name, "method": name, "guesses": guesses, "batch_size": 1,
+           "tokens_per_second": made / secs, "tau": made / steps, "steps": steps,
+           "decode_seconds": secs, "compile_seconds": first.compile_seconds,
+           "prompts": len(outputs)}
+    if name == "dense":
+      dense_tokens[set_name] = outputs
+      # How much of the greedy text (every lossless method's) loops: n-gram guesses are
+      # cheap to verify there, so tau over looping text overstates typical text's.
+      row["repeated_8gram_share"] = mean_repeated_ngram_share(outputs)
+    else:
+      # Where a prompt's output first differs from dense greedy, and the dense model's top-1
+      # minus top-2 logit there: a near-tie that another shape's rounding flips, or not.
+      divs = find_divergences(outputs, dense_tokens[set_name], cfg, params,
+                              ids[: len(outputs)])
+      row["identical_to_dense_prompts"] = len(outputs) - len(divs)
+      row["divergences"] = [{"prompt": d.row, "position": d.position,
+                             "dense_top2_margin": d.top2_margin} for d in divs]
+    result["speed"].append(row)
+    log(f"{set_name} speed {name} guesses={guesses}: {row['tokens_per_second']:.1f} "
+        f"tokens/s, tau {row['tau']:.3f}, compile {first.compile_seconds:.1f} s"
+        + (f", identical to dense {row['identical_to_dense_prompts']}/{len(outputs)}"
+           if name != "dense" else ""))
+    save()
+  for set_name in args.prompt_sets if args.sweep else []:
+    ids = ids_of[set_name]
+    dense = run(cfg, params, ids, "dense", args.max_new_tokens)
+    result["sweep"].append({"prompt_set": set_name, "method": "dense", "guesses": 0, "tau": 1.0,
+                            "tokens_per_second": dense.tokens_per_second,
+                            "repeated_8gram_share": mean_repeated_ngram_share(dense.tokens)})
+    log(f"{set_name} dense: {dense.tokens_per_second:.1f} tokens/s (B={len(ids)})")
+    for guesses in args.guesses:
+      for name in args.methods:
+        res = run(cfg, params, ids, make_method(name, guesses, args), args.max_new_tokens)
+        same = sum(list(a) == list(b) for a, b in zip(res.tokens, dense.tokens))
+        row = {"prompt_set": set_name, "method": name, "guesses": guesses, "tau": res.tau,
+               "tokens_per_second": res.tokens_per_second,
+               "speedup_vs_dense_batched": res.tokens_per_second / dense.tokens_per_second,
+               "identical_to_dense_rows": same, "rows": len(ids), **res.method_stats}
+        result["sweep"].append(row)
+        log(f"{set_name} {name} guesses={guesses}: tau {res.tau:.3f}, "
+            f"{res.tokens_per_second:.1f} tokens/s, identical {same}/{len(ids)}")
         save()
   dense_speed = {r["prompt_set"]: r["tokens_per_second"] for r in result["speed"]
                  if r["method"] == "dense"}

@@ -56,6 +56,16 @@ def test_figure1_rows_and_plot(tmp_path, monkeypatch):
                         for g in ((2, 3) if m != "dense_after" else (0,))}
 
 
+def test_speed_plan_measures_every_dense_before_any_other_loop():
+  # A dense loop measured after FAFO / Lookahead loops ran 15-17% slower on an H200 (session 68):
+  # with two sets, the second set's dense must not come after the first set's methods.
+  plan = ngram_decoding.speed_plan(["mt_bench", "humaneval"], ["fafo", "lookahead"], [10, 40])
+  assert plan[:2] == [("mt_bench", "dense", 0), ("humaneval", "dense", 0)]
+  assert plan[-2:] == [("mt_bench", "dense_after", 0), ("humaneval", "dense_after", 0)]
+  assert plan[2:-2] == [(s, m, g) for s in ("mt_bench", "humaneval") for g in (10, 40)
+                        for m in ("fafo", "lookahead")]
+
+
 @pytest.mark.parametrize("bad, message", [
     (["--methods", "fafoo"], "invalid choice: 'fafoo'"),      # ran dense, labelled 'fafoo'
     (["--prompt-sets", "mtbench"], "invalid choice: 'mtbench'"),   # after the first set's runs
