@@ -27,7 +27,8 @@ re-inserted ages out). `lookup` tries the keys of a decoded suffix longest first
 each key's continuations most recent first, drops duplicates and keeps the first `num`.
 
 Lookahead Decoding keys n-grams by one token (key_len 1, value_len N-1); FAFO stores a guess under
-every suffix of a discarded-token buffer (`insert_under_suffixes`, key lengths 1..K).
+every suffix of a discarded-token buffer (key lengths 1..K): `suffix_items` turns buffers and their
+values into `insert`'s items (FAFO's step, `insert_sequence_ngrams`, `insert_under_suffixes`).
 """
 
 from __future__ import annotations
