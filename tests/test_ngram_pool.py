@@ -280,6 +280,22 @@ def test_lookup_goes_longest_suffix_first_and_dedupes():
   assert device_lookup(pool, (9,)) == [[(4, 4), (2, 2), (1, 1)]]
 
 
+def test_suffix_items_are_buffer_major_longest_key_first():
+  # buffers [B 1, P 2, S 3] right-aligned: buffer 0 holds 2 real tokens (5 6), buffer 1 all three
+  # (1 2 3); keys of at most 2 tokens; buffer 1 is not valid.
+  keys, lens, values, ok = ngram_pool.suffix_items(
+      jnp.asarray([[[0, 5, 6], [1, 2, 3]]]), jnp.asarray([[2, 3]]),
+      jnp.asarray([[[7, 7], [8, 8]]]), jnp.asarray([[True, False]]), 2)
+  assert keys.tolist() == [[[5, 6], [6, -1], [2, 3], [3, -1]]]
+  assert lens.tolist() == [[2, 1, 2, 1]]
+  assert values.tolist() == [[[7, 7], [7, 7], [8, 8], [8, 8]]]
+  assert ok.tolist() == [[True, True, False, False]]
+  # a buffer shorter than its longest key: that key is not valid
+  _, lens, _, ok = ngram_pool.suffix_items(jnp.asarray([[[0, 0, 6]]]), jnp.asarray([[1]]),
+                                           jnp.asarray([[[7, 7]]]), jnp.asarray([[True]]), 3)
+  assert lens.tolist() == [[3, 2, 1]] and ok.tolist() == [[False, False, True]]
+
+
 def test_insert_under_suffixes_and_sequence_ngrams():
   pool = jax.jit(ngram_pool.insert_under_suffixes)(
       ngram_pool.init_pool(WIDE, ROWS), jnp.asarray([[3, 4], [3, 4]]), jnp.asarray([2, 1]),
