@@ -523,6 +523,28 @@ def test_numpy_integer_knobs_build_the_same_draft(stories):
                quantize_weight(w, 32, "int4_t"))
 
 
+def test_auto_weight_layout_follows_the_params_platform(stories, monkeypatch):
+  """weight_layout "auto" is chosen for the platform of the params' devices, not the default
+  backend: params on the CPU of a GPU host get the CPU's "packed" draft (the default backend is
+  made to say "gpu" here). The state and run keep the method as given."""
+  from sparsedec.decode import api
+  from sparsedec.model.quant_weights import QuantWeight
+  cfg, params, tok = stories
+  params = jax.device_put(params, jax.devices("cpu")[0])              # committed to the CPU
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert METHOD.resolved_weight_layout() == "int4_t"                  # what "auto" took before
+  assert METHOD.for_platform("cpu").weight_layout == "packed"
+  assert METHOD.for_platform("gpu").weight_layout == "int4_t"
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")       # attention's "runs the jnp reference on this GPU"
+    state, run = api.start(cfg, params, [tok.encode("Once upon")], method=METHOD,
+                           max_new_tokens=4, stop_tokens=(), cache_size=128)
+  weights = jax.tree.leaves(state.extras.draft_params,
+                            is_leaf=lambda x: isinstance(x, QuantWeight))
+  assert weights and {w.layout for w in weights} == {"packed"}
+  assert state.built_for[0] == run.method == METHOD
+
+
 def test_draft_sampling_does_not_recompile_the_init(stories):
   """The init does not read draft_sampling (only the step does): a run that changes only it
   compiles no new init (the jitted init took the whole method as its static key: 2-5 s of

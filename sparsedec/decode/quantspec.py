@@ -184,12 +184,18 @@ class QuantSpec:
       raise InputError(f"quantspec weight_layout 'int4_t' needs weight_group a multiple of 64 "
                        f"or one of {w4a16.SMALL_GROUPS}, got {self.weight_group}")
 
-  def resolved_weight_layout(self) -> str:
-    """The draft's weight layout: weight_layout, with "auto" resolved for this backend."""
+  def resolved_weight_layout(self, platform: str | None = None) -> str:
+    """The draft's weight layout: weight_layout, with "auto" resolved for `platform` (a jax
+    device platform, e.g. that of the params' devices; None: the default backend)."""
     if self.weight_layout != "auto":
       return self.weight_layout
-    gpu = jax.default_backend() == "gpu"
+    gpu = (platform or jax.default_backend()) == "gpu"
     return "int4_t" if gpu and w4a16.group_supported(self.weight_group) else "packed"
+
+  def for_platform(self, platform: str) -> "QuantSpec":
+    """This method with weight_layout "auto" resolved for `platform` (`loop.init_method` passes
+    that of the params' devices): params on the CPU of a GPU host get the CPU's layout."""
+    return dataclasses.replace(self, weight_layout=self.resolved_weight_layout(platform))
 
   @property
   def tokens_per_forward(self) -> int:
