@@ -599,3 +599,42 @@ def test_a_request_advanced_before_insert_keeps_its_counters(stories):
                "extras.accepted_guesses"):
     got, want = (operator.attrgetter(name)(s) for s in (state, alone))
     assert int(got[0]) == int(want[0]), name
+
+
+def test_insert_row_traced_inside_a_callers_jit(stories):
+  """insert_row_traced in one jitted serving step with the decode: the same state as insert_row
+  for a finished row (one compile for every row), the state unchanged and inserted False for a
+  running row (unless replace_running) or a row outside the batch, the row-free checks raised at
+  trace time, and an inserted request decoding what it would alone."""
+  import jax.numpy as jnp
+  import numpy as np
+  from sparsedec.decode.serving import insert_row_traced
+  cfg, params, tok = stories
+  kw = dict(max_new_tokens=8, stop_tokens=(), cache_size=128)
+  state, run = api.start(cfg, params, [tok.encode("Once upon a time"), tok.encode("The dog")],
+                         **kw)
+  state = run.advance(params, state)                     # both rows finish
+  request, _ = api.start(cfg, params, [tok.encode("One day")], **kw)
+  insert = jax.jit(insert_row_traced, static_argnames="replace_running")
+  same = lambda a, b: jax.tree.all(jax.tree.map(lambda x, y: bool(jnp.all(x == y)), a, b))  # noqa: E731
+  for row in (1, 0):
+    got, ok = insert(state, request, row)
+    assert bool(ok)
+    assert same(got, insert_row(jax.tree.map(jnp.copy, state), request, row))
+  assert insert._cache_size() == 1                       # the row is traced
+  running, _ = api.start(cfg, params, [[1, 2], [3, 4]], **kw)
+  for row, replace in ((0, False), (2, True), (-1, True)):
+    got, ok = insert(running, request, row, replace_running=replace)
+    assert not bool(ok) and same(got, running)
+  got, ok = insert(running, request, 1, replace_running=True)
+  assert bool(ok) and got.prompt_lengths.tolist() == [2, 3]
+  two, _ = api.start(cfg, params, [[5], [6]], **kw)
+  with pytest.raises(sparsedec.InputError, match="batch size 1"):
+    insert(state, two, 0)
+  with pytest.raises(sparsedec.InputError, match="row must be an integer"):
+    insert(state, request, 1.0)
+  # One compiled serving step: insert into row 1, then decode every row to its end.
+  serve = jax.jit(lambda p, s, r, row: run.advance(p, insert_row_traced(s, r, row)[0], 20),
+                  donate_argnums=1)
+  tokens, _ = api.collect(serve(params, state, request, np.int32(1)), ())
+  assert tokens[1] == sparsedec.generate(cfg, params, [tok.encode("One day")], **kw).tokens[0]
