@@ -533,8 +533,8 @@ def test_auto_weight_layout_follows_the_params_platform(stories, monkeypatch):
   params = jax.device_put(params, jax.devices("cpu")[0])              # committed to the CPU
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   assert METHOD.resolved_weight_layout() == "int4_t"                  # what "auto" took before
-  assert METHOD.for_platform("cpu").weight_layout == "packed"
-  assert METHOD.for_platform("gpu").weight_layout == "int4_t"
+  assert METHOD.init_key("cpu").weight_layout == "packed"
+  assert METHOD.init_key("gpu").weight_layout == "int4_t"
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")       # attention's "runs the jnp reference on this GPU"
     state, run = api.start(cfg, params, [tok.encode("Once upon")], method=METHOD,

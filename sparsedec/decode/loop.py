@@ -145,19 +145,18 @@ def init_method(cfg: ModelConfig, params: Params, state: DecodeState, *, method:
   The result records (method, ctx) in its static `built_for`, which `Run.advance` and
   `serving.insert_row` check. The jitted init does not take ctx (no method's init reads it), so
   runs that differ only in sampling or stop tokens share its compile; nor, for a method with an
-  `init_key`, the knobs its init does not read (QuantSpec's draft_sampling: ~2-5 s a compile).
-  A method with `for_platform(platform)` is initialised as the method that returns for the
-  platform of the params' devices (the default device's for uncommitted params or under a
-  jit): QuantSpec's weight_layout "auto" follows where the params are, not the default backend;
-  `built_for` keeps the method as given."""
+  `init_key(platform)`, the knobs its init does not read (QuantSpec's draft_sampling: ~2-5 s a
+  compile). `init_key` is given the platform of the params' devices (the default device's for
+  uncommitted params or under a jit; None for params over several platforms), so a choice by
+  platform follows where the params are (QuantSpec's weight_layout "auto"), not the default
+  backend. `built_for` keeps the method as given."""
   if not isinstance(ctx, StepContext):
     raise InputError(f"ctx must be a StepContext (the sampling and stop tokens the state will be "
                      f"decoded with), got {type(ctx).__name__} {ctx!r:.80}")
-  init_key = method.init_key() if hasattr(method, "init_key") else method
-  if hasattr(init_key, "for_platform"):        # a choice by platform: that of the params' devices
+  init_key = method
+  if hasattr(method, "init_key"):             # given the platform of the params' devices
     platforms = {d.platform for d in run_devices(params["embed"])}
-    if len(platforms) == 1:
-      init_key = init_key.for_platform(platforms.pop())
+    init_key = method.init_key(platforms.pop() if len(platforms) == 1 else None)
   if not drops_donated_buffers(cfg, params, state, method=init_key):
     state = _init_method(cfg, params, state, method=init_key)
   else:

@@ -192,11 +192,6 @@ class QuantSpec:
     gpu = (platform or jax.default_backend()) == "gpu"
     return "int4_t" if gpu and w4a16.group_supported(self.weight_group) else "packed"
 
-  def for_platform(self, platform: str) -> "QuantSpec":
-    """This method with weight_layout "auto" resolved for `platform` (`loop.init_method` passes
-    that of the params' devices): params on the CPU of a GPU host get the CPU's layout."""
-    return dataclasses.replace(self, weight_layout=self.resolved_weight_layout(platform))
-
   @property
   def tokens_per_forward(self) -> int:
     return self.gamma + 1
@@ -238,10 +233,13 @@ class QuantSpec:
         raise InputError(f"the params' draft ({DRAFT_KEY!r}) has weight groups {groups}, "
                          f"quantspec weight_group is {self.weight_group}")
 
-  def init_key(self) -> "QuantSpec":
-    """The method init is compiled for (loop.init_method): draft_sampling, which only the step
-    reads, at its default, so runs that differ only in it share the init's compile."""
-    return dataclasses.replace(self, draft_sampling=DRAFT_SAMPLINGS[0])
+  def init_key(self, platform: str | None = None) -> "QuantSpec":
+    """The method init is compiled for (loop.init_method, which passes the platform of the
+    params' devices): draft_sampling, which only the step reads, at its default, so runs that
+    differ only in it share the init's compile; weight_layout "auto" resolved for `platform`
+    (params on the CPU of a GPU host get the CPU's layout; None: the default backend)."""
+    return dataclasses.replace(self, draft_sampling=DRAFT_SAMPLINGS[0],
+                               weight_layout=self.resolved_weight_layout(platform))
 
   def init(self, cfg: ModelConfig, params: Params, state: DecodeState) -> DecodeState:
     self.check(cfg, params, state.cache.capacity)
