@@ -14,7 +14,10 @@ highest there (benchmarks/NOTES.md, session 45).
            FAFO / Lookahead at each of --speed-guesses (default: --guesses); decode time only,
            compilation excluded. With every guess count this is the paper's Figure 1 (tau and
            wall-clock speedup against guesses per step); `plot_ngram.py` draws it. Measured
-           first, every set's dense before any other loop (`speed_plan`), then the sweep.
+           first, every set's dense before any other loop (`speed_plan`), then the sweep. On a
+           GPU every --speed row starts from empty compilation caches (`--fresh-executables`):
+           an H200 ran every loop ~15% slower once several decode loops had been compiled in the
+           process, and dropping the executables restored it (benchmarks/NOTES.md, session 69).
 
   python benchmarks/ngram_decoding.py --gguf PATH --dtype bfloat16 --sweep --speed
 Writes $OUT/ngram_decoding.json (rewritten after every measurement).
@@ -26,6 +29,7 @@ import argparse
 import json
 import os
 
+import jax
 import numpy as np
 
 from benchmarks._args import count
@@ -71,9 +75,10 @@ def speed_plan(set_names, methods, guesses) -> list[tuple[str, str, int]]:
   """--speed's rows, (prompt set, method, guesses), in the order they are measured: dense for
   every set first, before any other decode loop has run in the process; then each method at each
   guess count, set after set; then dense again for every set ("dense_after"), to show drift. On
-  an H200 a dense loop measured after FAFO and Lookahead loops ran 15-17% slower in the same
-  process (sessions 38 and 68; not the clocks, and gone with XLA's command buffers off), which
-  made a later set's dense row, and so its speedups, depend on what ran before it."""
+  an H200 every loop ran ~15% slower once several decode loops had been compiled in the process
+  (sessions 38, 68 and 69: wider gaps between kernels; gone after jax.clear_caches(), which
+  --fresh-executables does before each row), which made a row, and so its speedups, depend on
+  what ran before it."""
   plan = [(s, "dense", 0) for s in set_names]
   plan += [(s, m, g) for s in set_names for g in guesses for m in methods]
   return plan + [(s, "dense_after", 0) for s in set_names]
@@ -101,11 +106,16 @@ def main(argv=None) -> dict:
   ap.add_argument("--speed-guesses", type=count, nargs="+", default=None,
                   help="guess counts of --speed (default: --guesses)")
   ap.add_argument("--speed-prompts", type=count, default=5)
+  ap.add_argument("--fresh-executables", action=argparse.BooleanOptionalAction, default=None,
+                  help="jax.clear_caches() before each --speed row, so no row runs beside other "
+                       "rows' compiled loops (default: on a GPU)")
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "ngram_decoding.json"))
   args = ap.parse_args(argv)
   if not (args.sweep or args.speed):
     ap.error("nothing to measure: give --sweep, --speed or both")
+  if args.fresh_executables is None:
+    args.fresh_executables = jax.default_backend() == "gpu"
   cfg, params, tok = load_model(args.gguf, dtype=args.dtype)
   result = {"benchmark": "FAFO vs Lookahead vs dense, SmolLM2-135M-Instruct, greedy",
             "device": device_description(), "dtype": args.dtype, "args": vars(args),
@@ -123,6 +133,8 @@ def main(argv=None) -> dict:
                                   if args.speed else []):
     ids = ids_of[set_name]
     method = make_method(name, guesses, args)
+    if args.fresh_executables:
+      jax.clear_caches()          # this row's loops alone (each row compiles its own, again)
     first = generate(cfg, params, ids[:1], method=method, max_new_tokens=args.max_new_tokens,
                      stop_tokens=())                                   # compile once
     made, secs, steps, outputs = 0, 0.0, 0, []

@@ -25,12 +25,17 @@ def test_figure1_rows_and_plot(tmp_path, monkeypatch):
   real_prompt_ids = ngram_decoding.prompt_ids
   monkeypatch.setattr(ngram_decoding, "prompt_ids", lambda tok, name, num: [
       p[: 100 + 20 * i] for i, p in enumerate(real_prompt_ids(tok, name, num))])
+  # --fresh-executables: each --speed row starts from empty compilation caches (the count is
+  # checked; clearing itself is jax's, and recompiling every row would only slow this test).
+  cleared = []
+  monkeypatch.setattr(ngram_decoding.jax, "clear_caches", lambda: cleared.append(1))
   out = tmp_path / "ngram.json"
   result = ngram_decoding.main([
       "--gguf", str(STORIES), "--dtype", "float32", "--prompt-sets", "humaneval",
       "--num-prompts", "2", "--speed-prompts", "2", "--max-new-tokens", "12", "--length", "3",
       "--candidates", "2", "--guesses", "2", "--speed", "--speed-guesses", "2", "3",
-      "--sweep", "--out", str(out)])
+      "--sweep", "--fresh-executables", "--out", str(out)])
+  assert len(cleared) == len(result["speed"]) == 6
   assert json.loads(out.read_text()) == json.loads(json.dumps(result))
   speed = result["speed"]
   assert [(r["method"], r["guesses"]) for r in speed] == [
