@@ -58,6 +58,17 @@ for phase, spec in enumerate(phases.split(",")):
     jax.clear_caches(); gc.collect()
     print(phase, spec, flush=True)
     continue
+  if name == "graphs":    # N unrelated executables whose loop bodies are several kernels each
+    for i in range(int(guesses)):   # (XLA makes command buffers of >= 5 kernels by default)
+      def body(j, y, i=i):
+        y = jnp.sin(y @ y.T * 1e-3 + i)
+        y = jnp.cumsum(y, axis=0) * 1e-3
+        y = jnp.sort(y, axis=1) / (1.0 + jnp.max(jnp.abs(y)))
+        return jnp.tanh(y[::-1] + jnp.mean(y, axis=0))
+      f = jax.jit(lambda x, i=i: jax.lax.fori_loop(0, 20 + i, body, x))
+      jax.block_until_ready(f(jnp.ones((256, 256))))
+    print(phase, spec, flush=True)
+    continue
   if name == "trivial":   # N unrelated executables: small jitted while loops, one compile each
     for i in range(int(guesses)):
       f = jax.jit(lambda x, i=i: jax.lax.fori_loop(0, 100 + i, lambda j, y: jnp.sin(y) * 1.001 + i, x))
