@@ -292,6 +292,7 @@ def _with_draft(args, cfg, params, tok, method, n: int | None):
   model's answers to --draft-calibration-prompts, or params when n is None."""
   if n is None:
     return params
+  from sparsedec.decode.fits import run_platform
   from sparsedec.errors import read_text
   from sparsedec.model.gptq import gptq_quantize_params, self_generated_calibration, with_draft
   take = min(n, cfg.max_position_embeddings)
@@ -305,10 +306,10 @@ def _with_draft(args, cfg, params, tok, method, n: int | None):
     else:
       prompts = [tok.encode(x) for x in lines]
     seqs += self_generated_calibration(cfg, params, prompts, max_tokens=n)
+  layout = method.resolved_weight_layout(run_platform(params["embed"]))   # as the init resolves it
   with tqdm(total=cfg.num_layers, desc="GPTQ draft", unit="layer", file=sys.stderr,
             leave=False) as bar:
-    draft = gptq_quantize_params(cfg, params, seqs, group=method.weight_group,
-                                 layout=method.resolved_weight_layout(),
+    draft = gptq_quantize_params(cfg, params, seqs, group=method.weight_group, layout=layout,
                                  on_layer=lambda i, layer: bar.update())
   return with_draft(params, draft)
 

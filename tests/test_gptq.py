@@ -535,3 +535,29 @@ def test_cli_draft_is_gptq_on_the_files_and_answers_it_was_given(tmp_path, capsy
       32, seen["method"].resolved_weight_layout())
   assert seen["method"].weight_group == 32
   assert seen["ran_with"] is seen["draft"]
+
+
+def test_cli_draft_layout_follows_the_params_platform(tmp_path, monkeypatch, stories):
+  """The CLI's GPTQ draft takes weight_layout "auto" for the platform of the params' devices, as
+  the method's init resolves it: params on the CPU of a GPU host (the default backend made to say
+  "gpu" here) get the CPU's "packed" draft, not the GPU kernel's "int4_t"."""
+  import argparse
+  from sparsedec import cli
+  cfg, params, tok = stories
+  params = jax.device_put(params, jax.devices("cpu")[0])              # committed to the CPU
+  text = tmp_path / "calibration.txt"
+  text.write_text("Tom and Lily went to the park.")
+  seen = {}
+
+  def quantize(cfg, params, seqs, **kw):       # a stand-in: RTN in the layout GPTQ was given
+    seen.update(kw)
+    return [{**lp, **{name: quantize_weight(lp[name], kw["group"], kw["layout"])
+                      for name in QUANTIZED_LINEARS}} for lp in params["layers"]]
+  monkeypatch.setattr(gptq, "gptq_quantize_params", quantize)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  method = QuantSpec(quant_group=8, weight_group=32)
+  assert method.resolved_weight_layout() == "int4_t"                  # by the default backend
+  args = argparse.Namespace(draft_calibration=[str(text)], draft_calibration_prompts=None)
+  got = cli._with_draft(args, cfg, params, tok, method, 100)
+  assert seen["layout"] == method.init_key("cpu").weight_layout == "packed"
+  assert {lp["wqkv"].layout for lp in got[gptq.DRAFT_KEY]} == {"packed"}

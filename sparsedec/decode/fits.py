@@ -58,6 +58,12 @@ def run_devices(like) -> set:
   return {jax.devices(default)[0] if isinstance(default, str) else jax.devices()[0]}
 
 
+def run_platform(like) -> str | None:
+  """The platform of `run_devices(like)` ("gpu", "cpu", ...); None where they span several."""
+  platforms = {d.platform for d in run_devices(like)}
+  return platforms.pop() if len(platforms) == 1 else None
+
+
 def run_lower_bounds(cfg: ModelConfig, tokens_per_forward: int, batch: int, capacity: int,
                      reference_path: bool) -> dict[str, int]:
   """{what: bytes} a run certainly holds at once (module docstring)."""

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparsedec.decode.fits import run_devices
+from sparsedec.decode.fits import run_platform
 from sparsedec.decode.sampling import SamplingConfig
 from sparsedec.decode.state import DecodeState
 from sparsedec.errors import InputError, is_int
@@ -155,8 +155,7 @@ def init_method(cfg: ModelConfig, params: Params, state: DecodeState, *, method:
                      f"decoded with), got {type(ctx).__name__} {ctx!r:.80}")
   init_key = method
   if hasattr(method, "init_key"):             # given the platform of the params' devices
-    platforms = {d.platform for d in run_devices(params["embed"])}
-    init_key = method.init_key(platforms.pop() if len(platforms) == 1 else None)
+    init_key = method.init_key(run_platform(params["embed"]))
   if not drops_donated_buffers(cfg, params, state, method=init_key):
     state = _init_method(cfg, params, state, method=init_key)
   else:
