@@ -205,6 +205,19 @@ def device_time(run: Callable[[], Any], num_calls: int, top: int = 6, sequence: 
   return result
 
 
+def fresh_executables(on: bool | None = None) -> None:
+  """Drop every compiled program (`jax.clear_caches()`) before timing the next configuration
+  (on None: only on a GPU). On an H200 every loop of a process ran ~15% slower once several decode
+  loops had been compiled in it (the same GPU-busy time, wider gaps between kernels; SmolLM2
+  dense 935 -> 790 tokens/s), and clearing the caches restored it (benchmarks/NOTES.md, session
+  69), so a configuration's time depended on what had been compiled before it. The next call
+  compiles its program again."""
+  if on is None:
+    on = jax.default_backend() == "gpu"
+  if on:
+    jax.clear_caches()
+
+
 def read_bandwidth(num_bytes: float = 4 * 2 ** 30, iters: int = 10, repeats: int = 5) -> dict:
   """Read bandwidth of a fused elementwise + sum over a `num_bytes` bf16 array, `iters`
   reductions inside one jit (each scaled by the loop index, so none is hoisted)."""

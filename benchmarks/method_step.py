@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks._timing import device_time
+from benchmarks._timing import device_time, fresh_executables
 from benchmarks.step_roofline import LLAMA_31_8B, log, random_params, random_state, read_bandwidth
 from sparsedec.bench import device_description
 from sparsedec.compress import StreamingLLM
@@ -118,6 +118,7 @@ def main():
       method = all_methods[name]
       room = args.steps * (args.length + 2) * 5
       state = random_state(cfg, context, room, jax.random.key(context))
+      fresh_executables()         # on a GPU: no earlier method's programs beside this one's
       try:
         timed = method_step_time(cfg, params, state, method, args.steps, args.profile)
         times[name] = timed.pop("step_seconds")

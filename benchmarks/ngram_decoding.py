@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from benchmarks._args import count
+from benchmarks._timing import fresh_executables
 from sparsedec.bench import (DEFAULT_SMOLLM2_GGUF, device_description, encode_prompts, log,
                              mean_repeated_ngram_share)
 from sparsedec.compress import POLICIES
@@ -133,8 +134,7 @@ def main(argv=None) -> dict:
                                   if args.speed else []):
     ids = ids_of[set_name]
     method = make_method(name, guesses, args)
-    if args.fresh_executables:
-      jax.clear_caches()          # this row's loops alone (each row compiles its own, again)
+    fresh_executables(args.fresh_executables)    # this row's loops alone (compiled again)
     first = generate(cfg, params, ids[:1], method=method, max_new_tokens=args.max_new_tokens,
                      stop_tokens=())                                   # compile once
     made, secs, steps, outputs = 0, 0.0, 0, []

@@ -63,7 +63,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks._args import count  # noqa: E402
 from benchmarks._gemv_choice import add_one_row_gemv_arg, apply_one_row_gemv  # noqa: E402
-from benchmarks._timing import device_time  # noqa: E402
+from benchmarks._timing import device_time, fresh_executables  # noqa: E402
 from benchmarks.step_roofline import (LLAMA_31_8B, log, random_params, random_state,  # noqa: E402
                                       read_bandwidth, step_time)
 from sparsedec.attention import (AttentionPlan, QuantView, Segment, causal_plan,  # noqa: E402
@@ -514,7 +514,9 @@ class Recorder:
 
 
 def _guarded(rec: Recorder, base: dict, fn) -> dict | None:
-  """Runs fn() -> row fields; records an error row instead of raising."""
+  """Runs fn() -> row fields; records an error row instead of raising. On a GPU, from empty
+  compilation caches (`fresh_executables`: no earlier row's programs beside this one's)."""
+  fresh_executables()
   try:
     row = {**base, **fn()}
   except Exception as e:  # noqa: BLE001 - record and go on
