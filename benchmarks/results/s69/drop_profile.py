@@ -4,6 +4,9 @@ Phases dense / FAFO 40 x 4 / Lookahead W 40 / dense / dense, each: one warm call
 (tokens/s), then one call under the profiler: GPU busy time (summed stream events), the span from
 the first event's start to the last one's end, events, and busy time by kernel name.
 If the later dense is slower with the same busy time, the time went to gaps between kernels.
+Other phases: trivial:N / graphs:N (N unrelated jitted loops, one-kernel or several-kernel
+bodies), mosaic:N (N Mosaic GPU decode_attention kernels, Tq 1..N, outside any loop),
+clear:0 (jax.clear_caches()).
 Usage: python drop_profile.py OUT.json [PHASES]  (PHASES: comma-separated method:guesses, e.g.
 dense:0,lookahead:40,dense:0; default the phases above)"""
 import argparse, collections, glob, json, os, sys, tempfile, time
@@ -56,6 +59,17 @@ for phase, spec in enumerate(phases.split(",")):
   if name == "clear":     # drop every compiled executable (and its command buffers), then go on
     import gc
     jax.clear_caches(); gc.collect()
+    print(phase, spec, flush=True)
+    continue
+  if name == "mosaic":    # N Mosaic GPU decode_attention kernels (Tq 1..N), each its own compile
+    from pallas_kernels.decode_attention import decode_attention
+    for i in range(int(guesses)):
+      tq, key = 1 + i, jax.random.key(i)
+      q = jax.random.normal(key, (1, tq, 9, 64), jnp.bfloat16)
+      kc = jax.random.normal(key, (1, 3, 1024, 64), jnp.bfloat16)
+      kn = jax.random.normal(key, (1, tq, 3, 64), jnp.bfloat16)
+      f = jax.jit(lambda *a: decode_attention(*a, jnp.tril(jnp.ones((tq, tq), bool))))
+      jax.block_until_ready(f(q, kc, kc, jnp.array([1000], jnp.int32), kn, kn))
     print(phase, spec, flush=True)
     continue
   if name == "graphs":    # N unrelated executables whose loop bodies are several kernels each
