@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))   # benchmarks/ importable
 
-from benchmarks._timing import default_out_dir, device_time  # noqa: E402
+from benchmarks._timing import default_out_dir, device_time, fresh_executables  # noqa: E402
 from benchmarks.ngram_decoding import make_method  # noqa: E402
 from sparsedec.bench import DEFAULT_SMOLLM2_GGUF, encode_prompts  # noqa: E402
 from sparsedec.decode.api import generate, start  # noqa: E402
@@ -62,6 +62,7 @@ a = argparse.Namespace(policy="streaming", budget_blocks=4, block_size=64, lengt
 out = {"device": jax.devices()[0].device_kind, "guesses": args.guesses, "length": args.length,
        "random_weights": args.random_weights}
 for name in ["dense", "fafo", "lookahead"]:
+  fresh_executables()       # no earlier method's programs beside this one's (NOTES session 69)
   method = make_method(name, args.guesses, a)
   generate(cfg, params, ids, method=method, max_new_tokens=128, stop_tokens=())
   state, run = start(cfg, params, ids, max_new_tokens=128, stop_tokens=(), method=method)
