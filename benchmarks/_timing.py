@@ -208,7 +208,7 @@ def device_time(run: Callable[[], Any], num_calls: int, top: int = 6, sequence: 
 def fresh_executables(on: bool | None = None) -> None:
   """Drop every compiled program (`jax.clear_caches()`) before timing the next configuration
   (on None: only on a GPU). On an H200 every loop of a process ran ~15% slower once several decode
-  loops had been compiled in it (the same GPU-busy time, wider gaps between kernels; SmolLM2
+  loops had been compiled in it (the same GPU-busy time, kernels no longer overlapping; SmolLM2
   dense 935 -> 790 tokens/s), and clearing the caches restored it (benchmarks/NOTES.md, session
   69), so a configuration's time depended on what had been compiled before it. The next call
   compiles its program again."""

@@ -77,7 +77,7 @@ def speed_plan(set_names, methods, guesses) -> list[tuple[str, str, int]]:
   every set first, before any other decode loop has run in the process; then each method at each
   guess count, set after set; then dense again for every set ("dense_after"), to show drift. On
   an H200 every loop ran ~15% slower once several decode loops had been compiled in the process
-  (sessions 38, 68 and 69: wider gaps between kernels; gone after jax.clear_caches(), which
+  (sessions 38, 68 and 69: kernels no longer overlap; gone after jax.clear_caches(), which
   --fresh-executables does before each row), which made a row, and so its speedups, depend on
   what ran before it."""
   plan = [(s, "dense", 0) for s in set_names]
