@@ -10,3 +10,12 @@ PYTHONPATH=$PWD timeout 200 python $p $OUT/drop_profile_mosaic_s70_h200.json den
   | grep -v -i warn | tail -5
 PYTHONPATH=$PWD timeout 360 python benchmarks/method_step.py --contexts 4096 32768 \
   --out $OUT/method_step_fresh_s70_h200.json 2>&1 | grep -E "ms/step|wrote" | tail -8
+# What the Mosaic GPU runtime may change process-wide when it loads a kernel (driver calls named
+# in the CUDA plugins' libraries): a lead for the slowdown's trigger.
+for so in $(python -c "import os, jax_plugins; print(' '.join(os.path.dirname(p) for p in jax_plugins.__path__))" 2>/dev/null) \
+          $(python -c "import os, jax_cuda13_plugin as m; print(os.path.dirname(m.__file__))" 2>/dev/null); do
+  find $so -name "*.so*" | while read f; do
+    strings $f | grep -E "^cu(FuncSetAttribute|FuncSetCacheConfig|CtxSetLimit|CtxSetCacheConfig|ModuleLoad[A-Za-z]*|LibraryLoad[A-Za-z]*|GraphUpload)$" \
+      | sort -u | sed "s|^|$(basename $f): |"
+  done
+done > $OUT/plugin_driver_calls_s70_h200.txt; cat $OUT/plugin_driver_calls_s70_h200.txt | head -30
