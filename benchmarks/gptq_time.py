@@ -26,18 +26,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._args import count  # noqa: E402
-from benchmarks.step_roofline import LLAMA_31_8B, random_params  # noqa: E402
+from benchmarks.step_roofline import LLAMA_31_8B, SMOLLM2_135M, random_params  # noqa: E402
 from sparsedec.bench import device_description, log, peak_memory_bytes  # noqa: E402
 from sparsedec.model.gptq import gptq_quantize_params, gptq_quantize_weight  # noqa: E402
 from sparsedec.model.quant_weights import QUANTIZED_LINEARS  # noqa: E402
 
 MODELS = {
     "llama-3.1-8b": LLAMA_31_8B,
-    # SmolLM2-135M-Instruct's shapes (the GGUF's): 30 layers, 576 wide, 9 / 3 heads of 64
-    "smollm2-135m": LLAMA_31_8B.replace(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-        num_kv_heads=3, head_dim=64, rope_theta=100000.0, rope_scaling=None,
-        max_position_embeddings=8192, tie_word_embeddings=True),
+    "smollm2-135m": SMOLLM2_135M,
 }
 
 

@@ -27,18 +27,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))   # benchma
 
 from benchmarks._timing import default_out_dir, device_time, fresh_executables  # noqa: E402
 from benchmarks.ngram_decoding import make_method  # noqa: E402
+from benchmarks.step_roofline import SMOLLM2_135M  # noqa: E402
 from sparsedec.bench import DEFAULT_SMOLLM2_GGUF, encode_prompts  # noqa: E402
 from sparsedec.decode.api import generate, start  # noqa: E402
-from sparsedec.model.config import ModelConfig  # noqa: E402
 from sparsedec.model.params import init_random  # noqa: E402
 from sparsedec.prompts import mt_bench  # noqa: E402
 from sparsedec.weights.checkpoint import load_model  # noqa: E402
 
-# SmolLM2-135M-Instruct's shapes (what load_model reads from its GGUF).
-SMOLLM2_135M = ModelConfig(
-    family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-    num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
-    max_position_embeddings=8192, tie_word_embeddings=True, dtype="bfloat16")
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ap.add_argument("--gguf", default=DEFAULT_SMOLLM2_GGUF)

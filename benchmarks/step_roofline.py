@@ -35,6 +35,12 @@ LLAMA_31_8B = ModelConfig(
     num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
     rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192), max_position_embeddings=131072,
     eos_token_ids=(128001,), dtype="bfloat16")
+# SmolLM2-135M-Instruct's shapes (what load_model reads from its GGUF): 30 layers, 576 wide,
+# 9 / 3 heads of 64, tied embeddings.
+SMOLLM2_135M = ModelConfig(
+    family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+    num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+    max_position_embeddings=8192, tie_word_embeddings=True, dtype="bfloat16")
 
 
 

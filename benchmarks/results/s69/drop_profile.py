@@ -14,15 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from sparsedec.decode.api import generate
-from sparsedec.model.config import ModelConfig
 from sparsedec.model.params import init_random
 sys.path.insert(0, ".")
 from benchmarks.ngram_decoding import make_method  # noqa: E402
+from benchmarks.step_roofline import SMOLLM2_135M  # noqa: E402
 
-cfg = ModelConfig(
-    family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-    num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
-    max_position_embeddings=8192, tie_word_embeddings=True, dtype="bfloat16")
+cfg = SMOLLM2_135M
 params = init_random(cfg, jax.random.key(0))
 ids = [list(np.random.default_rng(0).integers(3, 2000, 300))]
 knobs = argparse.Namespace(policy="streaming", budget_blocks=4, block_size=64, length=4, candidates=7)
