@@ -15,7 +15,8 @@ highest there (benchmarks/NOTES.md, session 45).
            compilation excluded. With every guess count this is the paper's Figure 1 (tau and
            wall-clock speedup against guesses per step); `plot_ngram.py` draws it. Measured
            first, every set's dense before any other loop (`speed_plan`), then the sweep. On a
-           GPU every --speed row starts from empty compilation caches (`--fresh-executables`):
+           GPU every row (--speed and --sweep) starts from empty compilation caches
+           (`--fresh-executables`):
            an H200 ran every loop ~15% slower once several decode loops had been compiled in the
            process, and dropping the executables restored it (benchmarks/NOTES.md, session 69).
 
@@ -29,7 +30,6 @@ import argparse
 import json
 import os
 
-import jax
 import numpy as np
 
 from benchmarks._args import count
@@ -108,15 +108,13 @@ def main(argv=None) -> dict:
                   help="guess counts of --speed (default: --guesses)")
   ap.add_argument("--speed-prompts", type=count, default=5)
   ap.add_argument("--fresh-executables", action=argparse.BooleanOptionalAction, default=None,
-                  help="jax.clear_caches() before each --speed row, so no row runs beside other "
-                       "rows' compiled loops (default: on a GPU)")
+                  help="jax.clear_caches() before each --speed and --sweep row, so no row runs "
+                       "beside other rows' compiled loops (default: on a GPU)")
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                 "ngram_decoding.json"))
   args = ap.parse_args(argv)
   if not (args.sweep or args.speed):
     ap.error("nothing to measure: give --sweep, --speed or both")
-  if args.fresh_executables is None:
-    args.fresh_executables = jax.default_backend() == "gpu"
   cfg, params, tok = load_model(args.gguf, dtype=args.dtype)
   result = {"benchmark": "FAFO vs Lookahead vs dense, SmolLM2-135M-Instruct, greedy",
             "device": device_description(), "dtype": args.dtype, "args": vars(args),
@@ -170,6 +168,7 @@ def main(argv=None) -> dict:
     save()
   for set_name in args.prompt_sets if args.sweep else []:
     ids = ids_of[set_name]
+    fresh_executables(args.fresh_executables)
     dense = run(cfg, params, ids, "dense", args.max_new_tokens)
     result["sweep"].append({"prompt_set": set_name, "method": "dense", "guesses": 0, "tau": 1.0,
                             "tokens_per_second": dense.tokens_per_second,
@@ -177,6 +176,7 @@ def main(argv=None) -> dict:
     log(f"{set_name} dense: {dense.tokens_per_second:.1f} tokens/s (B={len(ids)})")
     for guesses in args.guesses:
       for name in args.methods:
+        fresh_executables(args.fresh_executables)
         res = run(cfg, params, ids, make_method(name, guesses, args), args.max_new_tokens)
         same = sum(list(a) == list(b) for a, b in zip(res.tokens, dense.tokens))
         row = {"prompt_set": set_name, "method": name, "guesses": guesses, "tau": res.tau,

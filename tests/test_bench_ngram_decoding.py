@@ -9,6 +9,7 @@ import json
 import pathlib
 import sys
 
+import jax
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))   # benchmarks/ importable
@@ -25,17 +26,17 @@ def test_figure1_rows_and_plot(tmp_path, monkeypatch):
   real_prompt_ids = ngram_decoding.prompt_ids
   monkeypatch.setattr(ngram_decoding, "prompt_ids", lambda tok, name, num: [
       p[: 100 + 20 * i] for i, p in enumerate(real_prompt_ids(tok, name, num))])
-  # --fresh-executables: each --speed row starts from empty compilation caches (the count is
-  # checked; clearing itself is jax's, and recompiling every row would only slow this test).
+  # --fresh-executables: each --speed and --sweep row starts from empty compilation caches (the
+  # count is checked; clearing itself is jax's, and recompiling every row would only slow this).
   cleared = []
-  monkeypatch.setattr(ngram_decoding.jax, "clear_caches", lambda: cleared.append(1))
+  monkeypatch.setattr(jax, "clear_caches", lambda: cleared.append(1))
   out = tmp_path / "ngram.json"
   result = ngram_decoding.main([
       "--gguf", str(STORIES), "--dtype", "float32", "--prompt-sets", "humaneval",
       "--num-prompts", "2", "--speed-prompts", "2", "--max-new-tokens", "12", "--length", "3",
       "--candidates", "2", "--guesses", "2", "--speed", "--speed-guesses", "2", "3",
       "--sweep", "--fresh-executables", "--out", str(out)])
-  assert len(cleared) == len(result["speed"]) == 6
+  assert len(cleared) == len(result["speed"]) + len(result["sweep"]) == 6 + 3
   assert json.loads(out.read_text()) == json.loads(json.dumps(result))
   speed = result["speed"]
   assert [(r["method"], r["guesses"]) for r in speed] == [
@@ -62,8 +63,9 @@ def test_figure1_rows_and_plot(tmp_path, monkeypatch):
 
 
 def test_speed_plan_measures_every_dense_before_any_other_loop():
-  # A dense loop measured after FAFO / Lookahead loops ran 15-17% slower on an H200 (session 68):
-  # with two sets, the second set's dense must not come after the first set's methods.
+  # Every dense row before any other loop (an H200 process ran its loops ~15% slower once several
+  # decode loops had been compiled, sessions 68-69): the second set's dense must not come after
+  # the first set's methods.
   plan = ngram_decoding.speed_plan(["mt_bench", "humaneval"], ["fafo", "lookahead"], [10, 40])
   assert plan[:2] == [("mt_bench", "dense", 0), ("humaneval", "dense", 0)]
   assert plan[-2:] == [("mt_bench", "dense_after", 0), ("humaneval", "dense_after", 0)]
