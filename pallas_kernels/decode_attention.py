@@ -100,7 +100,7 @@ from pallas_kernels.combine import (check_arrays, check_config_ints, check_infli
                                     static_ints, wrapper_outputs)
 from pallas_kernels.inflight_attention import (MergeSegment, inflight_merged, inflight_partials,
                                                mask_bias, merge_chunks, pack_keys)
-from pallas_kernels.hopper import MAX_HEAD_DIM, SM_COUNT, SMEM_PER_SM
+from pallas_kernels.hopper import MAX_HEAD_DIM, SM_COUNT, SMEM_PER_SM, tma_rows
 from pallas_kernels.register_operand import a_staging, softmax_pv_step, swizzled
 from pallas_kernels.split_plan import split_counts
 
@@ -282,10 +282,12 @@ def inflight_tile_step(q_smem, smem, carry, *, scale, dtype):
 
 
 def heads_merged(x: jax.Array) -> jax.Array:
-  """k_new or v_new [B, Tq, Hkv, D] -> [B, Tq, Hkv * D], a bitcast: head h's rows are the
-  column range [h * D, (h + 1) * D), one 2-D TMA box."""
+  """k_new or v_new [B, Tq, Hkv, D] -> [B, Tq', Hkv * D], a bitcast where Tq <= 8 or is a
+  multiple of 8 (else Tq' rounds it up with zero rows, `tma_rows`, which the bias masks as the
+  TMA's fill past Tq): head h's rows are the column range [h * D, (h + 1) * D), one 2-D TMA
+  box."""
   b, tq, hkv, d = x.shape
-  return x.reshape(b, tq, hkv * d)
+  return tma_rows(x.reshape(b, tq, hkv * d), axis=1)
 
 
 def row_queries(num_queries: int, group: int, num_rows: int) -> np.ndarray:

@@ -160,7 +160,7 @@ from pallas_kernels.combine import (check_config_ints, check_lengths, check_mask
 
 from pallas_kernels.decode_attention import (BLOCK_M, LOG2E, DecodeConfig, num_q_blocks,
                                              split_partials)
-from pallas_kernels.hopper import SM_COUNT
+from pallas_kernels.hopper import SM_COUNT, tma_rows
 from pallas_kernels.merge_partials import MAX_SPLITS as MERGE_MAX_SPLITS
 from pallas_kernels.merge_partials import merge_partials_in_ranges
 from pallas_kernels.register_operand import (CODES_PER_WORD, SMEM_ROW_WORDS, a_staging,
@@ -1335,11 +1335,7 @@ def exact_keys(q_rows, key_sets, *, group: int, num_queries: int) -> ExactKeys:
     if num_keys == 0:
       continue
     k, v = k.astype(dtype), v.astype(dtype)                   # no copy when already in dtype
-    if num_keys > 8 and num_keys % 8:
-      # The TMA of a tiled SMEM tile takes a GMEM key dimension below 8 or a multiple of it
-      # (Mosaic GPU's lowering rejects 9..15, 17..23, ...): such a set gets a few zero keys.
-      extra = ((0, 0), (0, -num_keys % 8), (0, 0), (0, 0))
-      k, v = jnp.pad(k, extra), jnp.pad(v, extra)
+    k, v = tma_rows(k, axis=1), tma_rows(v, axis=1)            # a few zero keys past 8
     sources.append((k, v))
     pad = -(-num_keys // KEY_TILE) * KEY_TILE - num_keys
     masks.append(jnp.pad(jnp.broadcast_to(mask, (bm, tq, num_keys)), ((0, 0), (0, 0), (0, pad))))

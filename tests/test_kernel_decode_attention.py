@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 import rand
 from kernel_mode import INTERPRET, cuda_text
-from pallas_kernels.decode_attention import (DecodeConfig, decode_attention, resident_blocks,
-                                             decode_attention_reference, ws_smem_bytes)
+from pallas_kernels.decode_attention import (DecodeConfig, decode_attention, in_kernel_tile,
+                                             resident_blocks, decode_attention_reference,
+                                             ws_smem_bytes)
 
 TOLERANCE = {jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
 
@@ -505,11 +506,31 @@ def test_few_queries_in_flight_keys_in_the_cache_kernel():
   assert "inflight_attention" in cuda_text(call(DecodeConfig(inflight="kernel")), *args)
 
 
+@pytest.mark.parametrize("tq", [9, 15, 17, 21])
+def test_in_flight_tile_at_row_counts_the_tma_rejects_read_in_place(tq):
+  """SmolLM2's heads (Hq 9, Hkv 3, D 64: G 3, one q block up to Tq 21): a Tq above 8 and not a
+  multiple of 8 (a QuantSpec verification of 9 tokens, a small Lookahead or FAFO step) lowered
+  for cuda to one cache kernel with the tile; Mosaic GPU's TMA lowering rejected k_new / v_new
+  read in place at these row counts (found on an H200, session 70; the interpreter does not
+  check it), so they get zero rows up to a multiple of 8 (`tma_rows`), which the bias masks:
+  the kernel still equals the reference (interpret mode) at Tq 9 and 21."""
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      tq, batch=1, num_queries=tq, num_q_heads=9, num_kv_heads=3, head_dim=64, capacity=128,
+      dtype=jnp.bfloat16)
+  mask = jnp.asarray(np.tril(np.ones((tq, tq), bool)))
+  lengths = jnp.array([100], jnp.int32)
+  assert in_kernel_tile(DecodeConfig(), q, k_cache, k_new, v_new, INTERPRET)
+  text = cuda_text(lambda *a: decode_attention(*a), q, k_cache, v_cache, lengths, k_new, v_new,
+                   mask)
+  assert text.count("stablehlo.custom_call @mosaic_gpu_v2") == 1
+  if tq in (9, 21):
+    _check(q, k_cache, v_cache, lengths, k_new, v_new, mask, DecodeConfig())
+
+
 def test_in_kernel_tile_choice():
   """Where the cache kernel takes the in-flight keys: "auto", 2 <= Tq, one q block of plain
   blocks, k_new and v_new in q's dtype; not at Tq = 1 (the score path), past 64 rows, with
   another mode, another dtype or warp-specialized blocks (the GPU's choice)."""
-  from pallas_kernels.decode_attention import in_kernel_tile
   def args(tq, hq, dtype=jnp.bfloat16, head_dim=64, capacity=64):
     q, k_cache, _, k_new, v_new = _inputs(0, batch=1, num_queries=tq, num_q_heads=hq,
                                           num_kv_heads=1, head_dim=head_dim, capacity=capacity,

@@ -661,6 +661,25 @@ def test_in_flight_tile_with_an_empty_table():
   assert np.all(np.asarray(out[:, 1], np.float32) == 0.0)
 
 
+@pytest.mark.parametrize("tq", [11, 21])
+def test_in_flight_tile_at_row_counts_the_tma_rejects_read_in_place(tq):
+  """SmolLM2's heads (Hq 9, Hkv 3, D 64): one segment of Tq 11 / 21 (above 8, not a multiple of
+  8; the TMA of k_new / v_new read in place failed to lower for cuda there, session 70) lowers
+  to one cache kernel with the tile (zero rows up to a multiple of 8, `tma_rows`), and equals
+  the reference in interpret mode."""
+  q, k_cache, v_cache, k_new, v_new = _inputs(
+      tq, batch=1, num_queries=tq, num_q_heads=9, num_kv_heads=3, head_dim=64, capacity=256,
+      dtype=jnp.bfloat16)
+  mask = jnp.asarray(np.tril(np.ones((tq, tq), bool)))
+  tables = jnp.array([[[3, 0], [1, 2], [0, 0]]], jnp.int32)
+  counts = jnp.array([[2, 2, 1]], jnp.int32)
+  args = (q, k_cache, v_cache, tables, counts, jnp.array([200], jnp.int32), k_new, v_new, mask)
+  text = cuda_text(lambda *a: sparse_attention(*a, block_size=64), *args)
+  assert text.count("stablehlo.custom_call @mosaic_gpu_v2") == 1
+  assert "inflight_attention" not in text
+  _check(*args, block_size=64)
+
+
 def test_in_kernel_tile_choice():
   """Where the cache kernel takes the in-flight keys: "auto", 2 <= Tq, one segment of one q
   block of plain blocks, k_new and v_new in q's dtype, and the tile's SMEM without a lost
