@@ -727,6 +727,23 @@ def test_assertions_take_generation_results_and_refuse_flat_lists(stories):
     testing.assert_tokens_equal([dense.tokens[0]], [[1.5]])
 
 
+def test_dense_logits_runs_the_reference_whatever_the_attention_setting(stories, monkeypatch):
+  """dense_logits (teacher-forced over a one-slot empty cache, which no kernel takes) runs the
+  jnp reference attention: with the default backend a GPU, "auto" does not warn (find_divergences
+  warned at each divergence in session 70's GPU benchmark) and "pallas" does not refuse the
+  cache; the logits are the same."""
+  import warnings
+  cfg, params, tok = stories
+  prompt = tok.encode("Once upon a time")
+  want = testing.dense_logits(cfg, params, prompt)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for attention in ("auto", "pallas"):
+      got = testing.dense_logits(cfg.replace(attention=attention), params, prompt)
+      np.testing.assert_array_equal(got, want)
+
+
 def test_stories_bf16_logits_track_fp32(stories):
   """bf16 compute runs (on CPU too) and stays within bf16 rounding of the fp32 model."""
   from sparsedec.model.params import cast_params
