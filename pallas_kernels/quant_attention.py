@@ -1335,7 +1335,7 @@ def exact_keys(q_rows, key_sets, *, group: int, num_queries: int) -> ExactKeys:
     if num_keys == 0:
       continue
     k, v = k.astype(dtype), v.astype(dtype)                   # no copy when already in dtype
-    k, v = tma_rows(k, axis=1), tma_rows(v, axis=1)            # a few zero keys past 8
+    k, v = tma_rows(k, axis=1), tma_rows(v, axis=1)      # zero keys to a TMA-legal count
     sources.append((k, v))
     pad = -(-num_keys // KEY_TILE) * KEY_TILE - num_keys
     masks.append(jnp.pad(jnp.broadcast_to(mask, (bm, tq, num_keys)), ((0, 0), (0, 0), (0, pad))))

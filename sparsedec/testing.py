@@ -65,15 +65,15 @@ def first_divergence(actual: Sequence[int], expected: Sequence[int]) -> int | No
 
 
 def dense_logits(cfg: ModelConfig, params: Params, tokens: Sequence[int]) -> np.ndarray:
-  """Teacher-forced logits [T, V] (cfg's dtype) of the dense model over one token sequence, with
-  the jnp reference attention whatever cfg.attention says: the oracle, and no kernel takes the
+  """Teacher-forced fp32 logits [T, V] of the dense model over one token sequence, with the jnp
+  reference attention whatever cfg.attention says: the oracle, and no kernel takes the
   one-slot empty cache it runs over ("pallas" refused it; "auto" warned on a GPU for each call,
   i.e. for each divergence `find_divergences` looked at)."""
   t = len(tokens)
   cache = init_cache(cfg, 1, 1)
   logits, _ = jax.jit(forward, static_argnums=0)(
-      cfg.replace(attention="reference"), params, jnp.asarray([tokens], jnp.int32), jnp.arange(t, dtype=jnp.int32)[None],
-      cache, causal_plan(t))
+      cfg.replace(attention="reference"), params, jnp.asarray([tokens], jnp.int32),
+      jnp.arange(t, dtype=jnp.int32)[None], cache, causal_plan(t))
   return np.asarray(logits[0])
 
 
