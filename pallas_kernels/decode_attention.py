@@ -67,8 +67,10 @@ Two steps:
      At 2 <= Tq with one q block (Tq * G <= 64, plain blocks; "auto", `in_kernel_tile`) the
      cache kernel takes the whole in-flight part: split 0's block first attends its q block to a
      64-key tile of k_new / v_new read in place (a [64, D] TMA box of head h's columns; rows past
-     Tq zero-filled) under the mask's bias tile, then carries that softmax state into its cache
-     tiles (`inflight_tile_step`). The combine only merges splits; no in-flight kernel, no
+     Tq zero-filled; a Tq above 8 that is not a multiple of 8 padded to one first, as Mosaic
+     GPU's TMA lowering needs, `hopper.tma_rows`; SmolLM2's heads at 16K, Tq 8 / 9: 13.10 /
+     13.21 us, session 70) under the mask's bias tile, then carries that softmax state into
+     its cache tiles (`inflight_tile_step`). The combine only merges splits; no in-flight kernel, no
      packing of k_new / v_new. H200, device us a call against the in-flight kernel merging the
      splits ("merged", the faster of the two former choices in every cell;
      `benchmarks/results/s51/inflight_tile_ab_s51_h200.json`): B 1
