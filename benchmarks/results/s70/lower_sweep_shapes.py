@@ -1,6 +1,7 @@
-"""Session 70 (CPU; lower_sweep.py at other heads: Qwen2-0.5B 14/2/64, Qwen3 16/8/128, MHA, G 5 at D 128, G 16, D 256): lowers decode_attention, sparse_attention (one and two segments) and
-quant_attention (4 / 8 bits) for the cuda platform at Tq 1..25, 31, 33, 43, 63, 65 with SmolLM2's
-heads (9, 3, 64) and Llama-3.1-8B's (32, 8, 128); prints the failures."""
+"""Session 70 (CPU): lower_sweep.py at other heads (Hq, Hkv, D): Qwen2-0.5B's (14, 2, 64),
+Qwen3's (16, 8, 128), MHA (4, 4, 64), G 5 at D 128 (10, 2, 128), G 16 (16, 1, 64) and D 256
+(12, 2, 256), at Tq 2, 9, 13, 17, 33, 65, 100: lowers decode_attention, sparse_attention (one and
+two segments) and quant_attention (4 / 8 bits) for the cuda platform; prints the failures."""
 import functools, sys, jax, jax.numpy as jnp
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.sparse_attention import sparse_attention
