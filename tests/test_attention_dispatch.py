@@ -140,9 +140,9 @@ def _method(spec):
 def test_method_decode_loops_lower_for_cuda(spec, kernels):
   """A method's whole decode loop lowered for cuda (bf16, SmolLM2's heads: Hq 9, Hkv 3, D 64;
   two layers) runs its attention, QuantSpec's draft GEMVs and quantizer on Mosaic GPU kernels
-  (`kernels` custom calls in the lowered text). Lookahead W 4, N 3, G 2 (13 tokens a step) and QuantSpec's
-  verification of 9 tokens on its full-precision cache (gamma 8, "full") failed to lower on
-  the GPU (the in-flight tile's TMA at 9..15 rows; session 70): the interpreter the CPU tests
+  (`kernels` custom calls in the lowered text). Lookahead W 4, N 3, G 2 (13 tokens a step) and
+  QuantSpec's verification of 9 tokens on its full-precision cache (gamma 8, "full") failed to
+  lower on the GPU (the in-flight tile's TMA at 9..15 rows; session 70): the interpreter the CPU tests
   run the kernels in does not check what Mosaic GPU's lowering rejects."""
   from sparsedec.decode.api import start
   from sparsedec.decode.loop import decode

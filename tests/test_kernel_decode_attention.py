@@ -509,7 +509,7 @@ def test_few_queries_in_flight_keys_in_the_cache_kernel():
 @pytest.mark.parametrize("tq", [9, 15, 17, 21])
 def test_in_flight_tile_at_row_counts_the_tma_rejects_read_in_place(tq):
   """SmolLM2's heads (Hq 9, Hkv 3, D 64: G 3, one q block up to Tq 21): a Tq above 8 and not a
-  multiple of 8 (a QuantSpec verification of 9 tokens, a small Lookahead or FAFO step) lowered
+  multiple of 8 (QuantSpec's "full" verification of 9 tokens, a small Lookahead step) lowered
   for cuda to one cache kernel with the tile; Mosaic GPU's TMA lowering rejected k_new / v_new
   read in place at these row counts (found on an H200, session 70; the interpreter does not
   check it), so they get zero rows up to a multiple of 8 (`tma_rows`), which the bias masks:
