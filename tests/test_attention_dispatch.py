@@ -14,6 +14,12 @@ import rand
 from kernel_mode import KERNEL, cuda_text
 import sparsedec
 from sparsedec.attention import attend, causal_plan, kernel_choice
+from sparsedec.compress.quest import Quest
+from sparsedec.decode.api import start
+from sparsedec.decode.fafo import Fafo
+from sparsedec.decode.lookahead import Lookahead
+from sparsedec.decode.loop import decode
+from sparsedec.decode.quantspec import QuantSpec
 from sparsedec.errors import UnsupportedConfigError
 from sparsedec.kv.dense import commit, init_cache
 from sparsedec.model.config import ModelConfig
@@ -119,40 +125,26 @@ def test_auto_picks_the_kernel_by_the_platform_it_is_lowered_for(num_tokens):
   np.testing.assert_array_equal(np.asarray(jax.jit(call)(*on_cpu)), np.asarray(want))
 
 
-def _method(spec):
-  from sparsedec.compress.quest import Quest
-  from sparsedec.decode.fafo import Fafo
-  from sparsedec.decode.lookahead import Lookahead
-  from sparsedec.decode.quantspec import QuantSpec
-  kind, *knobs = spec
-  if kind == "lookahead":
-    return Lookahead(window=knobs[0], ngram=knobs[1], guesses=knobs[2])
-  if kind == "fafo":
-    return Fafo(subsequences=knobs[0], length=knobs[1], candidates=knobs[2],
-                policy=Quest(budget_blocks=2))
-  return QuantSpec(gamma=knobs[0], verify_precision=knobs[1], quant_group=64,
-                   weight_layout="int4_t")
-
-
-@pytest.mark.parametrize("spec,kernels", [
-    (("lookahead", 4, 3, 2), 1), (("lookahead", 7, 5, 7), 2), (("fafo", 2, 2, 2), 2),
-    (("quantspec", 8, "full"), 7), (("quantspec", 2, "int8"), 8)])
-def test_method_decode_loops_lower_for_cuda(spec, kernels):
+@pytest.mark.parametrize("method,kernels", [
+    (Lookahead(window=4, ngram=3, guesses=2), 1), (Lookahead(window=7, ngram=5, guesses=7), 2),
+    (Fafo(subsequences=2, length=2, candidates=2, policy=Quest(budget_blocks=2)), 2),
+    (QuantSpec(gamma=8, verify_precision="full", quant_group=64, weight_layout="int4_t"), 7),
+    (QuantSpec(gamma=2, verify_precision="int8", quant_group=64, weight_layout="int4_t"), 8)],
+    ids=["lookahead-w4n3g2", "lookahead-w7n5g7", "fafo-quest", "quantspec-g8-full",
+         "quantspec-g2-int8"])
+def test_method_decode_loops_lower_for_cuda(method, kernels):
   """A method's whole decode loop lowered for cuda (bf16, SmolLM2's heads: Hq 9, Hkv 3, D 64;
   two layers) runs its attention, QuantSpec's draft GEMVs and quantizer on Mosaic GPU kernels
   (`kernels` custom calls in the lowered text). Lookahead W 4, N 3, G 2 (13 tokens a step) and
   QuantSpec's verification of 9 tokens on its full-precision cache (gamma 8, "full") failed to
-  lower on the GPU (the in-flight tile's TMA at 9..15 rows; session 70): the interpreter the CPU tests
-  run the kernels in does not check what Mosaic GPU's lowering rejects."""
-  from sparsedec.decode.api import start
-  from sparsedec.decode.loop import decode
+  lower on the GPU (the in-flight tile's TMA at 9..15 rows; session 70): the interpreter the CPU
+  tests run the kernels in does not check what Mosaic GPU's lowering rejects."""
   cfg = ModelConfig(family="llama", vocab_size=256, hidden_size=576, intermediate_size=256,
                     num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64,
                     max_position_embeddings=1024, dtype="bfloat16")
   params = cast_params(init_random(cfg, jax.random.key(0)), cfg.dtype)
   prompt = [list(np.random.default_rng(0).integers(3, 250, 150))]
-  state, run = start(cfg, params, prompt, max_new_tokens=40, method=_method(spec),
-                     cache_size=512)
+  state, run = start(cfg, params, prompt, max_new_tokens=40, method=method, cache_size=512)
   text = decode.trace(cfg, params, state, jnp.int32(4), method=run.method, ctx=run.ctx).lower(
       lowering_platforms=("cuda",)).as_text()
   assert text.count("custom_call @mosaic_gpu_v2") == kernels
