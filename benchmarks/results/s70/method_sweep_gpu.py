@@ -7,11 +7,9 @@ after each row (both added after the session-70 run, whose log is `method_sweep_
 Usage: python method_sweep_gpu.py OUT.json"""
 import json, os, sys, time, traceback
 import jax, numpy as np
-sys.argv, out = sys.argv[:1] + ["__none__"], sys.argv[1]
-sys.path.insert(0, ".")
-import importlib.util
-spec = importlib.util.spec_from_file_location("ll", "benchmarks/results/s70/loop_lower.py")
-ll = importlib.util.module_from_spec(spec); spec.loader.exec_module(ll)   # builds cfg, params, methods
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import loop_lower as ll  # noqa: E402  (cfg, params, prompt, methods)
+out = sys.argv[1]
 from sparsedec.decode.api import generate
 def tokens(method):
   res = generate(ll.cfg, ll.params, ll.prompt, method=method, max_new_tokens=40, stop_tokens=(),
