@@ -1070,10 +1070,11 @@ import jax
 import sparsedec
 from sparsedec.decode import api
 from sparsedec.weights.checkpoint import load_model
-made_on = []
+made_on, recorded_sharding = [], []
 def recorded(*args, **kwargs):
   cache = empty_cache(*args, **kwargs)
   made_on.append({d for x in jax.tree.leaves(cache) for d in x.devices()})
+  recorded_sharding.append(cache.k[0].sharding)
   return cache
 empty_cache, api.empty_cache = api.empty_cache, recorded
 cfg, params, tok = load_model(CHECKPOINT)
@@ -1084,6 +1085,26 @@ out = sparsedec.generate(cfg, jax.device_put(params, device), prompts, max_new_t
                          return_state=True)
 assert made_on[-1] == {device}, made_on
 assert out.state.tokens.devices() == {device} and out.tokens == alone, out.tokens
+# Params over the 4 devices: wqkv's columns split over "model" (KV heads 4 = the axis size), then
+# every array replicated. The empty cache is laid out as the prefill leaves it (no device holds
+# a whole copy it does not use), and donating it to the prefill works (no "donated buffers were
+# not usable" warning, raised here).
+import warnings
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+warnings.simplefilter("error")
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+for spec, split in ((P(None, "model"), True), (P(), False)):
+  def put(path, x):
+    wqkv = jax.tree_util.keystr(path).endswith("['wqkv']")
+    return jax.device_put(x, NamedSharding(mesh, spec if wqkv else P()))
+  out = sparsedec.generate(cfg, jax.tree_util.tree_map_with_path(put, params), prompts,
+                           max_new_tokens=8, return_state=True)
+  made = made_on[-1]
+  assert len(made) == 4 and out.tokens == alone, (made, out.tokens)
+  shards = {s.data.shape[1] for x in out.state.cache.k for s in x.addressable_shards}
+  assert shards == {cfg.num_kv_heads // 2 if split else cfg.num_kv_heads}, (spec, shards)
+  assert recorded_sharding[-1] == out.state.cache.k[0].sharding, (spec, recorded_sharding)
 print("ok")
 """
 
@@ -1091,6 +1112,9 @@ print("ok")
 def test_the_cache_is_made_on_the_params_device():
   """api.start makes the empty cache on the device its params are committed to: it was made on
   the default device and copied by the prefill's call (every request of a model on device 1
-  held a whole cache on device 0 for a while). The tokens are the single-device run's."""
+  held a whole cache on device 0 for a while). The tokens are the single-device run's. Over
+  several devices it is laid out as the prefill leaves it (KV heads split like wqkv's columns,
+  else replicated): it was made on device 0 and replicated to every device by the prefill's
+  call, so a sharded model's cache had to fit one device."""
   from host_devices import run_script
   run_script(ON_THE_PARAMS_DEVICE)

@@ -292,7 +292,7 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
   # A draft the params carry (`gptq.with_draft`) is read only by the method's init (QuantSpec
   # moves it into the state); prefill and the loop get the params without it, so jit does not
   # compile them again for that params structure.
-  cache = empty_cache(cfg, b, capacity, like=params["embed"])           # on the params' device
+  cache = empty_cache(cfg, b, capacity, params)      # where the params are (`cache_sharding`)
   state = prefill(cfg, without_draft(params), cache, padded, lengths,
                   np.full((b,), max_new_tokens, np.int32), _seeds(seed, b),
                   chunk=min(prefill_chunk, bucket),

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sparsedec.decode.sampling import SamplingConfig, sample, split_keys
 from sparsedec.decode.state import DecodeState, append_tokens
@@ -21,6 +24,17 @@ def _empty_cache(cfg: ModelConfig, batch_size: int, capacity: int) -> KVCache:
   return init_cache(cfg, batch_size, capacity)
 
 
+@functools.lru_cache(maxsize=16)
+def _sharded_empty_cache(cfg: ModelConfig, batch_size: int, capacity: int,
+                         kv: NamedSharding):
+  """A jitted maker of the empty cache with K / V laid out as `kv` and lengths replicated over
+  kv's mesh (one per config, size and sharding: jit's out_shardings are fixed at definition)."""
+  rows = NamedSharding(kv.mesh, P())
+  layers = (kv,) * cfg.num_layers
+  return jax.jit(functools.partial(init_cache, cfg, batch_size, capacity),
+                 out_shardings=KVCache(k=layers, v=layers, lengths=rows))
+
+
 def committed_devices(like) -> set | None:
   """The devices `like` (a params array) is committed to; None for anything else (an
   uncommitted or host array, a tracer): a run on such params goes to the default device."""
@@ -29,12 +43,45 @@ def committed_devices(like) -> set | None:
   return None
 
 
-def empty_cache(cfg: ModelConfig, batch_size: int, capacity: int, like=None) -> KVCache:
-  """An empty cache for `prefill`, made on the one device `like` (a params array) is committed
-  to: made on the default device, it was copied to params placed elsewhere by the prefill's call
-  (a whole cache held on device 0 for a model on device 1). Else on the default device."""
-  devices = committed_devices(like)
-  if devices is None or len(devices) != 1:
+def cache_sharding(cfg: ModelConfig, params: Params) -> NamedSharding | None:
+  """How the K / V of an empty cache [B, Hkv, S, D] are laid out for params committed to several
+  devices; None for params on one device (or not committed: the default device).
+
+  The KV heads are split over the mesh axes that split wqkv's columns (the usual tensor-parallel
+  layout, `NamedSharding(mesh, P(None, "model"))` on the linears' output columns) where those
+  axes' size divides Hkv: the layout the prefill gives the cache it writes. Otherwise the cache is
+  replicated over the params' devices (`P()` on their mesh). Either way no device holds a copy
+  the run does not use: an empty cache made on the default device was replicated to every device
+  by the prefill's call (each of them held the whole cache, device 0 twice), so a sharded model's
+  cache could be no larger than one device's memory."""
+  devices = committed_devices(params["embed"])
+  if devices is None or len(devices) == 1:
+    return None
+  wqkv = getattr(params["layers"][0].get("wqkv"), "sharding", None)
+  if isinstance(wqkv, NamedSharding) and set(wqkv.device_set) == devices:
+    cols = wqkv.spec[1] if len(wqkv.spec) > 1 else None
+    axes = cols if isinstance(cols, tuple) else (cols,)
+    if cols is not None and cfg.num_kv_heads % math.prod(wqkv.mesh.shape[a] for a in axes) == 0:
+      return NamedSharding(wqkv.mesh, P(None, cols))
+  embed = params["embed"].sharding
+  if isinstance(embed, NamedSharding):
+    return NamedSharding(embed.mesh, P())
+  return NamedSharding(Mesh(np.array(sorted(devices, key=lambda d: d.id)), ("devices",)), P())
+
+
+def empty_cache(cfg: ModelConfig, batch_size: int, capacity: int,
+                params: Params | None = None) -> KVCache:
+  """An empty cache for `prefill` where `params` are: on the one device they are committed to
+  (made on the default device, it was copied to params placed elsewhere by the prefill's call: a
+  whole cache held on device 0 for a model on device 1), laid out by `cache_sharding` over
+  params on several devices, else (params None or not committed) on the default device."""
+  if params is None:
+    return _empty_cache(cfg, batch_size, capacity)
+  sharding = cache_sharding(cfg, params)
+  if sharding is not None:
+    return _sharded_empty_cache(cfg, batch_size, capacity, sharding)()
+  devices = committed_devices(params["embed"])
+  if devices is None:
     return _empty_cache(cfg, batch_size, capacity)
   with jax.default_device(next(iter(devices))):
     return _empty_cache(cfg, batch_size, capacity)
