@@ -1105,6 +1105,22 @@ for spec, split in ((P(None, "model"), True), (P(), False)):
   shards = {s.data.shape[1] for x in out.state.cache.k for s in x.addressable_shards}
   assert shards == {cfg.num_kv_heads // 2 if split else cfg.num_kv_heads}, (spec, shards)
   assert recorded_sharding[-1] == out.state.cache.k[0].sharding, (spec, recorded_sharding)
+# The memory check counts a device's share of the cache as laid out: half of it per device with
+# the KV heads split over "model" (2), all of it replicated (it had split it over all 4 devices).
+from sparsedec.decode import fits
+need = fits.run_lower_bounds(cfg, 1, len(prompts), 256, reference_path=True)
+kv = sum(v for k, v in need.items() if k.startswith(fits.KV_CACHE))
+fits.device_memory_bytes = lambda device: int(0.75 * kv) + sum(need.values()) - kv
+for spec, fits_there in ((P(None, "model"), True), (P(), False)):
+  def put(path, x):
+    wqkv = jax.tree_util.keystr(path).endswith("['wqkv']")
+    return jax.device_put(x, NamedSharding(mesh, spec if wqkv else P()))
+  try:
+    sparsedec.generate(cfg, jax.tree_util.tree_map_with_path(put, params), prompts,
+                       max_new_tokens=8, cache_size=256)
+    assert fits_there, spec
+  except sparsedec.InputError as e:
+    assert not fits_there and "cannot fit" in str(e), (spec, e)
 print("ok")
 """
 
@@ -1115,6 +1131,7 @@ def test_the_cache_is_made_on_the_params_device():
   held a whole cache on device 0 for a while). The tokens are the single-device run's. Over
   several devices it is laid out as the prefill leaves it (KV heads split like wqkv's columns,
   else replicated): it was made on device 0 and replicated to every device by the prefill's
-  call, so a sharded model's cache had to fit one device."""
+  call, so a sharded model's cache had to fit one device. The memory check before prefill counts
+  a device's share of the cache as laid out (it split every cache over all devices)."""
   from host_devices import run_script
   run_script(ON_THE_PARAMS_DEVICE)

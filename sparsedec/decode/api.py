@@ -17,7 +17,7 @@ from sparsedec.decode.fits import check_run_fits
 from sparsedec.decode.loop import (DecodeMethod, StepContext, decode, describe_build,
                                    init_method, row_index, stop_id_tuple)
 from sparsedec.decode.methods import get_method
-from sparsedec.decode.prefill import empty_cache, prefill
+from sparsedec.decode.prefill import cache_sharding, empty_cache, prefill
 from sparsedec.decode.sampling import SamplingConfig
 from sparsedec.decode.state import DecodeState, beside_step, check_state
 from sparsedec.errors import CheckpointError, InputError, is_int
@@ -282,7 +282,8 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
   lengths = np.array([len(p) for p in rows], np.int32)
   capacity = method_capacity(cfg, params, method, int(lengths.max()), int(max_new_tokens),
                              cache_size)
-  check_run_fits(cfg, method, len(rows), capacity, like=params["embed"])
+  check_run_fits(cfg, method, len(rows), capacity, like=params["embed"],
+                 cache_sharding=cache_sharding(cfg, params))
   bucket = prompt_bucket(int(lengths.max()))
   padded = np.zeros((len(rows), bucket), np.int32)
   for i, p in enumerate(rows):

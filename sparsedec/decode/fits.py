@@ -11,6 +11,7 @@ before (activations, weights' temporaries and XLA's buffers are not counted).
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -21,6 +22,7 @@ from sparsedec.errors import InputError
 from sparsedec.model.config import ModelConfig
 
 GIB = 2 ** 30
+KV_CACHE = "the KV cache"
 
 
 def _size(n: float) -> str:
@@ -69,7 +71,7 @@ def run_lower_bounds(cfg: ModelConfig, tokens_per_forward: int, batch: int, capa
   """{what: bytes} a run certainly holds at once (module docstring)."""
   t = tokens_per_forward
   need = {
-      f"the KV cache ({batch} rows x {capacity} slots)":
+      f"{KV_CACHE} ({batch} rows x {capacity} slots)":
           2 * cfg.num_layers * batch * cfg.num_kv_heads * capacity * cfg.head_dim
           * jnp.dtype(cfg.dtype).itemsize,
       f"a step's [{t}, {t}] in-flight mask": t * t,
@@ -80,9 +82,12 @@ def run_lower_bounds(cfg: ModelConfig, tokens_per_forward: int, batch: int, capa
   return need
 
 
-def check_run_fits(cfg: ModelConfig, method, batch: int, capacity: int, like) -> None:
+def check_run_fits(cfg: ModelConfig, method, batch: int, capacity: int, like,
+                   cache_sharding: jax.sharding.Sharding | None = None) -> None:
   """Raise an InputError naming each array when `run_lower_bounds` exceed the memory of the run's
-  devices (split evenly over several). Devices that do not report their memory pass."""
+  devices: the KV cache's share of a device as `cache_sharding` lays it out (`prefill.
+  cache_sharding`; a replicated cache is whole on each device), the rest split evenly over
+  several devices. Devices that do not report their memory pass."""
   devices = run_devices(like)
   limits = [device_memory_bytes(d) for d in devices]
   if any(x is None for x in limits):
@@ -93,7 +98,12 @@ def check_run_fits(cfg: ModelConfig, method, batch: int, capacity: int, like) ->
   reference = cfg.attention == "reference" or (
       cfg.attention == "auto" and all(d.platform != "gpu" for d in devices))
   need = run_lower_bounds(cfg, t, batch, capacity, reference)
-  per_device = sum(need.values()) / len(devices)
+  cache_share = 1 / len(devices)
+  if cache_sharding is not None:
+    shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+    cache_share = math.prod(cache_sharding.shard_shape(shape)) / math.prod(shape)
+  per_device = sum(size * (cache_share if what.startswith(KV_CACHE) else 1 / len(devices))
+                   for what, size in need.items())
   have = min(limits)
   if per_device <= have:
     return
