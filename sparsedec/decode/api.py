@@ -22,6 +22,7 @@ from sparsedec.decode.sampling import SamplingConfig
 from sparsedec.decode.state import DecodeState, beside_step, check_state
 from sparsedec.errors import CheckpointError, InputError, is_int
 from sparsedec.model.config import ModelConfig
+from sparsedec.decode.speculative import target_params
 from sparsedec.model.gptq import without_draft
 from sparsedec.model.params import Params, check_params, check_params_dtype
 
@@ -267,7 +268,7 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
     raise InputError(f"prefill_chunk must be a power of two, got {prefill_chunk!r}")
   rows = _check_prompts(cfg, prompts)
   method = get_method(method)
-  own = without_draft(params)
+  own = target_params(without_draft(params))
   try:                            # hand-built params: a missing or misshapen tensor by name
     check_params(cfg, own)
   except CheckpointError as e:
@@ -292,9 +293,10 @@ def start(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
   ctx = StepContext(sampling=sampling, stop_ids=stop_ids)
   # A draft the params carry (`gptq.with_draft`) is read only by the method's init (QuantSpec
   # moves it into the state); prefill and the loop get the params without it, so jit does not
-  # compile them again for that params structure.
+  # compile them again for that params structure. A draft model (`speculative.with_draft_model`)
+  # is read by the loop, which gets it; prefill does not.
   cache = empty_cache(cfg, b, capacity, params)      # where the params are (`cache_sharding`)
-  state = prefill(cfg, without_draft(params), cache, padded, lengths,
+  state = prefill(cfg, own, cache, padded, lengths,
                   np.full((b,), max_new_tokens, np.int32), _seeds(seed, b),
                   chunk=min(prefill_chunk, bucket),
                   sampling=sampling, stop_ids=stop_ids)
@@ -342,7 +344,7 @@ class Run:
                        f"{cfg.dtype}[B, {cfg.num_kv_heads}, S, {cfg.head_dim}]: the state was "
                        f"started for another model; advance it with the Run that api.start "
                        f"returned with it")
-    check_params_dtype(cfg, without_draft(params), "Run.advance's params")
+    check_params_dtype(cfg, target_params(without_draft(params)), "Run.advance's params")
     if steps is None:
       if isinstance(state.done, jax.core.Tracer):
         raise InputError("Run.advance(params, state) inside jit cannot read the rows' token "

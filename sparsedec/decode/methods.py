@@ -9,10 +9,11 @@ from sparsedec.decode.fafo import Fafo
 from sparsedec.decode.lookahead import Lookahead
 from sparsedec.decode.loop import DecodeMethod
 from sparsedec.decode.quantspec import QuantSpec
+from sparsedec.decode.speculative import Speculative
 from sparsedec.errors import InputError
 
 _METHODS: dict[str, type] = {"dense": Dense, "lookahead": Lookahead, "fafo": Fafo,
-                             "quantspec": QuantSpec}
+                             "quantspec": QuantSpec, "speculative": Speculative}
 
 
 def register(name: str, cls: type) -> None:

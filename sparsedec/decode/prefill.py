@@ -88,11 +88,14 @@ def empty_cache(cfg: ModelConfig, batch_size: int, capacity: int,
 
 
 def prefill_cache(cfg: ModelConfig, params: Params, prompts: jax.Array, prompt_lengths: jax.Array,
-                  cache: KVCache, chunk: int) -> tuple[KVCache, jax.Array]:
+                  cache: KVCache, chunk: int, num_chunks: jax.Array | None = None
+                  ) -> tuple[KVCache, jax.Array]:
   """prompts [B, P] right-padded (P a multiple of chunk), prompt_lengths [B] >= 1.
 
   Appends every row's prompt to its (empty or partly filled) cache in P // chunk forwards of
-  `chunk` tokens. Returns the cache and fp32 logits [B, V] at each row's last prompt token.
+  `chunk` tokens, or in the first num_chunks ([] int, traced; <= P // chunk) where the rows' prompts
+  end before P (a draft model's prefill over a token buffer of the cache's capacity). Returns the
+  cache and fp32 logits [B, V] at each row's last prompt token.
   """
   b, p = prompts.shape
   if not is_int(chunk) or chunk < 1 or p % chunk:
@@ -117,7 +120,8 @@ def prefill_cache(cfg: ModelConfig, params: Params, prompts: jax.Array, prompt_l
     return cache, jnp.where(here[:, None], logits[:, 0], last_logits)
 
   init = (cache, jnp.zeros((b, cfg.vocab_size), jnp.float32))
-  return jax.lax.fori_loop(0, p // chunk, body, init)
+  bound = p // chunk if num_chunks is None else jnp.minimum(num_chunks, p // chunk)
+  return jax.lax.fori_loop(0, bound, body, init)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "chunk", "sampling", "stop_ids"),

@@ -1,0 +1,233 @@
+"""Draft-model speculative decoding (Leviathan et al. 2023; Chen et al. 2023): the baseline.
+
+A separate, smaller model with the target's vocabulary drafts gamma tokens autoregressively on
+its own KV cache; the target verifies them in ONE forward over [current token, d_1 .. d_gamma]
+(T = gamma + 1, causal, the full cache) and the longest accepted prefix plus the target's next
+token is appended. Lossless: greedy output equals the target's dense greedy output token for
+token, and sampled output has its distribution (`verify.verify_drafted`, as QuantSpec's).
+
+    draft_cfg, draft_params, _ = load_model("path/to/small-model")
+    generate(cfg, with_draft_model(params, draft_params), prompts,
+             method=Speculative(draft=draft_cfg, gamma=4))
+
+The draft's params travel with the target's under DRAFT_MODEL_KEY (`with_draft_model`): the
+prefill and the checks take the target's own (`target_params`), the loop gets both, so the state
+holds no copy of the draft's weights (a serving batch and its requests share the caller's).
+
+The draft's cache (state.extras.draft_cache) is a dense cache of the draft model, indexed by
+position like the target's. Its invariant at a step's start: slots 0 .. n - 3 hold the draft's
+K/V of the row's tokens (n = num_tokens). The step's first draft forward goes over the last TWO
+tokens (positions n - 2 and n - 1; the first may already be there, written again with the same
+token), so whatever the previous step accepted (up to gamma drafts, whose last one the draft
+never consumed, plus the target's token) is caught up in one forward of fixed shape; the next
+gamma - 1 forwards take one token each. Rejected drafts' entries stay past the row's length and
+are overwritten before they are read (cache index = position; the lengths are reset each step).
+
+Stats: acceptance_rate (accepted / drafted tokens), accepted_drafts_per_step, drafted_tokens,
+accepted_drafts, gamma, draft_layers, draft_cache_bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from sparsedec.attention import causal_plan
+from sparsedec.decode.loop import StepContext, finish_step, row_counters
+from sparsedec.decode.prefill import prefill_cache
+from sparsedec.decode.sampling import SamplingConfig, probabilities, split_keys
+from sparsedec.decode.state import DecodeState, append_tokens, method_extras
+from sparsedec.decode.verify import Verdict, draw_from, verify, verify_drafted
+from sparsedec.errors import CheckpointError, InputError, is_int
+from sparsedec.kv.dense import KVCache, commit, init_cache
+from sparsedec.model.config import ModelConfig
+from sparsedec.model.forward import forward
+from sparsedec.model.params import Params, check_params, check_params_dtype
+
+DRAFT_MODEL_KEY = "draft_model"   # params[DRAFT_MODEL_KEY]: the draft model's params
+DRAFT_SAMPLINGS = ("sample", "argmax")
+DRAFT_PREFILL_CHUNK = 64          # tokens per forward of the draft's prefill (init)
+
+
+def with_draft_model(params: Params, draft_params: Params) -> Params:
+  """params carrying a draft model's params (DRAFT_MODEL_KEY), which `Speculative` drafts with."""
+  if not isinstance(draft_params, dict) or "layers" not in draft_params:
+    raise InputError(f"the draft model's params must be a params dict (load_model's), got "
+                     f"{type(draft_params).__name__}")
+  return {**params, DRAFT_MODEL_KEY: draft_params}
+
+
+def target_params(params: Params) -> Params:
+  """params without the draft model they may carry (`with_draft_model`)."""
+  if isinstance(params, dict) and DRAFT_MODEL_KEY in params:
+    return {k: v for k, v in params.items() if k != DRAFT_MODEL_KEY}
+  return params
+
+
+@struct.dataclass
+class SpeculativeExtras:
+  draft_cache: KVCache         # the draft model's cache, per layer [B, Hkv_draft, S, D_draft]
+  drafted: jax.Array           # [B] int32: draft tokens proposed, summed over steps (a step cut
+                               # short by the budget or a stop token: its appended drafts only)
+  accepted_drafts: jax.Array   # [B] int32: draft tokens accepted (and appended)
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculative:
+  draft: ModelConfig | None = None   # the draft model's config (its params: with_draft_model)
+  gamma: int = 4                     # draft tokens per step
+  draft_sampling: str = "sample"     # when sampling: "sample" drafts from q (Leviathan), "argmax"
+  name: str = "speculative"
+
+  def __post_init__(self):
+    if not isinstance(self.draft, ModelConfig):
+      raise InputError(f"speculative needs the draft model's config: Speculative(draft=cfg) "
+                       f"(its params go with the target's: with_draft_model(params, "
+                       f"draft_params)), got draft={self.draft!r:.80}")
+    if not is_int(self.gamma) or self.gamma < 1:
+      raise InputError(f"speculative gamma must be an integer >= 1, got {self.gamma!r}")
+    if self.draft_sampling not in DRAFT_SAMPLINGS:
+      raise InputError(f"speculative draft_sampling must be one of {DRAFT_SAMPLINGS}, "
+                       f"got {self.draft_sampling!r}")
+
+  @property
+  def tokens_per_forward(self) -> int:
+    return self.gamma + 1
+
+  def max_steps(self, max_new_tokens: int) -> int:
+    return max_new_tokens
+
+  def check(self, cfg: ModelConfig, params: Params, capacity: int) -> None:
+    """Refuse params without a fitting draft model, or a draft of another vocabulary (api.start:
+    before prefill; init checks again)."""
+    draft = params.get(DRAFT_MODEL_KEY) if isinstance(params, dict) else None
+    if draft is None:
+      raise InputError(f"speculative drafts with a second model: pass params carrying its "
+                       f"params (sparsedec.decode.speculative.with_draft_model(params, "
+                       f"draft_params)); these params have no {DRAFT_MODEL_KEY!r}")
+    if self.draft.vocab_size != cfg.vocab_size:
+      raise InputError(f"the draft model's vocabulary ({self.draft.vocab_size} tokens) is not "
+                       f"the target's ({cfg.vocab_size}): a draft must share the tokenizer")
+    try:
+      check_params(self.draft, draft)
+    except CheckpointError as e:
+      raise InputError(f"the draft model's params do not fit Speculative.draft: {e}") from None
+    check_params_dtype(self.draft, draft, "the draft model's params")
+
+  def samples_drafts(self, sampling: SamplingConfig) -> bool:
+    """Whether the drafts are drawn from the draft's distribution (Leviathan) this run."""
+    return self.draft_sampling == "sample" and not sampling.greedy
+
+  def init(self, cfg: ModelConfig, params: Params, state: DecodeState) -> DecodeState:
+    """The draft's cache, prefilled with every row's tokens but its last (num_tokens - 1), in
+    chunks of DRAFT_PREFILL_CHUNK up to the longest row (a bound traced, not the capacity)."""
+    capacity = state.cache.capacity
+    self.check(cfg, params, capacity)
+    b, chunk = state.batch_size, DRAFT_PREFILL_CHUNK
+    lengths = state.num_tokens - 1                                          # [B] >= 1
+    width = -(-state.tokens.shape[1] // chunk) * chunk
+    tokens = jnp.pad(state.tokens, ((0, 0), (0, width - state.tokens.shape[1])))  # [B, width]
+    cache = init_cache(self.draft, b, capacity)
+    cache, _ = prefill_cache(self.draft, params[DRAFT_MODEL_KEY], tokens, lengths, cache, chunk,
+                             num_chunks=-(-jnp.max(lengths) // chunk))
+    return state.replace(extras=SpeculativeExtras(
+        draft_cache=cache, drafted=jnp.zeros((b,), jnp.int32),
+        accepted_drafts=jnp.zeros((b,), jnp.int32)))
+
+  def _draft(self, params: Params, state: DecodeState, sampling: SamplingConfig,
+             uniforms: jax.Array | None) -> tuple[jax.Array, jax.Array | None, KVCache]:
+    """The draft's tokens after the current one, [B, gamma]: its argmax tokens (uniforms None),
+    or drawn with uniforms [B, gamma] from its processed distributions q, also returned
+    ([B, gamma, V] fp32; None for argmax drafts); and the draft cache holding their K/V."""
+    x: SpeculativeExtras = state.extras
+    b, g, draft = state.batch_size, self.gamma, params[DRAFT_MODEL_KEY]
+    n = state.num_tokens                                                    # [B] >= 2
+    last_two = jnp.take_along_axis(state.tokens, (n - 2)[:, None] + jnp.arange(2)[None], axis=1)
+    cache = x.draft_cache.replace(lengths=n - 2)
+
+    def next_token(logits, i, q):                   # logits [B, V] -> [B] token, q updated
+      if uniforms is None:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), q
+      qi = probabilities(logits, sampling)                                  # [B, V]
+      tok = draw_from(qi, jax.lax.dynamic_index_in_dim(uniforms, i, axis=1, keepdims=False))
+      return tok, jax.lax.dynamic_update_slice_in_dim(q, qi[:, None], i, axis=1)
+
+    def run(cache, tokens, first):                  # tokens [B, T] at positions first + t
+      positions = first[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+      t = tokens.shape[1]
+      logits, kv = forward(self.draft, draft, tokens, positions, cache, causal_plan(t),
+                           logits_at=jnp.full((b, 1), t - 1, jnp.int32))
+      return logits[:, 0], commit(cache, kv, jnp.full((b,), t, jnp.int32))
+
+    q = None if uniforms is None else jnp.zeros((b, g, self.draft.vocab_size), jnp.float32)
+    logits, cache = run(cache, last_two, n - 2)
+    tok, q = next_token(logits, 0, q)
+    drafts = jnp.zeros((b, g), jnp.int32).at[:, 0].set(tok)
+
+    def body(i, carry):                              # draft i + 1 from draft i
+      cache, drafts, q = carry
+      prev = jax.lax.dynamic_index_in_dim(drafts, i - 1, axis=1)            # [B, 1]
+      logits, cache = run(cache, prev, n - 1 + i)
+      tok, q = next_token(logits, i, q)
+      return cache, jax.lax.dynamic_update_slice_in_dim(drafts, tok[:, None], i, axis=1), q
+
+    cache, drafts, q = jax.lax.fori_loop(1, g, body, (cache, drafts, q))
+    return drafts, q, cache
+
+  def _verify(self, logits: jax.Array, drafts: jax.Array, q: jax.Array | None,
+              active: jax.Array, step_keys: jax.Array, uniforms: jax.Array | None,
+              sampling: SamplingConfig) -> Verdict:
+    """logits [B, gamma + 1, V] of the verify forward; drafts [B, gamma]; q [B, gamma, V] (sampled
+    drafts) or None; active [B]; uniforms [B, gamma + 1] (sampled drafts) or None."""
+    if q is None:
+      return verify(logits[:, 0], drafts[:, None], active[:, None], logits[:, None, 1:],
+                    step_keys, sampling)
+    return verify_drafted(probabilities(logits, sampling), drafts, q, active, uniforms)
+
+  def step(self, cfg: ModelConfig, params: Params, state: DecodeState,
+           ctx: StepContext) -> DecodeState:
+    x: SpeculativeExtras = method_extras(state, SpeculativeExtras, self.name)
+    g = self.gamma
+    active = ~state.done                                                    # [B]
+    keys, step_keys = split_keys(state.keys)
+    draft_u = verify_u = None
+    if self.samples_drafts(ctx.sampling):   # one draw: gamma drafts, gamma tests, the last token
+      uniforms = jax.vmap(lambda k: jax.random.uniform(k, (2 * g + 1,), jnp.float32))(
+          step_keys)                                    # fp32 under jax_enable_x64 too
+      draft_u, verify_u = uniforms[:, :g], uniforms[:, g:]                  # [B, g], [B, g + 1]
+    drafts, q, draft_cache = self._draft(params, state, ctx.sampling, draft_u)
+    tokens = jnp.concatenate([state.last_tokens(), drafts], axis=1)         # [B, gamma + 1]
+    positions = state.cache.lengths[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None]
+    logits, kv = forward(cfg, params, tokens, positions, state.cache, causal_plan(g + 1))
+    verdict = self._verify(logits, drafts, q, active, step_keys, verify_u, ctx.sampling)
+    state = finish_step(state.replace(keys=keys))
+    state, appended = append_tokens(state, verdict.tokens, verdict.num_tokens, ctx.stop_ids)
+    # A step the token budget or a stop token cut short appended fewer tokens than the verdict
+    # holds, all of them drafts: only those count as proposed, all accepted.
+    cut = appended < verdict.num_tokens
+    accepted = jnp.where(cut, appended, verdict.accepted)
+    proposed = jnp.where(cut, accepted, g) * active
+    extras = x.replace(draft_cache=draft_cache, drafted=x.drafted + proposed,
+                       accepted_drafts=x.accepted_drafts + accepted)
+    return state.replace(cache=commit(state.cache, kv, appended), extras=extras)
+
+  def stats(self, state: DecodeState, rows: Sequence[int] | None = None) -> dict:
+    """Host-side figures: acceptance over `rows` (row indices, `loop.row_index`; None: every
+    row), as QuantSpec's; the knobs and the draft cache's bytes (every row's)."""
+    x: SpeculativeExtras = state.extras
+    active, drafted, accepted = row_counters(state, rows, x.drafted, x.accepted_drafts)
+    steps, proposed = int(np.sum(active)), int(np.sum(drafted))
+    return {
+        "acceptance_rate": round(int(np.sum(accepted)) / proposed, 4) if proposed else 0.0,
+        "accepted_drafts_per_step": round(int(np.sum(accepted)) / steps, 4) if steps else 0.0,
+        "drafted_tokens": proposed, "accepted_drafts": int(np.sum(accepted)),
+        "gamma": self.gamma, "draft_sampling": self.draft_sampling,
+        "draft_layers": self.draft.num_layers,
+        "draft_cache_bytes": x.draft_cache.num_bytes(),
+    }
+
