@@ -1,4 +1,5 @@
-"""One decode step of FAFO / Lookahead against one dense step, at Llama-3.1-8B shapes (GPU).
+"""One decode step of FAFO / Lookahead / draft-model speculative decoding against one dense step,
+at Llama-3.1-8B shapes (GPU).
 
 Random bf16 weights and a random KV cache of `context` entries are generated on the device (as in
 step_roofline.py). Each method's `step` (the whole step: pool lookup, one forward over its T
@@ -8,7 +9,11 @@ time per step is divided by the dense step's time from the same run.
 Defaults are the issue's setting: FAFO with 40 subsequences, k = 6, m = 7 candidates and a
 StreamingLLM budget of 1K entries (16 blocks of 64; `--block-size`); Lookahead at the same
 guess count (W = 40, N = 7, G = 7). Pools start empty (no prompt n-grams: seeding from a 32K
-random context is not what is being timed).
+random context is not what is being timed). "speculative" (not in the default --methods): a
+Llama-3.2-1B-shaped draft (same vocabulary) proposing --gamma tokens a step, the 8B model
+verifying them; its row also gives the speedup projected for per-draft acceptance rates alpha
+(expected tokens a step (1 - alpha^(gamma+1)) / (1 - alpha), over the step ratio), labelled
+projected: random weights accept nothing.
 
   python benchmarks/method_step.py --contexts 4096 32768 --out $OUT/method_step.json
 """
@@ -34,6 +39,13 @@ from sparsedec.decode.fafo import Fafo
 from sparsedec.decode.lookahead import Lookahead
 from sparsedec.decode.loop import StepContext
 from sparsedec.decode.sampling import SamplingConfig
+from sparsedec.decode.speculative import Speculative, with_draft_model
+
+# Llama-3.2-1B's shapes: Llama-3.1-8B's vocabulary and RoPE, 16 layers of 2048, 32 / 8 heads of 64,
+# tied embeddings.
+LLAMA_32_1B = LLAMA_31_8B.replace(hidden_size=2048, intermediate_size=8192, num_layers=16,
+                                  head_dim=64, tie_word_embeddings=True)
+ALPHAS = (0.6, 0.7, 0.8, 0.9)
 
 
 def methods(args) -> dict:
@@ -45,7 +57,17 @@ def methods(args) -> dict:
                                        block_size=args.block_size)),
       "lookahead": Lookahead(window=args.subsequences, ngram=args.length + 1,
                              guesses=args.candidates, prompt_ngrams=False),
+      "speculative": Speculative(draft=draft_config(args), gamma=args.gamma),
   }
+
+
+def draft_config(args):
+  return LLAMA_32_1B if args.layers is None else LLAMA_32_1B.replace(num_layers=args.layers)
+
+
+def projected(step_ratio: float, gamma: int) -> dict:
+  """{alpha: projected speedup over dense} of a speculative step `step_ratio` dense steps long."""
+  return {str(a): (1 - a ** (gamma + 1)) / (1 - a) / step_ratio for a in ALPHAS}
 
 
 def method_step_time(cfg, params, state, method, steps: int, profile: bool = False) -> dict:
@@ -94,6 +116,7 @@ def main():
   ap.add_argument("--subsequences", type=int, default=40)
   ap.add_argument("--length", type=int, default=6)
   ap.add_argument("--candidates", type=int, default=7)
+  ap.add_argument("--gamma", type=int, default=4, help="speculative: draft tokens a step")
   ap.add_argument("--budget", type=int, default=1024, help="StreamingLLM entries")
   ap.add_argument("--block-size", type=int, default=64, help="FAFO's cache block (C(kv) unit)")
   ap.add_argument("--profile", action="store_true",
@@ -106,6 +129,8 @@ def main():
   on_gpu = jax.devices()[0].platform == "gpu"
   bw = read_bandwidth(4.0 if on_gpu else 0.25)
   params = random_params(cfg, jax.random.key(1))
+  if "speculative" in args.methods:
+    params = with_draft_model(params, random_params(draft_config(args), jax.random.key(2)))
   jax.block_until_ready(params)
   all_methods = methods(args)
   rows = []
@@ -132,6 +157,8 @@ def main():
              "tokens_per_forward": t_fwd, **timed}
       if "dense" in times:
         row["ratio_to_dense"] = times[name] / times["dense"]
+        if isinstance(method, Speculative):
+          row["projected_speedup_by_alpha"] = projected(row["ratio_to_dense"], method.gamma)
       rows.append(row)
       log(f"context {context} {name}: {times[name] * 1e3:.3f} ms/step (T={t_fwd})"
           + (f", {row['ratio_to_dense']:.3f}x dense" if "ratio_to_dense" in row else "")

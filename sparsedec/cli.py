@@ -75,9 +75,12 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
   fa.add_argument("--recent-blocks", type=int, default=None,
                   help="--policy snapkv: newest blocks listed beside the prompt's selection "
                        "(default 2; below --budget-blocks)")
-  qs = p.add_argument_group("quantspec (--method quantspec)")
+  qs = p.add_argument_group("quantspec and speculative (--method quantspec / speculative)")
   qs.add_argument("--gamma", type=int, default=None,
                   help="draft tokens per step (default 4)")
+  qs.add_argument("--draft-model", default=None, metavar="PATH",
+                  help="--method speculative: the draft model (a converted checkpoint dir, HF "
+                       "dir or .gguf file) with the target's vocabulary, loaded in --dtype")
   qs.add_argument("--verify-precision", default=None, choices=("int8", "full"),
                   help="what the verifier reads: the 8-bit view of the quantized cache, or a "
                        "full-precision cache kept alongside it (default int8)")
@@ -159,7 +162,8 @@ def _sampling(args):
                        top_k=0 if args.top_k is None else args.top_k,
                        top_p=1.0 if args.top_p is None else args.top_p)
   if cfg.greedy:
-    draft = getattr(args, "draft_sampling", None) if args.method == "quantspec" else None
+    draft = (getattr(args, "draft_sampling", None)
+             if args.method in ("quantspec", "speculative") else None)
     given = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p),
                                       ("--draft-sampling", draft)) if value is not None]
     if given:
@@ -179,14 +183,32 @@ _METHOD_KNOBS = {"lookahead": {"lookahead_window": "window", "ngram": "ngram",
                                "quant_group": "quant_group",
                                "draft_weight_group": "weight_group",
                                "draft_weight_grid": "weight_grid",
-                               "draft_sampling": "draft_sampling"}}
+                               "draft_sampling": "draft_sampling"},
+                 "speculative": {"gamma": "gamma", "draft_sampling": "draft_sampling"}}
 _POLICY_KNOBS = ("budget_blocks", "block_size")
 # Knobs of one policy only: --sink-blocks with another policy is refused by name.
 _OWN_POLICY_KNOBS = {"sink_blocks": "streaming", "recent_blocks": "snapkv"}
 
 
-def _method(args):
-  """The decoding method object, with the knobs given on the command line."""
+def _draft_model(args):
+  """(cfg, params) of --draft-model (loaded in --dtype), or None without one; the flag is
+  refused by name with any method but speculative, and that method without it."""
+  from sparsedec.errors import InputError
+  from sparsedec.weights.checkpoint import load_model
+  if args.method != "speculative":
+    if args.draft_model is not None:
+      raise InputError(f"--draft-model does not apply to --method {args.method}")
+    return None
+  if not args.draft_model:
+    raise InputError("--method speculative needs --draft-model PATH (a smaller model with the "
+                     "target's vocabulary)")
+  cfg, params, _ = load_model(args.draft_model, dtype=args.dtype)
+  return cfg, params
+
+
+def _method(args, draft=None):
+  """The decoding method object, with the knobs given on the command line (and the draft
+  model's config: `_draft_model`)."""
   from sparsedec.decode.methods import get_method
   from sparsedec.errors import InputError
   given = {flag: getattr(args, flag) for knobs in _METHOD_KNOBS.values() for flag in knobs
@@ -205,6 +227,8 @@ def _method(args):
     policy_knobs = {name: knobs.pop(name) for name in (*_POLICY_KNOBS, *_OWN_POLICY_KNOBS)
                     if name in knobs}
     knobs["policy"] = POLICIES[policy](**policy_knobs)
+  if draft is not None:
+    knobs["draft"] = draft[0]
   return get_method(args.method, **knobs)
 
 
@@ -234,13 +258,17 @@ def _exact_draft_group(args, method):
   return dataclasses.replace(method, weight_group=group, weight_grid=grid)
 
 
-def _load(args, chat_flag: str | None = None):
-  """(cfg, params, tok) of --model. chat_flag: the flag (--chat, --chat-template) that needs a
-  chat template, refused here when the tokenizer has none: before a GPTQ draft is built (it
-  was refused after, when the prompts were encoded)."""
+def _load(args, chat_flag: str | None = None, draft=None):
+  """(cfg, params, tok) of --model, the params carrying `draft`'s ((cfg, params) of
+  --draft-model) when given. chat_flag: the flag (--chat, --chat-template) that needs a chat
+  template, refused here when the tokenizer has none: before a GPTQ draft is built (it was
+  refused after, when the prompts were encoded)."""
+  from sparsedec.decode.speculative import with_draft_model
   from sparsedec.errors import InputError
   from sparsedec.weights.checkpoint import load_model
   cfg, params, tok = load_model(_model_path(args), dtype=args.dtype)
+  if draft is not None:
+    params = with_draft_model(params, draft[1])
   if chat_flag is not None and not tok.chat_template:
     raw = " (give the text as --prompt)" if chat_flag == "--chat" else ""
     raise InputError(f"{chat_flag} needs a chat template, and the tokenizer of "
@@ -350,9 +378,10 @@ def cmd_generate(args) -> int:
                       ("--system", args.system)):
     _check_utf8(flag, value)
   sampling = _sampling(args)
-  method = _exact_draft_group(args, _method(args))
+  draft = _draft_model(args)
+  method = _exact_draft_group(args, _method(args, draft))
   calibration = _draft_tokens(args, method)
-  cfg, params, tok = _load(args, "--chat" if args.chat is not None else None)
+  cfg, params, tok = _load(args, "--chat" if args.chat is not None else None, draft)
   ids = _prompt_ids(args, tok)
   # Before a GPTQ draft: the capacity and the knobs that depend on it or on the model.
   method_capacity(cfg, params, method, len(ids), args.max_new_tokens, args.cache_size)
@@ -420,9 +449,10 @@ def cmd_bench(args) -> int:
   if args.max_new_tokens < 1:
     raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
   sampling = _sampling(args)
-  method = _exact_draft_group(args, _method(args))
+  draft = _draft_model(args)
+  method = _exact_draft_group(args, _method(args, draft))
   calibration = _draft_tokens(args, method)
-  cfg, params, tok = _load(args, "--chat-template" if args.chat_template else None)
+  cfg, params, tok = _load(args, "--chat-template" if args.chat_template else None, draft)
   # Before a GPTQ draft and the warm-up: each batch's capacity (run_bench's batches) and the
   # knobs that depend on it or on the model.
   lengths = [len(ids) for ids in encode_prompts(tok, texts, args.chat_template)]

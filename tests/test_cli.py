@@ -76,6 +76,9 @@ def test_sampled_generation_is_reproducible_by_seed(capsys):
     (["--top-k", "40"], "--top-k applies only when sampling, and --temperature is 0"),
     (["--top-k", "40", "--top-p", "0.9", "--temperature", "0"], "--top-k, --top-p apply only"),
     (["--method", "quantspec", "--draft-sampling", "argmax"], "--draft-sampling applies only"),
+    (["--method", "speculative"], "--method speculative needs --draft-model PATH"),
+    (["--draft-model", "checkpoints/stories260K"], "--draft-model does not apply to --method dense"),
+    (["--method", "speculative", "--draft-model", "/nonexistent/draft"], "/nonexistent/draft"),
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["--cache-size", "8", "--max-new-tokens", "16"], "does not fit in the KV cache of 8"),
     (["--model", "/nonexistent/model"], "/nonexistent/model"),
@@ -93,6 +96,19 @@ def test_bad_input_is_a_clear_error(capsys, argv, message):
   code, out, err = run_cli(capsys, *base, *argv)
   assert code == 2 and out == ""
   assert message in err
+
+
+def test_speculative_with_a_draft_model_equals_dense(capsys):
+  """--method speculative --draft-model: the embedded model drafting for itself gives dense's
+  text with every draft accepted, and reports its acceptance."""
+  base = ["generate", "--prompt", "Once upon a time", "--max-new-tokens", "40", "--json",
+          "--ignore-eos"]
+  _, dense, _ = run_cli(capsys, *base)
+  code, out, _ = run_cli(capsys, *base, "--method", "speculative", "--draft-model",
+                         cli.default_model(), "--gamma", "3")
+  got = json.loads(out)
+  assert code == 0 and got["tokens"] == json.loads(dense)["tokens"]
+  assert got["stats"]["acceptance_rate"] == 1.0 and got["stats"]["draft_layers"] == 5
 
 
 def test_bench_writes_json(capsys, tmp_path):
@@ -477,6 +493,7 @@ def test_every_method_knob_reaches_the_method():
   from sparsedec.decode.fafo import Fafo
   from sparsedec.decode.lookahead import Lookahead
   from sparsedec.decode.quantspec import QuantSpec
+  from sparsedec.decode.speculative import Speculative
 
   def parse(*args):
     return cli._method(cli._parser().parse_args(["generate", "--prompt", "x", *args]))
@@ -485,6 +502,11 @@ def test_every_method_knob_reaches_the_method():
   assert parse("--method", "quantspec", "--gamma", "2", "--verify-precision", "full",
                "--quant-group", "16", "--draft-weight-group", "64", "--draft-weight-grid",
                "absmax", "--draft-sampling", "argmax") == qs
+  draft = (load_model(cli.default_model())[0], None)
+  spec = cli._method(cli._parser().parse_args(
+      ["generate", "--prompt", "x", "--method", "speculative", "--gamma", "6",
+       "--draft-sampling", "argmax"]), draft)
+  assert spec == Speculative(draft=draft[0], gamma=6, draft_sampling="argmax")
   la = Lookahead(window=4, ngram=3, guesses=2)
   assert parse("--method", "lookahead", "--lookahead-window", "4", "--ngram", "3",
                "--guesses", "2") == la
@@ -500,6 +522,7 @@ def test_every_method_knob_reaches_the_method():
       (qs, QuantSpec(), ("gamma", "verify_precision", "quant_group", "weight_group",
                          "weight_grid", "draft_sampling")),
       (la, Lookahead(), ("window", "ngram", "guesses")),
+      (spec, Speculative(draft=draft[0]), ("gamma", "draft_sampling")),
       (fa, Fafo(), ("subsequences", "length", "candidates")),
       (fa.policy, StreamingLLM(), ("budget_blocks", "block_size", "sink_blocks")),
       (snap, SnapKV(), ("budget_blocks", "block_size", "recent_blocks"))):
@@ -511,7 +534,8 @@ def test_every_method_knob_reaches_the_method():
   groups = [g for g in parser._action_groups
             if g.title and g.title.split(" ")[0] in cli._METHOD_KNOBS]
   flags = {a.dest for g in groups for a in g._group_actions} - {
-      "draft_calibration", "draft_calibration_prompts", "draft_calibration_tokens"}
+      "draft_calibration", "draft_calibration_prompts", "draft_calibration_tokens",
+      "draft_model"}
   assert flags == {k for knobs in cli._METHOD_KNOBS.values() for k in knobs}
 
 
