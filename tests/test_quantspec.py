@@ -1115,13 +1115,13 @@ def test_the_drafts_uniforms_are_not_the_acceptance_tests(stories, monkeypatch):
   drawn with (d_i = inverse CDF of q_i at u, accepted when u < p_i(d_i) / q_i(d_i)) biases the
   law, but only by a little where the draft is good (the chi-square tests above do not see it),
   so the uniforms the step hands to the draft and to `verify_drafted` are recorded and compared."""
-  from sparsedec.decode import quantspec
+  from sparsedec.decode import quantspec, verify
   seen = {"draft": [], "verify": []}
 
   def record(name):
     return lambda u: seen[name].append(np.asarray(u))
 
-  draw, drafted = quantspec.draw_from, quantspec.verify_drafted
+  draw, drafted = quantspec.draw_from, verify.verify_drafted
 
   def draw_from(probs, u):
     jax.debug.callback(record("draft"), u)
@@ -1132,7 +1132,7 @@ def test_the_drafts_uniforms_are_not_the_acceptance_tests(stories, monkeypatch):
     return drafted(target, drafts, q, valid, uniforms)
 
   monkeypatch.setattr(quantspec, "draw_from", draw_from)
-  monkeypatch.setattr(quantspec, "verify_drafted", verify_drafted)
+  monkeypatch.setattr(verify, "verify_drafted", verify_drafted)       # what verify_chain calls
   cfg, params, tok = stories
   method = QuantSpec(gamma=2, quant_group=8, weight_bits=None)    # a config no other test traces
   run = sparsedec.generate(cfg, params, [tok.encode("Once upon"), tok.encode("The dog")],

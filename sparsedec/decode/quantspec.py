@@ -64,7 +64,7 @@ from sparsedec.attention import AttentionPlan, QuantView, Segment, causal_plan
 from sparsedec.decode.loop import StepContext, finish_step, row_counters
 from sparsedec.decode.sampling import SamplingConfig, probabilities, split_keys
 from sparsedec.decode.state import DecodeState, append_tokens, method_extras
-from sparsedec.decode.verify import Verdict, draw_from, verify, verify_drafted
+from sparsedec.decode.verify import chain_uniforms, draw_from, drafts_counted, verify_chain
 from sparsedec.errors import InputError, is_int
 from sparsedec.kv import quantized as qkv
 from sparsedec.kv.dense import KVCache, commit
@@ -313,16 +313,6 @@ class QuantSpec:
     plan = causal_plan(t)
     return AttentionPlan(plan.inflight_mask, (Segment(verify_view(qcache), 0, t),))
 
-  def _verify(self, logits: jax.Array, drafts: jax.Array, q: jax.Array | None,
-              active: jax.Array, step_keys: jax.Array, uniforms: jax.Array | None,
-              sampling: SamplingConfig) -> Verdict:
-    """logits [B, gamma + 1, V] of the verify forward; drafts [B, gamma]; q [B, gamma, V] (sampled
-    drafts) or None; active [B]; uniforms [B, gamma + 1] (sampled drafts) or None."""
-    if q is None:
-      return verify(logits[:, 0], drafts[:, None], active[:, None], logits[:, None, 1:],
-                    step_keys, sampling)
-    return verify_drafted(probabilities(logits, sampling), drafts, q, active, uniforms)
-
   def step(self, cfg: ModelConfig, params: Params, state: DecodeState,
            ctx: StepContext) -> DecodeState:
     x: QuantSpecExtras = method_extras(state, QuantSpecExtras, self.name)
@@ -334,23 +324,15 @@ class QuantSpec:
     keys, step_keys = split_keys(state.keys)
     draft_u = verify_u = None
     if self.samples_drafts(ctx.sampling):   # one draw: gamma drafts, gamma tests, the last token
-      uniforms = jax.vmap(lambda k: jax.random.uniform(k, (2 * g + 1,), jnp.float32))(
-          step_keys)                                    # fp32 under jax_enable_x64 too
-      draft_u, verify_u = uniforms[:, :g], uniforms[:, g:]                  # [B, g], [B, g + 1]
+      draft_u, verify_u = chain_uniforms(step_keys, g)                    # [B, g], [B, g + 1]
     drafts, q = self._draft(cfg, params, state, ctx.sampling, draft_u)      # [B, gamma]
     tokens = jnp.concatenate([state.last_tokens(), drafts], axis=1)         # [B, gamma + 1]
     positions = x.qcache.lengths[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None]
     logits, kv = forward(cfg, params, tokens, positions, state.cache, self.verify_plan(x.qcache))
-    verdict = self._verify(logits, drafts, q, active, step_keys, verify_u, ctx.sampling)
+    verdict = verify_chain(logits, drafts, q, active, step_keys, verify_u, ctx.sampling)
     state = finish_step(state.replace(keys=keys))
     state, appended = append_tokens(state, verdict.tokens, verdict.num_tokens, ctx.stop_ids)
-    # A step the token budget or a stop token cut short appended fewer tokens than the verdict
-    # holds, all of them drafts (the verdict's accepted drafts come first): only those count as
-    # proposed, all accepted, so the last step does not count drafts never used as rejections.
-    # (An inactive row appends nothing, so it counts 0 either way.)
-    cut = appended < verdict.num_tokens
-    accepted = jnp.where(cut, appended, verdict.accepted)
-    proposed = jnp.where(cut, accepted, g) * active
+    accepted, proposed = drafts_counted(verdict, appended, active, g)
     extras = x.replace(qcache=qkv.commit(x.qcache, kv, appended),
                        drafted=x.drafted + proposed,
                        accepted_drafts=x.accepted_drafts + accepted)

@@ -42,7 +42,7 @@ from sparsedec.decode.loop import StepContext, finish_step, row_counters
 from sparsedec.decode.prefill import prefill_cache
 from sparsedec.decode.sampling import SamplingConfig, probabilities, split_keys
 from sparsedec.decode.state import DecodeState, append_tokens, method_extras
-from sparsedec.decode.verify import Verdict, draw_from, verify, verify_drafted
+from sparsedec.decode.verify import chain_uniforms, draw_from, drafts_counted, verify_chain
 from sparsedec.errors import CheckpointError, InputError, is_int
 from sparsedec.kv.dense import KVCache, commit, init_cache
 from sparsedec.model.config import ModelConfig
@@ -179,16 +179,6 @@ class Speculative:
     cache, drafts, q = jax.lax.fori_loop(1, g, body, (cache, drafts, q))
     return drafts, q, cache
 
-  def _verify(self, logits: jax.Array, drafts: jax.Array, q: jax.Array | None,
-              active: jax.Array, step_keys: jax.Array, uniforms: jax.Array | None,
-              sampling: SamplingConfig) -> Verdict:
-    """logits [B, gamma + 1, V] of the verify forward; drafts [B, gamma]; q [B, gamma, V] (sampled
-    drafts) or None; active [B]; uniforms [B, gamma + 1] (sampled drafts) or None."""
-    if q is None:
-      return verify(logits[:, 0], drafts[:, None], active[:, None], logits[:, None, 1:],
-                    step_keys, sampling)
-    return verify_drafted(probabilities(logits, sampling), drafts, q, active, uniforms)
-
   def step(self, cfg: ModelConfig, params: Params, state: DecodeState,
            ctx: StepContext) -> DecodeState:
     x: SpeculativeExtras = method_extras(state, SpeculativeExtras, self.name)
@@ -197,21 +187,15 @@ class Speculative:
     keys, step_keys = split_keys(state.keys)
     draft_u = verify_u = None
     if self.samples_drafts(ctx.sampling):   # one draw: gamma drafts, gamma tests, the last token
-      uniforms = jax.vmap(lambda k: jax.random.uniform(k, (2 * g + 1,), jnp.float32))(
-          step_keys)                                    # fp32 under jax_enable_x64 too
-      draft_u, verify_u = uniforms[:, :g], uniforms[:, g:]                  # [B, g], [B, g + 1]
+      draft_u, verify_u = chain_uniforms(step_keys, g)                    # [B, g], [B, g + 1]
     drafts, q, draft_cache = self._draft(params, state, ctx.sampling, draft_u)
     tokens = jnp.concatenate([state.last_tokens(), drafts], axis=1)         # [B, gamma + 1]
     positions = state.cache.lengths[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None]
     logits, kv = forward(cfg, params, tokens, positions, state.cache, causal_plan(g + 1))
-    verdict = self._verify(logits, drafts, q, active, step_keys, verify_u, ctx.sampling)
+    verdict = verify_chain(logits, drafts, q, active, step_keys, verify_u, ctx.sampling)
     state = finish_step(state.replace(keys=keys))
     state, appended = append_tokens(state, verdict.tokens, verdict.num_tokens, ctx.stop_ids)
-    # A step the token budget or a stop token cut short appended fewer tokens than the verdict
-    # holds, all of them drafts: only those count as proposed, all accepted.
-    cut = appended < verdict.num_tokens
-    accepted = jnp.where(cut, appended, verdict.accepted)
-    proposed = jnp.where(cut, accepted, g) * active
+    accepted, proposed = drafts_counted(verdict, appended, active, g)
     extras = x.replace(draft_cache=draft_cache, drafted=x.drafted + proposed,
                        accepted_drafts=x.accepted_drafts + accepted)
     return state.replace(cache=commit(state.cache, kv, appended), extras=extras)

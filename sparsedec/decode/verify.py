@@ -208,3 +208,36 @@ def verify_drafted(target_probs: jax.Array, drafts: jax.Array, draft_probs: jax.
   final = jnp.take_along_axis(finals, accepted[:, None, None], axis=1)[:, 0]      # [B, V]
   last = draw_from(final, uniforms[:, length])
   return _emit(drafts[:, None], jnp.zeros((b,), jnp.int32), accepted, last)
+
+
+def chain_uniforms(step_keys: jax.Array, length: int) -> tuple[jax.Array, jax.Array]:
+  """The uniforms of one step of a sampled drafted chain, one draw per row: [B, L] for drawing
+  the L drafts, [B, L + 1] for `verify_drafted` (L acceptance tests, the last token); fp32 under
+  jax_enable_x64 too."""
+  u = jax.vmap(lambda k: jax.random.uniform(k, (2 * length + 1,), jnp.float32))(step_keys)
+  return u[:, :length], u[:, length:]
+
+
+def verify_chain(logits: jax.Array, drafts: jax.Array, draft_probs: jax.Array | None,
+                 valid: jax.Array, keys: jax.Array, uniforms: jax.Array | None,
+                 sampling: SamplingConfig) -> Verdict:
+  """One drafted chain (QuantSpec's, a draft model's) against the target's logits [B, L + 1, V]
+  over [current token, d_1 .. d_L]: drafts [B, L]; with draft_probs [B, L, V] (drafts drawn from
+  them) and uniforms [B, L + 1], `verify_drafted`; with draft_probs None (argmax drafts, or
+  greedy), the chain as one deterministic candidate (`verify`, keys [B]); valid [B]."""
+  if draft_probs is None:
+    return verify(logits[:, 0], drafts[:, None], valid[:, None], logits[:, None, 1:], keys,
+                  sampling)
+  return verify_drafted(probabilities(logits, sampling), drafts, draft_probs, valid, uniforms)
+
+
+def drafts_counted(verdict: Verdict, appended: jax.Array, active: jax.Array,
+                   length: int) -> tuple[jax.Array, jax.Array]:
+  """(accepted [B], proposed [B]) drafts of a step of one drafted chain of `length` tokens, for
+  the acceptance counters: a step the token budget or a stop token cut short appended fewer
+  tokens than the verdict holds, all of them drafts (the accepted drafts come first), so only
+  those count, as proposed and accepted (the last step does not count drafts never used as
+  rejections); an inactive row appends nothing and counts 0."""
+  cut = appended < verdict.num_tokens
+  accepted = jnp.where(cut, appended, verdict.accepted)
+  return accepted, jnp.where(cut, accepted, length) * active
