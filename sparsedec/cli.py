@@ -190,6 +190,12 @@ _POLICY_KNOBS = ("budget_blocks", "block_size")
 _OWN_POLICY_KNOBS = {"sink_blocks": "streaming", "recent_blocks": "snapkv"}
 
 
+def _with_draft_model(params, draft):
+  """params carrying `draft`'s ((cfg, params) of --draft-model), or params when it is None."""
+  from sparsedec.decode.speculative import with_draft_model
+  return params if draft is None else with_draft_model(params, draft[1])
+
+
 def _draft_model(args):
   """(cfg, params) of --draft-model (loaded in --dtype), or None without one; the flag is
   refused by name with any method but speculative, and that method without it."""
@@ -258,17 +264,13 @@ def _exact_draft_group(args, method):
   return dataclasses.replace(method, weight_group=group, weight_grid=grid)
 
 
-def _load(args, chat_flag: str | None = None, draft=None):
-  """(cfg, params, tok) of --model, the params carrying `draft`'s ((cfg, params) of
-  --draft-model) when given. chat_flag: the flag (--chat, --chat-template) that needs a chat
-  template, refused here when the tokenizer has none: before a GPTQ draft is built (it was
-  refused after, when the prompts were encoded)."""
-  from sparsedec.decode.speculative import with_draft_model
+def _load(args, chat_flag: str | None = None):
+  """(cfg, params, tok) of --model. chat_flag: the flag (--chat, --chat-template) that needs a
+  chat template, refused here when the tokenizer has none: before a GPTQ draft is built (it
+  was refused after, when the prompts were encoded)."""
   from sparsedec.errors import InputError
   from sparsedec.weights.checkpoint import load_model
   cfg, params, tok = load_model(_model_path(args), dtype=args.dtype)
-  if draft is not None:
-    params = with_draft_model(params, draft[1])
   if chat_flag is not None and not tok.chat_template:
     raw = " (give the text as --prompt)" if chat_flag == "--chat" else ""
     raise InputError(f"{chat_flag} needs a chat template, and the tokenizer of "
@@ -381,7 +383,8 @@ def cmd_generate(args) -> int:
   draft = _draft_model(args)
   method = _exact_draft_group(args, _method(args, draft))
   calibration = _draft_tokens(args, method)
-  cfg, params, tok = _load(args, "--chat" if args.chat is not None else None, draft)
+  cfg, params, tok = _load(args, "--chat" if args.chat is not None else None)
+  params = _with_draft_model(params, draft)
   ids = _prompt_ids(args, tok)
   # Before a GPTQ draft: the capacity and the knobs that depend on it or on the model.
   method_capacity(cfg, params, method, len(ids), args.max_new_tokens, args.cache_size)
@@ -452,7 +455,8 @@ def cmd_bench(args) -> int:
   draft = _draft_model(args)
   method = _exact_draft_group(args, _method(args, draft))
   calibration = _draft_tokens(args, method)
-  cfg, params, tok = _load(args, "--chat-template" if args.chat_template else None, draft)
+  cfg, params, tok = _load(args, "--chat-template" if args.chat_template else None)
+  params = _with_draft_model(params, draft)
   # Before a GPTQ draft and the warm-up: each batch's capacity (run_bench's batches) and the
   # knobs that depend on it or on the model.
   lengths = [len(ids) for ids in encode_prompts(tok, texts, args.chat_template)]
