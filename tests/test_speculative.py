@@ -156,6 +156,11 @@ def test_bad_input_is_refused_by_name(stories):
         Speculative(draft=dcfg))
   with pytest.raises(sparsedec.InputError, match=r"must be a params dict"):
     with_draft_model(params, [1, 2])
+  # Advanced with the target's params alone: refused by name (was a KeyError inside the trace).
+  state, run_ = api.start(cfg, with_draft_model(params, dparams), [[1, 2, 3]], max_new_tokens=4,
+                          method=Speculative(draft=dcfg))
+  with pytest.raises(sparsedec.InputError, match=r"advance the state with the params it was"):
+    run_.advance(params, state)
 
 
 def test_the_state_holds_no_copy_of_the_draft_weights(stories):

@@ -182,6 +182,10 @@ class Speculative:
   def step(self, cfg: ModelConfig, params: Params, state: DecodeState,
            ctx: StepContext) -> DecodeState:
     x: SpeculativeExtras = method_extras(state, SpeculativeExtras, self.name)
+    if not isinstance(params, dict) or DRAFT_MODEL_KEY not in params:
+      raise InputError(f"speculative's step drafts with the params' {DRAFT_MODEL_KEY!r}: advance "
+                       f"the state with the params it was started with (with_draft_model(params, "
+                       f"draft_params)), not the target's alone")
     g = self.gamma
     active = ~state.done                                                    # [B]
     keys, step_keys = split_keys(state.keys)
