@@ -163,7 +163,7 @@ def _sampling(args):
                        top_p=1.0 if args.top_p is None else args.top_p)
   if cfg.greedy:
     draft = (getattr(args, "draft_sampling", None)
-             if args.method in ("quantspec", "speculative") else None)
+             if "draft_sampling" in _METHOD_KNOBS.get(args.method, {}) else None)
     given = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p),
                                       ("--draft-sampling", draft)) if value is not None]
     if given:

@@ -1111,28 +1111,11 @@ def test_the_draft_reads_the_4bit_view_with_its_4bit_weights(stories):
 
 def test_the_drafts_uniforms_are_not_the_acceptance_tests(stories, monkeypatch):
   """One PRNG draw per row and step gives the gamma draft uniforms, the gamma acceptance tests and
-  the last token's uniform: they must be distinct draws. Testing d_i with the uniform it was
-  drawn with (d_i = inverse CDF of q_i at u, accepted when u < p_i(d_i) / q_i(d_i)) biases the
-  law, but only by a little where the draft is good (the chi-square tests above do not see it),
-  so the uniforms the step hands to the draft and to `verify_drafted` are recorded and compared."""
-  from sparsedec.decode import quantspec, verify
-  seen = {"draft": [], "verify": []}
-
-  def record(name):
-    return lambda u: seen[name].append(np.asarray(u))
-
-  draw, drafted = quantspec.draw_from, verify.verify_drafted
-
-  def draw_from(probs, u):
-    jax.debug.callback(record("draft"), u)
-    return draw(probs, u)
-
-  def verify_drafted(target, drafts, q, valid, uniforms):
-    jax.debug.callback(record("verify"), uniforms)
-    return drafted(target, drafts, q, valid, uniforms)
-
-  monkeypatch.setattr(quantspec, "draw_from", draw_from)
-  monkeypatch.setattr(verify, "verify_drafted", verify_drafted)       # what verify_chain calls
+  the last token's uniform: the step hands distinct ones to the draft and to `verify_drafted`
+  (`chain_uniforms.py` says why it matters)."""
+  import chain_uniforms
+  from sparsedec.decode import quantspec
+  seen = chain_uniforms.record(monkeypatch, quantspec)
   cfg, params, tok = stories
   method = QuantSpec(gamma=2, quant_group=8, weight_bits=None)    # a config no other test traces
   run = sparsedec.generate(cfg, params, [tok.encode("Once upon"), tok.encode("The dog")],
@@ -1144,10 +1127,4 @@ def test_the_drafts_uniforms_are_not_the_acceptance_tests(stories, monkeypatch):
   np.testing.assert_array_equal(np.asarray(state.cache.lengths),
                                 np.asarray(state.extras.qcache.lengths))
   np.testing.assert_array_equal(np.asarray(state.cache.lengths), np.asarray(state.num_tokens) - 1)
-  assert len(seen["draft"]) == 2 and len(seen["verify"]) == 1            # one step
-  draft_u = np.stack(seen["draft"], axis=1)                                # [B, gamma]
-  verify_u = seen["verify"][0]                                             # [B, gamma + 1]
-  assert draft_u.shape == (2, 2) and verify_u.shape == (2, 3)
-  every = np.concatenate([draft_u, verify_u], axis=1)                      # [B, 2 gamma + 1]
-  for row in every:
-    assert len(set(row.tolist())) == row.size, every                      # 2 gamma + 1 draws
+  chain_uniforms.assert_one_step_of_distinct_draws(seen, batch=2, gamma=2)

@@ -178,36 +178,14 @@ def test_the_state_holds_no_copy_of_the_draft_weights(stories):
 def test_the_drafts_uniforms_are_not_the_acceptance_tests(stories, monkeypatch):
   """One PRNG draw per row and step gives the gamma draft uniforms, the gamma acceptance tests and
   the last token's uniform (`verify.chain_uniforms`): the step hands distinct ones to the draft's
-  draws and to `verify_drafted` (testing d_i with the uniform it was drawn with biases the law
-  only a little where the draft is good, which a chi-square test would hardly see)."""
-  from sparsedec.decode import speculative, verify
-  seen = {"draft": [], "verify": []}
-
-  def record(name):
-    return lambda u: seen[name].append(np.asarray(u))
-
-  draw, drafted = speculative.draw_from, verify.verify_drafted
-
-  def draw_from(probs, u):
-    jax.debug.callback(record("draft"), u)
-    return draw(probs, u)
-
-  def verify_drafted(target, drafts, q, valid, uniforms):
-    jax.debug.callback(record("verify"), uniforms)
-    return drafted(target, drafts, q, valid, uniforms)
-
-  monkeypatch.setattr(speculative, "draw_from", draw_from)
-  monkeypatch.setattr(verify, "verify_drafted", verify_drafted)
+  draws and to `verify_drafted` (`chain_uniforms.py` says why it matters)."""
+  import chain_uniforms
+  from sparsedec.decode import speculative
+  seen = chain_uniforms.record(monkeypatch, speculative)
   cfg, params, tok = stories
   dcfg, dparams = truncated(cfg, params, 1)           # a draft no other test traces
   sparsedec.generate(cfg, with_draft_model(params, dparams),
                      [tok.encode("Once upon"), tok.encode("The dog")], max_new_tokens=2,
                      sampling=SamplingConfig(temperature=1.0), stop_tokens=(),
                      method=Speculative(draft=dcfg, gamma=2), cache_size=64)
-  assert len(seen["draft"]) == 2 and len(seen["verify"]) == 1            # one step
-  draft_u = np.stack(seen["draft"], axis=1)                                # [B, gamma]
-  verify_u = seen["verify"][0]                                             # [B, gamma + 1]
-  assert draft_u.shape == (2, 2) and verify_u.shape == (2, 3)
-  every = np.concatenate([draft_u, verify_u], axis=1)                      # [B, 2 gamma + 1]
-  for row in every:
-    assert len(set(row.tolist())) == row.size, every                      # 2 gamma + 1 draws
+  chain_uniforms.assert_one_step_of_distinct_draws(seen, batch=2, gamma=2)
