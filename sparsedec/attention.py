@@ -143,10 +143,12 @@ def check_segments(plan: AttentionPlan, num_tokens: int) -> None:
                      f"each query once, none empty")
 
 
-def causal_plan(num_tokens: int) -> AttentionPlan:
-  """Every query reads the full cache and the in-flight tokens up to itself."""
+def causal_plan(num_tokens: int, view: Any = None) -> AttentionPlan:
+  """Every query reads the cache through `view` (None: the full cache) and the in-flight tokens
+  up to itself."""
   mask = jnp.asarray(np.tril(np.ones((num_tokens, num_tokens), dtype=bool)))
-  return AttentionPlan(inflight_mask=mask, segments=(Segment(FullView(), 0, num_tokens),))
+  view = FullView() if view is None else view
+  return AttentionPlan(inflight_mask=mask, segments=(Segment(view, 0, num_tokens),))
 
 
 def _cache_mask(view, lengths: jax.Array, q_pos: jax.Array, capacity: int,

@@ -64,7 +64,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                   help="k: tokens per subsequence / guess / candidate (default 4)")
   fa.add_argument("--candidates", type=int, default=None,
                   help="m: candidates verified per step (default 7)")
-  fa.add_argument("--policy", default=None, choices=("streaming", "quest", "snapkv"),
+  fa.add_argument("--policy", default=None, choices=("streaming", "quest", "snapkv", "retrieval"),
                   help="compression policy C(kv) the fumble tokens read (default streaming)")
   fa.add_argument("--budget-blocks", type=int, default=None,
                   help="blocks in C(kv) per KV head (default 16)")
@@ -73,13 +73,24 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
   fa.add_argument("--sink-blocks", type=int, default=None,
                   help="--policy streaming: leading blocks always listed (default 1)")
   fa.add_argument("--recent-blocks", type=int, default=None,
-                  help="--policy snapkv: newest blocks listed beside the prompt's selection "
-                       "(default 2; below --budget-blocks)")
-  qs = p.add_argument_group("quantspec and speculative (--method quantspec / speculative)")
+                  help="--policy snapkv / retrieval (and --method triforce): newest blocks "
+                       "listed beside the prompt's selection (default 2; below --budget-blocks)")
+  tf = p.add_argument_group("triforce (--method triforce, with --draft-model, --gamma, "
+                            "--draft-sampling; --budget-blocks, --block-size and --recent-blocks "
+                            "shape the middle level's chunk retrieval)")
+  tf.add_argument("--draft-gamma", type=int, default=None,
+                  help="draft-model tokens per verification of the middle level (default 2)")
+  tf.add_argument("--draft-budget-blocks", type=int, default=None,
+                  help="blocks of --block-size slots in the draft model's StreamingLLM view "
+                       "(default 16)")
+  qs = p.add_argument_group("quantspec / speculative / triforce (--method quantspec, "
+                            "speculative, triforce)")
   qs.add_argument("--gamma", type=int, default=None,
-                  help="draft tokens per step (default 4)")
+                  help="draft tokens per step (default 4; triforce: the middle level's tokens "
+                       "the full target verifies a step, default 6)")
   qs.add_argument("--draft-model", default=None, metavar="PATH",
-                  help="--method speculative: the draft model (a converted checkpoint dir, HF "
+                  help="--method speculative / triforce: the draft model (a converted "
+                       "checkpoint dir, HF "
                        "dir or .gguf file) with the target's vocabulary, loaded in --dtype")
   qs.add_argument("--verify-precision", default=None, choices=("int8", "full"),
                   help="what the verifier reads: the 8-bit view of the quantized cache, or a "
@@ -184,10 +195,15 @@ _METHOD_KNOBS = {"lookahead": {"lookahead_window": "window", "ngram": "ngram",
                                "draft_weight_group": "weight_group",
                                "draft_weight_grid": "weight_grid",
                                "draft_sampling": "draft_sampling"},
-                 "speculative": {"gamma": "gamma", "draft_sampling": "draft_sampling"}}
+                 "speculative": {"gamma": "gamma", "draft_sampling": "draft_sampling"},
+                 "triforce": {"gamma": "gamma", "draft_gamma": "draft_gamma",
+                              "draft_sampling": "draft_sampling",
+                              "budget_blocks": "budget_blocks", "block_size": "block_size",
+                              "recent_blocks": "recent_blocks",
+                              "draft_budget_blocks": "draft_budget_blocks"}}
 _POLICY_KNOBS = ("budget_blocks", "block_size")
 # Knobs of one policy only: --sink-blocks with another policy is refused by name.
-_OWN_POLICY_KNOBS = {"sink_blocks": "streaming", "recent_blocks": "snapkv"}
+_OWN_POLICY_KNOBS = {"sink_blocks": ("streaming",), "recent_blocks": ("snapkv", "retrieval")}
 
 
 def _with_draft_model(params, draft):
@@ -201,13 +217,13 @@ def _draft_model(args):
   refused by name with any method but speculative, and that method without it."""
   from sparsedec.errors import InputError
   from sparsedec.weights.checkpoint import load_model
-  if args.method != "speculative":
+  if args.method not in ("speculative", "triforce"):
     if args.draft_model is not None:
       raise InputError(f"--draft-model does not apply to --method {args.method}")
     return None
   if not args.draft_model:
-    raise InputError("--method speculative needs --draft-model PATH (a smaller model with the "
-                     "target's vocabulary)")
+    raise InputError(f"--method {args.method} needs --draft-model PATH (a smaller model with "
+                     f"the target's vocabulary)")
   cfg, params, _ = load_model(args.draft_model, dtype=args.dtype)
   return cfg, params
 
@@ -228,11 +244,21 @@ def _method(args, draft=None):
     from sparsedec.compress import POLICIES
     policy = knobs.pop("policy", "streaming")
     for name, owner in _OWN_POLICY_KNOBS.items():
-      if name in knobs and owner != policy:
-        raise InputError(f"--{name.replace('_', '-')} applies to --policy {owner}, not {policy}")
+      if name in knobs and policy not in owner:
+        raise InputError(f"--{name.replace('_', '-')} applies to --policy {' / '.join(owner)}, "
+                         f"not {policy}")
     policy_knobs = {name: knobs.pop(name) for name in (*_POLICY_KNOBS, *_OWN_POLICY_KNOBS)
                     if name in knobs}
     knobs["policy"] = POLICIES[policy](**policy_knobs)
+  if args.method == "triforce":
+    from sparsedec.compress import ChunkRetrieval, StreamingLLM
+    views = {name: knobs.pop(name) for name in ("budget_blocks", "block_size", "recent_blocks",
+                                                "draft_budget_blocks") if name in knobs}
+    size = {"block_size": views["block_size"]} if "block_size" in views else {}
+    knobs["retrieval"] = ChunkRetrieval(**size, **{k: v for k, v in views.items()
+                                                   if k in ("budget_blocks", "recent_blocks")})
+    knobs["draft_view"] = StreamingLLM(**size, **({"budget_blocks": views["draft_budget_blocks"]}
+                                                  if "draft_budget_blocks" in views else {}))
   if draft is not None:
     knobs["draft"] = draft[0]
   return get_method(args.method, **knobs)

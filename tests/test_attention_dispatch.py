@@ -150,6 +150,32 @@ def test_method_decode_loops_lower_for_cuda(method, kernels):
   assert text.count("custom_call @mosaic_gpu_v2") == kernels
 
 
+def test_triforce_decode_loop_lowers_for_cuda():
+  """TriForce's whole decode loop lowered for cuda (bf16, SmolLM2's heads, two layers; a
+  one-layer draft of the same heads): each of its attentions is a Mosaic GPU kernel, none falls
+  back: sparse_attention in the draft's catch-up and one-token forwards (its StreamingLLM block
+  list) and in the middle level's forward (the retrieval block list), decode_attention in the
+  verification (the full cache): 4 kernels (a forward's layers call one lowered function)."""
+  from sparsedec.compress import ChunkRetrieval, StreamingLLM
+  from sparsedec.decode.speculative import with_draft_model
+  from sparsedec.decode.triforce import TriForce
+  cfg = ModelConfig(family="llama", vocab_size=256, hidden_size=576, intermediate_size=256,
+                    num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64,
+                    max_position_embeddings=1024, dtype="bfloat16")
+  params = cast_params(init_random(cfg, jax.random.key(0)), cfg.dtype)
+  dcfg = cfg.replace(num_layers=1)
+  both = with_draft_model(params, {**params, "layers": params["layers"][:1]})
+  method = TriForce(draft=dcfg, gamma=5, draft_gamma=3,
+                    retrieval=ChunkRetrieval(budget_blocks=3, block_size=64, recent_blocks=1),
+                    draft_view=StreamingLLM(budget_blocks=2, block_size=64))
+  prompt = [list(np.random.default_rng(0).integers(3, 250, 150))]
+  state, run = start(cfg, both, prompt, max_new_tokens=40, method=method, cache_size=512)
+  text = decode.trace(cfg, both, state, jnp.int32(4), method=run.method, ctx=run.ctx).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu_v2") == 4
+  assert text.count("func.func private @sparse_attention") == 3
+
+
 def test_a_block_list_over_a_capacity_not_a_multiple_of_its_block_size():
   """The sparse kernel refuses it by name; "auto" falls back to the reference, which reads the
   listed blocks, the last one partial (it failed on a [.., 16] vs [.., 20] broadcast)."""

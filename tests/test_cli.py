@@ -87,7 +87,13 @@ def test_sampled_generation_is_reproducible_by_seed(capsys):
     (["--system", "be brief"], "--system goes with --chat"),
     (["--stream", "--json"], "--stream and --json do not go together"),
     (["--method", "fafo", "--policy", "quest", "--recent-blocks", "3"],
-     "--recent-blocks applies to --policy snapkv, not quest"),
+     "--recent-blocks applies to --policy snapkv / retrieval, not quest"),
+    (["--method", "triforce"], "--method triforce needs --draft-model PATH"),
+    (["--method", "triforce", "--draft-model", "checkpoints/stories260K", "--draft-gamma", "0"],
+     "triforce draft_gamma must be an integer >= 1"),
+    (["--method", "speculative", "--draft-model", "checkpoints/stories260K", "--draft-gamma",
+      "2"],
+     "--draft-gamma does not apply to --method speculative"),
     (["--method", "fafo", "--sink-blocks", "2", "--policy", "snapkv"],
      "--sink-blocks applies to --policy streaming, not snapkv"),
 ])
@@ -109,6 +115,24 @@ def test_speculative_with_a_draft_model_equals_dense(capsys):
   got = json.loads(out)
   assert code == 0 and got["tokens"] == json.loads(dense)["tokens"]
   assert got["stats"]["acceptance_rate"] == 1.0 and got["stats"]["draft_layers"] == 5
+
+
+def test_triforce_with_a_draft_model_equals_dense(capsys):
+  """--method triforce --draft-model: the embedded model drafting for itself, the middle level
+  reading 2 retrieved and 2 newest blocks of 16 slots, gives dense's text; its stats report both
+  levels."""
+  base = ["generate", "--prompt", "Once upon a time there was a little girl named Lily. She "
+          "loved to play outside", "--max-new-tokens", "60", "--json", "--ignore-eos"]
+  _, dense, _ = run_cli(capsys, *base)
+  code, out, _ = run_cli(capsys, *base, "--method", "triforce", "--draft-model",
+                         cli.default_model(), "--gamma", "4", "--draft-gamma", "1",
+                         "--budget-blocks", "4", "--block-size", "16", "--recent-blocks", "2",
+                         "--draft-budget-blocks", "2")
+  got = json.loads(out)
+  assert code == 0 and got["tokens"] == json.loads(dense)["tokens"]
+  stats = got["stats"]
+  assert stats["retrieval_budget_tokens"] == 64 and stats["draft_view_budget_tokens"] == 32
+  assert 0.0 < stats["acceptance_rate"] <= 1.0 and 0.0 < stats["draft_acceptance_rate"] <= 1.0
 
 
 def test_bench_writes_json(capsys, tmp_path):
@@ -489,11 +513,12 @@ def test_every_method_knob_reaches_the_method():
   """Each method flag, set away from its default, lands in its own field of the method object
   (a knob dropped from cli._METHOD_KNOBS was parsed, then silently ignored: the run was lossless
   either way, so no output test saw it)."""
-  from sparsedec.compress import SnapKV, StreamingLLM
+  from sparsedec.compress import ChunkRetrieval, SnapKV, StreamingLLM
   from sparsedec.decode.fafo import Fafo
   from sparsedec.decode.lookahead import Lookahead
   from sparsedec.decode.quantspec import QuantSpec
   from sparsedec.decode.speculative import Speculative
+  from sparsedec.decode.triforce import TriForce
 
   def parse(*args):
     return cli._method(cli._parser().parse_args(["generate", "--prompt", "x", *args]))
@@ -517,6 +542,14 @@ def test_every_method_knob_reaches_the_method():
   snap = parse("--method", "fafo", "--policy", "snapkv", "--budget-blocks", "5", "--block-size",
                "16", "--recent-blocks", "1").policy
   assert snap == SnapKV(budget_blocks=5, block_size=16, recent_blocks=1)
+  tri = cli._method(cli._parser().parse_args(
+      ["generate", "--prompt", "x", "--method", "triforce", "--gamma", "3", "--draft-gamma", "4",
+       "--draft-sampling", "argmax", "--budget-blocks", "6", "--block-size", "32",
+       "--recent-blocks", "3", "--draft-budget-blocks", "5"]), draft)
+  assert tri == TriForce(draft=draft[0], gamma=3, draft_gamma=4, draft_sampling="argmax",
+                         retrieval=ChunkRetrieval(budget_blocks=6, block_size=32,
+                                                  recent_blocks=3),
+                         draft_view=StreamingLLM(budget_blocks=5, block_size=32))
   # Not vacuous: every field set above differs from its default.
   for got, default, fields in (
       (qs, QuantSpec(), ("gamma", "verify_precision", "quant_group", "weight_group",
@@ -525,7 +558,10 @@ def test_every_method_knob_reaches_the_method():
       (spec, Speculative(draft=draft[0]), ("gamma", "draft_sampling")),
       (fa, Fafo(), ("subsequences", "length", "candidates")),
       (fa.policy, StreamingLLM(), ("budget_blocks", "block_size", "sink_blocks")),
-      (snap, SnapKV(), ("budget_blocks", "block_size", "recent_blocks"))):
+      (snap, SnapKV(), ("budget_blocks", "block_size", "recent_blocks")),
+      (tri, TriForce(draft=draft[0]), ("gamma", "draft_gamma", "draft_sampling")),
+      (tri.retrieval, ChunkRetrieval(), ("budget_blocks", "block_size", "recent_blocks")),
+      (tri.draft_view, StreamingLLM(), ("budget_blocks", "block_size"))):
     assert all(getattr(got, f) != getattr(default, f) for f in fields), (got, default)
   # Every method flag the parser has is one of cli._METHOD_KNOBS (a new flag is wired there).
   import argparse

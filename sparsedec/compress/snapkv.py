@@ -34,6 +34,34 @@ class SnapKVState:
   counts: jax.Array        # [L, B, Hkv] int32
 
 
+def top_blocks(scores, candidates: jax.Array, keep: int) -> SnapKVState:
+  """Per layer, the `keep` best-scored of each row's first `candidates` blocks (fewer where the
+  row has fewer): scores, per layer [B, Hkv, P]; candidates [B] int32."""
+  tables, counts = [], []
+  for score in scores:
+    page = jnp.arange(score.shape[-1])
+    score = jnp.where(page[None, None] < candidates[:, None, None], score, -jnp.inf)
+    _, top = jax.lax.top_k(score, min(keep, score.shape[-1]))        # no more than P blocks
+    tables.append(top.astype(jnp.int32))
+    counts.append(jnp.broadcast_to(jnp.minimum(candidates, keep)[:, None], top.shape[:2]))
+  return SnapKVState(jnp.stack(tables), jnp.stack(counts).astype(jnp.int32))
+
+
+def selected_and_recent(policy, st: SnapKVState, cache: KVCache) -> BlockListView:
+  """The selected prompt blocks, then the newest blocks in the rest of the budget (at least
+  `recent_blocks`; more where the prompt had fewer candidates than budget_blocks -
+  recent_blocks, which were then all selected: blocks 0 .. counts - 1, so the newest blocks
+  start at or after counts and the two lists never overlap). SnapKV's and TriForce's chunk
+  retrieval's view (`ChunkRetrieval`): they differ in how the blocks are selected."""
+  nb = capped_budget(policy, cache)        # a budget past the cache's blocks: all of them
+  used = -(-cache.lengths.astype(jnp.int32) // policy.block_size)[None, :, None]   # [1, B, 1]
+  start = jnp.maximum(used - (nb - st.counts), st.counts)                       # [L, B, Hkv]
+  recent = jnp.minimum(start[..., None] + jnp.arange(nb, dtype=jnp.int32),
+                       cache.k[0].shape[2] // policy.block_size - 1)            # [L, B, Hkv, NB]
+  tables, counts = pack_tables(st.tables, st.counts, recent, jnp.maximum(used - start, 0))
+  return BlockListView(tables[..., :nb], counts, policy.block_size, per_layer=True)
+
+
 def _block_scores(q: jax.Array, q_pos: jax.Array, q_valid: jax.Array, k: jax.Array,
                   lengths: jax.Array, block_size: int, pool: int) -> jax.Array:
   """q [B, w, Hq, D] at q_pos [B, w]; k [B, Hkv, S, D] -> pooled attention mass [B, Hkv, S/bs].
@@ -86,31 +114,14 @@ class SnapKV:
   def init(self, cfg, params, state) -> SnapKVState:
     cache = state.cache
     bs, keep = self.block_size, self.budget_blocks - self.recent_blocks
-    used = -(-cache.lengths // bs)                                          # [B]
-    candidates = jnp.maximum(used - self.recent_blocks, 0)                  # blocks before recent
+    candidates = jnp.maximum(-(-cache.lengths // bs) - self.recent_blocks, 0)   # [B] before recent
     queries, q_pos, q_valid = prompt_window_queries(cfg, params, state, self.window)
-    tables, counts = [], []
-    for q, k in zip(queries, cache.k):
-      score = _block_scores(q, q_pos, q_valid, k, cache.lengths, bs, self.pool)  # [B, Hkv, P]
-      page = jnp.arange(score.shape[-1])
-      score = jnp.where(page[None, None] < candidates[:, None, None], score, -jnp.inf)
-      _, top = jax.lax.top_k(score, min(keep, score.shape[-1]))      # no more than P blocks
-      tables.append(top.astype(jnp.int32))
-      counts.append(jnp.broadcast_to(jnp.minimum(candidates, keep)[:, None], top.shape[:2]))
-    return SnapKVState(jnp.stack(tables), jnp.stack(counts).astype(jnp.int32))
+    scores = [_block_scores(q, q_pos, q_valid, k, cache.lengths, bs, self.pool)  # [B, Hkv, P]
+              for q, k in zip(queries, cache.k)]
+    return top_blocks(scores, candidates, keep)
 
   def view(self, st: SnapKVState, cache: KVCache) -> BlockListView:
-    """The selected prompt blocks, then the newest blocks in the rest of the budget (at least
-    `recent_blocks`; more where the prompt had fewer candidates than budget_blocks -
-    recent_blocks, which were then all selected: blocks 0 .. counts - 1, so the newest blocks
-    start at or after counts and the two lists never overlap)."""
-    nb = capped_budget(self, cache)          # a budget past the cache's blocks: all of them
-    used = -(-cache.lengths.astype(jnp.int32) // self.block_size)[None, :, None]   # [1, B, 1]
-    start = jnp.maximum(used - (nb - st.counts), st.counts)                     # [L, B, Hkv]
-    recent = jnp.minimum(start[..., None] + jnp.arange(nb, dtype=jnp.int32),
-                         cache.k[0].shape[2] // self.block_size - 1)            # [L, B, Hkv, NB]
-    tables, counts = pack_tables(st.tables, st.counts, recent, jnp.maximum(used - start, 0))
-    return BlockListView(tables[..., :nb], counts, self.block_size, per_layer=True)
+    return selected_and_recent(self, st, cache)
 
   def update(self, st: SnapKVState, cache: KVCache, queries) -> SnapKVState:
     return st

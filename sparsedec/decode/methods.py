@@ -10,10 +10,12 @@ from sparsedec.decode.lookahead import Lookahead
 from sparsedec.decode.loop import DecodeMethod
 from sparsedec.decode.quantspec import QuantSpec
 from sparsedec.decode.speculative import Speculative
+from sparsedec.decode.triforce import TriForce
 from sparsedec.errors import InputError
 
 _METHODS: dict[str, type] = {"dense": Dense, "lookahead": Lookahead, "fafo": Fafo,
-                             "quantspec": QuantSpec, "speculative": Speculative}
+                             "quantspec": QuantSpec, "speculative": Speculative,
+                             "triforce": TriForce}
 
 
 def register(name: str, cls: type) -> None:

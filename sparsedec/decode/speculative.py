@@ -30,7 +30,7 @@ accepted_drafts, gamma, draft_layers, draft_cache_bytes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +69,94 @@ def target_params(params: Params) -> Params:
   return params
 
 
+def check_draft_model(method: str, draft_cfg: ModelConfig, cfg: ModelConfig,
+                      params: Params) -> None:
+  """Refuse params without a draft model (DRAFT_MODEL_KEY) that fits `draft_cfg` (shapes and
+  dtype), or a draft of another vocabulary than the target's `cfg`. `method` names the caller."""
+  draft = params.get(DRAFT_MODEL_KEY) if isinstance(params, dict) else None
+  if draft is None:
+    raise InputError(f"{method} drafts with a second model: pass params carrying its "
+                     f"params (sparsedec.decode.speculative.with_draft_model(params, "
+                     f"draft_params)); these params have no {DRAFT_MODEL_KEY!r}")
+  if draft_cfg.vocab_size != cfg.vocab_size:
+    raise InputError(f"the draft model's vocabulary ({draft_cfg.vocab_size} tokens) is not "
+                     f"the target's ({cfg.vocab_size}): a draft must share the tokenizer")
+  try:
+    check_params(draft_cfg, draft)
+  except CheckpointError as e:
+    raise InputError(f"the draft model's params do not fit the method's draft config: "
+                     f"{e}") from None
+  check_params_dtype(draft_cfg, draft, "the draft model's params")
+
+
+
+def prefill_draft(draft_cfg: ModelConfig, draft_params: Params, state: DecodeState) -> KVCache:
+  """A draft model's cache [B, Hkv_draft, S, D_draft] (S the state's capacity), prefilled with
+  every row's tokens but its last (num_tokens - 1), in chunks of DRAFT_PREFILL_CHUNK up to the
+  longest row (a bound traced, not the capacity)."""
+  chunk = DRAFT_PREFILL_CHUNK
+  lengths = state.num_tokens - 1                                          # [B] >= 1
+  width = -(-state.tokens.shape[1] // chunk) * chunk
+  tokens = jnp.pad(state.tokens, ((0, 0), (0, width - state.tokens.shape[1])))  # [B, width]
+  cache = init_cache(draft_cfg, state.batch_size, state.cache.capacity)
+  cache, _ = prefill_cache(draft_cfg, draft_params, tokens, lengths, cache, chunk,
+                           num_chunks=-(-jnp.max(lengths) // chunk))
+  return cache
+
+
+def draft_chain(draft_cfg: ModelConfig, draft_params: Params, cache: KVCache,
+                tokens: jax.Array, num_tokens: jax.Array, gamma: int, sampling: SamplingConfig,
+                uniforms: jax.Array | None, catch_up: int = 2, view: Any = None
+                ) -> tuple[jax.Array, jax.Array | None, KVCache]:
+  """gamma tokens a draft model proposes after each row's sequence tokens[b, :num_tokens[b]]
+  ([B, L], [B] >= 2), on its cache whose slots 0 .. num_tokens - 1 - catch_up hold the K/V of
+  those tokens: its argmax tokens (uniforms None), or drawn with uniforms [B, gamma] from its
+  processed distributions q, also returned ([B, gamma, V] fp32; None for argmax drafts); and the
+  cache holding their K/V (its lengths past the row's tokens: reset them before reading).
+
+  The first forward goes over the last `catch_up` tokens (fewer in a row shorter than that: the
+  rest of the forward's inputs are padding, not committed), which catches up whatever was
+  appended since the cache was last written, in one forward of fixed shape; gamma - 1 one-token
+  forwards follow. `view` is what the draft's queries read of its cache (None: all of it; a
+  `BlockListView` made from the cache, e.g. StreamingLLM's: view(cache))."""
+  b, g = tokens.shape[0], gamma
+  n = num_tokens
+  first = jnp.maximum(n - catch_up, 0)                                    # [B]
+  idx = jnp.minimum(first[:, None] + jnp.arange(catch_up)[None], (n - 1)[:, None])
+  recent = jnp.take_along_axis(tokens, idx, axis=1)                       # [B, catch_up]
+  cache = cache.replace(lengths=first.astype(jnp.int32))
+
+  def next_token(logits, i, q):                   # logits [B, V] -> [B] token, q updated
+    if uniforms is None:
+      return jnp.argmax(logits, axis=-1).astype(jnp.int32), q
+    qi = probabilities(logits, sampling)                                  # [B, V]
+    tok = draw_from(qi, jax.lax.dynamic_index_in_dim(uniforms, i, axis=1, keepdims=False))
+    return tok, jax.lax.dynamic_update_slice_in_dim(q, qi[:, None], i, axis=1)
+
+  def run(cache, toks, start, count):             # toks [B, T] at positions start + t
+    t = toks.shape[1]
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    plan = causal_plan(t, None if view is None else view(cache))
+    logits, kv = forward(draft_cfg, draft_params, toks, positions, cache, plan,
+                         logits_at=(count - 1)[:, None])
+    return logits[:, 0], commit(cache, kv, count)
+
+  q = None if uniforms is None else jnp.zeros((b, g, draft_cfg.vocab_size), jnp.float32)
+  logits, cache = run(cache, recent, first, n - first)
+  tok, q = next_token(logits, 0, q)
+  drafts = jnp.zeros((b, g), jnp.int32).at[:, 0].set(tok)
+
+  def body(i, carry):                              # draft i + 1 from draft i
+    cache, drafts, q = carry
+    prev = jax.lax.dynamic_index_in_dim(drafts, i - 1, axis=1)            # [B, 1]
+    logits, cache = run(cache, prev, n - 1 + i, jnp.ones((b,), jnp.int32))
+    tok, q = next_token(logits, i, q)
+    return cache, jax.lax.dynamic_update_slice_in_dim(drafts, tok[:, None], i, axis=1), q
+
+  cache, drafts, q = jax.lax.fori_loop(1, g, body, (cache, drafts, q))
+  return drafts, q, cache
+
+
 @struct.dataclass
 class SpeculativeExtras:
   draft_cache: KVCache         # the draft model's cache, per layer [B, Hkv_draft, S, D_draft]
@@ -105,79 +193,19 @@ class Speculative:
   def check(self, cfg: ModelConfig, params: Params, capacity: int) -> None:
     """Refuse params without a fitting draft model, or a draft of another vocabulary (api.start:
     before prefill; init checks again)."""
-    draft = params.get(DRAFT_MODEL_KEY) if isinstance(params, dict) else None
-    if draft is None:
-      raise InputError(f"speculative drafts with a second model: pass params carrying its "
-                       f"params (sparsedec.decode.speculative.with_draft_model(params, "
-                       f"draft_params)); these params have no {DRAFT_MODEL_KEY!r}")
-    if self.draft.vocab_size != cfg.vocab_size:
-      raise InputError(f"the draft model's vocabulary ({self.draft.vocab_size} tokens) is not "
-                       f"the target's ({cfg.vocab_size}): a draft must share the tokenizer")
-    try:
-      check_params(self.draft, draft)
-    except CheckpointError as e:
-      raise InputError(f"the draft model's params do not fit Speculative.draft: {e}") from None
-    check_params_dtype(self.draft, draft, "the draft model's params")
+    check_draft_model(self.name, self.draft, cfg, params)
 
   def samples_drafts(self, sampling: SamplingConfig) -> bool:
     """Whether the drafts are drawn from the draft's distribution (Leviathan) this run."""
     return self.draft_sampling == "sample" and not sampling.greedy
 
   def init(self, cfg: ModelConfig, params: Params, state: DecodeState) -> DecodeState:
-    """The draft's cache, prefilled with every row's tokens but its last (num_tokens - 1), in
-    chunks of DRAFT_PREFILL_CHUNK up to the longest row (a bound traced, not the capacity)."""
-    capacity = state.cache.capacity
-    self.check(cfg, params, capacity)
-    b, chunk = state.batch_size, DRAFT_PREFILL_CHUNK
-    lengths = state.num_tokens - 1                                          # [B] >= 1
-    width = -(-state.tokens.shape[1] // chunk) * chunk
-    tokens = jnp.pad(state.tokens, ((0, 0), (0, width - state.tokens.shape[1])))  # [B, width]
-    cache = init_cache(self.draft, b, capacity)
-    cache, _ = prefill_cache(self.draft, params[DRAFT_MODEL_KEY], tokens, lengths, cache, chunk,
-                             num_chunks=-(-jnp.max(lengths) // chunk))
+    """The draft's cache, prefilled with every row's tokens but its last (`prefill_draft`)."""
+    self.check(cfg, params, state.cache.capacity)
+    b = state.batch_size
     return state.replace(extras=SpeculativeExtras(
-        draft_cache=cache, drafted=jnp.zeros((b,), jnp.int32),
-        accepted_drafts=jnp.zeros((b,), jnp.int32)))
-
-  def _draft(self, params: Params, state: DecodeState, sampling: SamplingConfig,
-             uniforms: jax.Array | None) -> tuple[jax.Array, jax.Array | None, KVCache]:
-    """The draft's tokens after the current one, [B, gamma]: its argmax tokens (uniforms None),
-    or drawn with uniforms [B, gamma] from its processed distributions q, also returned
-    ([B, gamma, V] fp32; None for argmax drafts); and the draft cache holding their K/V."""
-    x: SpeculativeExtras = state.extras
-    b, g, draft = state.batch_size, self.gamma, params[DRAFT_MODEL_KEY]
-    n = state.num_tokens                                                    # [B] >= 2
-    last_two = jnp.take_along_axis(state.tokens, (n - 2)[:, None] + jnp.arange(2)[None], axis=1)
-    cache = x.draft_cache.replace(lengths=n - 2)
-
-    def next_token(logits, i, q):                   # logits [B, V] -> [B] token, q updated
-      if uniforms is None:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), q
-      qi = probabilities(logits, sampling)                                  # [B, V]
-      tok = draw_from(qi, jax.lax.dynamic_index_in_dim(uniforms, i, axis=1, keepdims=False))
-      return tok, jax.lax.dynamic_update_slice_in_dim(q, qi[:, None], i, axis=1)
-
-    def run(cache, tokens, first):                  # tokens [B, T] at positions first + t
-      positions = first[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-      t = tokens.shape[1]
-      logits, kv = forward(self.draft, draft, tokens, positions, cache, causal_plan(t),
-                           logits_at=jnp.full((b, 1), t - 1, jnp.int32))
-      return logits[:, 0], commit(cache, kv, jnp.full((b,), t, jnp.int32))
-
-    q = None if uniforms is None else jnp.zeros((b, g, self.draft.vocab_size), jnp.float32)
-    logits, cache = run(cache, last_two, n - 2)
-    tok, q = next_token(logits, 0, q)
-    drafts = jnp.zeros((b, g), jnp.int32).at[:, 0].set(tok)
-
-    def body(i, carry):                              # draft i + 1 from draft i
-      cache, drafts, q = carry
-      prev = jax.lax.dynamic_index_in_dim(drafts, i - 1, axis=1)            # [B, 1]
-      logits, cache = run(cache, prev, n - 1 + i)
-      tok, q = next_token(logits, i, q)
-      return cache, jax.lax.dynamic_update_slice_in_dim(drafts, tok[:, None], i, axis=1), q
-
-    cache, drafts, q = jax.lax.fori_loop(1, g, body, (cache, drafts, q))
-    return drafts, q, cache
+        draft_cache=prefill_draft(self.draft, params[DRAFT_MODEL_KEY], state),
+        drafted=jnp.zeros((b,), jnp.int32), accepted_drafts=jnp.zeros((b,), jnp.int32)))
 
   def step(self, cfg: ModelConfig, params: Params, state: DecodeState,
            ctx: StepContext) -> DecodeState:
@@ -192,7 +220,9 @@ class Speculative:
     draft_u = verify_u = None
     if self.samples_drafts(ctx.sampling):   # one draw: gamma drafts, gamma tests, the last token
       draft_u, verify_u = chain_uniforms(step_keys, g)                    # [B, g], [B, g + 1]
-    drafts, q, draft_cache = self._draft(params, state, ctx.sampling, draft_u)
+    drafts, q, draft_cache = draft_chain(self.draft, params[DRAFT_MODEL_KEY], x.draft_cache,
+                                         state.tokens, state.num_tokens, g, ctx.sampling,
+                                         draft_u)
     tokens = jnp.concatenate([state.last_tokens(), drafts], axis=1)         # [B, gamma + 1]
     positions = state.cache.lengths[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None]
     logits, kv = forward(cfg, params, tokens, positions, state.cache, causal_plan(g + 1))
