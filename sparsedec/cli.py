@@ -71,7 +71,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
   fa.add_argument("--block-size", type=int, default=None,
                   help="cache slots per block (default 64)")
   fa.add_argument("--sink-blocks", type=int, default=None,
-                  help="--policy streaming: leading blocks always listed (default 1)")
+                  help="--policy streaming (and --method sfi): leading blocks always listed "
+                       "(default 1)")
   fa.add_argument("--recent-blocks", type=int, default=None,
                   help="--policy snapkv / retrieval (and --method triforce): newest blocks "
                        "listed beside the prompt's selection (default 2; below --budget-blocks)")
@@ -83,6 +84,12 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
   tf.add_argument("--draft-budget-blocks", type=int, default=None,
                   help="blocks of --block-size slots in the draft model's StreamingLLM view "
                        "(default 16)")
+  sf = p.add_argument_group("sfi (--method sfi, with --budget-blocks: selected blocks per KV "
+                            "head, --block-size, --sink-blocks, --recent-blocks; slow steps "
+                            "after the tokenizer's sentence-ending tokens)")
+  sf.add_argument("--max-fast-steps", type=int, default=None,
+                  help="fast steps before a slow (dense) step even without a sentence end "
+                       "(default 64)")
   qs = p.add_argument_group("quantspec / speculative / triforce (--method quantspec, "
                             "speculative, triforce)")
   qs.add_argument("--gamma", type=int, default=None,
@@ -200,7 +207,10 @@ _METHOD_KNOBS = {"lookahead": {"lookahead_window": "window", "ngram": "ngram",
                               "draft_sampling": "draft_sampling",
                               "budget_blocks": "budget_blocks", "block_size": "block_size",
                               "recent_blocks": "recent_blocks",
-                              "draft_budget_blocks": "draft_budget_blocks"}}
+                              "draft_budget_blocks": "draft_budget_blocks"},
+                 "sfi": {"budget_blocks": "budget_blocks", "block_size": "block_size",
+                         "sink_blocks": "sink_blocks", "recent_blocks": "recent_blocks",
+                         "max_fast_steps": "max_fast_steps"}}
 _POLICY_KNOBS = ("budget_blocks", "block_size")
 # Knobs of one policy only: --sink-blocks with another policy is refused by name.
 _OWN_POLICY_KNOBS = {"sink_blocks": ("streaming",), "recent_blocks": ("snapkv", "retrieval")}
@@ -262,6 +272,15 @@ def _method(args, draft=None):
   if draft is not None:
     knobs["draft"] = draft[0]
   return get_method(args.method, **knobs)
+
+
+def _with_sentence_ends(method, tok):
+  """SlowFast without boundary tokens: the method with the tokenizer's sentence-ending tokens
+  (`sfi.sentence_boundary_tokens`); any other method as it is."""
+  from sparsedec.decode.sfi import SlowFast, sentence_boundary_tokens
+  if not isinstance(method, SlowFast) or method.boundary_tokens:
+    return method
+  return dataclasses.replace(method, boundary_tokens=sentence_boundary_tokens(tok))
 
 
 def _exact_draft_group(args, method):
@@ -411,6 +430,7 @@ def cmd_generate(args) -> int:
   calibration = _draft_tokens(args, method)
   cfg, params, tok = _load(args, "--chat" if args.chat is not None else None)
   params = _with_draft_model(params, draft)
+  method = _with_sentence_ends(method, tok)
   ids = _prompt_ids(args, tok)
   # Before a GPTQ draft: the capacity and the knobs that depend on it or on the model.
   method_capacity(cfg, params, method, len(ids), args.max_new_tokens, args.cache_size)
@@ -483,6 +503,7 @@ def cmd_bench(args) -> int:
   calibration = _draft_tokens(args, method)
   cfg, params, tok = _load(args, "--chat-template" if args.chat_template else None)
   params = _with_draft_model(params, draft)
+  method = _with_sentence_ends(method, tok)
   # Before a GPTQ draft and the warm-up: each batch's capacity (run_bench's batches) and the
   # knobs that depend on it or on the model.
   lengths = [len(ids) for ids in encode_prompts(tok, texts, args.chat_template)]

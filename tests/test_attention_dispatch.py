@@ -176,6 +176,24 @@ def test_triforce_decode_loop_lowers_for_cuda():
   assert text.count("func.func private @sparse_attention") == 3
 
 
+def test_sfi_decode_loop_lowers_for_cuda():
+  """SlowFast's decode loop lowered for cuda (bf16, SmolLM2's heads, two layers): the fast branch
+  and the slow branch (every block listed) each run sparse_attention, a Mosaic GPU kernel; none
+  falls back."""
+  from sparsedec.decode.sfi import SlowFast
+  cfg = ModelConfig(family="llama", vocab_size=256, hidden_size=576, intermediate_size=256,
+                    num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64,
+                    max_position_embeddings=1024, dtype="bfloat16")
+  params = cast_params(init_random(cfg, jax.random.key(0)), cfg.dtype)
+  method = SlowFast(budget_blocks=2, block_size=64, boundary_tokens=(13,), max_fast_steps=8)
+  prompt = [list(np.random.default_rng(0).integers(3, 250, 300))]
+  state, run = start(cfg, params, prompt, max_new_tokens=40, method=method, cache_size=512)
+  text = decode.trace(cfg, params, state, jnp.int32(4), method=run.method, ctx=run.ctx).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu_v2") == 2
+  assert text.count("func.func private @sparse_attention") == 2
+
+
 def test_a_block_list_over_a_capacity_not_a_multiple_of_its_block_size():
   """The sparse kernel refuses it by name; "auto" falls back to the reference, which reads the
   listed blocks, the last one partial (it failed on a [.., 16] vs [.., 20] broadcast)."""

@@ -135,6 +135,21 @@ def test_triforce_with_a_draft_model_equals_dense(capsys):
   assert 0.0 < stats["acceptance_rate"] <= 1.0 and 0.0 < stats["draft_acceptance_rate"] <= 1.0
 
 
+def test_sfi_takes_the_tokenizers_sentence_ends(capsys):
+  """--method sfi: the sentence-ending tokens come from the tokenizer; a memory of every block
+  gives dense's text, with slow and fast steps in its stats."""
+  base = ["generate", "--prompt", "Once upon a time there was a little girl named Lily.",
+          "--max-new-tokens", "80", "--json", "--ignore-eos"]
+  _, dense, _ = run_cli(capsys, *base)
+  code, out, _ = run_cli(capsys, *base, "--method", "sfi", "--budget-blocks", "16",
+                         "--block-size", "16", "--max-fast-steps", "8")
+  got = json.loads(out)
+  assert code == 0 and got["tokens"] == json.loads(dense)["tokens"]
+  assert got["stats"]["slow_steps"] > 0 and got["stats"]["fast_steps"] > 0
+  ends = got["stats"]["method_config"]["boundary_tokens"]
+  assert len(ends) == 7 and 13 in ends                        # ".", "!", "?", "\\n", ...
+
+
 def test_bench_writes_json(capsys, tmp_path):
   out_file = tmp_path / "bench.json"
   code, out, _ = run_cli(capsys, "bench", "--num-prompts", "2", "--max-new-tokens", "8",
@@ -518,6 +533,7 @@ def test_every_method_knob_reaches_the_method():
   from sparsedec.decode.lookahead import Lookahead
   from sparsedec.decode.quantspec import QuantSpec
   from sparsedec.decode.speculative import Speculative
+  from sparsedec.decode.sfi import SlowFast
   from sparsedec.decode.triforce import TriForce
 
   def parse(*args):
@@ -542,6 +558,10 @@ def test_every_method_knob_reaches_the_method():
   snap = parse("--method", "fafo", "--policy", "snapkv", "--budget-blocks", "5", "--block-size",
                "16", "--recent-blocks", "1").policy
   assert snap == SnapKV(budget_blocks=5, block_size=16, recent_blocks=1)
+  sfi = parse("--method", "sfi", "--budget-blocks", "3", "--block-size", "32", "--sink-blocks",
+              "2", "--recent-blocks", "4", "--max-fast-steps", "9")
+  assert sfi == SlowFast(budget_blocks=3, block_size=32, sink_blocks=2, recent_blocks=4,
+                         max_fast_steps=9)
   tri = cli._method(cli._parser().parse_args(
       ["generate", "--prompt", "x", "--method", "triforce", "--gamma", "3", "--draft-gamma", "4",
        "--draft-sampling", "argmax", "--budget-blocks", "6", "--block-size", "32",
@@ -561,7 +581,9 @@ def test_every_method_knob_reaches_the_method():
       (snap, SnapKV(), ("budget_blocks", "block_size", "recent_blocks")),
       (tri, TriForce(draft=draft[0]), ("gamma", "draft_gamma", "draft_sampling")),
       (tri.retrieval, ChunkRetrieval(), ("budget_blocks", "block_size", "recent_blocks")),
-      (tri.draft_view, StreamingLLM(), ("budget_blocks", "block_size"))):
+      (tri.draft_view, StreamingLLM(), ("budget_blocks", "block_size")),
+      (sfi, SlowFast(), ("budget_blocks", "block_size", "sink_blocks", "recent_blocks",
+                         "max_fast_steps"))):
     assert all(getattr(got, f) != getattr(default, f) for f in fields), (got, default)
   # Every method flag the parser has is one of cli._METHOD_KNOBS (a new flag is wired there).
   import argparse

@@ -9,13 +9,14 @@ from sparsedec.decode.fafo import Fafo
 from sparsedec.decode.lookahead import Lookahead
 from sparsedec.decode.loop import DecodeMethod
 from sparsedec.decode.quantspec import QuantSpec
+from sparsedec.decode.sfi import SlowFast
 from sparsedec.decode.speculative import Speculative
 from sparsedec.decode.triforce import TriForce
 from sparsedec.errors import InputError
 
 _METHODS: dict[str, type] = {"dense": Dense, "lookahead": Lookahead, "fafo": Fafo,
                              "quantspec": QuantSpec, "speculative": Speculative,
-                             "triforce": TriForce}
+                             "triforce": TriForce, "sfi": SlowFast}
 
 
 def register(name: str, cls: type) -> None:
@@ -63,5 +64,12 @@ def method_config(method: str | DecodeMethod) -> dict:
   if isinstance(method, str) or not dataclasses.is_dataclass(method):
     return {}
   plain = (bool, int, float, str, type(None))
-  return {f.name: v if isinstance(v := getattr(method, f.name), plain) else repr(v)
+
+  def rendered(v):
+    if isinstance(v, plain):
+      return v
+    if isinstance(v, tuple) and all(isinstance(t, int) for t in v):   # token ids (SFI's ends)
+      return list(v) if len(v) <= 8 else f"{len(v)} token ids"
+    return repr(v)
+  return {f.name: rendered(getattr(method, f.name))
           for f in dataclasses.fields(method) if f.name != "name"}
