@@ -12,7 +12,8 @@ model's first `--draft-layers` layers (no smaller model of SmolLM2's vocabulary 
 a `--draft-budget`-token StreamingLLM view, so alpha1 is this stand-in draft's, not a trained
 68M model's. These acceptances feed triforce_step.py's projection at 8B shapes.
 
-  .venv/bin/python benchmarks/triforce_acceptance.py --out benchmarks/results/triforce_acceptance_cpu.json
+  .venv/bin/python benchmarks/triforce_acceptance.py \
+      --out benchmarks/results/triforce_acceptance_cpu.json
 """
 
 from __future__ import annotations

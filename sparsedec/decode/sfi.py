@@ -4,7 +4,8 @@ a per-head selected memory; cheap "fast" steps attend to sinks + selected + rece
 
 One token per step, as dense decoding. Per row:
 * A step is SLOW when the row's current token ends a sentence (`boundary_tokens`), when
-  `max_fast_steps` fast steps have run since its last slow step (the refresh budget). It reads the whole cache, and its Selector turns the step's dense attention into the
+  `max_fast_steps` fast steps have run since its last slow step (the refresh budget). It reads
+  the whole cache, and its Selector turns the step's dense attention into the
   row's memory for the fast steps after it: per layer and KV head, the `budget_blocks` blocks of
   `block_size` slots with the most attention mass of the current token's query heads (softmax over
   the whole cache, summed over the KV head's query heads and the block's slots), among the blocks
