@@ -3,7 +3,7 @@ a per-head selected memory; cheap "fast" steps attend to sinks + selected + rece
 (not token-identical to dense decoding: a fast step reads part of the cache).
 
 One token per step, as dense decoding. Per row:
-* A step is SLOW when the row's current token ends a sentence (`boundary_tokens`), when
+* A step is SLOW when the row's current token ends a sentence (`boundary_tokens`) or when
   `max_fast_steps` fast steps have run since its last slow step (the refresh budget). It reads
   the whole cache, and its Selector turns the step's dense attention into the
   row's memory for the fast steps after it: per layer and KV head, the `budget_blocks` blocks of
