@@ -14,7 +14,6 @@ from sparsedec import testing
 from sparsedec.decode import api
 from sparsedec.decode.loop import StepContext
 from sparsedec.decode.sampling import SamplingConfig
-from sparsedec.decode.serving import insert_row
 from sparsedec.decode.sfi import SlowFast, sentence_boundary_tokens
 
 
@@ -124,22 +123,12 @@ def test_a_fast_step_reads_only_its_memory(stories, stories_prompts, ends):
 def test_an_inserted_request_decodes_as_alone(stories, ends):
   """Serving: a request inserted into a running batch's finished row decodes its tokens and
   counts its slow and fast steps as it would alone (the memory is per row, [L, B, ...])."""
+  from insert_alone import assert_insert_decodes_as_alone
   cfg, params, tok = stories
-  kw = dict(max_new_tokens=40, stop_tokens=(), cache_size=128,
-            method=SlowFast(budget_blocks=1, block_size=16, recent_blocks=1,
-                            boundary_tokens=ends, max_fast_steps=6))
-  state, run = api.start(cfg, params, [tok.encode("Once upon a time"), tok.encode("The dog")],
-                         **{**kw, "max_new_tokens": 8})
-  state = run.advance(params, state)
-  prompt = tok.encode("Lily and Tom went to the park to play. They saw a big red ball")
-  request, _ = api.start(cfg, params, [prompt], **kw)
-  state = run.advance(params, insert_row(state, request, 1), 100)
-  tokens, _ = api.collect(state, ())
-  alone = sparsedec.generate(cfg, params, [prompt], **kw, return_state=True)
-  assert tokens[1] == alone.tokens[0]
-  for counter in ("slow_steps", "fast_steps"):
-    assert int(getattr(state.extras, counter)[1]) == int(getattr(alone.state.extras, counter)[0])
-
+  method = SlowFast(budget_blocks=1, block_size=16, recent_blocks=1, boundary_tokens=ends,
+                    max_fast_steps=6)
+  assert_insert_decodes_as_alone(cfg, params, tok, method, ("slow_steps", "fast_steps"),
+                                 "Lily and Tom went to the park to play. They saw a big red ball")
 
 def test_bad_input_is_refused_by_name(stories):
   cfg, params, _ = stories

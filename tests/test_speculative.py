@@ -15,7 +15,6 @@ from sparsedec import prompts as prompt_sets
 from sparsedec import testing
 from sparsedec.decode import api
 from sparsedec.decode.sampling import SamplingConfig
-from sparsedec.decode.serving import insert_row
 from sparsedec.decode.speculative import DRAFT_MODEL_KEY, Speculative, with_draft_model
 from sparsedec.model.params import init_random
 
@@ -118,22 +117,12 @@ def test_sampling_first_three_tokens_distributed_as_dense(stories, draft_samplin
 def test_an_inserted_request_decodes_as_alone(stories):
   """Serving: a request started on its own and inserted into a running batch's finished row
   decodes its tokens and counts its drafts as it would alone (the draft cache is per row)."""
+  from insert_alone import assert_insert_decodes_as_alone
   cfg, params, tok = stories
-  both = with_draft_model(params, truncated(cfg, params, 3)[1])
-  kw = dict(max_new_tokens=40, stop_tokens=(), cache_size=128,
-            method=Speculative(draft=truncated(cfg, params, 3)[0], gamma=3))
-  state, run = api.start(cfg, both, [tok.encode("Once upon a time"), tok.encode("The dog")],
-                         **{**kw, "max_new_tokens": 8})
-  state = run.advance(both, state)
-  prompt = tok.encode("Lily and Tom went to the park to play")
-  request, _ = api.start(cfg, both, [prompt], **kw)
-  state = run.advance(both, insert_row(state, request, 1), 100)
-  tokens, _ = api.collect(state, ())
-  alone = sparsedec.generate(cfg, both, [prompt], **kw, return_state=True)
-  assert tokens[1] == alone.tokens[0]
-  for counter in ("drafted", "accepted_drafts"):
-    assert int(getattr(state.extras, counter)[1]) == int(getattr(alone.state.extras, counter)[0])
-
+  dcfg, dparams = truncated(cfg, params, 3)
+  assert_insert_decodes_as_alone(cfg, with_draft_model(params, dparams), tok,
+                                 Speculative(draft=dcfg, gamma=3),
+                                 ("drafted", "accepted_drafts"))
 
 def test_bad_input_is_refused_by_name(stories):
   cfg, params, _ = stories

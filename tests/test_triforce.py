@@ -18,7 +18,6 @@ from sparsedec.compress.streaming import StreamingLLM
 from sparsedec.decode import api
 from sparsedec.decode.fafo import Fafo
 from sparsedec.decode.sampling import SamplingConfig
-from sparsedec.decode.serving import insert_row
 from sparsedec.decode.speculative import DRAFT_MODEL_KEY, with_draft_model
 from sparsedec.decode.triforce import TriForce
 from sparsedec.kv.dense import KVCache
@@ -175,26 +174,15 @@ def test_fafo_reads_the_chunk_retrieval_too(stories, stories_prompts, stories_de
 
 
 def test_an_inserted_request_decodes_as_alone(stories):
-  """Serving: a request started on its own and inserted into a running batch's finished row
-  decodes its tokens and counts both levels' drafts as it would alone."""
+  """Serving: a request inserted into a running batch's finished row decodes its tokens and
+  counts both levels' drafts as it would alone."""
+  from insert_alone import assert_insert_decodes_as_alone
   cfg, params, tok = stories
   dcfg, dparams = truncated(cfg, params, 3)
-  both = with_draft_model(params, dparams)
-  kw = dict(max_new_tokens=40, stop_tokens=(), cache_size=128,
-            method=TriForce(draft=dcfg, gamma=4, retrieval=RETRIEVAL, draft_view=DRAFT_VIEW))
-  state, run = api.start(cfg, both, [tok.encode("Once upon a time"), tok.encode("The dog")],
-                         **{**kw, "max_new_tokens": 8})
-  state = run.advance(both, state)
-  prompt = tok.encode("Lily and Tom went to the park to play")
-  request, _ = api.start(cfg, both, [prompt], **kw)
-  state = run.advance(both, insert_row(state, request, 1), 100)
-  tokens, _ = api.collect(state, ())
-  alone = sparsedec.generate(cfg, both, [prompt], **kw, return_state=True)
-  assert tokens[1] == alone.tokens[0]
-  for counter in ("drafted", "accepted_drafts", "small_drafted", "small_accepted",
-                  "middle_rounds"):
-    assert int(getattr(state.extras, counter)[1]) == int(getattr(alone.state.extras, counter)[0])
-
+  assert_insert_decodes_as_alone(
+      cfg, with_draft_model(params, dparams), tok,
+      TriForce(draft=dcfg, gamma=4, retrieval=RETRIEVAL, draft_view=DRAFT_VIEW),
+      ("drafted", "accepted_drafts", "small_drafted", "small_accepted", "middle_rounds"))
 
 def test_bad_input_is_refused_by_name(stories):
   cfg, params, _ = stories

@@ -90,6 +90,38 @@ def check_draft_model(method: str, draft_cfg: ModelConfig, cfg: ModelConfig,
 
 
 
+def check_draft_knobs(method, *counts: str) -> None:
+  """A draft-model method's own knobs (`method.name` in the errors): `draft` a ModelConfig, each
+  of `counts` (field names) an integer >= 1, `draft_sampling` one of DRAFT_SAMPLINGS."""
+  if not isinstance(method.draft, ModelConfig):
+    cls = type(method).__name__
+    raise InputError(f"{method.name} needs the draft model's config: {cls}(draft=cfg) (its "
+                     f"params go with the target's: with_draft_model(params, draft_params)), "
+                     f"got draft={method.draft!r:.80}")
+  for field in counts:
+    value = getattr(method, field)
+    if not is_int(value) or value < 1:
+      raise InputError(f"{method.name} {field} must be an integer >= 1, got {value!r}")
+  if method.draft_sampling not in DRAFT_SAMPLINGS:
+    raise InputError(f"{method.name} draft_sampling must be one of {DRAFT_SAMPLINGS}, "
+                     f"got {method.draft_sampling!r}")
+
+
+def draft_params_of(method_name: str, params: Params) -> Params:
+  """The draft model's params a step drafts with (params[DRAFT_MODEL_KEY]), refused by name when
+  a state is advanced with the target's params alone."""
+  if not isinstance(params, dict) or DRAFT_MODEL_KEY not in params:
+    raise InputError(f"{method_name}'s step drafts with the params' {DRAFT_MODEL_KEY!r}: advance "
+                     f"the state with the params it was started with (with_draft_model(params, "
+                     f"draft_params)), not the target's alone")
+  return params[DRAFT_MODEL_KEY]
+
+
+def samples_drafts(draft_sampling: str, sampling: SamplingConfig) -> bool:
+  """Whether a draft's tokens are drawn from its distribution (Leviathan) this run."""
+  return draft_sampling == "sample" and not sampling.greedy
+
+
 def prefill_draft(draft_cfg: ModelConfig, draft_params: Params, state: DecodeState) -> KVCache:
   """A draft model's cache [B, Hkv_draft, S, D_draft] (S the state's capacity), prefilled with
   every row's tokens but its last (num_tokens - 1), in chunks of DRAFT_PREFILL_CHUNK up to the
@@ -173,15 +205,7 @@ class Speculative:
   name: str = "speculative"
 
   def __post_init__(self):
-    if not isinstance(self.draft, ModelConfig):
-      raise InputError(f"speculative needs the draft model's config: Speculative(draft=cfg) "
-                       f"(its params go with the target's: with_draft_model(params, "
-                       f"draft_params)), got draft={self.draft!r:.80}")
-    if not is_int(self.gamma) or self.gamma < 1:
-      raise InputError(f"speculative gamma must be an integer >= 1, got {self.gamma!r}")
-    if self.draft_sampling not in DRAFT_SAMPLINGS:
-      raise InputError(f"speculative draft_sampling must be one of {DRAFT_SAMPLINGS}, "
-                       f"got {self.draft_sampling!r}")
+    check_draft_knobs(self, "gamma")
 
   @property
   def tokens_per_forward(self) -> int:
@@ -195,10 +219,6 @@ class Speculative:
     before prefill; init checks again)."""
     check_draft_model(self.name, self.draft, cfg, params)
 
-  def samples_drafts(self, sampling: SamplingConfig) -> bool:
-    """Whether the drafts are drawn from the draft's distribution (Leviathan) this run."""
-    return self.draft_sampling == "sample" and not sampling.greedy
-
   def init(self, cfg: ModelConfig, params: Params, state: DecodeState) -> DecodeState:
     """The draft's cache, prefilled with every row's tokens but its last (`prefill_draft`)."""
     self.check(cfg, params, state.cache.capacity)
@@ -210,17 +230,14 @@ class Speculative:
   def step(self, cfg: ModelConfig, params: Params, state: DecodeState,
            ctx: StepContext) -> DecodeState:
     x: SpeculativeExtras = method_extras(state, SpeculativeExtras, self.name)
-    if not isinstance(params, dict) or DRAFT_MODEL_KEY not in params:
-      raise InputError(f"speculative's step drafts with the params' {DRAFT_MODEL_KEY!r}: advance "
-                       f"the state with the params it was started with (with_draft_model(params, "
-                       f"draft_params)), not the target's alone")
+    draft = draft_params_of(self.name, params)
     g = self.gamma
     active = ~state.done                                                    # [B]
     keys, step_keys = split_keys(state.keys)
     draft_u = verify_u = None
-    if self.samples_drafts(ctx.sampling):   # one draw: gamma drafts, gamma tests, the last token
+    if samples_drafts(self.draft_sampling, ctx.sampling):   # one draw: gamma drafts, gamma tests, the last token
       draft_u, verify_u = chain_uniforms(step_keys, g)                    # [B, g], [B, g + 1]
-    drafts, q, draft_cache = draft_chain(self.draft, params[DRAFT_MODEL_KEY], x.draft_cache,
+    drafts, q, draft_cache = draft_chain(self.draft, draft, x.draft_cache,
                                          state.tokens, state.num_tokens, g, ctx.sampling,
                                          draft_u)
     tokens = jnp.concatenate([state.last_tokens(), drafts], axis=1)         # [B, gamma + 1]

@@ -60,11 +60,12 @@ from sparsedec.compress.retrieval import ChunkRetrieval
 from sparsedec.compress.streaming import StreamingLLM
 from sparsedec.decode.loop import StepContext, finish_step, row_counters
 from sparsedec.decode.sampling import SamplingConfig, probabilities, split_keys
-from sparsedec.decode.speculative import (DRAFT_MODEL_KEY, DRAFT_SAMPLINGS, check_draft_model,
-                                          draft_chain, prefill_draft)
+from sparsedec.decode.speculative import (DRAFT_MODEL_KEY, check_draft_knobs, check_draft_model,
+                                          draft_chain, draft_params_of, prefill_draft,
+                                          samples_drafts)
 from sparsedec.decode.state import DecodeState, append_tokens, method_extras
 from sparsedec.decode.verify import chain_uniforms, drafts_counted, verify_chain
-from sparsedec.errors import InputError, is_int
+from sparsedec.errors import InputError
 from sparsedec.kv.dense import KVCache, commit
 from sparsedec.model.config import ModelConfig
 from sparsedec.model.forward import forward
@@ -110,17 +111,7 @@ class TriForce:
   name: str = "triforce"
 
   def __post_init__(self):
-    if not isinstance(self.draft, ModelConfig):
-      raise InputError(f"triforce needs the draft model's config: TriForce(draft=cfg) (its "
-                       f"params go with the target's: with_draft_model(params, draft_params)), "
-                       f"got draft={self.draft!r:.80}")
-    for field in ("gamma", "draft_gamma"):
-      value = getattr(self, field)
-      if not is_int(value) or value < 1:
-        raise InputError(f"triforce {field} must be an integer >= 1, got {value!r}")
-    if self.draft_sampling not in DRAFT_SAMPLINGS:
-      raise InputError(f"triforce draft_sampling must be one of {DRAFT_SAMPLINGS}, "
-                       f"got {self.draft_sampling!r}")
+    check_draft_knobs(self, "gamma", "draft_gamma")
     for field in ("retrieval", "draft_view"):
       policy = getattr(self, field)
       if isinstance(policy, type) or not all(
@@ -155,9 +146,6 @@ class TriForce:
                        f"pass a cache_size (--cache-size) that is one of "
                        f"{self.capacity_multiple}")
 
-  def samples_drafts(self, sampling: SamplingConfig) -> bool:
-    return self.draft_sampling == "sample" and not sampling.greedy
-
   def init(self, cfg: ModelConfig, params: Params, state: DecodeState) -> DecodeState:
     """The draft model's cache prefilled (`prefill_draft`) and the retrieval selection."""
     self.check(cfg, params, state.cache.capacity)
@@ -178,7 +166,7 @@ class TriForce:
     n = base + 1 + m.count                                                # [B] sequence length
     round_keys = jax.vmap(lambda k: jax.random.fold_in(k, m.round))(keys)
     draft_u = verify_u = None
-    if self.samples_drafts(sampling):
+    if samples_drafts(self.draft_sampling, sampling):
       draft_u, verify_u = chain_uniforms(round_keys, g)                   # [B, g], [B, g + 1]
     drafts, q, draft_cache = draft_chain(
         self.draft, params[DRAFT_MODEL_KEY], m.draft_cache, m.seq, n, g, sampling, draft_u,
@@ -191,7 +179,8 @@ class TriForce:
     positions = (n - 1)[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None]
     logits, kv = forward(cfg, params, jnp.concatenate([last, drafts], axis=1), positions, cache,
                          causal_plan(g + 1, view))                         # [B, g + 1, V]
-    verdict = verify_chain(logits, drafts, q, need, round_keys, verify_u, sampling)
+    probs = None if sampling.greedy else probabilities(logits, sampling)  # [B, g + 1, V]: p2
+    verdict = verify_chain(logits, drafts, q, need, round_keys, verify_u, sampling, probs)
     took = jnp.where(need, verdict.num_tokens, 0)                         # [B] a + 1, or 0
     width = m.emitted.shape[1]
     col = jnp.arange(g + 1, dtype=jnp.int32)[None]
@@ -200,9 +189,7 @@ class TriForce:
     emitted = m.emitted.at[rows, at].set(verdict.tokens, mode="drop")
     seq = m.seq.at[rows, jnp.where(col < took[:, None], n[:, None] + col, m.seq.shape[1])].set(
         verdict.tokens, mode="drop")
-    p2 = m.p2
-    if p2 is not None:
-      p2 = p2.at[rows, at].set(probabilities(logits, sampling), mode="drop")
+    p2 = m.p2 if m.p2 is None else m.p2.at[rows, at].set(probs, mode="drop")
     accepted, proposed = drafts_counted(verdict, took, need, g)
     return m.replace(round=m.round + 1, seq=seq, emitted=emitted, count=m.count + took, p2=p2,
                      cache=commit(cache, kv, took), draft_cache=draft_cache,
@@ -213,10 +200,7 @@ class TriForce:
   def step(self, cfg: ModelConfig, params: Params, state: DecodeState,
            ctx: StepContext) -> DecodeState:
     x: TriForceExtras = method_extras(state, TriForceExtras, self.name)
-    if not isinstance(params, dict) or DRAFT_MODEL_KEY not in params:
-      raise InputError(f"triforce's step drafts with the params' {DRAFT_MODEL_KEY!r}: advance "
-                       f"the state with the params it was started with (with_draft_model(params, "
-                       f"draft_params)), not the target's alone")
+    draft_params_of(self.name, params)               # refused by name before the trace
     b, gamma = state.batch_size, self.gamma
     active = ~state.done                                                  # [B]
     base = state.cache.lengths                                            # [B] = num_tokens - 1

@@ -220,15 +220,17 @@ def chain_uniforms(step_keys: jax.Array, length: int) -> tuple[jax.Array, jax.Ar
 
 def verify_chain(logits: jax.Array, drafts: jax.Array, draft_probs: jax.Array | None,
                  valid: jax.Array, keys: jax.Array, uniforms: jax.Array | None,
-                 sampling: SamplingConfig) -> Verdict:
+                 sampling: SamplingConfig, probs: jax.Array | None = None) -> Verdict:
   """One drafted chain (QuantSpec's, a draft model's) against the target's logits [B, L + 1, V]
   over [current token, d_1 .. d_L]: drafts [B, L]; with draft_probs [B, L, V] (drafts drawn from
   them) and uniforms [B, L + 1], `verify_drafted`; with draft_probs None (argmax drafts, or
-  greedy), the chain as one deterministic candidate (`verify`, keys [B]); valid [B]."""
+  greedy), the chain as one deterministic candidate (`verify`, keys [B]); valid [B]. probs: the
+  caller's `probabilities(logits, sampling)` when it has them (not computed again)."""
   if draft_probs is None:
     return verify(logits[:, 0], drafts[:, None], valid[:, None], logits[:, None, 1:], keys,
                   sampling)
-  return verify_drafted(probabilities(logits, sampling), drafts, draft_probs, valid, uniforms)
+  probs = probabilities(logits, sampling) if probs is None else probs
+  return verify_drafted(probs, drafts, draft_probs, valid, uniforms)
 
 
 def drafts_counted(verdict: Verdict, appended: jax.Array, active: jax.Array,
