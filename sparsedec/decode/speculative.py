@@ -89,7 +89,6 @@ def check_draft_model(method: str, draft_cfg: ModelConfig, cfg: ModelConfig,
   check_params_dtype(draft_cfg, draft, "the draft model's params")
 
 
-
 def check_draft_knobs(method, *counts: str) -> None:
   """A draft-model method's own knobs (`method.name` in the errors): `draft` a ModelConfig, each
   of `counts` (field names) an integer >= 1, `draft_sampling` one of DRAFT_SAMPLINGS."""
